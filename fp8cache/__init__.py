@@ -1,0 +1,20 @@
+"""fp8kv: serve language models with an FP8 KV cache."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+__all__ = ["LLM", "SamplingParams", "__version__"]
+
+
+def __getattr__(name: str):
+    # Lazy so that `from fp8cache import ops` does not pull in transformers.
+    if name == "LLM":
+        from fp8cache.engine.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from fp8cache.engine.sampling_params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(name)

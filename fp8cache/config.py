@@ -1,0 +1,26 @@
+"""Engine configuration: one place for the knobs that LLM(), `fp8kv run`, eval and bench share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # None: the embedded default model (DESIGN section 6)
+    tokenizer: str | None = None  # None: same folder as the model
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: float32 on CPU)
+    kv_cache_dtype: str = "auto"
+    quantization_param_path: str | None = None
+    calculate_kv_scales: bool = False
+    kv_scales_granularity: str = "tensor"  # tensor | head, for calculate_kv_scales
+    block_size: int = 16
+    max_model_len: int | None = None  # None: the model's own limit
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    kv_cache_memory: int | str | None = None  # bytes or "2GiB"; None: a fraction of free memory
+    kv_cache_memory_fraction: float = 0.3
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    trust_remote_code: bool = False
+    device: str = "cpu"

@@ -1,0 +1,100 @@
+"""FP8 formats and the kv-cache-dtype strings users pass (DESIGN section 2)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+AUTO = "auto"
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz")
+BACKENDS = ("cpu", "cuda", "rocm")
+
+
+@dataclass(frozen=True)
+class Fp8Format:
+    """One 8-bit float encoding as stored in the cache (as uint8)."""
+
+    name: str  # canonical kv-cache-dtype string
+    torch_dtype: torch.dtype
+    scale_file_dtype: str  # how scale files name it ("float8_e4m3fn", ...)
+    exponent_bits: int
+    mantissa_bits: int
+    bias: int
+    max: float  # largest finite magnitude; quantization saturates here
+    nan_codes: tuple[int, ...]
+    has_inf: bool
+    has_negative_zero: bool
+    backends: frozenset[str]
+
+
+FP8_FORMATS: dict[str, Fp8Format] = {
+    "fp8_e4m3": Fp8Format(
+        "fp8_e4m3", torch.float8_e4m3fn, "float8_e4m3fn", 4, 3, 7, 448.0, (0x7F, 0xFF),
+        has_inf=False, has_negative_zero=True, backends=frozenset(BACKENDS)),
+    "fp8_e5m2": Fp8Format(
+        "fp8_e5m2", torch.float8_e5m2, "float8_e5m2", 5, 2, 15, 57344.0,
+        tuple(range(0x7D, 0x80)) + tuple(range(0xFD, 0x100)),
+        has_inf=True, has_negative_zero=True, backends=frozenset(BACKENDS)),
+    "fp8_e4m3fnuz": Fp8Format(
+        "fp8_e4m3fnuz", torch.float8_e4m3fnuz, "float8_e4m3fnuz", 4, 3, 8, 240.0, (0x80,),
+        has_inf=False, has_negative_zero=False, backends=frozenset(BACKENDS)),
+}
+
+# What plain "fp8" means on each backend: the format its hardware converts natively.
+DEFAULT_FP8 = {"cpu": "fp8_e4m3", "cuda": "fp8_e4m3", "rocm": "fp8_e4m3fnuz"}
+
+
+class KVCacheDtypeError(ValueError):
+    pass
+
+
+def backend_of(device: torch.device | str | None = None) -> str:
+    """The kernel backend that serves `device`: cpu, cuda or rocm."""
+    device = torch.device(device or "cpu")
+    if device.type == "cpu":
+        return "cpu"
+    return "rocm" if getattr(torch.version, "hip", None) else "cuda"
+
+
+def resolve_kv_cache_dtype(name: str, backend: str = "cpu") -> str:
+    """Canonical name ("auto" or a key of FP8_FORMATS) for a user's kv-cache-dtype string."""
+    if not isinstance(name, str) or name not in KV_CACHE_DTYPES:
+        raise KVCacheDtypeError(
+            f"unknown kv-cache-dtype {name!r}; valid choices are: {', '.join(KV_CACHE_DTYPES)}")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+    canonical = DEFAULT_FP8[backend] if name == "fp8" else name
+    if canonical != AUTO and backend not in FP8_FORMATS[canonical].backends:
+        supported = [n for n, f in FP8_FORMATS.items() if backend in f.backends]
+        raise KVCacheDtypeError(
+            f"kv-cache-dtype {name!r} is not supported on {backend}; choose one of: auto, fp8, "
+            + ", ".join(supported))
+    return canonical
+
+
+def is_fp8(name: str) -> bool:
+    return name != AUTO
+
+
+def get_format(name: str, backend: str = "cpu") -> Fp8Format | None:
+    """The FP8 format behind a kv-cache-dtype string, None for "auto"."""
+    canonical = resolve_kv_cache_dtype(name, backend)
+    return None if canonical == AUTO else FP8_FORMATS[canonical]
+
+
+def format_for_scale_file_dtype(dtype_name: str) -> Fp8Format:
+    for fmt in FP8_FORMATS.values():
+        if fmt.scale_file_dtype == dtype_name:
+            return fmt
+    valid = ", ".join(f.scale_file_dtype for f in FP8_FORMATS.values())
+    raise KVCacheDtypeError(f"unknown FP8 dtype {dtype_name!r}; valid: {valid}")
+
+
+def cache_storage_dtype(name: str, model_dtype: torch.dtype, backend: str = "cpu") -> torch.dtype:
+    """Element type of the cache tensors: uint8 for FP8 formats, the model dtype for auto."""
+    return model_dtype if resolve_kv_cache_dtype(name, backend) == AUTO else torch.uint8
+
+
+def bytes_per_element(name: str, model_dtype: torch.dtype, backend: str = "cpu") -> int:
+    return torch.empty((), dtype=cache_storage_dtype(name, model_dtype, backend)).element_size()
