@@ -1,0 +1,104 @@
+"""`fp8kv bench kernels`: decode attention over paged caches of each dtype, against torch SDPA.
+
+Every row is measured in the same process right after the others, together with the machine's read
+bandwidth, so ratios between rows hold even though absolute times drift on shared machines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from fp8cache import formats, ops
+from fp8cache.bench import machine
+
+DEFAULT_SHAPES = ((1, 512), (1, 16384), (8, 2048), (8, 8192), (32, 512), (32, 4096))
+
+
+@dataclass(frozen=True)
+class KernelCase:
+    impl: str  # "fp8kv" or "torch_sdpa"
+    kv_cache_dtype: str
+    dtype: torch.dtype  # query / model dtype; the auto cache uses it too
+
+
+def default_cases() -> list[KernelCase]:
+    bf16, f32 = torch.bfloat16, torch.float32
+    return [KernelCase("fp8kv", "fp8_e4m3", bf16), KernelCase("fp8kv", "fp8_e5m2", bf16),
+            KernelCase("fp8kv", "fp8_e4m3fnuz", bf16), KernelCase("fp8kv", "auto", bf16),
+            KernelCase("fp8kv", "auto", f32), KernelCase("torch_sdpa", "auto", f32)]
+
+
+def _fill_cache(cache: torch.Tensor, kv_cache_dtype: str, gen: torch.Generator) -> None:
+    values = torch.randn(cache.shape, generator=gen)
+    fmt = formats.get_format(kv_cache_dtype)
+    if fmt is None:
+        cache.copy_(values)
+    else:
+        cache.copy_(values.to(fmt.torch_dtype).view(torch.uint8))
+
+
+def _paged_case(case: KernelCase, batch: int, context: int, num_heads: int, num_kv_heads: int,
+                head_size: int, block_size: int, gen: torch.Generator):
+    blocks_per_seq = -(-context // block_size)
+    num_blocks = batch * blocks_per_seq
+    key_cache, value_cache = ops.allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_size,
+                                                   case.kv_cache_dtype, case.dtype)
+    _fill_cache(key_cache, case.kv_cache_dtype, gen)
+    _fill_cache(value_cache, case.kv_cache_dtype, gen)
+    block_tables = torch.randperm(num_blocks, generator=gen).to(torch.int32).view(batch, blocks_per_seq)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32)
+    query = torch.randn(batch, num_heads, head_size, generator=gen).to(case.dtype)
+    out = torch.empty_like(query)
+    scale = torch.ones(1, dtype=torch.float32)
+
+    def run() -> None:
+        ops.paged_attention(out, query, key_cache, value_cache, num_kv_heads, head_size ** -0.5,
+                            block_tables, seq_lens, block_size, context, None, case.kv_cache_dtype,
+                            scale, scale)
+
+    kv_bytes = 2 * batch * context * num_kv_heads * head_size * key_cache.element_size()
+    return run, kv_bytes
+
+
+def _sdpa_case(case: KernelCase, batch: int, context: int, num_heads: int, num_kv_heads: int,
+               head_size: int, gen: torch.Generator):
+    query = torch.randn(batch, num_heads, 1, head_size, generator=gen, dtype=case.dtype)
+    key = torch.randn(batch, num_kv_heads, context, head_size, generator=gen, dtype=case.dtype)
+    value = torch.randn(batch, num_kv_heads, context, head_size, generator=gen, dtype=case.dtype)
+
+    def run() -> None:
+        F.scaled_dot_product_attention(query, key, value, enable_gqa=True)
+
+    return run, 2 * key.numel() * key.element_size()
+
+
+def run_kernel_bench(shapes=DEFAULT_SHAPES, cases=None, num_heads: int = 32, num_kv_heads: int = 8,
+                     head_size: int = 128, block_size: int = 16, repeats: int = 5,
+                     on_row=None) -> list[dict]:
+    """One row per (case, batch, context); each row carries the read bandwidth measured in this run."""
+    cases = cases or default_cases()
+    ops.load()
+    read_bw = machine.read_bandwidth_gbps()
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for batch, context in shapes:
+        for case in cases:
+            if case.impl == "torch_sdpa":
+                run, kv_bytes = _sdpa_case(case, batch, context, num_heads, num_kv_heads, head_size, gen)
+            else:
+                run, kv_bytes = _paged_case(case, batch, context, num_heads, num_kv_heads, head_size,
+                                            block_size, gen)
+            ms = machine.median_ms(run, repeats=repeats)
+            row = {"impl": case.impl, "kv_cache_dtype": case.kv_cache_dtype,
+                   "dtype": str(case.dtype).removeprefix("torch."), "batch": batch, "context": context,
+                   "num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_size": head_size,
+                   "block_size": block_size, "ms": ms, "kv_gbps": kv_bytes / ms / 1e6,
+                   "read_bw_gbps": read_bw}
+            rows.append(row)
+            if on_row:
+                on_row(row)
+            del run
+    return rows

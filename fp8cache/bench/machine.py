@@ -1,0 +1,47 @@
+"""What a benchmark says about the machine it ran on: CPU model, threads, measured read bandwidth."""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+
+import torch
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def describe() -> dict:
+    return {"cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__}
+
+
+def read_bandwidth_gbps(num_bytes: int = 512 * 1024 * 1024, repeats: int = 5) -> float:
+    """Read bandwidth of main memory with all threads: a reduction over a buffer far larger than cache."""
+    buf = torch.ones(num_bytes // 4, dtype=torch.float32)
+    buf.sum()  # fault the pages in
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buf.sum()
+        times.append(time.perf_counter() - start)
+    return num_bytes / statistics.median(times) / 1e9
+
+
+def median_ms(fn, warmup: int = 2, repeats: int = 5) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3

@@ -1,0 +1,450 @@
+"""KV cache scales: scale files, checkpoint scales, computed scales, precedence (DESIGN section 3).
+
+Convention: stored = Q(x / scale), x ~= dequant(stored) * scale. One float32 tensor per layer for K and
+one for V, shape [1] (per tensor) or [num_kv_heads] (per KV head).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import tempfile
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from fp8cache import formats
+
+logger = logging.getLogger(__name__)
+
+ROTATIONS = ("none", "hadamard")
+GRANULARITIES = ("tensor", "head")
+# Floor for computed scales: an all-zero first batch must not give scale 0 (x / 0), and x / 1e-12 stays
+# finite in float32 for any activation below 1e26.
+MIN_SCALE = 1e-12
+# E4M3FNUZ (bias 8) reads every code as half the E4M3FN (bias 7) value, so its scales are twice as large.
+_E4M3_SCALE_UNIT = {"fp8_e4m3": 1.0, "fp8_e4m3fnuz": 2.0}
+_FILE_FIX = "make scales for this model with `fp8kv calibrate`, or fix the file by hand"
+_FLAGS_FIX = "--quantization-param-path or --calculate-kv-scales"
+
+
+class ScalesError(ValueError):
+    """Scales that cannot be used; the message says where they came from and how to fix them."""
+
+
+class ScalesFileError(ScalesError):
+    def __init__(self, path: str | os.PathLike, key: str, problem: str, fix: str = _FILE_FIX):
+        self.path, self.key, self.problem, self.fix = str(path), key, problem, fix
+        where = f"scales file {self.path}" + (f", key {key}" if key else "")
+        super().__init__(f"{where}: {problem}: {fix}")
+
+
+class CheckpointScalesError(ScalesError):
+    pass
+
+
+@dataclass
+class KVScales:
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    fmt_name: str  # canonical kv-cache-dtype the scales apply to ("fp8_e4m3", ...)
+    source: str  # for people: "file scales.json", "checkpoint", ...
+    rotation: str = "none"  # reserved for a Hadamard rotation of K/V before quantization
+
+    def __post_init__(self) -> None:
+        if len(self.k) != len(self.v):
+            raise ValueError(f"KVScales needs as many K as V layers, got {len(self.k)} and {len(self.v)}")
+        if self.rotation not in ROTATIONS:
+            raise ValueError(f"unknown kv rotation {self.rotation!r}; valid: {', '.join(ROTATIONS)}")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.k)
+
+    def per_head(self) -> bool:
+        return any(t.numel() > 1 for t in self.k + self.v)
+
+    def fingerprint(self) -> str:
+        """Short hash of what the cached bytes mean: format, rotation and every scale value."""
+        h = hashlib.sha256(f"{self.fmt_name}|{self.rotation}|{self.num_layers}".encode())
+        for tensors in (self.k, self.v):
+            for t in tensors:
+                data = t.detach().to("cpu", torch.float32).contiguous()
+                h.update(str(tuple(data.shape)).encode())
+                h.update(data.numpy().tobytes())
+        return h.hexdigest()[:16]
+
+    def for_format(self, name: str) -> KVScales:
+        """The same scales for a cache of format `name` (a canonical kv-cache-dtype or "auto")."""
+        _check_canonical(name)
+        if name == self.fmt_name:
+            return self
+        factor = 1.0
+        if self.fmt_name in _E4M3_SCALE_UNIT and name in _E4M3_SCALE_UNIT:
+            factor = _E4M3_SCALE_UNIT[name] / _E4M3_SCALE_UNIT[self.fmt_name]
+        return KVScales([t * factor for t in self.k], [t * factor for t in self.v], name, self.source,
+                        self.rotation)
+
+    def shard(self, tp_rank: int, tp_size: int) -> KVScales:
+        """This tensor-parallel rank's scales: per-head vectors cut to the rank's heads."""
+        if tp_size == 1:
+            return self
+
+        def cut(t: torch.Tensor) -> torch.Tensor:
+            if t.numel() == 1:
+                return t
+            start, stop = head_range(t.numel(), tp_rank, tp_size)
+            return t[start:stop].clone()
+
+        return KVScales([cut(t) for t in self.k], [cut(t) for t in self.v], self.fmt_name, self.source,
+                        self.rotation)
+
+
+def head_range(num_kv_heads: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
+    """[start, stop) of the KV heads rank `tp_rank` holds; fewer heads than ranks replicates heads."""
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank {tp_rank} is outside [0, tp_size={tp_size})")
+    if num_kv_heads % tp_size == 0:
+        per_rank = num_kv_heads // tp_size
+        return tp_rank * per_rank, (tp_rank + 1) * per_rank
+    if tp_size % num_kv_heads == 0:
+        head = tp_rank * num_kv_heads // tp_size
+        return head, head + 1
+    raise ValueError(f"{num_kv_heads} KV heads cannot be split across {tp_size} tensor-parallel ranks: "
+                     f"choose a tensor-parallel size that divides {num_kv_heads} or is a multiple of it")
+
+
+def _check_canonical(name: str) -> None:
+    if name != formats.AUTO and name not in formats.FP8_FORMATS:
+        valid = ", ".join((formats.AUTO, *formats.FP8_FORMATS))
+        hint = "; resolve \"fp8\" first with formats.resolve_kv_cache_dtype" if name == "fp8" else ""
+        raise ValueError(f"scales need a canonical kv-cache-dtype, got {name!r}; valid: {valid}{hint}")
+
+
+def ones(num_layers: int, fmt_name: str) -> KVScales:
+    k = [torch.ones(1, dtype=torch.float32) for _ in range(num_layers)]
+    v = [torch.ones(1, dtype=torch.float32) for _ in range(num_layers)]
+    return KVScales(k, v, fmt_name, "default 1.0")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Scale files (vLLM/aphrodite schema + fp8kv's k_/v_scaling_factor and kv_rotation)
+
+_TABLES = ("scaling_factor", "k_scaling_factor", "v_scaling_factor")
+
+
+def load_scales_file(path: str | os.PathLike, num_layers: int, num_kv_heads: int, kv_cache_dtype: str,
+                     tp_rank: int = 0, tp_size: int = 1) -> KVScales:
+    """Scales for this rank from a JSON file, converted to the cache format `kv_cache_dtype`."""
+    _check_canonical(kv_cache_dtype)
+    head_range(num_kv_heads, tp_rank, tp_size)  # rejects impossible splits before reading the file
+    doc = _read_json(path)
+    kv = doc.get("kv_cache")
+    if not isinstance(kv, dict):
+        problem = "is missing" if kv is None else f"must be an object, not {type(kv).__name__}"
+        raise ScalesFileError(path, "kv_cache", problem)
+    fmt = _file_format(path, kv)
+    rotation = _file_rotation(path, doc)
+    present = [name for name in _TABLES if name in kv]
+    if "scaling_factor" not in present and not {"k_scaling_factor", "v_scaling_factor"} <= set(present):
+        raise ScalesFileError(path, "kv_cache.scaling_factor", "is missing",
+                              "add {\"<tp_rank>\": {\"<layer>\": scale}}, or both k_scaling_factor "
+                              "and v_scaling_factor")
+    tables = {name: _read_table(path, name, kv[name], num_layers, num_kv_heads, tp_rank, tp_size)
+              for name in present}
+    k = tables.get("k_scaling_factor") or tables["scaling_factor"]
+    v = tables.get("v_scaling_factor") or tables["scaling_factor"]
+    scales = KVScales(k, v, fmt.name, f"file {path}", rotation)
+    return scales if kv_cache_dtype == formats.AUTO else scales.for_format(kv_cache_dtype)
+
+
+def _read_json(path: str | os.PathLike) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        raise ScalesFileError(path, "", "the file does not exist",
+                              "check --quantization-param-path, or make one with `fp8kv calibrate`") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ScalesFileError(path, "", f"not valid JSON ({e})", "fix the file or make it again with "
+                              "`fp8kv calibrate`") from None
+    if not isinstance(doc, dict):
+        raise ScalesFileError(path, "", f"the top level must be a JSON object, not {type(doc).__name__}")
+    return doc
+
+
+def _file_format(path: str | os.PathLike, kv: dict) -> formats.Fp8Format:
+    valid = ", ".join(f.scale_file_dtype for f in formats.FP8_FORMATS.values())
+    if "dtype" not in kv:
+        raise ScalesFileError(path, "kv_cache.dtype", "is missing",
+                              f"add the format the scales were made for, one of: {valid}")
+    try:
+        return formats.format_for_scale_file_dtype(kv["dtype"])
+    except formats.KVCacheDtypeError:
+        raise ScalesFileError(path, "kv_cache.dtype", f"unknown dtype {kv['dtype']!r}",
+                              f"use one of: {valid}") from None
+
+
+def _file_rotation(path: str | os.PathLike, doc: dict) -> str:
+    rotation = doc.get("kv_rotation", "none")
+    if rotation not in ROTATIONS:
+        raise ScalesFileError(path, "kv_rotation", f"unknown rotation {rotation!r}",
+                              f"use one of: {', '.join(ROTATIONS)}")
+    return rotation
+
+
+def _int_keys(path: str | os.PathLike, key: str, table: object, what: str) -> dict[int, object]:
+    if not isinstance(table, dict) or not table:
+        raise ScalesFileError(path, key, f"must be a non-empty object of {what} -> ..., "
+                              f"not {json.dumps(table)[:40]}")
+    out = {}
+    for name, value in table.items():
+        if not re.fullmatch(r"0|[1-9][0-9]*", name):
+            raise ScalesFileError(path, f"{key}.{name}", f"{what} keys must be integers \"0\", \"1\", ...")
+        out[int(name)] = value
+    missing = sorted(set(range(len(out))) - set(out))
+    if missing:
+        raise ScalesFileError(path, f"{key}.{missing[0]}", f"is missing ({what}s must run 0..{len(out) - 1})")
+    return out
+
+
+def _read_table(path: str | os.PathLike, name: str, table: object, num_layers: int, num_kv_heads: int,
+                tp_rank: int, tp_size: int) -> list[torch.Tensor]:
+    """One scaling_factor table -> this rank's per-layer float32 tensors."""
+    key = f"kv_cache.{name}"
+    ranks = _int_keys(path, key, table, "tp rank")
+    if len(ranks) not in (1, tp_size):
+        raise ScalesFileError(path, key, f"the file has scales for {len(ranks)} tensor-parallel ranks, "
+                              f"the engine runs {tp_size}",
+                              f"make scales with tensor-parallel size {tp_size}, or keep only rank \"0\", "
+                              "which every rank then shares")
+    shared = len(ranks) == 1
+    rank = 0 if shared else tp_rank
+    start, stop = (0, num_kv_heads) if shared else head_range(num_kv_heads, tp_rank, tp_size)
+    key = f"{key}.{rank}"
+    layers = _int_keys(path, key, ranks[rank], "layer")
+    if len(layers) != num_layers:
+        raise ScalesFileError(path, key, f"the file has {len(layers)} layers, the model {num_layers}",
+                              "make scales for this model with `fp8kv calibrate`")
+    heads = f"{stop - start} KV heads" + ("" if shared else f" on tp rank {rank}")
+    tensors = [_read_scale(path, f"{key}.{i}", layers[i], stop - start, heads) for i in range(num_layers)]
+    if shared and tp_size > 1:
+        tensors = [t if t.numel() == 1 else t[slice(*head_range(num_kv_heads, tp_rank, tp_size))].clone()
+                   for t in tensors]
+    return tensors
+
+
+def _read_scale(path: str | os.PathLike, key: str, value: object, num_heads: int,
+                heads: str) -> torch.Tensor:
+    if isinstance(value, list):
+        if len(value) != num_heads:
+            raise ScalesFileError(path, key, f"a per-head list of {len(value)} scales, the model has {heads}",
+                                  f"give one scale or a list of {num_heads}")
+        return torch.tensor([_scale_value(path, f"{key}[{i}]", x) for i, x in enumerate(value)],
+                            dtype=torch.float32)
+    return torch.tensor([_scale_value(path, key, value)], dtype=torch.float32)
+
+
+def _scale_value(path: str | os.PathLike, key: str, value: object) -> float:
+    fix = "scales must be positive finite numbers; make them again with `fp8kv calibrate`"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ScalesFileError(path, key, f"{json.dumps(value)[:40]} is not a number", fix)
+    as_f32 = float(torch.tensor(float(value), dtype=torch.float32))
+    if not math.isfinite(as_f32) or as_f32 <= 0:
+        raise ScalesFileError(path, key, f"{value!r} is not a positive finite float32 number", fix)
+    return as_f32
+
+
+def write_scales_file(path: str | os.PathLike, scales: KVScales, model_type: str, num_kv_heads: int) -> None:
+    """Write `scales` atomically in the vLLM schema that plain vLLM/aphrodite readers also accept."""
+    fmt = formats.FP8_FORMATS.get(scales.fmt_name)
+    if fmt is None:
+        raise ValueError(f"cannot write scales for kv-cache-dtype {scales.fmt_name!r}: need one of "
+                         f"{', '.join(formats.FP8_FORMATS)}")
+    for kind, tensors in (("k", scales.k), ("v", scales.v)):
+        for i, t in enumerate(tensors):
+            if t.numel() not in (1, num_kv_heads):
+                raise ValueError(f"{kind} scale of layer {i} has {t.numel()} values; expected 1 or "
+                                 f"num_kv_heads={num_kv_heads}")
+            if not bool(torch.isfinite(t).all()) or not bool((t > 0).all()):
+                raise ValueError(f"{kind} scale of layer {i} is not positive and finite: {t.tolist()}")
+
+    def values(t: torch.Tensor) -> float | list[float]:
+        t = t.detach().to("cpu", torch.float32)
+        return float(t) if t.numel() == 1 else [float(x) for x in t]
+
+    # Plain readers use one scale for K and V: the largest never saturates what either side stored.
+    combined = {str(i): max(float(k.max()), float(v.max())) for i, (k, v) in enumerate(zip(scales.k, scales.v))}
+    kv_cache = {
+        "dtype": fmt.scale_file_dtype,
+        "scaling_factor": {"0": combined},
+        "k_scaling_factor": {"0": {str(i): values(t) for i, t in enumerate(scales.k)}},
+        "v_scaling_factor": {"0": {str(i): values(t) for i, t in enumerate(scales.v)}},
+    }
+    doc: dict[str, object] = {"model_type": model_type, "kv_cache": kv_cache}
+    if scales.rotation != "none":
+        doc["kv_rotation"] = scales.rotation
+    _write_atomically(path, json.dumps(doc, indent=2) + "\n")
+
+
+def _write_atomically(path: str | os.PathLike, text: str) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".scales-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+# ---------------------------------------------------------------------------------------------------
+# Checkpoint scales
+
+# suffix after "layers.<i>.self_attn." -> which of K/V it scales
+_CHECKPOINT_SUFFIXES = {
+    "kv_scale": "kv",  # TGI
+    "k_scale": "k", "v_scale": "v",  # llm-compressor, vLLM
+    "attn.k_scale": "k", "attn.v_scale": "v",  # vLLM's own saved layout
+    "k_proj.output_scale": "k", "v_proj.output_scale": "v",  # compressed-tensors
+    "k_proj.k_scale": "k", "v_proj.v_scale": "v",  # ModelOpt
+}
+_CHECKPOINT_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.("
+                              + "|".join(re.escape(s) for s in _CHECKPOINT_SUFFIXES) + r")$")
+_CHECKPOINT_FIX = ("export the checkpoint's KV scales again, or pass --quantization-param-path with a scales "
+                   "file (it wins over checkpoint scales)")
+
+
+def checkpoint_scale_tensor_names(names: Iterable[str]) -> list[str]:
+    """The tensor names among `names` that hold KV cache scales."""
+    return [n for n in names if _CHECKPOINT_NAME.search(n)]
+
+
+def scales_from_checkpoint(tensors: Mapping[str, torch.Tensor], num_layers: int, num_kv_heads: int,
+                           config: dict | None, kv_cache_dtype: str) -> KVScales | None:
+    """KV scales stored in a checkpoint's tensors (full model, all heads); None when it has none."""
+    _check_canonical(kv_cache_dtype)
+    found: dict[tuple[int, str], list[tuple[str, torch.Tensor]]] = {}
+    for name in checkpoint_scale_tensor_names(tensors):
+        match = _CHECKPOINT_NAME.search(name)
+        layer = int(match.group(1))
+        if layer >= num_layers:
+            raise CheckpointScalesError(f"checkpoint tensor {name} names layer {layer}, but the model has "
+                                        f"{num_layers} layers: {_CHECKPOINT_FIX}")
+        value = _checkpoint_value(name, tensors[name], num_kv_heads)
+        for kind in _CHECKPOINT_SUFFIXES[match.group(2)]:
+            found.setdefault((layer, kind), []).append((name, value))
+    if not found:
+        return None
+    missing = [f"{kind} of layer {i}" for i in range(num_layers) for kind in "kv" if (i, kind) not in found]
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise CheckpointScalesError(f"the checkpoint has KV cache scales for some layers only; missing: "
+                                    f"{shown}: {_CHECKPOINT_FIX}")
+    k = [_one_value(found[(i, "k")]) for i in range(num_layers)]
+    v = [_one_value(found[(i, "v")]) for i in range(num_layers)]
+    made_for = _checkpoint_format(config)
+    scales = KVScales(k, v, made_for.name, "checkpoint")
+    return scales if kv_cache_dtype == formats.AUTO else scales.for_format(kv_cache_dtype)
+
+
+def _checkpoint_value(name: str, tensor: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    t = tensor.detach().to("cpu", torch.float32).reshape(-1)
+    if t.numel() not in (1, num_kv_heads):
+        raise CheckpointScalesError(f"checkpoint tensor {name} has {t.numel()} values; a KV scale has 1 or "
+                                    f"num_kv_heads={num_kv_heads}: {_CHECKPOINT_FIX}")
+    if not bool(torch.isfinite(t).all()) or not bool((t > 0).all()):
+        raise CheckpointScalesError(f"checkpoint tensor {name} holds {t.tolist()}; scales must be positive "
+                                    f"finite numbers: {_CHECKPOINT_FIX}")
+    return t.clone()
+
+
+def _one_value(candidates: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+    first_name, first = candidates[0]
+    for name, other in candidates[1:]:
+        if other.shape != first.shape or not torch.equal(other, first):
+            raise CheckpointScalesError(f"checkpoint tensors {first_name} and {name} give different scales "
+                                        f"for the same cache: {_CHECKPOINT_FIX}")
+    return first
+
+
+def _checkpoint_format(config: dict | None) -> formats.Fp8Format:
+    """The format the checkpoint's scales were calibrated for (E4M3FN unless config.json says)."""
+    config = config or {}
+    quant = config.get("quantization_config") or {}
+    name = config.get("kv_cache_torch_dtype") or (quant.get("kv_cache_torch_dtype") if isinstance(quant, dict)
+                                                  else None) or "float8_e4m3fn"
+    try:
+        return formats.format_for_scale_file_dtype(str(name).removeprefix("torch."))
+    except formats.KVCacheDtypeError as e:
+        raise CheckpointScalesError(f"config.json kv_cache_torch_dtype: {e}") from None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Precedence and computed scales
+
+def resolve_scales(kv_cache_dtype: str, num_layers: int, num_kv_heads: int,
+                   quantization_param_path: str | os.PathLike | None = None,
+                   checkpoint_tensors: Mapping[str, torch.Tensor] | None = None, config: dict | None = None,
+                   calculate: bool = False, tp_rank: int = 0, tp_size: int = 1,
+                   warn: Callable[[str], None] = logger.warning) -> KVScales | None:
+    """Scales by DESIGN precedence: file > checkpoint > calculate (None: caller computes) > 1.0."""
+    _check_canonical(kv_cache_dtype)
+    if kv_cache_dtype == formats.AUTO:
+        unused = ones(num_layers, formats.AUTO)
+        unused.source = "unused (auto cache)"
+        return unused
+    has_checkpoint_scales = bool(checkpoint_tensors) and bool(checkpoint_scale_tensor_names(checkpoint_tensors))
+    if quantization_param_path is not None:
+        scales = load_scales_file(quantization_param_path, num_layers, num_kv_heads, kv_cache_dtype,
+                                  tp_rank, tp_size)
+        if has_checkpoint_scales:
+            warn(f"KV scales from {quantization_param_path} override the scales in the checkpoint")
+        if calculate:
+            warn(f"--calculate-kv-scales is ignored: KV scales come from {quantization_param_path}")
+        return scales
+    if has_checkpoint_scales:
+        scales = scales_from_checkpoint(checkpoint_tensors, num_layers, num_kv_heads, config, kv_cache_dtype)
+        if calculate:
+            warn("--calculate-kv-scales is ignored: KV scales come from the checkpoint")
+        return scales.shard(tp_rank, tp_size)
+    if calculate:
+        return None
+    warn(f"kv-cache-dtype {kv_cache_dtype} runs with KV scales of 1.0, which may saturate or lose precision; "
+         f"pass {_FLAGS_FIX} to use proper scales")
+    return ones(num_layers, kv_cache_dtype)
+
+
+def compute_scales(k_amax: list[torch.Tensor], v_amax: list[torch.Tensor], fmt_name: str,
+                   granularity: str) -> KVScales:
+    """Scales that map each layer's absolute maximum (per KV head) onto the format's largest value."""
+    fmt = formats.FP8_FORMATS.get(fmt_name)
+    if fmt is None:
+        raise ValueError(f"cannot compute scales for kv-cache-dtype {fmt_name!r}; need one of "
+                         f"{', '.join(formats.FP8_FORMATS)}")
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"unknown scale granularity {granularity!r}; valid: {', '.join(GRANULARITIES)}")
+    if len(k_amax) != len(v_amax):
+        raise ValueError(f"compute_scales needs as many K as V layers, got {len(k_amax)} and {len(v_amax)}")
+
+    def scale(kind: str, layer: int, amax: torch.Tensor) -> torch.Tensor:
+        a = amax.detach().to(torch.float32).reshape(-1)
+        if not bool(torch.isfinite(a).all()) or bool((a < 0).any()):
+            raise ValueError(f"{kind} absolute maximum of layer {layer} is not a finite non-negative "
+                             f"number: {a.tolist()}")
+        if granularity == "tensor":
+            a = a.max().reshape(1)
+        return torch.clamp(a / fmt.max, min=MIN_SCALE)
+
+    k = [scale("K", i, a) for i, a in enumerate(k_amax)]
+    v = [scale("V", i, a) for i, a in enumerate(v_amax)]
+    return KVScales(k, v, fmt_name, "calculated from the first batch")
