@@ -1,0 +1,45 @@
+// How one cache element is written and read: FP8 codes with a scale, or the model dtype as is ("auto").
+#pragma once
+
+#include <type_traits>
+
+#include "platform.cuh"
+
+namespace fp8kv::gpu {
+
+template <typename scalar_t, typename cache_t, Fp8Format kFormat>
+struct CacheCodec {
+  static constexpr bool kQuantized = std::is_same_v<cache_t, uint8_t>;
+  static_assert(kQuantized || std::is_same_v<cache_t, scalar_t>, "an auto cache holds the model dtype");
+
+  // Elements per 16-byte chunk of the key cache's innermost dimension (DESIGN section 4).
+  static constexpr int kX = 16 / static_cast<int>(sizeof(cache_t));
+
+  // stored = Q(x / scale) (DESIGN section 3); an auto cache stores x unchanged.
+  FP8KV_DEVICE static cache_t encode(scalar_t x, float scale) {
+    if constexpr (kQuantized) {
+      return fp8_encode<kFormat>(to_float(x) / scale);
+    } else {
+      return x;
+    }
+  }
+
+  // The stored value without its scale: attention folds the scale into the dot product and the output.
+  FP8KV_DEVICE static float decode(cache_t v) {
+    if constexpr (kQuantized) {
+      return fp8_decode<kFormat>(v);
+    } else {
+      return to_float(v);
+    }
+  }
+
+  FP8KV_DEVICE static float scale_of(const float* scales, bool per_head, int kv_head) {
+    if constexpr (kQuantized) {
+      return scales[per_head ? kv_head : 0];
+    } else {
+      return 1.0f;
+    }
+  }
+};
+
+}  // namespace fp8kv::gpu

@@ -1,0 +1,204 @@
+// What the GPU kernels need from the platform, behind one small surface so that the same kernel source
+// compiles as CUDA (nvcc), as HIP (hipcc, or torch's hipify of this file) and as plain C++20 for the
+// host emulation that tests the kernel logic on machines without a GPU (FP8KV_HOST_EMULATION).
+//
+// Torch-free: this header, the kernel headers and kernels_instantiate.cu never include torch.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#if defined(FP8KV_HOST_EMULATION)
+#include <atomic>
+#include <cmath>
+#if defined(FP8KV_HOST_EMULATION_CUDA_FP8)
+#include <cuda_fp8.h>  // its host versions of the sm_89+ conversions, to test that path (see fp8_encode)
+#endif
+#define FP8KV_DEVICE inline
+#define FP8KV_UNROLL
+#define FP8KV_PLATFORM_HOST 1
+#elif defined(USE_ROCM) || defined(__HIP_PLATFORM_AMD__)
+#include <hip/hip_fp16.h>
+#include <hip/hip_runtime.h>
+#define FP8KV_DEVICE __device__ __forceinline__
+#define FP8KV_UNROLL _Pragma("unroll")
+#define FP8KV_PLATFORM_ROCM 1
+#else
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+#define FP8KV_DEVICE __device__ __forceinline__
+#define FP8KV_UNROLL _Pragma("unroll")
+#define FP8KV_PLATFORM_CUDA 1
+#endif
+
+// After the runtime headers: under hipcc, fp8.h's __forceinline__ comes from hip_runtime.h.
+#include "../common/fp8.h"
+
+namespace fp8kv::gpu {
+
+#if defined(FP8KV_PLATFORM_ROCM)
+using Stream = hipStream_t;
+using Error = hipError_t;
+constexpr Error kSuccess = hipSuccess;
+constexpr Error kInvalidValue = hipErrorInvalidValue;
+inline Error last_launch_error() { return hipGetLastError(); }
+using half_t = __half;
+#if defined(__AMDGCN_WAVEFRONT_SIZE)
+constexpr int kWarpSize = __AMDGCN_WAVEFRONT_SIZE;
+#else
+constexpr int kWarpSize = 64;  // host pass; only device code reads it
+#endif
+#elif defined(FP8KV_PLATFORM_CUDA)
+using Stream = cudaStream_t;
+using Error = cudaError_t;
+constexpr Error kSuccess = cudaSuccess;
+constexpr Error kInvalidValue = cudaErrorInvalidValue;
+inline Error last_launch_error() { return cudaGetLastError(); }
+using half_t = __half;
+constexpr int kWarpSize = 32;
+#else
+using Stream = void*;
+using Error = int;
+constexpr Error kSuccess = 0;
+constexpr Error kInvalidValue = 1;
+using half_t = _Float16;  // g++ >= 12 on x86-64: IEEE binary16 with round-to-nearest-even conversions
+constexpr int kWarpSize = 32;
+#endif
+
+// bfloat16 as its bits, identical on every platform and laid out like torch's c10::BFloat16 (no dependence
+// on cuda_bf16.h vs hip_bfloat16, and exactly torch's rounding for the output).
+struct alignas(2) bf16_t {
+  uint16_t bits;
+};
+
+// Error bits the kernels raise instead of touching memory outside the cache (see launch.h).
+FP8KV_DEVICE void report_error(int* flag, int bits) {
+#if defined(FP8KV_PLATFORM_HOST)
+  std::atomic_ref<int>(*flag).fetch_or(bits);
+#else
+  atomicOr(flag, bits);
+#endif
+}
+
+FP8KV_DEVICE float half_bits_to_float(uint16_t bits) {
+#if defined(FP8KV_PLATFORM_HOST)
+  _Float16 h;
+  std::memcpy(&h, &bits, sizeof(h));
+  return static_cast<float>(h);
+#else
+  return __half2float(__ushort_as_half(bits));
+#endif
+}
+
+// ---- model dtypes <-> float -------------------------------------------------------------------------
+
+FP8KV_DEVICE float to_float(float v) { return v; }
+FP8KV_DEVICE float to_float(bf16_t v) { return bits_to_float(uint32_t(v.bits) << 16); }
+FP8KV_DEVICE float to_float(half_t v) {
+#if defined(FP8KV_PLATFORM_HOST)
+  return static_cast<float>(v);
+#else
+  return __half2float(v);
+#endif
+}
+
+template <typename T>
+FP8KV_DEVICE T from_float(float v);
+
+template <>
+FP8KV_DEVICE float from_float<float>(float v) {
+  return v;
+}
+
+template <>
+FP8KV_DEVICE bf16_t from_float<bf16_t>(float v) {
+  // torch's c10::BFloat16: round to nearest even, any NaN becomes the canonical 0x7FC0.
+  const uint32_t u = float_to_bits(v);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return bf16_t{0x7FC0};
+  return bf16_t{static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16)};
+}
+
+template <>
+FP8KV_DEVICE half_t from_float<half_t>(float v) {
+#if defined(FP8KV_PLATFORM_HOST)
+  return static_cast<_Float16>(v);
+#else
+  return __float2half_rn(v);
+#endif
+}
+
+// ---- FP8 codes <-> float ----------------------------------------------------------------------------
+// On sm_89+ cuda_fp8.h converts with one instruction (cvt.rn.satfinite: round to nearest even and
+// saturation, as DESIGN section 3 asks). Elsewhere (older GPUs, E4M3FNUZ, HIP, host) the shared software
+// conversion of common/fp8.h is used: the CPU ops run the same code, so both builds store the same bits.
+
+#if (defined(FP8KV_PLATFORM_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890) || \
+    defined(FP8KV_HOST_EMULATION_CUDA_FP8)
+#define FP8KV_HW_FP8 1
+#endif
+
+template <Fp8Format F>
+FP8KV_DEVICE uint8_t fp8_encode(float x) {
+#if defined(FP8KV_HW_FP8)
+  if constexpr (F != Fp8Format::E4M3FNUZ) {
+    // The hardware writes one canonical NaN; torch keeps the NaN's sign bit, so NaNs take the shared path.
+    if (x != x) return float_to_fp8<F>(x);
+    return __nv_cvt_float_to_fp8(x, __NV_SATFINITE, F == Fp8Format::E5M2 ? __NV_E5M2 : __NV_E4M3);
+  }
+#endif
+  return float_to_fp8<F>(x);
+}
+
+template <Fp8Format F>
+FP8KV_DEVICE float fp8_decode(uint8_t code) {
+#if defined(FP8KV_HW_FP8)
+  if constexpr (F != Fp8Format::E4M3FNUZ) {
+    const __half_raw h = __nv_cvt_fp8_to_halfraw(code, F == Fp8Format::E5M2 ? __NV_E5M2 : __NV_E4M3);
+    return half_bits_to_float(h.x);
+  }
+#endif
+  // fp16 bits times a power of two is exact; NaN codes of the E4M3 formats have no fp16 twin.
+  if (fp8_is_nan<F>(code)) return bits_to_float(0x7FC00000u);
+  return half_bits_to_float(fp8_to_half_bits<F>(code)) * Fp8Traits<F>::kHalfRescale;
+}
+
+// ---- what a kernel thread can do ---------------------------------------------------------------------
+
+#if !defined(FP8KV_PLATFORM_HOST)
+// The calling GPU thread. Kernel bodies take a `Thread` so the host emulation can stand in for it.
+struct GpuThread {
+  FP8KV_DEVICE int index() const { return threadIdx.x; }
+  FP8KV_DEVICE int block_x() const { return blockIdx.x; }
+  FP8KV_DEVICE int block_y() const { return blockIdx.y; }
+  FP8KV_DEVICE int block_z() const { return blockIdx.z; }
+  FP8KV_DEVICE void sync() const { __syncthreads(); }
+  FP8KV_DEVICE float shfl_xor(float v, int lane_mask) const {
+#if defined(FP8KV_PLATFORM_ROCM)
+    return __shfl_xor(v, lane_mask);
+#else
+    return __shfl_xor_sync(0xFFFFFFFFu, v, lane_mask);
+#endif
+  }
+};
+#endif
+
+// ---- small vectors for wide loads and stores ----------------------------------------------------------
+
+// N elements loaded or stored as one (16 bytes at most per access, which every GPU here can do).
+template <typename T, int N>
+struct alignas(sizeof(T) * N >= 16 ? 16 : sizeof(T) * N) Vec {
+  T e[N];
+};
+
+template <typename T, int N>
+FP8KV_DEVICE Vec<T, N> load_vec(const T* p) {
+  return *reinterpret_cast<const Vec<T, N>*>(p);
+}
+
+template <typename T, int N>
+FP8KV_DEVICE void store_vec(T* p, const Vec<T, N>& v) {
+  *reinterpret_cast<Vec<T, N>*>(p) = v;
+}
+
+}  // namespace fp8kv::gpu

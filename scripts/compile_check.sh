@@ -1,0 +1,160 @@
+#!/usr/bin/env bash
+# Compile checks of the GPU code on machines without a GPU: everything is compiled, nothing is run.
+#
+#   scripts/compile_check.sh [cuda|cuda-kernels|cuda-bindings|hip|hip-kernels|hip-hipify|all]  (default: all)
+#
+#   cuda-kernels   nvcc: csrc/cuda/kernels_instantiate.cu (torch-free, all kernels) for sm_80, sm_89, sm_90
+#   cuda-bindings  nvcc -std=c++20: csrc/cuda/torch_bindings_cuda.cu for sm_90, against the headers of a
+#                  CUDA build of torch unzipped from a wheel (this machine's torch is CPU-only)
+#   cuda           both of the above
+#   hip-kernels    hipcc (HIP_PLATFORM=amd): the same kernel file as HIP (-x hip) for gfx90a and gfx940
+#   hip-hipify     torch.utils.hipify on a copy of csrc/ (as a ROCm torch build does), then hipcc on the
+#                  hipified kernel file for gfx90a
+#   hip            both HIP checks. The bindings are not HIP-compiled: there are no ROCm torch headers here.
+#
+# Exit status: 0 compiled, 1 a compile failed, 77 skipped because a compiler (or the torch wheel) is missing.
+# Environment: NVCC, HIPCC (compilers), PYTHON (with torch, for hipify), TORCH_CUDA_WHEEL (a CUDA torch
+# wheel), FP8KV_CACHE_DIR, MAX_JOBS (nvcc --threads).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+CSRC="$ROOT/csrc"
+CACHE_DIR="${FP8KV_CACHE_DIR:-$HOME/.cache/fp8kv}"
+TORCH_CUDA_WHEEL="${TORCH_CUDA_WHEEL:-/opt/pypi-more/files/torch-2.14.1-cp311-cp311-manylinux_2_28_x86_64.whl}"
+SKIPPED=77
+
+# What torch.utils.cpp_extension passes to nvcc, so the kernels compile here as they do in a real build.
+TORCH_NVCC_FLAGS=(-D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__
+                  -D__CUDA_NO_HALF2_OPERATORS__ --expt-relaxed-constexpr)
+# ... and to hipcc for ROCm builds.
+TORCH_HIPCC_FLAGS=(-DUSE_ROCM=1 -D__HIP_NO_HALF_OPERATORS__=1 -D__HIP_NO_HALF_CONVERSIONS__=1)
+
+OUT="$(mktemp -d)"
+trap 'rm -rf "$OUT"' EXIT
+
+find_tool() {  # $1: env override, $2: name, $3...: fallback paths
+  local override="$1" name="$2"
+  shift 2
+  if [ -n "$override" ]; then command -v "$override" && return 0; return 1; fi
+  command -v "$name" && return 0
+  for p in "$@"; do [ -x "$p" ] && { echo "$p"; return 0; }; done
+  return 1
+}
+
+run_timed() {  # $1: label, rest: command
+  local label="$1"
+  shift
+  echo "+ $*"
+  local start=$SECONDS
+  if "$@"; then
+    echo "ok: $label ($((SECONDS - start)) s)"
+  else
+    echo "FAILED: $label ($((SECONDS - start)) s)"
+    return 1
+  fi
+}
+
+check_cuda_kernels() {
+  local nvcc
+  nvcc="$(find_tool "${NVCC:-}" nvcc /usr/local/bin/nvcc /usr/local/cuda/bin/nvcc)" ||
+    { echo "SKIP cuda-kernels: nvcc not found (set NVCC)"; return $SKIPPED; }
+  run_timed "cuda-kernels sm_80,sm_89,sm_90" "$nvcc" -std=c++17 -O3 "${TORCH_NVCC_FLAGS[@]}" --threads "${MAX_JOBS:-1}" \
+    -gencode arch=compute_80,code=sm_80 -gencode arch=compute_89,code=sm_89 -gencode arch=compute_90,code=sm_90 \
+    --Werror all-warnings -Xptxas=-warn-spills,-warn-lmem-usage \
+    -c "$CSRC/cuda/kernels_instantiate.cu" -o "$OUT/kernels_cuda.o"
+}
+
+# torch/include of a CUDA torch wheel, unzipped once into the cache.
+cuda_torch_include() {
+  local dir="$CACHE_DIR/cuda-torch-include/$(basename "$TORCH_CUDA_WHEEL" .whl)"
+  if [ ! -f "$dir/.complete" ]; then
+    [ -f "$TORCH_CUDA_WHEEL" ] || return 1
+    rm -rf "$dir" && mkdir -p "$dir"
+    if command -v unzip >/dev/null; then
+      unzip -q -o "$TORCH_CUDA_WHEEL" 'torch/include/*' -d "$dir" >&2 || return 1
+    else
+      python3 - "$TORCH_CUDA_WHEEL" "$dir" <<'PY' || return 1
+import sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as z:
+    z.extractall(sys.argv[2], [n for n in z.namelist() if n.startswith("torch/include/")])
+PY
+    fi
+    touch "$dir/.complete"
+  fi
+  echo "$dir/torch/include"
+}
+
+check_cuda_bindings() {
+  local nvcc include
+  nvcc="$(find_tool "${NVCC:-}" nvcc /usr/local/bin/nvcc /usr/local/cuda/bin/nvcc)" ||
+    { echo "SKIP cuda-bindings: nvcc not found (set NVCC)"; return $SKIPPED; }
+  include="$(cuda_torch_include)" ||
+    { echo "SKIP cuda-bindings: no CUDA torch wheel at $TORCH_CUDA_WHEEL (set TORCH_CUDA_WHEEL)"; return $SKIPPED; }
+  run_timed "cuda-bindings sm_90" "$nvcc" -std=c++20 -O2 "${TORCH_NVCC_FLAGS[@]}" \
+    -gencode arch=compute_90,code=sm_90 -Xcompiler -fPIC -D_GLIBCXX_USE_CXX11_ABI=1 \
+    -I "$CSRC" -isystem "$include" -isystem "$include/torch/csrc/api/include" \
+    -c "$CSRC/cuda/torch_bindings_cuda.cu" -o "$OUT/bindings_cuda.o"
+}
+
+find_hipcc() {
+  find_tool "${HIPCC:-}" hipcc /usr/bin/hipcc /opt/rocm/bin/hipcc
+}
+
+check_hip_kernels() {
+  local hipcc
+  hipcc="$(find_hipcc)" ||
+    { echo "SKIP hip-kernels: hipcc not found (apt-get install hipcc libamdhip64-dev, or set HIPCC)"; return $SKIPPED; }
+  echo "note: HIP bindings are not compiled (no ROCm torch headers here); kernels only"
+  HIP_PLATFORM=amd run_timed "hip-kernels gfx90a,gfx940" "$hipcc" -x hip -std=c++17 -O3 "${TORCH_HIPCC_FLAGS[@]}" \
+    --offload-arch=gfx90a --offload-arch=gfx940 -Werror \
+    -c "$CSRC/cuda/kernels_instantiate.cu" -o "$OUT/kernels_hip.o"
+}
+
+check_hip_hipify() {
+  local hipcc python="${PYTHON:-python3}"
+  hipcc="$(find_hipcc)" ||
+    { echo "SKIP hip-hipify: hipcc not found (apt-get install hipcc libamdhip64-dev, or set HIPCC)"; return $SKIPPED; }
+  "$python" -c "import torch.utils.hipify" 2>/dev/null ||
+    { echo "SKIP hip-hipify: no torch.utils.hipify in $python (set PYTHON)"; return $SKIPPED; }
+  cp -r "$CSRC" "$OUT/hipify"
+  # The call torch.utils.cpp_extension makes for a ROCm torch: csrc/cuda/x.cu -> csrc/hip/x.hip.
+  "$python" - "$OUT/hipify" <<'PY' || { echo "FAILED: hip-hipify (hipify)"; return 1; }
+import glob, os, sys
+from torch.utils.hipify import hipify_python
+root = sys.argv[1]
+sources = [os.path.abspath(p) for p in glob.glob(os.path.join(root, "cuda", "*.cu"))]
+hipify_python.hipify(project_directory=root, output_directory=root, header_include_dirs=[root],
+                     includes=[os.path.join(root, "*")], extra_files=sources, show_detailed=False,
+                     show_progress=False, is_pytorch_extension=True, hipify_extra_files_only=True)
+PY
+  HIP_PLATFORM=amd run_timed "hip-hipify gfx90a" "$hipcc" -x hip -std=c++17 -O3 "${TORCH_HIPCC_FLAGS[@]}" \
+    --offload-arch=gfx90a -Werror -I "$OUT/hipify" \
+    -c "$OUT/hipify/hip/kernels_instantiate.hip" -o "$OUT/kernels_hipified.o"
+}
+
+# Run the named checks; a skip does not hide a failure, and all-skipped reports a skip.
+run_checks() {
+  local failed=0 passed=0 status
+  for check in "$@"; do
+    status=0
+    "$check" || status=$?
+    case $status in
+      0) passed=1 ;;
+      "$SKIPPED") ;;
+      *) failed=1 ;;
+    esac
+  done
+  [ $failed = 0 ] || return 1
+  [ $passed = 1 ] || return $SKIPPED
+}
+
+case "${1:-all}" in
+  cuda-kernels) run_checks check_cuda_kernels ;;
+  cuda-bindings) run_checks check_cuda_bindings ;;
+  cuda) run_checks check_cuda_kernels check_cuda_bindings ;;
+  hip-kernels) run_checks check_hip_kernels ;;
+  hip-hipify) run_checks check_hip_hipify ;;
+  hip) run_checks check_hip_kernels check_hip_hipify ;;
+  all) run_checks check_cuda_kernels check_cuda_bindings check_hip_kernels check_hip_hipify ;;
+  *) echo "usage: $0 [cuda|cuda-kernels|cuda-bindings|hip|hip-kernels|hip-hipify|all]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,35 @@
+"""The GPU sources compile: CUDA kernels for sm_80/89/90, the CUDA torch bindings, the kernels as HIP for
+gfx90a/gfx940, and the kernels as torch's hipify rewrites them for a ROCm build.
+
+Nothing is run on a GPU (there is none here); scripts/compile_check.sh does the compiling and prints the
+commands it ran. A target is skipped, with the script's reason, only when its compiler (or, for the
+bindings, a CUDA torch wheel to take headers from; for hipify, torch) is missing. Each takes about a minute.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "compile_check.sh"
+SKIPPED = 77
+
+
+@pytest.mark.parametrize("target", ["cuda-kernels", "cuda-bindings", "hip-kernels", "hip-hipify"])
+def test_gpu_sources_compile(target: str) -> None:
+    done = subprocess.run(["bash", str(SCRIPT), target], check=False, capture_output=True, text=True,
+                          timeout=1500)
+    output = done.stdout + done.stderr
+    if done.returncode == SKIPPED:
+        reason = next((ln for ln in output.splitlines() if ln.startswith("SKIP")), output.strip())
+        pytest.skip(reason)
+    assert done.returncode == 0, f"compile check {target!r} failed:\n{output[-20000:]}"
+    assert f"ok: {target}" in output
+
+
+def test_unknown_target_is_refused() -> None:
+    done = subprocess.run(["bash", str(SCRIPT), "metal"], check=False, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2 and "usage:" in done.stderr
