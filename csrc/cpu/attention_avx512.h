@@ -1,0 +1,536 @@
+// AVX-512 partition kernel. FP8 is decoded in registers right where it is used: a code's bits, shifted,
+// are an fp16 (E5M2 is the high byte of one; E4M3 lands 2^(15 - bias) too small, a power of two that is
+// folded into the q and V scales), and vcvtph2ps widens it. Every query head of a GQA group shares one
+// decode of each K/V vector.
+//
+// Q.K: 16 accumulators of (head, token) pairs over the head dimension, summed across lanes by one
+//      transpose-and-add tree (reduce16).
+// P.V: the value cache keeps each head-dimension row's tokens contiguous ([d][block_size]), so a vector
+//      holds 16 tokens of one row; accumulators of (head, row) pairs run over the whole partition in
+//      registers and are reduced once at the end. V is prefetched into L2 while Q.K runs.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include "common/fp8.h"
+#include "cpu/attention_kernel.h"
+#include "dispatch.h"
+
+namespace fp8kv::cpu::avx512 {
+
+inline bool supports(int head_size, int block_size) {
+  return head_size % 16 == 0 && (block_size == 8 || block_size == 16 || block_size == 32);
+}
+
+FP8KV_INLINE __m128i load128(const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); }
+FP8KV_INLINE __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+FP8KV_INLINE __m256i join128(__m128i lo, __m128i hi) {
+  return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+}
+
+// Decoding of 32 cache elements into two vectors of 16 floats, in the cache's two layouts:
+//   k_pair: 16 head dims of tokens t and t+1, starting at token t's first element of a 16-dim group
+//           (x-sized pieces chunk_stride apart when x < 16);
+//   v_rows: rows d and d+1 of a 16-token tile (block size kBs; for kBs = 8 the tile's second half is
+//           the next block, pb).
+// Decoded value * kScale = stored value.
+template <typename cache_t, KVFormat kFormat>
+struct Codec;
+
+// FP8 codes -> exact floats with two byte-table lookups (AVX512-VBMI): every FP8 value of the three
+// formats is a bfloat16, i.e. a float whose low 16 bits are zero, so a table gives the float's two high
+// bytes for the 7 magnitude bits, the sign bit is copied, and one byte permute per 16 values places
+// the bytes into floats. NaN, infinities and subnormals come out exactly, with no rescaling.
+template <Fp8Format F>
+struct Fp8Tables {
+  alignas(64) uint8_t hi[128];
+  alignas(64) uint8_t lo[128];
+  alignas(64) uint8_t spread[4][64];  // byte permutes: 16 (lo, hi) byte pairs -> 16 floats
+
+  Fp8Tables() {
+    for (int c = 0; c < 128; ++c) {
+      const uint32_t bits = float_to_bits(fp8_to_float<F>(static_cast<uint8_t>(c)));
+      hi[c] = static_cast<uint8_t>(bits >> 24);
+      lo[c] = static_cast<uint8_t>(bits >> 16);
+    }
+    for (int j = 0; j < 4; ++j) {
+      for (int i = 0; i < 16; ++i) {
+        spread[j][4 * i] = spread[j][4 * i + 1] = 0;  // zeroed by the permute's mask
+        spread[j][4 * i + 2] = static_cast<uint8_t>(16 * j + i);       // lo byte of value 16j + i
+        spread[j][4 * i + 3] = static_cast<uint8_t>(64 + 16 * j + i);  // hi byte
+      }
+    }
+  }
+
+  static const Fp8Tables& get() {
+    static const Fp8Tables tables;
+    return tables;
+  }
+};
+
+template <KVFormat kFormat>
+struct Codec<uint8_t, kFormat> {
+  static constexpr Fp8Format F = fp8_format_of(kFormat);
+  static constexpr float kScale = 1.f;
+  __m512i hi0, hi1, lo0, lo1, spread[4];
+
+  Codec() {
+    const Fp8Tables<F>& t = Fp8Tables<F>::get();
+    hi0 = _mm512_load_si512(t.hi);
+    hi1 = _mm512_load_si512(t.hi + 64);
+    lo0 = _mm512_load_si512(t.lo);
+    lo1 = _mm512_load_si512(t.lo + 64);
+    for (int j = 0; j < 4; ++j) spread[j] = _mm512_load_si512(t.spread[j]);
+  }
+
+  // codes[0..16 * kOut) -> z[0..kOut), 16 values each, in order.
+  template <int kOut>
+  FP8KV_INLINE void decode(__m512i codes, __m512* z) const {
+    __m512i hi = _mm512_permutex2var_epi8(hi0, codes, hi1);  // index bit 7 (the sign) is ignored
+    __m512i lo = _mm512_permutex2var_epi8(lo0, codes, lo1);
+    hi = _mm512_ternarylogic_epi32(hi, codes, _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);  // hi | sign
+    if constexpr (F == Fp8Format::E4M3FNUZ) {  // 0x80 is NaN, not -0
+      const __mmask64 nan = _mm512_cmpeq_epi8_mask(codes, _mm512_set1_epi8(static_cast<char>(0x80)));
+      hi = _mm512_mask_mov_epi8(hi, nan, _mm512_set1_epi8(0x7F));
+      lo = _mm512_mask_mov_epi8(lo, nan, _mm512_set1_epi8(static_cast<char>(0xC0)));
+    }
+    for (int j = 0; j < kOut; ++j) {
+      z[j] = _mm512_castsi512_ps(_mm512_maskz_permutex2var_epi8(0xCCCCCCCCCCCCCCCCull, lo, spread[j], hi));
+    }
+  }
+
+  FP8KV_INLINE void decode32(__m256i b, __m512& z0, __m512& z1) const {
+    __m512 z[2];
+    decode<2>(_mm512_castsi256_si512(b), z);
+    z0 = z[0];
+    z1 = z[1];
+  }
+
+  FP8KV_INLINE void k_pair(const uint8_t* p, int64_t, __m512& z0, __m512& z1) const {
+    decode32(load256(p), z0, z1);
+  }
+
+  // tokens t..t+3 (16 dims each, contiguous for x = 16)
+  FP8KV_INLINE void k_quad(const uint8_t* p, int64_t, __m512* z) const {
+    decode<4>(_mm512_loadu_si512(p), z);
+  }
+
+  // 64 contiguous codes: 4 rows x 16 tokens (block size 16) or 2 rows x 32 tokens (block size 32)
+  FP8KV_INLINE void v_64(const uint8_t* p, __m512* z) const { decode<4>(_mm512_loadu_si512(p), z); }
+
+  template <int kBs>
+  FP8KV_INLINE void v_rows(const uint8_t* pa, const uint8_t* pb, __m512& z0, __m512& z1) const {
+    if constexpr (kBs == 16) {
+      decode32(load256(pa), z0, z1);
+    } else if constexpr (kBs == 32) {
+      decode32(join128(load128(pa), load128(pa + 32)), z0, z1);
+    } else {
+      const __m128i a = load128(pa), b = load128(pb);  // rows d, d+1 of each block
+      decode32(join128(_mm_unpacklo_epi64(a, b), _mm_unpackhi_epi64(a, b)), z0, z1);
+    }
+  }
+};
+
+template <typename half_t>
+struct Codec16 {  // bfloat16 / float16 caches (x = 8)
+  static constexpr float kScale = 1.f;
+
+  static FP8KV_INLINE __m512 widen(__m256i w) {
+    if constexpr (std::is_same_v<half_t, c10::BFloat16>) {
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(w), 16));
+    } else {
+      return _mm512_cvtph_ps(w);
+    }
+  }
+
+  FP8KV_INLINE void k_pair(const half_t* p, int64_t chunk_stride, __m512& z0, __m512& z1) const {
+    z0 = widen(join128(load128(p), load128(p + chunk_stride)));
+    z1 = widen(join128(load128(p + 8), load128(p + 8 + chunk_stride)));
+  }
+
+  FP8KV_INLINE void k_quad(const half_t* p, int64_t chunk_stride, __m512* z) const {
+    k_pair(p, chunk_stride, z[0], z[1]);
+    k_pair(p + 16, chunk_stride, z[2], z[3]);
+  }
+
+  FP8KV_INLINE void v_64(const half_t* p, __m512* z) const {
+    for (int j = 0; j < 4; ++j) z[j] = widen(load256(p + 16 * j));
+  }
+
+  template <int kBs>
+  FP8KV_INLINE void v_rows(const half_t* pa, const half_t* pb, __m512& z0, __m512& z1) const {
+    if constexpr (kBs == 8) {
+      z0 = widen(join128(load128(pa), load128(pb)));
+      z1 = widen(join128(load128(pa + 8), load128(pb + 8)));
+    } else {
+      z0 = widen(load256(pa));
+      z1 = widen(load256(pa + kBs));
+    }
+  }
+};
+
+template <>
+struct Codec<c10::BFloat16, KVFormat::AUTO> : Codec16<c10::BFloat16> {};
+template <>
+struct Codec<c10::Half, KVFormat::AUTO> : Codec16<c10::Half> {};
+
+template <>
+struct Codec<float, KVFormat::AUTO> {  // x = 4
+  static constexpr float kScale = 1.f;
+
+  static FP8KV_INLINE __m512 gather4(const float* p, int64_t stride) {
+    __m512 z = _mm512_castps128_ps512(_mm_loadu_ps(p));
+    z = _mm512_insertf32x4(z, _mm_loadu_ps(p + stride), 1);
+    z = _mm512_insertf32x4(z, _mm_loadu_ps(p + 2 * stride), 2);
+    return _mm512_insertf32x4(z, _mm_loadu_ps(p + 3 * stride), 3);
+  }
+
+  FP8KV_INLINE void k_pair(const float* p, int64_t chunk_stride, __m512& z0, __m512& z1) const {
+    z0 = gather4(p, chunk_stride);
+    z1 = gather4(p + 4, chunk_stride);
+  }
+
+  FP8KV_INLINE void k_quad(const float* p, int64_t chunk_stride, __m512* z) const {
+    k_pair(p, chunk_stride, z[0], z[1]);
+    k_pair(p + 8, chunk_stride, z[2], z[3]);
+  }
+
+  FP8KV_INLINE void v_64(const float* p, __m512* z) const {
+    for (int j = 0; j < 4; ++j) z[j] = _mm512_loadu_ps(p + 16 * j);
+  }
+
+  template <int kBs>
+  FP8KV_INLINE void v_rows(const float* pa, const float* pb, __m512& z0, __m512& z1) const {
+    if constexpr (kBs == 8) {
+      z0 = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(pa)), _mm256_loadu_ps(pb), 1);
+      z1 = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(pa + 8)), _mm256_loadu_ps(pb + 8), 1);
+    } else {
+      z0 = _mm512_loadu_ps(pa);
+      z1 = _mm512_loadu_ps(pa + kBs);
+    }
+  }
+};
+
+// Sums of 16 vectors, one per lane. Lane L is the sum of acc[kSlot[L]] (a transpose-and-add tree).
+constexpr int kSlot[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+
+FP8KV_INLINE __m512 reduce16(const __m512* a) {
+  __m512 s[8], u[4], v[2];
+  for (int i = 0; i < 8; ++i) {
+    s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[i], a[i + 8], 0x44), _mm512_shuffle_f32x4(a[i], a[i + 8], 0xEE));
+  }
+  for (int i = 0; i < 4; ++i) {
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s[i], s[i + 4], 0x88), _mm512_shuffle_f32x4(s[i], s[i + 4], 0xDD));
+  }
+  for (int i = 0; i < 2; ++i) {
+    v[i] = _mm512_add_ps(_mm512_shuffle_ps(u[i], u[i + 2], 0x44), _mm512_shuffle_ps(u[i], u[i + 2], 0xEE));
+  }
+  return _mm512_add_ps(_mm512_shuffle_ps(v[0], v[1], 0x88), _mm512_shuffle_ps(v[0], v[1], 0xDD));
+}
+
+// exp(x) for x <= 0 (Cephes expf polynomial, ~1 ulp); NaN stays NaN.
+FP8KV_INLINE __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-87.3f), x);  // a NaN x is returned as is
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+FP8KV_INLINE __mmask16 first_lanes(int n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1u); }
+
+// Pointers of one partition into the caches of one KV head.
+template <typename cache_t>
+struct View {
+  const cache_t* kcache;
+  const cache_t* vcache;
+  const int32_t* table;
+  int64_t block_elems;  // elements per block of either cache
+  int block_elems_head;  // head_size * block_size: one KV head's slice of a block
+
+  View(const PartitionWork& w)
+      : kcache(static_cast<const cache_t*>(w.key_cache) + static_cast<int64_t>(w.kv_head) * w.head_size * w.block_size),
+        vcache(static_cast<const cache_t*>(w.value_cache) + static_cast<int64_t>(w.kv_head) * w.head_size * w.block_size),
+        table(w.block_table),
+        block_elems(w.num_kv_heads * w.head_size * w.block_size),
+        block_elems_head(w.head_size * w.block_size) {}
+
+  const cache_t* k_block(int b) const { return kcache + table[b] * block_elems; }
+  const cache_t* v_block(int b) const { return vcache + table[b] * block_elems; }
+};
+
+// Walks one KV head's V slabs of a partition, one cache line per call, to prefetch them into L2 while
+// Q.K runs (blocks are scattered, so the hardware prefetchers cannot guess them).
+template <typename cache_t>
+struct VPrefetcher {
+  const View<cache_t>& view;
+  int block, last_block;
+  int offset = 0;  // bytes into the current block's slab
+  int slab_bytes;
+
+  VPrefetcher(const View<cache_t>& v, int first, int last)
+      : view(v), block(first), last_block(last), slab_bytes(v.block_elems_head * static_cast<int>(sizeof(cache_t))) {}
+
+  FP8KV_INLINE void step() {
+    if (block > last_block) return;
+    _mm_prefetch(reinterpret_cast<const char*>(view.v_block(block)) + offset, _MM_HINT_T1);
+    offset += 64;
+    if (offset >= slab_bytes) {
+      offset = 0;
+      ++block;
+    }
+  }
+};
+
+// Logits of kG query heads (q pre-scaled) for the partition's tokens, in tiles of kT tokens.
+template <typename cache_t, KVFormat kFormat, int kG>
+void qk_heads(const PartitionWork& w, const View<cache_t>& view, const float* q, const float* alibi,
+              float* logits, int logit_stride, bool prefetch_v) {
+  const Codec<cache_t, kFormat> codec{};
+  constexpr int kT = kG == 1 ? 16 : kG == 2 ? 8 : kG <= 4 ? 4 : 2;
+  constexpr int kStep = kT >= 4 ? 4 : 2;  // tokens decoded together
+  static_assert(kT * kG <= 16, "16 accumulators at most");
+  constexpr int x = 16 / sizeof(cache_t);
+  constexpr int kAhead = 32;  // tokens between a K prefetch and its use
+  constexpr int kVLinesPerGroup = std::max<int>(1, kT * sizeof(cache_t) / 4);  // keeps pace with K
+  const int D = w.head_size, bs = w.block_size;
+  const int bs_shift = __builtin_ctz(bs);  // block sizes are powers of two
+  const int64_t chunk_stride = static_cast<int64_t>(bs) * x, group_stride = 16 * static_cast<int64_t>(bs);
+  const int last_block = (w.end - 1) >> bs_shift;
+  VPrefetcher<cache_t> vpf(view, prefetch_v ? w.start >> bs_shift : last_block + 1, last_block);
+  auto token_ptr = [&](int t) { return view.k_block(t >> bs_shift) + (t & (bs - 1)) * x; };
+  const __m512 lane = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int ts = w.start; ts < w.end; ts += kT) {
+    const cache_t* step_ptr[kT / kStep];
+    const cache_t* ahead_ptr[kT / kStep];
+    for (int i = 0; i < kT / kStep; ++i) {
+      // Steps past the end re-read a valid step; tokens of one step share a block (bs % 4 == 0).
+      const int t = ts + kStep * i < w.end ? ts + kStep * i : ts;
+      step_ptr[i] = token_ptr(t);
+      const int ta = t + kAhead;
+      ahead_ptr[i] = ta < w.end ? token_ptr(ta) : step_ptr[i];
+    }
+    __m512 acc[16];
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+    for (int g = 0; g < D / 16; ++g) {
+#pragma GCC unroll 8
+      for (int i = 0; i < kT / kStep; ++i) {
+        for (int c = 0; c < 16 / x; ++c) {
+          _mm_prefetch(reinterpret_cast<const char*>(ahead_ptr[i] + g * group_stride + c * chunk_stride), _MM_HINT_T0);
+        }
+        __m512 z[kStep];
+        if constexpr (kStep == 4) {
+          codec.k_quad(step_ptr[i] + g * group_stride, chunk_stride, z);
+        } else {
+          codec.k_pair(step_ptr[i] + g * group_stride, chunk_stride, z[0], z[1]);
+        }
+#pragma GCC unroll 8
+        for (int h = 0; h < kG; ++h) {
+          const __m512 qv = _mm512_loadu_ps(q + h * D + g * 16);
+#pragma GCC unroll 4
+          for (int k = 0; k < kStep; ++k) {
+            const int slot = kSlot[h * kT + kStep * i + k];
+            acc[slot] = _mm512_fmadd_ps(z[k], qv, acc[slot]);
+          }
+        }
+      }
+      for (int i = 0; i < kVLinesPerGroup; ++i) vpf.step();
+    }
+    __m512 sums = reduce16(acc);  // lane h * kT + j: head h, token ts + j
+    const int n = std::min(kT, w.end - ts);
+    for (int h = 0; h < kG; ++h) {
+      const __mmask16 lanes = static_cast<__mmask16>(((1u << n) - 1u) << (h * kT));
+      __m512 out = sums;
+      if (alibi) {  // slope * (position - (seq_len - 1))
+        const __m512 pos = _mm512_add_ps(lane, _mm512_set1_ps(static_cast<float>(ts - h * kT - (w.seq_len - 1))));
+        out = _mm512_fmadd_ps(_mm512_set1_ps(alibi[h]), pos, sums);
+      }
+      _mm512_mask_storeu_ps(logits + h * logit_stride + (ts - w.start) - h * kT, lanes, out);
+    }
+  }
+}
+
+// out[h][d] = norm[h] * sum over the partition of probs[h][t] * V[t][d] (V in decoded units).
+// Tiles are 16 tokens (block size 8: two blocks; 16: one block) or 32 (block size 32: one block).
+template <typename cache_t, KVFormat kFormat, int kG, int kBs>
+void pv_heads(const PartitionWork& w, const View<cache_t>& view, const float* probs, int prob_stride,
+              const float* norm, float* out) {
+  const Codec<cache_t, kFormat> codec{};
+  constexpr int kRows = kG == 1 ? 16 : kG == 2 ? 8 : kG <= 4 ? 4 : 2;
+  static_assert(kRows * kG <= 16, "16 accumulators at most");
+  constexpr int kTile = kBs == 32 ? 32 : 16;
+  const int D = w.head_size, P = w.end - w.start;
+  const int tiles = (P + kTile - 1) / kTile;
+  const int tail = P - kTile * (tiles - 1);  // valid tokens of the last tile
+  const __mmask16 tail_lo = first_lanes(tail), tail_hi = first_lanes(std::max(0, tail - 16));
+  const cache_t* pa[kPartitionSize / 16];
+  const cache_t* pb[kPartitionSize / 16];
+  for (int i = 0; i < tiles; ++i) {
+    const int t = w.start + kTile * i;
+    pa[i] = view.v_block(t / kBs) + t % kBs;
+    pb[i] = (kBs == 8 && t + 8 < w.end) ? view.v_block((t + 8) / kBs) : pa[i];
+  }
+  for (int d0 = 0; d0 < D; d0 += kRows) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+    auto add = [&](int row, __m512 v, const float* p, int h) {
+      const int slot = kSlot[h * kRows + row];
+      acc[slot] = _mm512_fmadd_ps(v, _mm512_loadu_ps(p), acc[slot]);
+    };
+    for (int i = 0; i < tiles; ++i) {
+      const bool partial = i == tiles - 1 && tail < kTile;
+      const float* pt = probs + kTile * i;
+      if constexpr (kBs == 32) {  // 64 codes = rows r, r+1 x 32 tokens
+#pragma GCC unroll 8
+        for (int j = 0; j < kRows / 2; ++j) {
+          __m512 z[4];
+          codec.v_64(pa[i] + (d0 + 2 * j) * kBs, z);
+          if (partial) {  // stale slots past the sequence may hold anything, even NaN: zero them
+            z[0] = _mm512_maskz_mov_ps(tail_lo, z[0]);
+            z[1] = _mm512_maskz_mov_ps(tail_hi, z[1]);
+            z[2] = _mm512_maskz_mov_ps(tail_lo, z[2]);
+            z[3] = _mm512_maskz_mov_ps(tail_hi, z[3]);
+          }
+#pragma GCC unroll 8
+          for (int h = 0; h < kG; ++h) {
+            const float* ph = pt + h * prob_stride;
+            add(2 * j, z[0], ph, h);
+            add(2 * j, z[1], ph + 16, h);
+            add(2 * j + 1, z[2], ph, h);
+            add(2 * j + 1, z[3], ph + 16, h);
+          }
+        }
+      } else if constexpr (kBs == 16 && kRows % 4 == 0) {  // 64 codes = rows r..r+3 x 16 tokens
+#pragma GCC unroll 4
+        for (int j = 0; j < kRows / 4; ++j) {
+          __m512 z[4];
+          codec.v_64(pa[i] + (d0 + 4 * j) * kBs, z);
+          if (partial) {
+            for (int k = 0; k < 4; ++k) z[k] = _mm512_maskz_mov_ps(tail_lo, z[k]);
+          }
+#pragma GCC unroll 8
+          for (int h = 0; h < kG; ++h) {
+            for (int k = 0; k < 4; ++k) add(4 * j + k, z[k], pt + h * prob_stride, h);
+          }
+        }
+      } else {  // two rows x 16 tokens
+#pragma GCC unroll 8
+        for (int j = 0; j < kRows / 2; ++j) {
+          __m512 z0, z1;
+          const int row = (d0 + 2 * j) * kBs;
+          codec.template v_rows<kBs>(pa[i] + row, pb[i] + row, z0, z1);
+          if (partial) {
+            z0 = _mm512_maskz_mov_ps(tail_lo, z0);
+            z1 = _mm512_maskz_mov_ps(tail_lo, z1);
+          }
+#pragma GCC unroll 8
+          for (int h = 0; h < kG; ++h) {
+            add(2 * j, z0, pt + h * prob_stride, h);
+            add(2 * j + 1, z1, pt + h * prob_stride, h);
+          }
+        }
+      }
+    }
+    alignas(64) float sums[16];
+    _mm512_store_ps(sums, reduce16(acc));
+    for (int h = 0; h < kG; ++h) {
+      for (int j = 0; j < kRows; ++j) out[h * D + d0 + j] = sums[h * kRows + j] * norm[h];
+    }
+  }
+}
+
+// Softmax numerators in place over n logits; the row is zero-padded up to `padded` on return.
+FP8KV_INLINE void softmax_numerators(float* row, int n, int padded, float* max_logit, float* exp_sum) {
+  __m512 m = _mm512_set1_ps(-INFINITY);
+  for (int i = 0; i < n; i += 16) m = _mm512_mask_max_ps(m, first_lanes(n - i), m, _mm512_loadu_ps(row + i));
+  const float mx = _mm512_reduce_max_ps(m);
+  const __m512 mxv = _mm512_set1_ps(mx);
+  __m512 sum = _mm512_setzero_ps();
+  for (int i = 0; i < n; i += 16) {
+    const __m512 e = _mm512_maskz_mov_ps(first_lanes(n - i), exp512(_mm512_sub_ps(_mm512_loadu_ps(row + i), mxv)));
+    _mm512_storeu_ps(row + i, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  for (int i = (n + 15) / 16 * 16; i < padded; i += 16) _mm512_storeu_ps(row + i, _mm512_setzero_ps());
+  *max_logit = mx;
+  *exp_sum = _mm512_reduce_add_ps(sum);
+}
+
+// Calls fn(std::integral_constant<int, kG>) for head subgroups of sizes 8, 4, 3, 2, 1 covering `group`.
+template <typename Fn>
+FP8KV_INLINE void for_head_subgroups(int group, Fn&& fn) {
+  int h0 = 0;
+  while (h0 < group) {
+    const int left = group - h0;
+    if (left >= 8) {
+      fn(std::integral_constant<int, 8>{}, h0);
+      h0 += 8;
+    } else if (left >= 4) {
+      fn(std::integral_constant<int, 4>{}, h0);
+      h0 += 4;
+    } else if (left == 3) {
+      fn(std::integral_constant<int, 3>{}, h0);
+      h0 += 3;
+    } else if (left == 2) {
+      fn(std::integral_constant<int, 2>{}, h0);
+      h0 += 2;
+    } else {
+      fn(std::integral_constant<int, 1>{}, h0);
+      h0 += 1;
+    }
+  }
+}
+
+template <typename cache_t, KVFormat kFormat, int kBs>
+void pv_all_heads(const PartitionWork& w, const View<cache_t>& view, const float* probs, int stride,
+                  const float* norm) {
+  for_head_subgroups(w.group, [&](auto kG, int h0) {
+    pv_heads<cache_t, kFormat, decltype(kG)::value, kBs>(w, view, probs + h0 * stride, stride, norm + h0,
+                                                          w.out + h0 * w.head_size);
+  });
+}
+
+template <typename cache_t, KVFormat kFormat>
+void run_partition(const PartitionWork& w) {
+  using C = Codec<cache_t, kFormat>;
+  const int G = w.group, D = w.head_size, P = w.end - w.start;
+  const int stride = (P + 31) / 32 * 32;           // tiles of 32 read whole rows of zero-padded probs
+  float* logits = w.scratch;                      // [G][stride]
+  float* q = logits + G * (kPartitionSize + 32);  // [G][D]
+  float* norm = q + G * D;                        // [G]
+  const __m512 qs = _mm512_set1_ps(w.qk_scale * C::kScale);
+  for (int i = 0; i < G * D; i += 16) _mm512_storeu_ps(q + i, _mm512_mul_ps(_mm512_loadu_ps(w.query + i), qs));
+  const View<cache_t> view(w);
+
+  for_head_subgroups(G, [&](auto kG, int h0) {  // V is prefetched during the first subgroup's pass
+    qk_heads<cache_t, kFormat, decltype(kG)::value>(w, view, q + h0 * D, w.alibi ? w.alibi + h0 : nullptr,
+                                                    logits + h0 * stride, stride, h0 == 0);
+  });
+  for (int h = 0; h < G; ++h) {
+    softmax_numerators(logits + h * stride, P, stride, w.max_logit + h, w.exp_sum + h);
+    norm[h] = w.v_scale * C::kScale / w.exp_sum[h];
+  }
+  switch (w.block_size) {
+    case 8: pv_all_heads<cache_t, kFormat, 8>(w, view, logits, stride, norm); break;
+    case 16: pv_all_heads<cache_t, kFormat, 16>(w, view, logits, stride, norm); break;
+    default: pv_all_heads<cache_t, kFormat, 32>(w, view, logits, stride, norm); break;
+  }
+}
+
+}  // namespace fp8kv::cpu::avx512

@@ -1,0 +1,143 @@
+// Portable partition kernel: decodes one K row / V row at a time into a small float buffer (the cache is
+// never copied), then plain dot products. The scalar build uses it everywhere; AVX2 builds use it with
+// AVX2/F16C decoding and FMA dot products; the AVX-512 build falls back to it for unusual geometries.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "common/fp8.h"
+#include "cpu/attention_kernel.h"
+#include "cpu/isa.h"
+#include "dispatch.h"
+
+namespace fp8kv::cpu::generic {
+
+template <typename cache_t, KVFormat kFormat>
+FP8KV_INLINE float to_float(cache_t v) {
+  if constexpr (kFormat == KVFormat::AUTO) {
+    return static_cast<float>(v);
+  } else {
+    return fp8_to_float<fp8_format_of(kFormat)>(v);
+  }
+}
+
+#if defined(FP8KV_ISA_AVX2) || defined(FP8KV_ISA_AVX512)
+// 8 FP8 codes -> 8 exact floats: the bits become an fp16 (see fp8_to_half_bits), NaN codes are patched.
+template <KVFormat kFormat>
+FP8KV_INLINE __m256 fp8x8_to_float(const uint8_t* src) {
+  constexpr Fp8Format F = fp8_format_of(kFormat);
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src));
+  __m128i h;
+  if constexpr (F == Fp8Format::E5M2) {
+    h = _mm_slli_epi16(_mm_cvtepu8_epi16(b), 8);
+  } else {
+    h = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(b), 7), _mm_set1_epi16(static_cast<short>(0xBFFF)));
+    __m128i nan;
+    if constexpr (F == Fp8Format::E4M3FN) {
+      const __m128i m = _mm_set1_epi16(0x3F80);
+      nan = _mm_cmpeq_epi16(_mm_and_si128(h, m), m);
+    } else {
+      nan = _mm_cmpeq_epi16(h, _mm_set1_epi16(static_cast<short>(0x8000)));
+    }
+    h = _mm_blendv_epi8(h, _mm_set1_epi16(0x7E00), nan);
+  }
+  return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(Fp8Traits<F>::kHalfRescale));
+}
+#endif
+
+// dst[0..n) = value of src[0..n).
+template <typename cache_t, KVFormat kFormat>
+FP8KV_INLINE void decode(const cache_t* src, float* dst, int n) {
+  int i = 0;
+#if defined(FP8KV_ISA_AVX2) || defined(FP8KV_ISA_AVX512)
+  if constexpr (kFormat != KVFormat::AUTO) {
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, fp8x8_to_float<kFormat>(src + i));
+  } else if constexpr (std::is_same_v<cache_t, c10::BFloat16>) {
+    for (; i + 8 <= n; i += 8) {
+      const __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+      _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(w), 16)));
+    }
+  } else if constexpr (std::is_same_v<cache_t, c10::Half>) {
+    for (; i + 8 <= n; i += 8) {
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+    }
+  }
+#endif
+  for (; i < n; ++i) dst[i] = to_float<cache_t, kFormat>(src[i]);
+}
+
+FP8KV_INLINE float dot(const float* a, const float* b, int n) {
+  int i = 0;
+  float sum = 0.f;
+#if defined(FP8KV_ISA_AVX2) || defined(FP8KV_ISA_AVX512)
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+  }
+  for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+  const __m256 acc = _mm256_add_ps(acc0, acc1);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  sum = _mm_cvtss_f32(s);
+#endif
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// Softmax numerators in place: logits[h][0..n) -> exp(logit - max); returns max and sum per head.
+inline void softmax_numerators(float* logits, int n, float* max_logit, float* exp_sum) {
+  float m = -INFINITY;
+  for (int i = 0; i < n; ++i) m = std::fmax(m, logits[i]);
+  float s = 0.f;
+  for (int i = 0; i < n; ++i) {
+    logits[i] = std::exp(logits[i] - m);
+    s += logits[i];
+  }
+  *max_logit = m;
+  *exp_sum = s;
+}
+
+template <typename cache_t, KVFormat kFormat>
+void run_partition(const PartitionWork& w) {
+  const int G = w.group, D = w.head_size, bs = w.block_size, P = w.end - w.start;
+  const int x = 16 / static_cast<int>(sizeof(cache_t));
+  const int64_t block_elems = w.num_kv_heads * D * bs;
+  const cache_t* kcache = static_cast<const cache_t*>(w.key_cache) + w.kv_head * D * bs;
+  const cache_t* vcache = static_cast<const cache_t*>(w.value_cache) + w.kv_head * D * bs;
+  float* logits = w.scratch;                      // [G][P]
+  float* q = logits + G * (kPartitionSize + 32);  // [G][D], pre-scaled
+  float* row = q + G * D;                         // one decoded K row or V row
+  for (int i = 0; i < G * D; ++i) q[i] = w.query[i] * w.qk_scale;
+
+  for (int t = w.start; t < w.end; ++t) {
+    const cache_t* kb = kcache + w.block_table[t / bs] * block_elems + (t % bs) * x;
+    for (int c = 0; c < D / x; ++c) decode<cache_t, kFormat>(kb + c * bs * x, row + c * x, x);
+    for (int h = 0; h < G; ++h) {
+      float logit = dot(q + h * D, row, D);
+      if (w.alibi) logit += w.alibi[h] * static_cast<float>(t - (w.seq_len - 1));
+      logits[h * P + (t - w.start)] = logit;
+    }
+  }
+  for (int h = 0; h < G; ++h) softmax_numerators(logits + h * P, P, w.max_logit + h, w.exp_sum + h);
+
+  std::fill(w.out, w.out + G * D, 0.f);
+  for (int b = w.start / bs; b * bs < w.end; ++b) {
+    const int t0 = std::max(w.start, b * bs), t1 = std::min(w.end, (b + 1) * bs);
+    const cache_t* vb = vcache + w.block_table[b] * block_elems + (t0 - b * bs);
+    for (int d = 0; d < D; ++d) {
+      decode<cache_t, kFormat>(vb + d * bs, row, t1 - t0);  // only valid tokens: stale slots may hold NaN
+      for (int h = 0; h < G; ++h) w.out[h * D + d] += dot(logits + h * P + (t0 - w.start), row, t1 - t0);
+    }
+  }
+  for (int h = 0; h < G; ++h) {
+    const float norm = w.v_scale / w.exp_sum[h];
+    for (int d = 0; d < D; ++d) w.out[h * D + d] *= norm;
+  }
+}
+
+}  // namespace fp8kv::cpu::generic

@@ -1,0 +1,41 @@
+// The unit of work of the CPU paged attention: one (sequence, KV head, partition of <= kPartitionSize
+// tokens). Each ISA path (attention_generic.h, attention_avx512.h) implements run_partition for it; the
+// driver (attention.cpp) spreads the units over threads and merges the partitions, as vLLM's
+// paged_attention_v2 does.
+#pragma once
+
+#include <cstdint>
+
+namespace fp8kv::cpu {
+
+constexpr int kPartitionSize = 512;
+
+struct PartitionWork {
+  const void* key_cache;       // [num_blocks, num_kv_heads, head_size / x, block_size, x]
+  const void* value_cache;     // [num_blocks, num_kv_heads, head_size, block_size]
+  const int32_t* block_table;  // this sequence's row of block_tables (ids already validated)
+  int64_t num_kv_heads;
+  int head_size;
+  int block_size;
+  int kv_head;
+  int group;           // query heads per KV head; they are handled together so K/V are read once
+  int start, end;      // token positions [start, end) of this partition
+  int seq_len;
+  const float* query;  // [group, head_size] float32
+  float qk_scale;      // softmax scale * k_scale[kv_head]
+  float v_scale;       // v_scale[kv_head]
+  const float* alibi;  // [group] slopes or nullptr
+  float* out;          // [group, head_size]: this partition's softmax-weighted V (normalised)
+  float* max_logit;    // [group]
+  float* exp_sum;      // [group]: sum of exp(logit - max_logit) over the partition
+  float* scratch;      // scratch_floats(...) floats, 64-byte aligned, owned by the calling thread
+};
+
+// Scratch size run_partition needs (both paths fit in this).
+inline int64_t scratch_floats(int group, int head_size, int block_size) {
+  const int64_t padded = kPartitionSize + 32;
+  return group * padded + group * static_cast<int64_t>(head_size) + static_cast<int64_t>(head_size) * 2 +
+         static_cast<int64_t>(block_size) * 2 + 1024;
+}
+
+}  // namespace fp8kv::cpu

@@ -1,0 +1,174 @@
+// Writing K/V into the paged cache (quantizing to FP8 on the way) and the standalone quantize /
+// dequantize ops that tests and the engine use to check fp8.h against torch.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include "common/fp8.h"
+#include "cpu/checks.h"
+#include "cpu/cpu_ops.h"
+#include "dispatch.h"
+
+namespace fp8kv::cpu {
+namespace {
+
+template <typename cache_t, KVFormat kFormat>
+FP8KV_INLINE cache_t encode(float v, float scale) {
+  if constexpr (kFormat == KVFormat::AUTO) {
+    return static_cast<cache_t>(v);
+  } else {
+    return float_to_fp8<fp8_format_of(kFormat)>(v / scale);
+  }
+}
+
+// key/value: [num_tokens, num_kv_heads, head_size] with any strides; caches contiguous.
+template <typename scalar_t, typename cache_t, KVFormat kFormat>
+void reshape_and_cache_impl(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                            at::Tensor& value_cache, const std::vector<int64_t>& slots,
+                            const CacheGeometry& g, const std::vector<float>& k_scale,
+                            const std::vector<float>& v_scale) {
+  const scalar_t* k = key.data_ptr<scalar_t>();
+  const scalar_t* v = value.data_ptr<scalar_t>();
+  cache_t* kc = static_cast<cache_t*>(key_cache.data_ptr());
+  cache_t* vc = static_cast<cache_t*>(value_cache.data_ptr());
+  const int64_t ks0 = key.stride(0), ks1 = key.stride(1), ks2 = key.stride(2);
+  const int64_t vs0 = value.stride(0), vs1 = value.stride(1), vs2 = value.stride(2);
+  const int64_t H = g.num_kv_heads, D = g.head_size, bs = g.block_size, x = g.x;
+  at::parallel_for(0, static_cast<int64_t>(slots.size()), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t slot = slots[t];
+      if (slot < 0) continue;  // padding
+      const int64_t block = slot / bs, offset = slot % bs;
+      for (int64_t h = 0; h < H; ++h) {
+        const scalar_t* krow = k + t * ks0 + h * ks1;
+        const scalar_t* vrow = v + t * vs0 + h * vs1;
+        cache_t* kdst = kc + (block * H + h) * D * bs + offset * x;  // + (d / x) * bs * x + d % x
+        cache_t* vdst = vc + (block * H + h) * D * bs + offset;      // + d * bs
+        const float ksc = k_scale[h], vsc = v_scale[h];
+        for (int64_t d = 0; d < D; ++d) {
+          kdst[(d / x) * bs * x + d % x] = encode<cache_t, kFormat>(static_cast<float>(krow[d * ks2]), ksc);
+          vdst[d * bs] = encode<cache_t, kFormat>(static_cast<float>(vrow[d * vs2]), vsc);
+        }
+      }
+    }
+  });
+}
+
+void check_kv_input(const at::Tensor& t, const char* name, const CacheGeometry& g) {
+  TORCH_CHECK(t.dim() == 3 && t.size(1) == g.num_kv_heads && t.size(2) == g.head_size, name,
+              " must be [num_tokens, num_kv_heads=", g.num_kv_heads, ", head_size=", g.head_size,
+              "], got ", t.sizes());
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  check_model_dtype(t, name);
+}
+
+// Head index of each element for a scale broadcast over dim -2 (one scale per head).
+int64_t heads_of(const at::Tensor& x, const at::Tensor& scale) {
+  if (scale.numel() == 1) return 1;
+  TORCH_CHECK(x.dim() >= 2 && x.size(-2) == scale.numel(), "scale with ", scale.numel(),
+              " elements must match dim -2 (heads) of the input, whose shape is ", x.sizes());
+  return scale.numel();
+}
+
+}  // namespace
+
+void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                       at::Tensor& value_cache, const at::Tensor& slot_mapping,
+                       const std::string& kv_cache_dtype, const at::Tensor& k_scale,
+                       const at::Tensor& v_scale) {
+  const KVFormat format = parse_kv_cache_dtype(kv_cache_dtype, kCpuDefaultFp8);
+  const CacheGeometry g = check_caches(key_cache, value_cache, format != KVFormat::AUTO);
+  check_kv_input(key, "key", g);
+  check_kv_input(value, "value", g);
+  TORCH_CHECK(value.size(0) == key.size(0), "key and value have different token counts: ", key.size(0),
+              " vs ", value.size(0));
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == key.size(0),
+              "slot_mapping must be 1-D with one slot per token (", key.size(0), "), got shape ",
+              slot_mapping.sizes());
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong || slot_mapping.scalar_type() == at::kInt,
+              "slot_mapping must be int64 (or int32), got ", slot_mapping.scalar_type());
+  const bool fp8 = format != KVFormat::AUTO;  // an "auto" cache ignores the scales
+  const std::vector<float> ks = fp8 ? check_scale(k_scale, g.num_kv_heads, "k_scale") : std::vector<float>(g.num_kv_heads, 1.f);
+  const std::vector<float> vs = fp8 ? check_scale(v_scale, g.num_kv_heads, "v_scale") : std::vector<float>(g.num_kv_heads, 1.f);
+
+  const at::Tensor slots_t = slot_mapping.to(at::kLong).contiguous();
+  std::vector<int64_t> slots(slots_t.data_ptr<int64_t>(), slots_t.data_ptr<int64_t>() + slots_t.numel());
+  const int64_t num_slots = g.num_blocks * g.block_size;
+  for (size_t i = 0; i < slots.size(); ++i) {
+    TORCH_CHECK(slots[i] < num_slots, "slot_mapping[", i, "] = ", slots[i], " is out of range: the cache has ",
+                num_slots, " slots (num_blocks * block_size); negative slots mean padding");
+  }
+
+  // "auto" stores the cache dtype: convert first (rounding exactly like torch's .to()).
+  const at::Tensor k = format == KVFormat::AUTO ? key.to(key_cache.scalar_type()) : key;
+  const at::Tensor v = format == KVFormat::AUTO ? value.to(key_cache.scalar_type()) : value;
+  const at::ScalarType src = format == KVFormat::AUTO ? key_cache.scalar_type() : key.scalar_type();
+  TORCH_CHECK(v.scalar_type() == k.scalar_type(), "key and value dtypes differ: ", key.scalar_type(), " vs ",
+              value.scalar_type());
+#define FP8KV_CALL(scalar_t, cache_t, kFormat) \
+  reshape_and_cache_impl<scalar_t, cache_t, kFormat>(k, v, key_cache, value_cache, slots, g, ks, vs)
+  FP8KV_DISPATCH_BY_KV_CACHE_DTYPE_CPU(src, kv_cache_dtype, FP8KV_CALL);
+#undef FP8KV_CALL
+}
+
+at::Tensor quantize_fp8(const at::Tensor& x, const std::string& kv_cache_dtype, const at::Tensor& scale) {
+  const KVFormat format = parse_kv_cache_dtype(kv_cache_dtype, kCpuDefaultFp8);
+  TORCH_CHECK(format != KVFormat::AUTO, "quantize_fp8 needs an FP8 kv_cache_dtype, not 'auto'");
+  TORCH_CHECK(x.device().is_cpu(), "quantize_fp8: x must be a CPU tensor");
+  check_model_dtype(x, "x");
+  const int64_t heads = heads_of(x, scale);
+  const std::vector<float> s = check_scale(scale, heads, "scale");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor codes = at::empty(x.sizes(), x.options().dtype(at::kByte));
+  const float* in = xf.data_ptr<float>();
+  uint8_t* out = codes.data_ptr<uint8_t>();
+  const int64_t inner = x.dim() >= 1 ? x.size(-1) : 1;
+  const int64_t n = xf.numel();
+  auto run = [&](auto format_tag) {
+    constexpr Fp8Format F = decltype(format_tag)::value;
+    at::parallel_for(0, n, 4096, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) out[i] = float_to_fp8<F>(in[i] / s[(i / inner) % heads]);
+    });
+  };
+  switch (format) {
+    case KVFormat::E5M2: run(std::integral_constant<Fp8Format, Fp8Format::E5M2>{}); break;
+    case KVFormat::E4M3FNUZ: run(std::integral_constant<Fp8Format, Fp8Format::E4M3FNUZ>{}); break;
+    default: run(std::integral_constant<Fp8Format, Fp8Format::E4M3FN>{}); break;
+  }
+  return codes;
+}
+
+at::Tensor dequantize_fp8(const at::Tensor& codes, const std::string& kv_cache_dtype, const at::Tensor& scale,
+                          at::ScalarType out_dtype) {
+  const KVFormat format = parse_kv_cache_dtype(kv_cache_dtype, kCpuDefaultFp8);
+  TORCH_CHECK(format != KVFormat::AUTO, "dequantize_fp8 needs an FP8 kv_cache_dtype, not 'auto'");
+  TORCH_CHECK(codes.scalar_type() == at::kByte, "dequantize_fp8: codes must be uint8, got ", codes.scalar_type());
+  TORCH_CHECK(codes.device().is_cpu(), "dequantize_fp8: codes must be a CPU tensor");
+  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16 || out_dtype == at::kHalf,
+              "dequantize_fp8: out_dtype must be float32, bfloat16 or float16, got ", out_dtype);
+  const int64_t heads = heads_of(codes, scale);
+  const std::vector<float> s = check_scale(scale, heads, "scale");
+  const at::Tensor c = codes.contiguous();
+  at::Tensor values = at::empty(codes.sizes(), codes.options().dtype(at::kFloat));
+  const uint8_t* in = c.data_ptr<uint8_t>();
+  float* out = values.data_ptr<float>();
+  const int64_t inner = codes.dim() >= 1 ? codes.size(-1) : 1;
+  const int64_t n = c.numel();
+  auto run = [&](auto format_tag) {
+    constexpr Fp8Format F = decltype(format_tag)::value;
+    at::parallel_for(0, n, 4096, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) out[i] = fp8_to_float<F>(in[i]) * s[(i / inner) % heads];
+    });
+  };
+  switch (format) {
+    case KVFormat::E5M2: run(std::integral_constant<Fp8Format, Fp8Format::E5M2>{}); break;
+    case KVFormat::E4M3FNUZ: run(std::integral_constant<Fp8Format, Fp8Format::E4M3FNUZ>{}); break;
+    default: run(std::integral_constant<Fp8Format, Fp8Format::E4M3FN>{}); break;
+  }
+  return out_dtype == at::kFloat ? values : values.to(out_dtype);
+}
+
+}  // namespace fp8kv::cpu

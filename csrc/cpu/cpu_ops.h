@@ -1,0 +1,28 @@
+// CPU implementations of the fp8kv ops (registered in register.cpp, schemas in ../torch_bindings.cpp).
+#pragma once
+
+#include <optional>
+#include <string>
+
+#include <ATen/ATen.h>
+
+namespace fp8kv::cpu {
+
+void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                       at::Tensor& value_cache, const at::Tensor& slot_mapping,
+                       const std::string& kv_cache_dtype, const at::Tensor& k_scale,
+                       const at::Tensor& v_scale);
+
+void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                     const at::Tensor& value_cache, int64_t num_kv_heads, double scale,
+                     const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t block_size,
+                     int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes,
+                     const std::string& kv_cache_dtype, const at::Tensor& k_scale,
+                     const at::Tensor& v_scale);
+
+at::Tensor quantize_fp8(const at::Tensor& x, const std::string& kv_cache_dtype, const at::Tensor& scale);
+
+at::Tensor dequantize_fp8(const at::Tensor& codes, const std::string& kv_cache_dtype,
+                          const at::Tensor& scale, at::ScalarType out_dtype);
+
+}  // namespace fp8kv::cpu

@@ -1,0 +1,33 @@
+// Which CPU code path this translation unit compiles, chosen by the compiler flags (see _build.py):
+// -march=native on an AVX-512 machine gives the AVX-512 path, FP8KV_CPU_ISA=avx2 adds -mno-avx512f, and
+// FP8KV_CPU_ISA=scalar defines FP8KV_FORCE_SCALAR (the portable path, also used on non-x86 machines).
+#pragma once
+
+#if defined(FP8KV_FORCE_SCALAR)
+#define FP8KV_ISA_SCALAR 1
+#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && \
+    defined(__F16C__) && defined(__FMA__)
+#define FP8KV_ISA_AVX512 1
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#define FP8KV_ISA_AVX2 1
+#else
+#define FP8KV_ISA_SCALAR 1
+#endif
+
+#if defined(FP8KV_ISA_AVX512) || defined(FP8KV_ISA_AVX2)
+#include <immintrin.h>
+#endif
+
+namespace fp8kv::cpu {
+
+inline const char* isa_name() {
+#if defined(FP8KV_ISA_AVX512)
+  return "avx512";
+#elif defined(FP8KV_ISA_AVX2)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
+}  // namespace fp8kv::cpu

@@ -1,0 +1,11 @@
+// CPU kernels of the fp8kv ops.
+#include <torch/library.h>
+
+#include "cpu/cpu_ops.h"
+
+TORCH_LIBRARY_IMPL(fp8kv, CPU, m) {
+  m.impl("reshape_and_cache", &fp8kv::cpu::reshape_and_cache);
+  m.impl("paged_attention", &fp8kv::cpu::paged_attention);
+  m.impl("quantize_fp8", &fp8kv::cpu::quantize_fp8);
+  m.impl("dequantize_fp8", &fp8kv::cpu::dequantize_fp8);
+}

@@ -1,0 +1,27 @@
+// Op schemas of torch.ops.fp8kv (DESIGN section 4). Kernels are registered per backend:
+// cpu/register.cpp (CPU) and cuda/ (CUDA, HIP).
+#include <string>
+
+#include <torch/library.h>
+
+#include "cpu/isa.h"
+
+namespace {
+
+// Which CPU code path this library was compiled with: "avx512", "avx2" or "scalar".
+std::string cpu_isa() { return fp8kv::cpu::isa_name(); }
+
+}  // namespace
+
+TORCH_LIBRARY(fp8kv, m) {
+  m.def(
+      "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+      "Tensor slot_mapping, str kv_cache_dtype, Tensor k_scale, Tensor v_scale) -> ()");
+  m.def(
+      "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+      "int num_kv_heads, float scale, Tensor block_tables, Tensor seq_lens, int block_size, "
+      "int max_seq_len, Tensor? alibi_slopes, str kv_cache_dtype, Tensor k_scale, Tensor v_scale) -> ()");
+  m.def("quantize_fp8(Tensor x, str kv_cache_dtype, Tensor scale) -> Tensor");
+  m.def("dequantize_fp8(Tensor codes, str kv_cache_dtype, Tensor scale, ScalarType out_dtype) -> Tensor");
+  m.def("cpu_isa() -> str", &cpu_isa);
+}

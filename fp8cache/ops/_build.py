@@ -1,0 +1,234 @@
+"""Compile csrc/ into the op library for this machine, once, and cache it on disk.
+
+The cache key is a hash of every source file's contents, the torch version, the compiler flags and the
+CPU code path, so a second process (or a second run) loads the cached library in well under a second and
+any change to the sources rebuilds. A file lock keeps two processes from compiling the same key at once.
+
+Environment:
+  FP8KV_CACHE_DIR   where built libraries live (default $XDG_CACHE_HOME/fp8kv/ops or ~/.cache/fp8kv/ops)
+  FP8KV_CPU_ISA     native (default) | avx512 | avx2 | scalar: force a lower CPU path, e.g. for testing
+  CXX               the C++ compiler (default: c++, g++ or clang++ on PATH)
+  MAX_JOBS          parallel compile jobs (torch's ninja convention)
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("fp8kv.ops")
+
+CPU_ISAS = ("native", "avx512", "avx2", "scalar")
+_SOURCE_SUFFIXES = (".h", ".hpp", ".cuh", ".cpp", ".cc", ".cu")
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    path: str  # the loaded shared library
+    compiled: bool  # False when a cached library was reused
+    seconds: float
+    isa: str
+    with_cuda: bool
+
+
+_loaded: BuildResult | None = None
+
+
+def source_dir() -> Path:
+    """csrc/ shipped inside the package (non-editable installs) or at the repository root."""
+    package = Path(__file__).resolve().parents[1]
+    candidates = (package / "csrc", package.parent / "csrc")
+    for candidate in candidates:
+        if (candidate / "torch_bindings.cpp").is_file():
+            return candidate
+    raise RuntimeError(
+        "fp8kv C++ sources not found (looked for torch_bindings.cpp in "
+        + ", ".join(str(c) for c in candidates) + "); reinstall the package with `pip install .`")
+
+
+def cache_dir() -> Path:
+    if os.environ.get("FP8KV_CACHE_DIR"):
+        return Path(os.environ["FP8KV_CACHE_DIR"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "fp8kv" / "ops"
+
+
+def requested_isa() -> str:
+    isa = os.environ.get("FP8KV_CPU_ISA", "native").strip().lower() or "native"
+    if isa not in CPU_ISAS:
+        raise ValueError(f"FP8KV_CPU_ISA={isa!r} is not one of: {', '.join(CPU_ISAS)}")
+    return isa
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _isa_cflags(isa: str) -> list[str]:
+    x86 = platform.machine().lower() in ("x86_64", "amd64", "i686")
+    if isa == "scalar":
+        return ["-DFP8KV_FORCE_SCALAR"]
+    if not x86:
+        if isa in ("avx512", "avx2"):
+            raise RuntimeError(f"FP8KV_CPU_ISA={isa} needs an x86-64 CPU; this is {platform.machine()}")
+        return ["-mcpu=native"]
+    flags = _cpu_flags()
+    if isa == "avx512" and not {"avx512f", "avx512bw", "avx512vl"} <= flags:
+        raise RuntimeError("FP8KV_CPU_ISA=avx512 but this CPU lacks AVX-512 (F/BW/VL); use native or avx2")
+    if isa == "avx2":
+        if flags and "avx2" not in flags:
+            raise RuntimeError("FP8KV_CPU_ISA=avx2 but this CPU lacks AVX2; use native or scalar")
+        return ["-march=native", "-mno-avx512f"]
+    return ["-march=native"]
+
+
+def _compiler() -> str:
+    for candidate in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if candidate and shutil.which(candidate):
+            return shutil.which(candidate)
+    raise RuntimeError("no C++ compiler found: install g++ (apt-get install g++) or set CXX")
+
+
+def _compiler_version(cxx: str) -> str:
+    try:
+        return subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _check_ninja() -> None:
+    if shutil.which("ninja") is None:
+        raise RuntimeError("ninja not found: the op library is compiled with ninja; run `pip install ninja`")
+
+
+def _cuda_sources(root: Path) -> list[Path]:
+    """CUDA (or, on a ROCm torch, hipified) sources: only with a usable GPU and only if there are any."""
+    if not torch.cuda.is_available():
+        return []
+    return sorted((root / "cuda").glob("*.cu")) if (root / "cuda").is_dir() else []
+
+
+def _all_source_files(root: Path, with_cuda: bool) -> list[Path]:
+    """Every file the build may read; cuda/ only counts when it is compiled."""
+    return sorted(p for p in root.rglob("*")
+                  if p.is_file() and p.suffix in _SOURCE_SUFFIXES
+                  and (with_cuda or p.relative_to(root).parts[0] != "cuda"))
+
+
+def _extra_cuda_cflags(root: Path) -> list[str]:
+    # csrc/cuda/nvcc_flags.txt (one flag a line) lets the CUDA sources carry their own flags.
+    flags = ["-O3"]
+    flag_file = root / "cuda" / "nvcc_flags.txt"
+    if flag_file.is_file():
+        flags += [ln.strip() for ln in flag_file.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+    return flags
+
+
+def _build_key(root: Path, cflags: list[str], cuda_cflags: list[str], isa: str, cxx: str,
+               with_cuda: bool) -> str:
+    h = hashlib.sha256()
+    for part in (torch.__version__, str(torch.version.cuda), str(getattr(torch.version, "hip", None)),
+                 platform.python_version(), platform.machine(), isa, " ".join(cflags), cxx,
+                 _compiler_version(cxx), str(with_cuda), " ".join(cuda_cflags if with_cuda else [])):
+        h.update(part.encode())
+        h.update(b"\0")
+    for path in _all_source_files(root, with_cuda):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(b"\0")
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _notify(callback: Callable[[str], None] | None, message: str) -> None:
+    logger.info(message)
+    if callback is not None:
+        callback(message)
+
+
+def build(verbose: bool = False, progress_callback: Callable[[str], None] | None = None) -> str:
+    """Compile (unless cached) and load the op library into this process; returns its path."""
+    return load_library(verbose=verbose, progress_callback=progress_callback).path
+
+
+def load_library(verbose: bool = False,
+                 progress_callback: Callable[[str], None] | None = None) -> BuildResult:
+    """Idempotent per process: later calls return the library the first call loaded."""
+    global _loaded
+    if _loaded is not None:
+        return _loaded
+    start = time.perf_counter()
+    root = source_dir()
+    isa = requested_isa()
+    cxx = _compiler()
+    cflags = ["-O3", "-std=c++17", "-fopenmp", "-Wall", "-Wno-unused-function", *_isa_cflags(isa)]
+    cuda = _cuda_sources(root)
+    cuda_cflags = _extra_cuda_cflags(root) if cuda else []
+    key = _build_key(root, cflags, cuda_cflags, isa, cxx, bool(cuda))
+    name = f"fp8kv_ops_{key}"
+    build_dir = cache_dir() / name
+    library = build_dir / f"{name}.so"
+    compiled = False
+    if not library.is_file():
+        build_dir.mkdir(parents=True, exist_ok=True)
+        with open(cache_dir() / f"{name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be compiling this very key
+            if not library.is_file():
+                _compile(name, root, build_dir, cflags, cuda, cuda_cflags, cxx, verbose, progress_callback)
+                compiled = True
+    if not compiled:
+        torch.ops.load_library(str(library))
+    _loaded = BuildResult(str(library), compiled, time.perf_counter() - start, isa, bool(cuda))
+    verb = "compiled" if compiled else "reused cached"
+    _notify(progress_callback, f"{verb} fp8kv op library ({torch.ops.fp8kv.cpu_isa()} CPU path"
+            f"{', CUDA' if cuda else ''}) in {_loaded.seconds:.1f}s: {library}")
+    return _loaded
+
+
+def _compile(name: str, root: Path, build_dir: Path, cflags: list[str], cuda: list[Path],
+             cuda_cflags: list[str], cxx: str, verbose: bool,
+             progress_callback: Callable[[str], None] | None) -> None:
+    from torch.utils import cpp_extension
+
+    _check_ninja()
+    sources = [root / "torch_bindings.cpp", *sorted((root / "cpu").glob("*.cpp")), *cuda]
+    _notify(progress_callback, f"compiling the fp8kv op library ({len(sources)} sources, once per "
+            f"source version; about a minute) into {build_dir}")
+    os.environ.setdefault("CXX", cxx)
+    cpp_extension.load(
+        name=name,
+        sources=[str(s) for s in sources],
+        extra_cflags=cflags + (["-DFP8KV_WITH_CUDA"] if cuda else []),
+        extra_cuda_cflags=cuda_cflags,
+        extra_ldflags=["-fopenmp"],
+        extra_include_paths=[str(root)],
+        build_directory=str(build_dir),
+        is_python_module=False,
+        verbose=verbose,
+    )
+
+
+def library_path() -> str | None:
+    """Path of the library loaded in this process, None before the first load."""
+    return _loaded.path if _loaded is not None else None
+
+
+def last_build() -> BuildResult | None:
+    return _loaded
