@@ -1,0 +1,195 @@
+"""Fixed-size KV blocks: a free list, reference counts, and a prefix cache keyed by block content.
+
+A full block is known by a hash chained over (previous block's hash, its token ids, the cache
+fingerprint). The fingerprint changes whenever the runner's scales change, so a block is shared only
+when its bytes mean the same thing. Sequences with the same prefix point at the same blocks (no copy).
+A block whose last user leaves keeps its hash and stays findable until the allocator reuses it; the
+free list is LRU, so the blocks freed longest ago go first.
+
+Sharing covers only blocks that are already computed: a block is registered after the step that filled
+it. A sequence never writes into a block it shares, because the cached prefix it takes stops short of
+its last token (that token must be fed again so that its logits exist).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+
+from fp8cache.engine.sequence import Sequence
+
+
+class Block:
+    __slots__ = ("block_id", "hash", "ref_count", "token_ids")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None  # set while this block is the prefix cache's entry for `hash`
+        self.token_ids: tuple[int, ...] = ()  # guards against a hash collision
+
+
+def block_hash(prev_hash: int | None, token_ids: list[int], fingerprint: str) -> int:
+    data = repr((prev_hash, fingerprint, tuple(token_ids))).encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 cache_fingerprint: str = "") -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"BlockManager needs num_blocks >= 1 and block_size >= 1, "
+                             f"got {num_blocks} and {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.cache_fingerprint = cache_fingerprint
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU
+        self.hash_to_block_id: dict[int, int] = {}
+        self.prefix_cache_queries = 0  # prompt tokens looked up at admission
+        self.prefix_cache_hits = 0  # of those, tokens found in the cache
+
+    # --- counts ------------------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks nobody uses, including cached ones that can be evicted."""
+        return len(self.free_block_ids)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_block_ids)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the bookkeeping is inconsistent (for tests and debugging)."""
+        used = sum(1 for b in self.blocks if b.ref_count > 0)
+        assert all(b.ref_count >= 0 for b in self.blocks), "negative ref count"
+        assert used + self.num_free_blocks == self.num_blocks, "a block is both used and free, or neither"
+        assert all(self.blocks[i].ref_count == 0 for i in self.free_block_ids), "a used block is on the free list"
+        for h, i in self.hash_to_block_id.items():
+            assert self.blocks[i].hash == h, "prefix cache points at a block that lost its hash"
+
+    # --- prefix cache ------------------------------------------------------------------------------
+
+    def set_fingerprint(self, fingerprint: str) -> None:
+        self.cache_fingerprint = fingerprint
+
+    def _full_block_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """Hashes of the first `num_blocks` full blocks of seq.token_ids (cached on the sequence)."""
+        if seq.hash_fingerprint != self.cache_fingerprint:
+            seq.block_hashes, seq.hash_fingerprint = [], self.cache_fingerprint
+        hashes, bs = seq.block_hashes, self.block_size
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            hashes.append(block_hash(hashes[-1] if hashes else None, seq.token_ids[i * bs:(i + 1) * bs],
+                                     self.cache_fingerprint))
+        return hashes[:num_blocks]
+
+    def lookup_prefix(self, seq: Sequence) -> list[int]:
+        """Ids of cached blocks holding seq's leading tokens; changes nothing.
+
+        Stops before the block holding the last token: that token is always fed again for its logits.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (len(seq) - 1) // self.block_size
+        found = []
+        for i, h in enumerate(self._full_block_hashes(seq, max_blocks)):
+            block_id = self.hash_to_block_id.get(h)
+            tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            found.append(block_id)
+        return found
+
+    def register_computed_blocks(self, seq: Sequence) -> None:
+        """Offer seq's blocks that are now full and computed to the prefix cache."""
+        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        if not self.enable_prefix_caching or num_full <= seq.num_registered_blocks:
+            return
+        hashes = self._full_block_hashes(seq, num_full)
+        for i in range(seq.num_registered_blocks, num_full):
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None and hashes[i] not in self.hash_to_block_id:
+                block.hash = hashes[i]
+                block.token_ids = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+                self.hash_to_block_id[block.hash] = block.block_id
+            # else: an equal block is cached already (two sequences computed it at once); keep that one.
+        seq.num_registered_blocks = num_full
+
+    # --- allocation --------------------------------------------------------------------------------
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, cached_block_ids: list[int] = ()) -> bool:
+        """Whether seq can take `cached_block_ids` (from lookup_prefix) and room for `num_new_tokens`
+        more tokens after its computed ones."""
+        num_computed = seq.num_computed_tokens + len(cached_block_ids) * self.block_size
+        new_blocks = self.blocks_needed(num_computed + num_new_tokens) - len(seq.block_table) \
+            - len(cached_block_ids)
+        revived = sum(1 for i in cached_block_ids if self.blocks[i].ref_count == 0)
+        return max(new_blocks, 0) + revived <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached_block_ids: list[int] = ()) -> None:
+        """Give seq the cached blocks (they count as computed) and enough blocks for num_new_tokens more."""
+        if not self.can_allocate(seq, num_new_tokens, cached_block_ids):
+            raise RuntimeError(f"not enough free KV blocks for {seq}; call can_allocate first")
+        if cached_block_ids:
+            assert seq.num_computed_tokens == len(seq.block_table) * self.block_size, \
+                "cached blocks can only extend a block-aligned computed prefix"
+            for block_id in cached_block_ids:
+                self._take(block_id)
+                seq.block_table.append(block_id)
+            cached_tokens = len(cached_block_ids) * self.block_size
+            seq.num_computed_tokens += cached_tokens
+            seq.num_cached_tokens += cached_tokens
+            seq.num_registered_blocks = len(seq.block_table)
+        self.append(seq, num_new_tokens)
+
+    def append(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Grow seq's block table to hold num_new_tokens tokens after its computed ones."""
+        needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        if needed > self.num_free_blocks:
+            raise RuntimeError(f"not enough free KV blocks for {seq}; call can_allocate first")
+        for _ in range(needed):
+            block_id = next(iter(self.free_block_ids))
+            self._evict(block_id)
+            self._take(block_id)
+            seq.block_table.append(block_id)
+
+    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_cache_queries += num_tokens
+        self.prefix_cache_hits += num_hit_tokens
+
+    def free(self, seq: Sequence) -> None:
+        """Release seq's blocks. Cached ones stay findable until reused. Safe to call twice."""
+        # Tail blocks first, so that they are evicted before the prefix blocks others may share.
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            if block.ref_count <= 0:
+                raise RuntimeError(f"double free of KV block {block_id} by {seq}")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_block_ids[block_id] = None
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_registered_blocks = 0
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_block_ids[block_id]
+        block.ref_count += 1
+
+    def _evict(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.hash is not None:
+            del self.hash_to_block_id[block.hash]
+            block.hash, block.token_ids = None, ()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block that nobody uses (e.g. after the scales changed)."""
+        for block_id in self.free_block_ids:
+            self._evict(block_id)

@@ -1,0 +1,141 @@
+"""Offline batch generation with vLLM's `LLM` interface.
+
+    from fp8cache import LLM, SamplingParams
+    llm = LLM(kv_cache_dtype="fp8")
+    out = llm.generate("London is the capital of", SamplingParams(temperature=0.7, top_p=0.8))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+from fp8cache.config import EngineConfig
+from fp8cache.engine.llm_engine import LLMEngine
+from fp8cache.engine.outputs import RequestOutput
+from fp8cache.engine.sampling_params import SamplingParams
+
+_CONFIG_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
+
+
+class LLM:
+    def __init__(self, model: str | None = None, tokenizer: str | None = None, dtype: str = "auto",
+                 kv_cache_dtype: str = "auto", quantization_param_path: str | None = None,
+                 calculate_kv_scales: bool = False, block_size: int = 16, max_model_len: int | None = None,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                 kv_cache_memory: int | str | None = None, enable_prefix_caching: bool = True, seed: int = 0,
+                 trust_remote_code: bool = False, log=print, **kwargs) -> None:
+        unknown = sorted(set(kwargs) - _CONFIG_FIELDS)
+        if unknown:
+            raise TypeError(f"LLM() got unknown argument(s) {', '.join(unknown)}; "
+                            f"accepted: {', '.join(sorted(_CONFIG_FIELDS))}")
+        config = EngineConfig(model=model, tokenizer=tokenizer, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                              quantization_param_path=quantization_param_path,
+                              calculate_kv_scales=calculate_kv_scales, block_size=block_size,
+                              max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                              max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
+                              enable_prefix_caching=enable_prefix_caching, seed=seed,
+                              trust_remote_code=trust_remote_code, **kwargs)
+        self.llm_engine = LLMEngine(config, log=log)
+        self._request_ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """prompts: a string, a list of token ids, or a list of either (also vLLM's {"prompt": ...} and
+        {"prompt_token_ids": [...]} dicts). Returns one RequestOutput per prompt, in input order."""
+        prompts = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompts))
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                rid = str(next(self._request_ids))
+                text, token_ids = prompt
+                self.llm_engine.add_request(rid, text if text is not None else token_ids, p,
+                                            prompt_token_ids=token_ids if text is not None else None)
+                ids.append(rid)
+        except Exception:
+            self.llm_engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = False, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """messages: one conversation ([{"role": ..., "content": ...}, ...]) or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tok = self.get_tokenizer()
+        if getattr(tok, "chat_template", None) is None:
+            raise ValueError("this model's tokenizer has no chat template; use generate() with plain text")
+        prompts = []
+        for conv in conversations:
+            text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt)
+            # The template already holds any BOS; tokenizing it again must not add another.
+            prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        pending = set(ids)
+        done: dict[str, RequestOutput] = {}
+        bar = _progress_bar(len(ids)) if use_tqdm else None
+        try:
+            while pending:
+                for out in engine.step():
+                    if out.finished and out.request_id in pending:
+                        done[out.request_id] = out
+                        pending.discard(out.request_id)
+                        if bar is not None:
+                            bar.update(1)
+                if pending and not engine.has_unfinished_requests():
+                    raise RuntimeError(f"the engine dropped requests {sorted(pending)} without finishing them")
+        except BaseException:
+            engine.abort_request(list(pending))
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [done[i] for i in ids]
+
+
+def _as_prompt_list(prompts) -> list[tuple[str | None, list[int] | None]]:
+    """Normalize to (text or None, token ids or None) pairs."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                            and all(isinstance(t, int) for t in prompts)):
+        prompts = [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError("prompts must be a string, a list of token ids, or a list of those")
+    out = []
+    for p in prompts:
+        if isinstance(p, str):
+            out.append((p, None))
+        elif isinstance(p, dict) and ("prompt" in p or "prompt_token_ids" in p):
+            ids = p.get("prompt_token_ids")
+            out.append((p.get("prompt"), list(ids) if ids is not None else None))
+        elif isinstance(p, (list, tuple)) and all(isinstance(t, int) for t in p):
+            out.append((None, list(p)))
+        else:
+            raise ValueError(f"cannot use {p!r} as a prompt: give a string, a list of token ids, "
+                             "or a dict with 'prompt' or 'prompt_token_ids'")
+    return out
+
+
+def _as_params_list(params, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n or not all(isinstance(p, SamplingParams) for p in params):
+        raise ValueError(f"sampling_params must be one SamplingParams or a list of {n} (one per prompt), "
+                         f"got {len(params)} items")
+    return params
+
+
+def _progress_bar(total: int):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc="generating")

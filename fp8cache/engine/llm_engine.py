@@ -1,0 +1,214 @@
+"""The engine loop: requests in, one scheduled model step at a time, RequestOutputs out.
+
+add_request and abort_request may be called from any thread (the HTTP server's); they only validate
+and drop a message in an inbox under a lock. step() drains the inbox, then schedules, runs the model,
+samples and detokenizes without holding the lock, so one thread must own step().
+
+Length limits: a prompt longer than max_model_len, or longer than the whole KV cache holds, is refused
+by add_request with ValueError. A sequence that reaches either limit while generating finishes with
+finish_reason "length".
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+from fp8cache.config import EngineConfig
+from fp8cache.engine.block_manager import BlockManager
+from fp8cache.engine.detokenizer import check_stop
+from fp8cache.engine.outputs import CompletionOutput, RequestOutput
+from fp8cache.engine.sampler import Sampler
+from fp8cache.engine.sampling_params import SamplingParams
+from fp8cache.engine.scheduler import Scheduler
+from fp8cache.engine.sequence import Sequence
+
+
+@dataclass
+class EngineStats:
+    num_prefill_tokens_computed: int  # prompt (and recomputed) tokens fed to the model
+    num_cached_prompt_tokens: int  # prompt tokens taken from the prefix cache instead
+    prefix_cache_queries: int  # tokens looked up in the prefix cache at admission
+    prefix_cache_hits: int  # of those, tokens found
+    num_preemptions: int
+    num_generated_tokens: int
+    num_steps: int
+    blocks_used: int
+    blocks_free: int
+    blocks_total: int
+    num_running: int
+    num_waiting: int
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+    def output(self) -> RequestOutput:
+        outs = [CompletionOutput(index=s.index, text=s.visible_text(), token_ids=s.output_token_ids,
+                                 finish_reason=s.finish_reason, stop_reason=s.stop_reason)
+                for s in self.seqs]
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, log=print, runner=None) -> None:
+        """runner: a ready model runner (tests pass a fake one); None builds fp8cache's ModelRunner."""
+        if runner is None:
+            from fp8cache.model.runner import ModelRunner
+
+            runner = ModelRunner(config, log=log)
+        self.config = config
+        self.log = log
+        self.runner = runner
+        self.tokenizer = runner.tokenizer
+        self.eos_token_ids = set(runner.eos_token_ids)
+        self.block_manager = BlockManager(runner.num_blocks, runner.block_size, config.enable_prefix_caching,
+                                          runner.cache_fingerprint)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.sampler = Sampler(config.seed)
+        self.max_model_len = runner.max_model_len
+        self.cache_capacity_tokens = runner.num_blocks * runner.block_size
+        self.requests: dict[str, Request] = {}  # owned by the step() thread
+        self._lock = threading.Lock()
+        self._inbox: deque[tuple[str, object]] = deque()  # ("add", Request) | ("abort", request_id)
+        self._live_ids: set[str] = set()  # ids added and not yet finished or aborted; under _lock
+        self._arrivals = itertools.count()
+        self.num_generated_tokens = 0
+        self.num_steps = 0
+
+    # --- any thread --------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    prompt_token_ids: list[int] | None = None) -> None:
+        """Queue a request. prompt: text, or token ids. prompt_token_ids: the ids of a text prompt when
+        the caller tokenized it already (e.g. after a chat template)."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        text, token_ids = self._tokenize(prompt, prompt_token_ids)
+        self._check_prompt(token_ids)
+        seqs = [Sequence(request_id, i, token_ids, params, arrival=next(self._arrivals))
+                for i in range(params.n)]
+        request = Request(request_id, text, token_ids, params, seqs)
+        with self._lock:
+            if request_id in self._live_ids:
+                raise ValueError(f"request id {request_id!r} is already in use; give each request its own id")
+            self._live_ids.add(request_id)
+            self._inbox.append(("add", request))
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        """Stop the request(s) and free their blocks at the start of the next step. Unknown ids are ignored."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        with self._lock:
+            for rid in ids:
+                if rid in self._live_ids:
+                    self._live_ids.discard(rid)
+                    self._inbox.append(("abort", rid))
+
+    def has_unfinished_requests(self) -> bool:
+        with self._lock:
+            return bool(self._live_ids)
+
+    def get_num_unfinished_requests(self) -> int:
+        with self._lock:
+            return len(self._live_ids)
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    @property
+    def stats(self) -> EngineStats:
+        bm, sched = self.block_manager, self.scheduler
+        return EngineStats(
+            num_prefill_tokens_computed=sched.num_prefill_tokens_computed,
+            num_cached_prompt_tokens=sched.num_cached_prompt_tokens,
+            prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
+            num_preemptions=sched.num_preemptions, num_generated_tokens=self.num_generated_tokens,
+            num_steps=self.num_steps, blocks_used=bm.num_used_blocks, blocks_free=bm.num_free_blocks,
+            blocks_total=bm.num_blocks, num_running=len(sched.running), num_waiting=len(sched.waiting))
+
+    # --- the step thread ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled model step; return the requests that got new tokens or finished."""
+        self._drain_inbox()
+        self.block_manager.set_fingerprint(self.runner.cache_fingerprint)
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        logits = self.runner.execute(plan.batch)
+        # Scales may have been computed from this very batch: hash its blocks with what they hold now.
+        self.block_manager.set_fingerprint(self.runner.cache_fingerprint)
+        sampled = [item.seq for item, chunk in zip(plan.scheduled, plan.batch.seqs) if chunk.want_logits]
+        self.scheduler.on_step_done(plan.scheduled)
+        self.num_steps += 1
+        if not sampled:
+            return []
+        tokens = self.sampler(logits, sampled, self.eos_token_ids)
+        progressed: dict[str, Request] = {}
+        limit = min(self.max_model_len, self.cache_capacity_tokens)
+        for seq, token in zip(sampled, tokens):
+            seq.append_token(token)
+            self.num_generated_tokens += 1
+            check_stop(self.tokenizer, seq, self.eos_token_ids, limit)
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq, seq.finish_reason)
+            progressed[seq.request_id] = self.requests[seq.request_id]
+        outputs = [r.output() for r in progressed.values()]
+        self._forget_finished(progressed.values())
+        return outputs
+
+    def _drain_inbox(self) -> None:
+        with self._lock:
+            messages, self._inbox = list(self._inbox), deque()
+        for kind, payload in messages:
+            if kind == "add":
+                self.requests[payload.request_id] = payload
+                for seq in payload.seqs:
+                    self.scheduler.add(seq)
+            elif payload in self.requests:
+                self.scheduler.abort(payload)
+                del self.requests[payload]
+
+    def _forget_finished(self, requests) -> None:
+        done = [r.request_id for r in requests if r.finished]
+        for rid in done:
+            del self.requests[rid]
+        with self._lock:
+            self._live_ids.difference_update(done)
+
+    # --- validation --------------------------------------------------------------------------------
+
+    def _tokenize(self, prompt: str | list[int], prompt_token_ids: list[int] | None) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt) if prompt_token_ids is None else list(prompt_token_ids)
+            return prompt, ids
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                     for t in prompt):
+            return None, list(prompt)
+        raise TypeError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def _check_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty (0 tokens); give at least one token")
+        vocab = getattr(getattr(self.runner, "hf_config", None), "vocab_size", None)
+        bad = [t for t in token_ids if t < 0 or (vocab is not None and t >= vocab)]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len};"
+                             f" shorten the prompt or raise max_model_len")
+        if len(token_ids) > self.cache_capacity_tokens:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens but the whole KV cache holds "
+                             f"{self.cache_capacity_tokens}; raise kv_cache_memory or shorten the prompt")

@@ -1,0 +1,106 @@
+"""Turn one row of logits per sequence into one token per sequence, all rows at once.
+
+Order, as in vLLM: min_tokens bans -> penalties -> greedy argmax, or temperature -> min-p -> top-k ->
+top-p -> draw. The draw is argmax(p / q) with q ~ Exp(1), which is a draw from p; a seeded request
+makes its own q from its own generator, so its tokens do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fp8cache.engine.sequence import Sequence
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator()
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]) -> list[int]:
+        if logits.shape[0] != len(seqs):
+            raise ValueError(f"sampler got {logits.shape[0]} logit rows for {len(seqs)} sequences")
+        logits = logits.float().clone()
+        ban_stop_tokens_before_min(logits, seqs, eos_token_ids)
+        apply_penalties(logits, seqs)
+        params = [s.params for s in seqs]
+        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+        tokens = logits.argmax(dim=-1)
+        if not bool(greedy.all()):
+            probs = sampling_probs(logits, seqs)
+            tokens = torch.where(greedy, tokens, self.draw(probs, seqs))
+        return tokens.tolist()
+
+    def draw(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        q = torch.empty(probs.shape, dtype=probs.dtype).exponential_(generator=self.generator)
+        for i, seq in enumerate(seqs):
+            if seq.generator is not None and not seq.params.greedy:
+                q[i].exponential_(generator=seq.generator)
+        q.clamp_(min=torch.finfo(q.dtype).tiny)  # q == 0 would make a p == 0 token win (0/0 = nan)
+        return (probs / q.to(probs.device)).argmax(dim=-1)
+
+
+def _column(seqs: list[Sequence], name: str, device: torch.device) -> torch.Tensor:
+    return torch.tensor([float(getattr(s.params, name)) for s in seqs], device=device).unsqueeze(1)
+
+
+def ban_stop_tokens_before_min(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]) -> None:
+    for i, seq in enumerate(seqs):
+        p = seq.params
+        if seq.num_output_tokens < p.min_tokens:
+            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+            banned = [t for t in banned if t < logits.shape[1]]
+            if banned:
+                logits[i, banned] = -float("inf")
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """Repetition penalty over prompt and output tokens; presence and frequency over output tokens."""
+    rows = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0
+            or s.params.presence_penalty != 0.0 or s.params.frequency_penalty != 0.0]
+    vocab = logits.shape[1]
+    for i in rows:
+        p, seq = seqs[i].params, seqs[i]
+        row = logits[i]
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted({t for t in seq.token_ids if t < vocab}), dtype=torch.long,
+                                device=logits.device)
+            vals = row[seen]
+            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+            out = torch.tensor([t for t in seq.output_token_ids if t < vocab], dtype=torch.long,
+                               device=logits.device)
+            counts = torch.bincount(out, minlength=vocab).to(row.dtype)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+
+
+def sampling_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Probabilities after temperature, min-p, top-k and top-p (rows of greedy sequences are unused)."""
+    temperature = _column(seqs, "temperature", logits.device)
+    logits = logits / torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    min_p = _column(seqs, "min_p", logits.device)
+    if bool((min_p > 0).any()):
+        probs = logits.softmax(dim=-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, -float("inf"))
+    logits = top_k_top_p(logits, seqs)
+    return logits.softmax(dim=-1)
+
+
+def top_k_top_p(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    vocab = logits.shape[1]
+    top_k = torch.tensor([s.params.top_k if 0 < s.params.top_k < vocab else vocab for s in seqs],
+                         device=logits.device)
+    top_p = _column(seqs, "top_p", logits.device)
+    if bool((top_k == vocab).all()) and bool((top_p >= 1).all()):
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    drop = ranks >= top_k.unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(drop, -float("inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    # Keep the smallest set whose mass reaches top_p (always >= 1 token); top_p == 1 keeps everything,
+    # even where rounding pushes the running sum past 1.
+    drop = (mass_before >= top_p) & (top_p < 1)
+    sorted_logits = sorted_logits.masked_fill(drop, -float("inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)

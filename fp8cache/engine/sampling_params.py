@@ -1,0 +1,90 @@
+"""Per-request sampling knobs, with vLLM's names and defaults.
+
+Every bad value raises ValueError naming the field, the value and the allowed range: the HTTP server
+turns these into 400 responses as they are.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = -1  # 0 or -1: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    max_tokens: int | None = 16  # None: up to the model's length limit
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stop_strings: list[str] = field(init=False, repr=False)  # `stop` as a list, "" dropped
+
+    def __post_init__(self) -> None:
+        _check_int("n", self.n, 1, None, "an integer >= 1")
+        _check_number("temperature", self.temperature, lambda v: v >= 0, "a number >= 0 (0 means greedy)")
+        _check_number("top_p", self.top_p, lambda v: 0 < v <= 1, "a number in (0, 1]")
+        _check_int("top_k", self.top_k, -1, None, "-1 or 0 (off) or an integer >= 1")
+        _check_number("min_p", self.min_p, lambda v: 0 <= v <= 1, "a number in [0, 1]")
+        _check_number("repetition_penalty", self.repetition_penalty, lambda v: v > 0, "a number > 0")
+        _check_number("presence_penalty", self.presence_penalty, lambda v: -2 <= v <= 2,
+                      "a number in [-2, 2]")
+        _check_number("frequency_penalty", self.frequency_penalty, lambda v: -2 <= v <= 2,
+                      "a number in [-2, 2]")
+        if self.seed is not None:
+            _check_int("seed", self.seed, None, None, "an integer or None")
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, 1, None, "an integer >= 1 or None")
+        _check_int("min_tokens", self.min_tokens, 0, self.max_tokens,
+                   f"an integer in [0, max_tokens={self.max_tokens}]")
+        self.stop_strings = _stop_list(self.stop)
+        self.stop_token_ids = _token_id_list(self.stop_token_ids)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _fail(name: str, value: object, allowed: str) -> None:
+    raise ValueError(f"SamplingParams.{name}={value!r} is invalid: it must be {allowed}.")
+
+
+def _check_int(name: str, value: object, low: int | None, high: int | None, allowed: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        _fail(name, value, allowed)
+    if (low is not None and value < low) or (high is not None and value > high):
+        _fail(name, value, allowed)
+
+
+def _check_number(name: str, value: object, ok, allowed: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or not ok(value):
+        _fail(name, value, allowed)
+
+
+def _stop_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+        _fail("stop", stop, "a string, a list of strings, or None")
+    return [s for s in stop if s]
+
+
+def _token_id_list(ids: list[int] | None) -> list[int]:
+    if ids is None:
+        return []
+    if not isinstance(ids, (list, tuple, set)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        _fail("stop_token_ids", ids, "a list of token ids (integers >= 0) or None")
+    return list(ids)

@@ -1,0 +1,164 @@
+"""Continuous batching: each step picks which sequences feed how many tokens, within a token budget.
+
+Order within a step: running decodes first (latency), then running prefills that are partway through
+(chunked prefill), then waiting sequences in arrival order while budget, seats (max_num_seqs) and
+blocks last. A prompt longer than the leftover budget is split; only the chunk that reaches its end
+asks for logits. When blocks run out the latest-arrived running sequence is preempted by recompute:
+its blocks are freed and it goes back to the front of the queue with everything it generated so far
+as prompt, so nothing is lost or repeated (its sampler state lives on the sequence).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from fp8cache.engine.block_manager import BlockManager
+from fp8cache.engine.sequence import Sequence, SequenceStatus
+from fp8cache.model.batch import SeqChunk, StepBatch
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def reaches_end(self) -> bool:
+        return self.seq.num_computed_tokens + self.num_new_tokens == len(self.seq)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq]
+    batch: StepBatch
+    num_preempted: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_seqs ({max_num_seqs}) and max_num_batched_tokens "
+                             f"({max_num_batched_tokens}) must both be >= 1")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.num_prefill_tokens_computed = 0  # fed tokens of steps that were not plain decodes
+        self.num_cached_prompt_tokens = 0  # tokens taken from the prefix cache instead of computed
+
+    # --- queues ------------------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Drop every sequence of the request and free its blocks now."""
+        dropped = [s for s in self.running if s.request_id == request_id]
+        dropped += [s for s in self.waiting if s.request_id == request_id]
+        for seq in dropped:
+            self.finish(seq, "abort")
+        return dropped
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = seq.finish_reason or reason
+
+    # --- one step ----------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        queue = deque(decodes + [s for s in self.running if s.num_uncomputed_tokens > 1])
+        num_preempted = 0
+        while queue and budget > 0:
+            seq = queue.popleft()
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            while not self.block_manager.can_allocate(seq, num_new):
+                victim = max([seq, *queue], key=lambda s: s.arrival)
+                if victim is not seq:
+                    queue.remove(victim)
+                self._preempt(victim)
+                num_preempted += 1
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            self.block_manager.append(seq, num_new)
+            scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+        if not num_preempted:  # admitting new work right after running out of blocks would thrash
+            budget = self._admit_waiting(budget, scheduled)
+        return SchedulerOutput(scheduled, self._build_batch(scheduled), num_preempted)
+
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledSeq]) -> int:
+        bm = self.block_manager
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            if self._sibling_is_prefilling(seq):
+                continue  # it will find the shared prompt in the prefix cache a step later
+            cached = bm.lookup_prefix(seq)
+            num_new = min(len(seq) - len(cached) * bm.block_size, budget)
+            if not bm.can_allocate(seq, num_new, cached):
+                break
+            bm.allocate(seq, num_new, cached)
+            bm.record_prefix_query(len(seq), len(cached) * bm.block_size)
+            self.num_cached_prompt_tokens += len(cached) * bm.block_size
+            self.waiting.remove(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+        return budget
+
+    def _sibling_is_prefilling(self, seq: Sequence) -> bool:
+        if seq.index == 0 or not self.block_manager.enable_prefix_caching:
+            return False
+        return any(s.request_id == seq.request_id and s.num_computed_tokens < s.num_prompt_tokens
+                   for s in self.running)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _build_batch(self, scheduled: list[ScheduledSeq]) -> StepBatch:
+        batch = StepBatch()
+        bs = self.block_manager.block_size
+        for item in scheduled:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            end = start + item.num_new_tokens
+            batch.token_ids.extend(seq.token_ids[start:end])
+            batch.positions.extend(range(start, end))
+            batch.slot_mapping.extend(seq.block_table[p // bs] * bs + p % bs for p in range(start, end))
+            batch.seqs.append(SeqChunk(query_len=item.num_new_tokens, context_len=end,
+                                       block_table=list(seq.block_table[:-(-end // bs)]),
+                                       want_logits=item.reaches_end))
+            if item.num_new_tokens > 1 or seq.num_output_tokens == 0:
+                self.num_prefill_tokens_computed += item.num_new_tokens
+        return batch
+
+    def on_step_done(self, scheduled: list[ScheduledSeq]) -> None:
+        """Mark the fed tokens as computed and offer newly full blocks to the prefix cache."""
+        for item in scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.register_computed_blocks(item.seq)

@@ -1,0 +1,97 @@
+"""One generated continuation: its tokens, how many of them are in the KV cache, its blocks, its text.
+
+A request with n > 1 becomes n sequences that share the prompt. Prefill, chunked prefill, decode and the
+recompute after preemption are all one thing here: feed the tokens in [num_computed_tokens, len) and,
+when a step reaches the end, sample one more.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+
+import torch
+
+from fp8cache.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_seq_ids = itertools.count()
+
+
+class Sequence:
+    def __init__(self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams,
+                 arrival: int = 0) -> None:
+        self.seq_id = next(_seq_ids)
+        self.request_id = request_id
+        self.index = index  # which of the request's n outputs this is
+        self.params = params
+        self.arrival = arrival  # FCFS order; preemption picks the latest
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0  # tokens whose K/V are in this sequence's blocks
+        self.num_cached_tokens = 0  # of those, how many came from the prefix cache at admission
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # hashes of the full blocks of token_ids, filled lazily
+        self.hash_fingerprint: str | None = None  # the cache fingerprint block_hashes were made with
+        self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.generator = _generator(params, index)
+        # Incremental detokenization state (see detokenizer.py).
+        self.output_text = ""
+        self.prefix_offset = max(self.num_prompt_tokens - 5, 0)
+        self.read_offset = self.num_prompt_tokens
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id}#{self.index}, len={len(self)}, "
+                f"computed={self.num_computed_tokens}, {self.status.value})")
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def visible_text(self) -> str:
+        """The text a client may see now: while running, hold back a tail that could still turn out to
+        be the start of a stop string (it would be cut off later)."""
+        if self.is_finished or not self.params.stop_strings:
+            return self.output_text
+        hold = max(len(s) for s in self.params.stop_strings) - 1
+        return self.output_text[:max(len(self.output_text) - hold, 0)]
+
+
+def _generator(params: SamplingParams, index: int) -> torch.Generator | None:
+    # Siblings of one seeded request get different streams, else n > 1 would give n copies.
+    if params.seed is None:
+        return None
+    gen = torch.Generator()
+    gen.manual_seed((params.seed + index) % (2**63))
+    return gen

@@ -1,0 +1,142 @@
+"""Quality of an FP8 KV cache against the `auto` cache, "decode-faithful" (DESIGN section 7).
+
+Each window runs as one prefill through the model runner. Prefill writes K/V into the cache and reads them
+back from it, so every position attends to quantized K/V exactly as in generation. The same weights run
+with an `auto` cache for the baseline; we report perplexity of both, the mean per-token KL(baseline || fp8)
+and how often the top-1 token agrees.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+
+import torch
+
+from fp8cache import formats
+from fp8cache.config import EngineConfig
+from fp8cache.model import kv_cache
+from fp8cache.model.batch import SeqChunk, StepBatch
+from fp8cache.model.loader import load_model, resolve_dtype
+from fp8cache.model.runner import ModelRunner
+
+EVAL_TEXT_ENV = "FP8KV_EVAL_TEXT"
+_TEXT_IN_SHARED = os.path.join("shared", "data", "wikitext-2-raw", "wiki.test.raw")
+
+
+def locate_eval_text(text_path: str | None = None) -> str:
+    """The evaluation text: the given path, $FP8KV_EVAL_TEXT, or ../shared/data/... beside the repo."""
+    if text_path is not None:
+        if not os.path.isfile(text_path):
+            raise FileNotFoundError(f"evaluation text {text_path!r} does not exist; give a UTF-8 text file")
+        return text_path
+    if os.environ.get(EVAL_TEXT_ENV):
+        path = os.environ[EVAL_TEXT_ENV]
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{EVAL_TEXT_ENV}={path!r} is not a file; point it at wiki.test.raw")
+        return path
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    candidates = [os.path.join(os.path.dirname(repo), _TEXT_IN_SHARED),
+                  os.path.join(os.path.dirname(os.getcwd()), _TEXT_IN_SHARED)]
+    for path in candidates:
+        if os.path.isfile(path):
+            return path
+    raise FileNotFoundError(f"cannot find the WikiText-2 test text (looked at {', '.join(candidates)}); "
+                            f"pass a text path or set {EVAL_TEXT_ENV}")
+
+
+def read_text(path: str) -> str:
+    # newline="" keeps the file's CRLF line ends: its exact bytes decide the token stream.
+    with open(path, encoding="utf-8", newline="") as f:
+        return f.read()
+
+
+def evaluate(config: EngineConfig, text_path: str | None = None, windows: int = 6, window_len: int = 1024,
+             progress: bool = True) -> dict:
+    if windows < 1 or window_len < 2:
+        raise ValueError(f"need windows >= 1 and window_len >= 2, got windows={windows}, "
+                         f"window_len={window_len}")
+    log = _logger(progress)
+    text = read_text(locate_eval_text(text_path))
+    loaded = load_model(config, progress=progress)
+    tokens = loaded.tokenizer(text)["input_ids"]
+    if len(tokens) < windows * window_len:
+        raise ValueError(f"the text has {len(tokens)} tokens, fewer than windows * window_len = "
+                         f"{windows * window_len}; use fewer or shorter windows")
+    baseline = ModelRunner(_window_config(config, loaded.hf_config, window_len, "auto"), log, loaded)
+    tested = ModelRunner(_window_config(config, loaded.hf_config, window_len, config.kv_cache_dtype), log,
+                         loaded)
+    totals = {"nll_base": 0.0, "nll_fp8": 0.0, "kl": 0.0, "agree": 0, "tokens": 0}
+    with _progress_bar(progress, windows) as advance:
+        for w in range(windows):
+            ids = tokens[w * window_len:(w + 1) * window_len]
+            _score_window(baseline, tested, ids, totals)
+            advance()
+    n = totals["tokens"]
+    return {
+        "kv_cache_dtype": tested.kv_cache_dtype,
+        "ppl": math.exp(totals["nll_fp8"] / n),
+        "baseline_ppl": math.exp(totals["nll_base"] / n),
+        "kl": totals["kl"] / n,
+        "top1_agreement": totals["agree"] / n,
+        "tokens": n,
+        "windows": windows,
+        "scales_source": tested.scales_source,
+    }
+
+
+def _window_config(config: EngineConfig, hf_config: object, window_len: int, kv_cache_dtype: str) -> EngineConfig:
+    """The user's config with a cache of exactly one window (slots 0..window_len-1, reused per window)."""
+    blocks = -(-window_len // config.block_size)
+    backend = formats.backend_of(config.device)
+    num_heads = hf_config.num_attention_heads
+    token_bytes = kv_cache.bytes_per_token(
+        hf_config.num_hidden_layers, getattr(hf_config, "num_key_value_heads", None) or num_heads,
+        getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads, kv_cache_dtype,
+        resolve_dtype(config.dtype, config.device), backend)
+    return replace(config, kv_cache_dtype=kv_cache_dtype, max_model_len=window_len,
+                   kv_cache_memory=blocks * config.block_size * token_bytes)
+
+
+def window_batch(ids: list[int], block_size: int) -> StepBatch:
+    n = len(ids)
+    table = list(range(-(-n // block_size)))
+    return StepBatch(token_ids=list(ids), positions=list(range(n)), slot_mapping=list(range(n)),
+                     seqs=[SeqChunk(query_len=n, context_len=n, block_table=table)])
+
+
+def _score_window(baseline: ModelRunner, tested: ModelRunner, ids: list[int], totals: dict) -> None:
+    targets = torch.tensor(ids[1:], dtype=torch.long)
+    base = torch.log_softmax(baseline.execute(window_batch(ids, baseline.block_size), all_logits=True)[:-1], -1)
+    fp8 = torch.log_softmax(tested.execute(window_batch(ids, tested.block_size), all_logits=True)[:-1], -1)
+    totals["nll_base"] += float(-base.gather(1, targets[:, None]).sum())
+    totals["nll_fp8"] += float(-fp8.gather(1, targets[:, None]).sum())
+    totals["kl"] += float((base.exp() * (base - fp8)).sum())
+    totals["agree"] += int((base.argmax(-1) == fp8.argmax(-1)).sum())
+    totals["tokens"] += len(ids) - 1
+
+
+def _logger(progress: bool) -> Callable[[str], None]:
+    def log(msg: str) -> None:
+        # Warnings always show; the rest only with progress output on.
+        if progress or msg.startswith("warning"):
+            print(msg, file=sys.stderr)
+
+    return log
+
+
+@contextmanager
+def _progress_bar(enabled: bool, total: int) -> Iterator[Callable[[], None]]:
+    if not enabled:
+        yield lambda: None
+        return
+    from rich.console import Console
+    from rich.progress import Progress
+
+    with Progress(transient=True, console=Console(stderr=True)) as bar:
+        task = bar.add_task("Evaluating windows", total=total)
+        yield lambda: bar.advance(task)

