@@ -90,5 +90,46 @@ def bench_kernels(shapes: str, num_heads: int, num_kv_heads: int, head_size: int
     Console().print(table)
 
 
+@main.command("eval")
+@click.argument("model", required=False)
+@click.option("--kv-cache-dtype", default="fp8_e4m3", show_default=True,
+              help="Cache to measure against the auto float32 baseline: fp8, fp8_e4m3, fp8_e5m2, "
+                   "fp8_e4m3fnuz (or auto).")
+@click.option("--quantization-param-path", type=click.Path(dir_okay=False),
+              help="KV scales JSON (vLLM schema); default: checkpoint scales, else 1.0.")
+@click.option("--calculate-kv-scales", is_flag=True, help="Compute scales from the first window.")
+@click.option("--dtype", default="float32", show_default=True, help="Model dtype: float32 or bfloat16.")
+@click.option("--text", "text_path", type=click.Path(dir_okay=False),
+              help="Plain-text file to score (default: the WikiText-2 test text).")
+@click.option("--windows", default=6, show_default=True, help="Number of consecutive windows.")
+@click.option("--window-len", default=1024, show_default=True, help="Tokens per window.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+def eval_command(model: str | None, kv_cache_dtype: str, quantization_param_path: str | None,
+                 calculate_kv_scales: bool, dtype: str, text_path: str | None, windows: int, window_len: int,
+                 as_json: bool) -> None:
+    """Measure what an FP8 cache costs in quality (decode-faithful perplexity, KL, top-1 agreement)."""
+    from fp8cache.config import EngineConfig
+    from fp8cache.eval import evaluate
+
+    config = EngineConfig(model=model, kv_cache_dtype=kv_cache_dtype, dtype=dtype,
+                          quantization_param_path=quantization_param_path,
+                          calculate_kv_scales=calculate_kv_scales, enable_prefix_caching=False)
+    try:
+        result = evaluate(config, text_path=text_path, windows=windows, window_len=window_len,
+                          progress=not as_json)
+    except (ValueError, OSError) as exc:
+        fail(str(exc))
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    table = Table(title=f"{result['kv_cache_dtype']} vs auto float32, {result['tokens']} tokens "
+                        f"({result['windows']} windows), scales: {result['scales_source']}")
+    for col in ("kv cache", "PPL", "baseline PPL", "KL", "top-1 agree"):
+        table.add_column(col, justify="right")
+    table.add_row(result["kv_cache_dtype"], f"{result['ppl']:.3f}", f"{result['baseline_ppl']:.3f}",
+                  f"{result['kl']:.5f}", f"{100 * result['top1_agreement']:.2f}%")
+    Console().print(table)
+
+
 if __name__ == "__main__":
     main()
