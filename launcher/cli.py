@@ -131,5 +131,18 @@ def eval_command(model: str | None, kv_cache_dtype: str, quantization_param_path
     Console().print(table)
 
 
+def _register_commands() -> None:
+    from launcher.bench_commands import capacity, serve, throughput
+    from launcher.calibrate_command import calibrate
+    from launcher.run import generate, run, systemd_unit
+
+    for command in (run, generate, systemd_unit, calibrate):
+        main.add_command(command)
+    for command in (throughput, capacity, serve):
+        bench.add_command(command)
+
+
+_register_commands()
+
 if __name__ == "__main__":
     main()

@@ -1,0 +1,221 @@
+"""`fp8kv bench throughput`: offline generation throughput per kv-cache dtype, and the peer's in one run.
+
+Every engine gets the same WikiText-2 prompts of exactly input_len tokens and generates exactly
+output_len tokens per prompt (ignore_eos, greedy), after a warm-up on other prompts. The peer is
+Hugging Face transformers `generate` with its default dynamic cache, on the same weights, batched.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from fp8cache import formats
+from fp8cache.bench import machine
+from fp8cache.bench.prompts import PromptSource
+
+# progress(label, done, total): called as output tokens are generated
+Progress = Callable[[str, int, int], None]
+PEERS = ("hf",)
+WARMUP_OUTPUT_LEN = 2  # a prefill and a decode step run every code path
+_request_ids = itertools.count()
+
+
+@dataclass
+class BatchResult:
+    elapsed_s: float
+    num_requests: int
+    input_tokens: int
+    output_tokens: int
+    num_preemptions: int = 0
+    peak_running: int = 0
+    finish_reasons: dict[str, int] = field(default_factory=dict)
+
+    def rates(self) -> dict:
+        return {"elapsed_s": self.elapsed_s, "requests_per_s": self.num_requests / self.elapsed_s,
+                "output_tokens_per_s": self.output_tokens / self.elapsed_s,
+                "total_tokens_per_s": (self.input_tokens + self.output_tokens) / self.elapsed_s}
+
+
+def check_kv_cache_dtypes(names: list[str]) -> list[str]:
+    """The canonical names, in order, without repeats; an unknown name raises naming the valid ones."""
+    canonical = [formats.resolve_kv_cache_dtype(n.strip()) for n in names]
+    if not canonical:
+        raise ValueError(f"give at least one kv-cache-dtype; valid: {', '.join(formats.KV_CACHE_DTYPES)}")
+    return list(dict.fromkeys(canonical))
+
+
+def bench_params(output_len: int):
+    from fp8cache.engine.sampling_params import SamplingParams
+
+    # Greedy like the peer; ignore_eos so every request makes exactly output_len tokens.
+    return SamplingParams(temperature=0.0, max_tokens=output_len, min_tokens=output_len, ignore_eos=True)
+
+
+def run_batch(llm, prompts: list[list[int]], output_len: int, on_tokens: Callable[[int], None] | None = None
+              ) -> BatchResult:
+    """Time one batch through the engine, submitted at once. The loop is LLM.generate's own, driven here
+    so that progress shows per step and the peak of concurrently running sequences is seen."""
+    engine = llm.llm_engine
+    params = bench_params(output_len)
+    before = engine.stats
+    ids = [f"bench-{next(_request_ids)}" for _ in prompts]
+    done: dict[str, object] = {}
+    peak = 0
+    start = time.perf_counter()
+    try:
+        for rid, prompt in zip(ids, prompts):
+            engine.add_request(rid, prompt, params)
+        while len(done) < len(ids):
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+            stats = engine.stats
+            peak = max(peak, stats.num_running)
+            if on_tokens is not None:
+                on_tokens(stats.num_generated_tokens - before.num_generated_tokens)
+            if len(done) < len(ids) and not engine.has_unfinished_requests():
+                raise RuntimeError("the engine dropped benchmark requests without finishing them")
+    except BaseException:
+        engine.abort_request([i for i in ids if i not in done])
+        raise
+    elapsed = time.perf_counter() - start
+    outputs = [done[i].outputs[0] for i in ids]
+    reasons: dict[str, int] = {}
+    for o in outputs:
+        reasons[o.finish_reason] = reasons.get(o.finish_reason, 0) + 1
+    return BatchResult(elapsed, len(prompts), sum(len(p) for p in prompts),
+                       sum(len(o.token_ids) for o in outputs),
+                       engine.stats.num_preemptions - before.num_preemptions, peak, reasons)
+
+
+def run_transformers(model, prompts: list[list[int]], output_len: int, pad_token_id: int) -> BatchResult:
+    """One batched `generate` call: left padding, greedy, exactly output_len new tokens per prompt."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in prompts], dtype=torch.long)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=output_len,
+                             min_new_tokens=output_len, do_sample=False, pad_token_id=pad_token_id)
+    elapsed = time.perf_counter() - start
+    new_tokens = out.shape[1] - width  # min_new_tokens keeps EOS away, so no row stops early
+    return BatchResult(elapsed, len(prompts), sum(len(p) for p in prompts), len(prompts) * new_tokens)
+
+
+def iter_throughput(model: str | None = None, kv_cache_dtypes: tuple[str, ...] = ("auto", "fp8_e4m3"),
+                    num_prompts: int = 16, input_len: int = 256, output_len: int = 128,
+                    compare: tuple[str, ...] = (), repeats: int = 1, dtype: str = "auto",
+                    kv_cache_memory: int | str | None = None, max_num_seqs: int = 256,
+                    max_num_batched_tokens: int = 2048, text_path: str | None = None,
+                    progress: Progress | None = None, log: Callable[[str], None] = print) -> Iterator[dict]:
+    """Yield one row per fp8kv kv-cache dtype, then one per peer, each as soon as it is measured."""
+    from fp8cache.engine.llm import LLM
+
+    _check_lengths(num_prompts, input_len, output_len, repeats)
+    dtypes = check_kv_cache_dtypes(list(kv_cache_dtypes))
+    unknown = [p for p in compare if p not in PEERS]
+    if unknown:
+        raise ValueError(f"unknown peer(s) {', '.join(unknown)} for --compare; valid: {', '.join(PEERS)}")
+    info = machine.describe()
+    prompt_sets = None
+    model_path = None
+    for kv_dtype in dtypes:
+        llm = LLM(model=model, dtype=dtype, kv_cache_dtype=kv_dtype, kv_cache_memory=kv_cache_memory,
+                  max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, log=log)
+        runner = llm.llm_engine.runner
+        model_path, model_dtype = runner.model_path, runner.dtype
+        if prompt_sets is None:
+            prompt_sets = _prompt_sets(llm.get_tokenizer(), text_path, num_prompts, input_len, repeats)
+        label = f"fp8kv {kv_dtype}"
+        run_batch(llm, prompt_sets[0], WARMUP_OUTPUT_LEN)
+        results = [run_batch(llm, prompts, output_len, _tokens_progress(progress, label, num_prompts,
+                                                                          output_len, r, repeats))
+                   for r, prompts in enumerate(prompt_sets[1:])]
+        yield _row("fp8kv", kv_dtype, results, num_prompts, input_len, output_len, info,
+                   capacity_tokens=runner.capacity_tokens, bytes_per_token=runner.bytes_per_token)
+        del llm, runner
+        gc.collect()
+    if "hf" in compare:
+        yield _transformers_row(model_path, model_dtype, prompt_sets, num_prompts, input_len, output_len,
+                                info, progress)
+
+
+def _transformers_row(model_path: str, model_dtype: torch.dtype, prompt_sets, num_prompts: int,
+                      input_len: int, output_len: int, info: dict, progress: Progress | None) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    label = "transformers generate"
+    if progress:
+        progress(label, 0, num_prompts * output_len)
+    hf_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=model_dtype,
+                                                    local_files_only=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    run_transformers(hf_model, prompt_sets[0], WARMUP_OUTPUT_LEN, pad)
+    results = []
+    for r, prompts in enumerate(prompt_sets[1:]):
+        results.append(run_transformers(hf_model, prompts, output_len, pad))
+        if progress:  # generate() shows nothing until it returns
+            progress(label, (r + 1) * num_prompts * output_len // len(prompt_sets[1:]),
+                     num_prompts * output_len)
+    row = _row("transformers", "auto", results, num_prompts, input_len, output_len, info)
+    row["cache"] = "DynamicCache"
+    row["attn_implementation"] = hf_model.config._attn_implementation
+    return row
+
+
+def _row(engine: str, kv_dtype: str, results: list[BatchResult], num_prompts: int, input_len: int,
+         output_len: int, info: dict, **extra) -> dict:
+    # The median run by elapsed time stands for all repeats; every elapsed time is kept beside it.
+    median = sorted(results, key=lambda r: r.elapsed_s)[(len(results) - 1) // 2]
+    row = {"engine": engine, "kv_cache_dtype": kv_dtype, "num_prompts": num_prompts, "input_len": input_len,
+           "output_len": output_len, **median.rates(), "input_tokens": median.input_tokens,
+           "output_tokens": median.output_tokens, "num_preemptions": median.num_preemptions,
+           "repeats": len(results), "elapsed_all_s": [r.elapsed_s for r in results], **extra,
+           "machine": info}
+    if median.finish_reasons:
+        row["finish_reasons"] = median.finish_reasons
+    return row
+
+
+def add_ratios(rows: list[dict]) -> list[dict]:
+    """Add each fp8kv row's output tokens/s over the transformers row's and over fp8kv auto's, when present."""
+    peer = next((r for r in rows if r["engine"] == "transformers"), None)
+    auto = next((r for r in rows if r["engine"] == "fp8kv" and r["kv_cache_dtype"] == "auto"), None)
+    for r in rows:
+        if r["engine"] != "fp8kv":
+            continue
+        if peer is not None:
+            r["vs_transformers"] = r["output_tokens_per_s"] / peer["output_tokens_per_s"]
+        if auto is not None:
+            r["vs_auto"] = r["output_tokens_per_s"] / auto["output_tokens_per_s"]
+    return rows
+
+
+def _prompt_sets(tokenizer, text_path: str | None, num_prompts: int, input_len: int,
+                 repeats: int) -> list[list[list[int]]]:
+    """[warm-up prompts, then one set per repeat]: fresh prompts each, so none is a prefix-cache hit."""
+    source = PromptSource(tokenizer, text_path)
+    return [source.take(min(num_prompts, 4), input_len)] + [source.take(num_prompts, input_len)
+                                                            for _ in range(repeats)]
+
+
+def _tokens_progress(progress: Progress | None, label: str, num_prompts: int, output_len: int, repeat: int,
+                     repeats: int) -> Callable[[int], None] | None:
+    if progress is None:
+        return None
+    total = num_prompts * output_len * repeats
+    return lambda n: progress(label, repeat * num_prompts * output_len + n, total)
+
+
+def _check_lengths(num_prompts: int, input_len: int, output_len: int, repeats: int) -> None:
+    for name, value in (("num_prompts", num_prompts), ("input_len", input_len), ("output_len", output_len),
+                        ("repeats", repeats)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be an integer >= 1")

@@ -1,0 +1,217 @@
+"""Run the HTTP server: load the engine, serve with uvicorn, stop gracefully, tell systemd.
+
+Exit codes: 0 after a signal-driven stop (in-flight requests finished or cut at the graceful timeout),
+1 when the engine loop crashed (so Restart=on-failure restarts us), 3 when the port cannot be bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+
+from fp8cache.config import EngineConfig
+from fp8cache.server.notify import Notifier, watchdog_interval
+
+logger = logging.getLogger("fp8kv")
+
+EXIT_OK, EXIT_ENGINE_CRASH = 0, 1
+
+
+@dataclass
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    graceful_timeout: float = 30.0
+    log_format: str = "text"  # text | json
+    max_request_bytes: int = 4 * 2**20
+    max_concurrent_requests: int = 256
+    access_log: bool = True
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line, for journald/Loki/ELK."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}",
+                 "level": record.levelname.lower(), "logger": record.name, "message": record.getMessage()}
+        entry.update(getattr(record, "fields", {}))
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=False, default=str)
+
+
+def configure_logging(log_format: str) -> None:
+    if log_format not in ("text", "json"):
+        raise ValueError(f"log format {log_format!r} is not known; use text or json")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if log_format == "json" else
+                         logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s", "%H:%M:%S"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        logging.getLogger(name).handlers[:] = []
+        logging.getLogger(name).propagate = True
+
+
+def _log_line(message: str) -> None:
+    logger.info(message.rstrip())
+
+
+class _Server(uvicorn.Server):
+    """uvicorn with our own signal handling: stop gracefully and exit 0 (uvicorn re-raises the signal,
+    which would make the exit status 'killed by SIGTERM'), and tell systemd about each phase."""
+
+    def __init__(self, config: uvicorn.Config, notifier: Notifier, on_started) -> None:
+        super().__init__(config)
+        self.notifier = notifier
+        self.on_started = on_started
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.should_exit:
+            logger.warning("second %s: stopping now without waiting for requests", signal.Signals(sig).name)
+            self.force_exit = True
+            return
+        self.should_exit = True
+        self.notifier.stopping(f"stopping on {signal.Signals(sig).name}")
+        logger.info("%s received: no new connections; in-flight requests get up to %ss to finish",
+                    signal.Signals(sig).name, self.config.timeout_graceful_shutdown)
+
+    async def startup(self, sockets: list | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            self.on_started(self)
+
+
+def serve(config: EngineConfig, options: ServeOptions) -> int:
+    """Load the engine, serve until a signal or an engine crash; the process exit code."""
+    from fp8cache.engine.llm_engine import LLMEngine
+    from fp8cache.engine.sampling_params import SamplingParams
+    from fp8cache.server.app import AppState, ModelInfo, ServerSettings, create_app
+    from fp8cache.server.async_engine import AsyncEngine
+    from fp8cache.server.metrics import ServerMetrics
+
+    notifier = Notifier()
+    notifier.status("loading the model")
+    with _exit_on_signal(notifier):
+        engine = LLMEngine(config, log=_log_line)
+    info = ModelInfo.from_runner(engine.runner)
+    model_path = str(getattr(engine.runner, "model_path", None) or config.model or "")
+    name = options.served_model_name or _default_name(model_path)
+    metrics = ServerMetrics(name, info.kv_cache_dtype, {"scales_source": info.scales_source,
+                                                         "capacity_tokens": str(info.capacity_tokens),
+                                                         "block_size": str(info.block_size)})
+    outcome = {"code": EXIT_OK}
+    server: _Server | None = None
+
+    def on_engine_dead(exc: BaseException | None) -> None:
+        logger.error("the engine loop died (%r); exiting with status %d", exc, EXIT_ENGINE_CRASH)
+        outcome["code"] = EXIT_ENGINE_CRASH
+        notifier.stopping("engine crashed")
+        if server is not None:
+            server.should_exit = True
+
+    async_engine = AsyncEngine(engine, metrics, on_dead=on_engine_dead, log=_log_line)
+    settings = ServerSettings(served_model_name=name, model_path=model_path, api_key=options.api_key,
+                              max_request_bytes=options.max_request_bytes,
+                              max_concurrent_requests=options.max_concurrent_requests)
+    app = create_app(AppState(settings, info, async_engine, metrics, SamplingParams))
+    uv_config = uvicorn.Config(app, host=options.host, port=options.port, log_config=None, lifespan="on",
+                               timeout_graceful_shutdown=options.graceful_timeout, ws="none", http="h11",
+                               access_log=options.access_log, server_header=False)
+
+    def on_started(srv: _Server) -> None:
+        port = srv.servers[0].sockets[0].getsockname()[1]
+        host = f"[{options.host}]" if ":" in options.host else options.host
+        url = f"http://{host}:{port}"
+        _print_summary(name, model_path, info, url, options)
+        notifier.ready(f"serving {name} at {url}")
+        interval = watchdog_interval()
+        if interval:
+            srv.watchdog_task = asyncio.ensure_future(_watchdog(notifier, async_engine, interval))
+
+    server = _Server(uv_config, notifier, on_started)
+    try:
+        server.run()
+    finally:
+        notifier.stopping()
+        async_engine.stop(timeout=5.0)
+    logger.info("fp8kv stopped (exit status %d)", outcome["code"])
+    return outcome["code"]
+
+
+async def _watchdog(notifier: Notifier, engine: Any, interval: float) -> None:
+    # Vouch only for a loop thread that is not stuck in one step for the whole watchdog period: a hung
+    # step() stops the pings and systemd restarts us.
+    while True:
+        if engine.is_responsive(max_step_seconds=2 * interval):
+            notifier.watchdog()
+        await asyncio.sleep(interval)
+
+
+@contextlib.contextmanager
+def _exit_on_signal(notifier: Notifier) -> Iterator[None]:
+    """While the model loads there is no server to drain: a stop signal just ends the process cleanly."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(sig: int, frame: Any) -> None:
+        notifier.stopping()
+        logger.info("%s received while loading; exiting", signal.Signals(sig).name)
+        raise SystemExit(EXIT_OK)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _default_name(model_path: str) -> str:
+    return model_path.rstrip("/").rsplit("/", 1)[-1] or "default"
+
+
+def _print_summary(name: str, model_path: str, info: Any, url: str, options: ServeOptions) -> None:
+    fields = {"model": name, "model_path": model_path, "kv_cache_dtype": info.kv_cache_dtype,
+              "scales_source": info.scales_source, "capacity_tokens": info.capacity_tokens,
+              "max_model_len": info.max_model_len, "url": url, "api_key_required": bool(options.api_key)}
+    if options.log_format == "json":
+        logger.info("serving", extra={"fields": fields})
+        return
+    lines = [f"fp8kv serving {name} at {url}",
+             f"  model:          {model_path}",
+             f"  kv cache:       {info.kv_cache_dtype}, scales: {info.scales_source}",
+             f"  capacity:       {info.capacity_tokens} tokens ({info.num_blocks} blocks of {info.block_size})",
+             f"  max model len:  {info.max_model_len}",
+             f"  OpenAI API:     {url}/v1 (completions, chat/completions, models)",
+             f"  TGI API:        {url}/generate, /generate_stream, /info",
+             f"  health/metrics: {url}/health, {url}/metrics",
+             f"  API key:        {'required (Authorization: Bearer)' if options.api_key else 'not required'}"]
+    for line in lines:
+        logger.info(line)

@@ -1,0 +1,338 @@
+"""`fp8kv bench throughput | capacity | serve`: parse flags, show progress, print a table, --json, --plot.
+
+The measuring lives in fp8cache.bench. Ctrl-C stops a run and prints the rows measured so far (exit 130).
+Register on the `bench` group with bench.add_command(throughput) etc.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections.abc import Callable, Iterator
+
+import click
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+console = Console(stderr=True)
+EXIT_INTERRUPTED = 130
+
+
+def _fail(message: str) -> None:
+    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    sys.exit(2)
+
+
+def _log(message: str) -> None:
+    console.print(message.rstrip(), style="dim", markup=False, highlight=False)
+
+
+def _dtype_list(values: tuple[str, ...]) -> list[str]:
+    """--kv-cache-dtype given several times and/or as a comma list, checked before any model loads."""
+    from fp8cache.bench.throughput import check_kv_cache_dtypes
+
+    names = [n for v in values for n in v.split(",") if n.strip()]
+    try:
+        return check_kv_cache_dtypes(names)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--kv-cache-dtype") from exc
+
+
+def _int_list(text: str, param: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a comma list of integers, e.g. 512,4096", param_hint=param)
+    if not values or min(values) < 1:
+        raise click.BadParameter(f"{text!r}: give positive integers, e.g. 512,4096", param_hint=param)
+    return values
+
+
+class _Bars:
+    """progress(label, done, total) -> one rich progress bar per label."""
+
+    def __init__(self, progress: Progress) -> None:
+        self.progress = progress
+        self.tasks: dict[str, int] = {}
+
+    def __call__(self, label: str, done: int, total: int) -> None:
+        if label not in self.tasks:
+            self.tasks[label] = self.progress.add_task(label, total=total)
+        self.progress.update(self.tasks[label], completed=done, total=total)
+
+
+def _progress() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console)
+
+
+def _collect(rows_of: Callable[[_Bars], Iterator[dict]]) -> tuple[list[dict], bool]:
+    """Run a row generator under a progress bar; on Ctrl-C keep the rows so far. (rows, interrupted)"""
+    from fp8cache.model.default_model import DefaultModelError
+
+    _quiet_transformers()
+    rows: list[dict] = []
+    try:
+        with _progress() as progress:
+            for row in rows_of(_Bars(progress)):
+                rows.append(row)
+                progress.console.print(f"measured {_row_name(row)}: "
+                                       f"{_fmt(row.get('output_tokens_per_s'))} output tok/s", highlight=False)
+    except KeyboardInterrupt:
+        console.print(f"[yellow]interrupted:[/] showing the {len(rows)} row(s) measured so far")
+        return rows, True
+    except (ValueError, OSError, DefaultModelError) as exc:
+        _fail(str(exc))
+    return rows, False
+
+
+def _row_name(row: dict) -> str:
+    context = f" context {row['context']} batch {row['batch']}" if "context" in row else ""
+    return f"{row['engine']} {row['kv_cache_dtype']}{context}"
+
+
+def _quiet_transformers() -> None:
+    # Its per-load weight bars would fight with ours on the terminal.
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+def _finish(payload, as_json: bool, table: Table | None, plot_path: str | None, plot: Callable,
+            interrupted: bool) -> None:
+    if as_json:
+        click.echo(json.dumps(payload, indent=1))
+    elif table is not None:
+        # Piped output gets the whole table rather than rich's 80-column default with cut-off cells.
+        Console(width=None if sys.stdout.isatty() else 200).print(table)
+    if plot_path and payload:
+        from fp8cache.bench.plot import PlotUnavailable
+
+        try:
+            console.print(f"plot written to {plot(payload, plot_path)}")
+        except PlotUnavailable as exc:
+            _fail(str(exc))
+    if interrupted:
+        sys.exit(EXIT_INTERRUPTED)
+
+
+def _fmt(value, spec: str = ".1f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _ratio(value) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _machine_line(rows: list[dict]) -> str:
+    m = rows[0]["machine"] if rows else {}
+    return f"{m.get('cpu', '?')}, {m.get('threads', '?')} threads, torch {m.get('torch', '?')}"
+
+
+def _set_threads(threads: int | None) -> None:
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def _check_plot(plot_path: str | None) -> None:
+    """Fail before a long run, not after it, when --plot cannot be honoured."""
+    if plot_path:
+        from fp8cache.bench.plot import PlotUnavailable, _pyplot
+
+        try:
+            _pyplot()
+        except PlotUnavailable as exc:
+            _fail(str(exc))
+
+
+_MODEL_ARG = click.argument("model", required=False)
+_DTYPE_OPT = click.option("--kv-cache-dtype", "kv_cache_dtypes", multiple=True, default=("auto,fp8_e4m3",),
+                          show_default=True,
+                          help="Cache dtypes to measure side by side: repeat the option or give a comma list.")
+_MODEL_DTYPE_OPT = click.option("--dtype", default="auto", show_default=True,
+                                type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+                                help="Model dtype (auto: float32 on CPU).")
+_THREADS_OPT = click.option("--threads", default=None, type=click.IntRange(1),
+                            help="torch threads for every engine in the run (default: torch's own choice). "
+                                 "On a busy machine fewer threads than cores avoids oversubscription.")
+_JSON_OPT = click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON on stdout.")
+_PLOT_OPT = click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
+                         help="Write a PNG of the figures (needs `pip install fp8kv[plot]`).")
+
+
+@click.command("throughput")
+@_MODEL_ARG
+@click.option("--num-prompts", default=16, show_default=True, type=click.IntRange(1))
+@click.option("--input-len", default=256, show_default=True, type=click.IntRange(1),
+              help="Prompt tokens per request (cut from the WikiText-2 test text).")
+@click.option("--output-len", default=128, show_default=True, type=click.IntRange(1),
+              help="Generated tokens per request (ignore_eos: exactly this many).")
+@_DTYPE_OPT
+@click.option("--compare", multiple=True, type=click.Choice(["hf"]),
+              help="Also run a peer in the same run: hf = transformers generate (batched, dynamic cache).")
+@click.option("--repeats", default=1, show_default=True, type=click.IntRange(1),
+              help="Timed runs per engine (fresh prompts each); the median is reported.")
+@_MODEL_DTYPE_OPT
+@click.option("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB (default: the engine's).")
+@click.option("--max-num-seqs", default=256, show_default=True, type=click.IntRange(1))
+@click.option("--max-num-batched-tokens", default=2048, show_default=True, type=click.IntRange(1))
+@_THREADS_OPT
+@_JSON_OPT
+@_PLOT_OPT
+def throughput(model, num_prompts, input_len, output_len, kv_cache_dtypes, compare, repeats, dtype,
+               kv_cache_memory, max_num_seqs, max_num_batched_tokens, threads, as_json, plot_path) -> None:
+    """Offline throughput per kv-cache dtype (and transformers with --compare hf), measured in one run."""
+    from fp8cache.bench import plot
+    from fp8cache.bench import throughput as bench
+
+    dtypes = _dtype_list(kv_cache_dtypes)
+    _check_plot(plot_path)
+    _set_threads(threads)
+    rows, interrupted = _collect(lambda bar: bench.iter_throughput(
+        model, tuple(dtypes), num_prompts, input_len, output_len, tuple(compare), repeats, dtype,
+        kv_cache_memory, max_num_seqs, max_num_batched_tokens, progress=bar, log=_log))
+    bench.add_ratios(rows)
+    table = Table(title=f"offline throughput, {num_prompts} prompts, {input_len} in / {output_len} out\n"
+                        f"{_machine_line(rows)}")
+    for col in ("engine", "kv cache", "req/s", "output tok/s", "total tok/s", "elapsed s", "vs auto",
+                "vs transformers"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(r["engine"], r["kv_cache_dtype"], _fmt(r["requests_per_s"], ".3f"),
+                      _fmt(r["output_tokens_per_s"]), _fmt(r["total_tokens_per_s"]), _fmt(r["elapsed_s"], ".2f"),
+                      _ratio(r.get("vs_auto")), _ratio(r.get("vs_transformers")))
+    _finish(rows, as_json, table, plot_path, plot.plot_throughput, interrupted)
+
+
+@click.command("capacity")
+@_MODEL_ARG
+@click.option("--kv-cache-memory", default="256MiB", show_default=True,
+              help="The KV cache budget every dtype gets, e.g. 256MiB, 2GiB.")
+@click.option("--context", "contexts", default="4096", show_default=True,
+              help="Sequence length(s) (prompt + output), comma list, e.g. 512,4096.")
+@click.option("--output-len", default=128, show_default=True, type=click.IntRange(1),
+              help="Generated tokens per sequence; the prompt is context - output-len.")
+@_DTYPE_OPT
+@click.option("--max-num-seqs", default=256, show_default=True, type=click.IntRange(1),
+              help="Cap on the batch (set it below what fits to compare dtypes at the same batch).")
+@click.option("--max-num-batched-tokens", default=2048, show_default=True, type=click.IntRange(1))
+@click.option("--block-size", default=16, show_default=True, type=click.Choice(["8", "16", "32"]))
+@_MODEL_DTYPE_OPT
+@_THREADS_OPT
+@_JSON_OPT
+@_PLOT_OPT
+def capacity(model, kv_cache_memory, contexts, output_len, kv_cache_dtypes, max_num_seqs,
+             max_num_batched_tokens, block_size, dtype, threads, as_json, plot_path) -> None:
+    """Tokens that fit a KV-cache budget per dtype, the largest batch per context, and its throughput."""
+    from fp8cache.bench import capacity as bench
+    from fp8cache.bench import plot
+
+    dtypes = _dtype_list(kv_cache_dtypes)
+    context_list = _int_list(contexts, "--context")
+    _check_plot(plot_path)
+    _set_threads(threads)
+    rows, interrupted = _collect(lambda bar: bench.iter_capacity(
+        model, tuple(dtypes), kv_cache_memory, tuple(context_list), output_len, max_num_seqs,
+        max_num_batched_tokens, int(block_size), dtype, progress=bar, log=_log))
+    bench.add_ratios(rows)
+    table = Table(title=f"capacity at a {kv_cache_memory} KV cache, {output_len} output tokens per sequence\n"
+                        f"{_machine_line(rows)}")
+    for col in ("kv cache", "bytes/token", "tokens that fit", "context", "max batch", "batch run", "peak running",
+                "preemptions", "req/s", "output tok/s", "total tok/s", "vs auto"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        preempt = r.get("num_preemptions")
+        table.add_row(r["kv_cache_dtype"], str(r["bytes_per_token"]), str(r["capacity_tokens"]), str(r["context"]),
+                      str(r["max_batch"]), str(r["batch"]), str(r.get("peak_running", "-")),
+                      "-" if preempt is None else ("[green]0[/]" if preempt == 0 else f"[red]{preempt}[/]"),
+                      _fmt(r.get("requests_per_s"), ".3f"), _fmt(r.get("output_tokens_per_s")),
+                      _fmt(r.get("total_tokens_per_s")), _ratio(r.get("vs_auto")))
+    _finish(rows, as_json, table, plot_path, plot.plot_capacity, interrupted)
+
+
+def _rate(text: str) -> float:
+    try:
+        rate = float(text)
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a number of requests per second or inf",
+                                 param_hint="--request-rate")
+    if not rate > 0:
+        raise click.BadParameter(f"{text!r} must be > 0 (or inf: all at once)", param_hint="--request-rate")
+    return rate
+
+
+@click.command("serve")
+@click.option("--url", default="http://127.0.0.1:8000", show_default=True,
+              help="Base URL of a running `fp8kv run` or any OpenAI-compatible server.")
+@click.option("--model", default=None, help="Model name to request (default: the first one /v1/models lists).")
+@click.option("--tokenizer", default=None, help="Tokenizer folder that cuts the prompts (default: the default "
+                                                "model's; give the served model's folder).")
+@click.option("--num-prompts", default=64, show_default=True, type=click.IntRange(1))
+@click.option("--input-len", default=256, show_default=True, type=click.IntRange(1))
+@click.option("--output-len", default=128, show_default=True, type=click.IntRange(1))
+@click.option("--request-rate", default="inf", show_default=True,
+              help="Requests per second, Poisson arrivals (seeded); inf sends all at once.")
+@click.option("--max-concurrency", default=None, type=click.IntRange(1), help="Most requests in flight.")
+@click.option("--seed", default=0, show_default=True, help="Seed of the arrival times.")
+@click.option("--ignore-eos/--no-ignore-eos", default=True, show_default=True,
+              help="Ask for exactly --output-len tokens (a vLLM extension that fp8kv run accepts).")
+@click.option("--api-key", default=None, help="Sent as Authorization: Bearer.")
+@click.option("--timeout", default=600.0, show_default=True, help="Seconds one request may take.")
+@_JSON_OPT
+@_PLOT_OPT
+def serve(url, model, tokenizer, num_prompts, input_len, output_len, request_rate, max_concurrency, seed,
+          ignore_eos, api_key, timeout, as_json, plot_path) -> None:
+    """Latency and throughput of a running server under load, over HTTP with streaming."""
+    import asyncio
+
+    from fp8cache.bench import plot
+    from fp8cache.bench import serve as bench
+
+    rate = _rate(request_rate)
+    _check_plot(plot_path)
+    try:
+        name = model or bench.fetch_model_name(url, api_key)
+        prompts, lens = bench.make_prompts(bench.load_tokenizer(tokenizer), num_prompts, input_len)
+    except (ConnectionError, ValueError, OSError) as exc:
+        _fail(str(exc))
+    run = bench.ServeBench(url, name, prompts, lens, output_len, rate, max_concurrency, seed, ignore_eos,
+                           api_key, timeout)
+    interrupted = False
+    with _progress() as progress:
+        task = progress.add_task(f"requests to {url}", total=num_prompts)
+        try:
+            asyncio.run(run.run(on_result=lambda r: progress.advance(task)))
+        except KeyboardInterrupt:
+            interrupted = True
+    if interrupted:
+        console.print(f"[yellow]interrupted:[/] summarizing the {len(run.results)} request(s) that finished")
+    summary = {"url": url, "model": name, "num_prompts": num_prompts, "input_len": input_len,
+               "output_len": output_len, "request_rate": "inf" if math.isinf(rate) else rate,
+               "max_concurrency": max_concurrency, "seed": seed, **bench.summarize(run.results, run.duration_s)}
+    _finish(summary, as_json, _serve_table(summary), plot_path, plot.plot_serve, interrupted)
+
+
+def _serve_table(s: dict) -> Table:
+    rate = s["request_rate"]
+    table = Table(title=f"{s['model']} at {s['url']}: {s['num_prompts']} prompts, {s['input_len']} in / "
+                        f"{s['output_len']} out, rate {rate}, max concurrency {s['max_concurrency'] or 'none'}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    failed = f"[red]{s['failed']}[/]" if s["failed"] else "0"
+    for name, value in (("completed requests", str(s["completed"])), ("failed requests", failed),
+                        ("duration s", _fmt(s["duration_s"], ".2f")),
+                        ("request throughput (req/s)", _fmt(s["request_throughput"], ".3f")),
+                        ("output tokens/s", _fmt(s["output_tokens_per_s"])),
+                        ("total tokens/s", _fmt(s["total_tokens_per_s"]))):
+        table.add_row(name, value)
+    for key, title in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2el_ms", "E2E latency")):
+        for stat in ("mean", "median", "p90", "p99"):
+            table.add_row(f"{title} {stat} (ms)", _fmt(s[key][stat], ".1f"))
+    for message, count in s["errors"].items():
+        table.add_row(f"[red]error x{count}[/]", message)
+    return table

@@ -1,0 +1,114 @@
+"""`fp8kv calibrate`: flags in, fp8cache.calibrate out, a progress bar and a per-layer table of scales."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from fp8cache import formats
+from fp8cache.calibrate import DEFAULT_STATISTIC, STATISTICS
+from fp8cache.rotation import ROTATIONS
+from fp8cache.scales import GRANULARITIES
+
+console = Console(stderr=True)
+
+
+@click.command("calibrate", context_settings={"show_default": True})
+@click.argument("model", required=False, metavar="[MODEL]")
+@click.option("--dataset", required=True, type=click.Path(exists=True, dir_okay=False),
+              help="Calibration text: a .txt file, or .jsonl with a \"text\" string or chat \"messages\" per line.")
+@click.option("--num-samples", type=click.IntRange(min=1), default=32, help="Samples to run through the model.")
+@click.option("--max-seq-len", type=click.IntRange(min=2), default=512, help="Most tokens per sample.")
+@click.option("--granularity", type=click.Choice(GRANULARITIES), default="head",
+              help="One scale per layer (tensor) or per layer and KV head (head), separately for K and V.")
+@click.option("--kv-rotation", type=click.Choice(ROTATIONS), default="none",
+              help="Hadamard-rotate K/Q/V over the head dimension before FP8 (fp8kv only; recorded in the "
+                   "file).")
+@click.option("--kv-cache-dtype", type=click.Choice([d for d in formats.KV_CACHE_DTYPES if d != formats.AUTO]),
+              default="fp8", help="FP8 format the scales are made for.")
+@click.option("--statistic", type=click.Choice(STATISTICS), default=DEFAULT_STATISTIC,
+              help="amax, a percentile of |x|, or the scale with the least squared error (mse).")
+@click.option("--output", "-o", required=True, type=click.Path(dir_okay=False),
+              help="Scales JSON to write (vLLM/aphrodite schema plus fp8kv keys).")
+@click.option("--write-checkpoint", metavar="DIR", type=click.Path(file_okay=False),
+              help="Also write a copy of the model carrying k_scale/v_scale tensors and kv_cache_torch_dtype.")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
+              help="Dtype the model runs in (auto: float32 on CPU).")
+@click.option("--device", default="cpu", help="torch device: cpu, cuda, ...")
+@click.option("--tokenizer", metavar="PATH", help="Tokenizer folder, if not the model's.")
+@click.option("--trust-remote-code", is_flag=True, help="Allow Python code shipped in the model folder to run.")
+def calibrate(model: str | None, dataset: str, num_samples: int, max_seq_len: int, granularity: str,
+              kv_rotation: str, kv_cache_dtype: str, statistic: str, output: str, write_checkpoint: str | None,
+              dtype: str, device: str, tokenizer: str | None, trust_remote_code: bool) -> None:
+    """Measure KV cache scales of MODEL (default: the embedded model) on a calibration dataset.
+
+    Example: fp8kv calibrate ./my-model --dataset calib.txt --kv-cache-dtype fp8 --output scales.json
+    """
+    from fp8cache import calibrate as cal
+    from fp8cache.model.default_model import DefaultModelError
+
+    try:
+        with _progress() as on_samples:
+            result = cal.calibrate(
+                model, dataset, kv_cache_dtype=kv_cache_dtype, num_samples=num_samples, max_seq_len=max_seq_len,
+                granularity=granularity, kv_rotation=kv_rotation, statistic=statistic, dtype=dtype,
+                device=device, tokenizer=tokenizer, trust_remote_code=trust_remote_code, progress=True,
+                on_samples=on_samples)
+        cal.write_scales(result, output)
+        checkpoint = cal.write_checkpoint(result, write_checkpoint) if write_checkpoint else None
+    except (ValueError, OSError, DefaultModelError) as exc:
+        console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        sys.exit(2)
+    Console().print(_table(result))
+    fmt = result.scales.fmt_name
+    console.print(f"[green]wrote[/] {output}: {result.num_samples} samples, {result.num_tokens} tokens, "
+                  f"{fmt}, {result.granularity}, rotation {kv_rotation}", highlight=False)
+    console.print(f"use it: fp8kv run {model or ''} --kv-cache-dtype {fmt} --quantization-param-path {output}",
+                  highlight=False)
+    if checkpoint:
+        console.print(f"[green]wrote[/] checkpoint {checkpoint}: fp8kv run {checkpoint} --kv-cache-dtype {fmt}",
+                      highlight=False)
+
+
+class _progress:
+    """Context manager yielding calibrate's on_samples: a rich bar over samples once their count is known."""
+
+    def __enter__(self):
+        self._bar = Progress(TextColumn("calibrating"), BarColumn(), MofNCompleteColumn(),
+                             TextColumn("{task.fields[tokens]} tokens"), TimeElapsedColumn(), console=console)
+        self._bar.__enter__()
+        return self._on_samples
+
+    def _on_samples(self, total: int):
+        task = self._bar.add_task("calibrating", total=total, tokens=0)
+        tokens = 0
+
+        def advance(n: int) -> None:
+            nonlocal tokens
+            tokens += n
+            self._bar.update(task, advance=1, tokens=tokens)
+
+        return advance
+
+    def __exit__(self, *exc) -> None:
+        self._bar.__exit__(*exc)
+
+
+def _table(result) -> Table:
+    scales = result.scales
+    table = Table(title=f"KV scales ({scales.fmt_name}, {result.statistic}, {result.granularity}, rotation "
+                        f"{scales.rotation})")
+    for col in ("layer", "K scale", "V scale", "K amax", "V amax"):
+        table.add_column(col, justify="right")
+    for i, (k, v) in enumerate(zip(scales.k, scales.v)):
+        table.add_row(str(i), _values(k), _values(v), _values(result.k_amax[i]), _values(result.v_amax[i]))
+    return table
+
+
+def _values(t: torch.Tensor) -> str:
+    return " ".join(f"{float(x):.4g}" for x in t.reshape(-1))
