@@ -1,0 +1,326 @@
+"""`fp8kv run` end to end: real OpenAI and Hugging Face clients against a real server process.
+
+The reference for every generated text is fp8cache's offline LLM with the same model and cache settings:
+the server must return exactly what the engine generates, however the request arrives (OpenAI or TGI,
+streamed or not), and `fp8kv generate` must print it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from server_process import ServerProcess, fp8kv_command, wait_idle
+
+MAX_MODEL_LEN = 256
+KV_CACHE_MEMORY = "24MiB"
+# `fp8kv generate` steps on its main thread, which OpenMP spin-waiting slows badly on a busy machine (see
+# ThreadedLLM); passive waiting changes only the speed.
+QUIET_OMP = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+
+
+@pytest.fixture(scope="module")
+def server(default_model_path, tmp_path_factory):
+    # kv-cache dtype and max-model-len come from the environment, as in a systemd EnvironmentFile.
+    env = {"FP8KV_KV_CACHE_DTYPE": "fp8", "FP8KV_MAX_MODEL_LEN": str(MAX_MODEL_LEN)}
+    proc = ServerProcess([default_model_path, "--kv-cache-memory", KV_CACHE_MEMORY, "--served-model-name",
+                          "smol", "--max-num-seqs", "48"],
+                         str(tmp_path_factory.mktemp("server") / "server.log"), env=env)
+    yield proc
+    code = proc.stop()
+    assert code == 0, proc.output()[-3000:]
+
+
+class ThreadedLLM:
+    """The offline LLM, its generation run on a worker thread.
+
+    On a busy machine OpenMP's spin-waiting makes torch ops on the main thread of this process many times
+    slower than on a fresh thread (seen: 20 s vs 1 s for 8 tokens at load 8 on 2 cores); results are the same.
+    """
+
+    def __init__(self, llm) -> None:
+        self.llm = llm
+        self.pool = ThreadPoolExecutor(1)
+
+    def generate(self, *args, **kwargs):
+        return self.pool.submit(self.llm.generate, *args, **kwargs).result()
+
+    def chat(self, *args, **kwargs):
+        return self.pool.submit(self.llm.chat, *args, **kwargs).result()
+
+
+@pytest.fixture(scope="module")
+def reference(default_model_path):
+    from fp8cache import LLM
+
+    llm = ThreadedLLM(LLM(model=default_model_path, kv_cache_dtype="fp8", kv_cache_memory=KV_CACHE_MEMORY,
+                          max_model_len=MAX_MODEL_LEN, log=lambda msg: None))
+    yield llm
+    llm.pool.shutdown()
+
+
+@pytest.fixture(scope="module")
+def openai_client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def greedy(max_tokens: int, **kwargs):
+    from fp8cache import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=max_tokens, **kwargs)
+
+
+def test_startup_reports_cache_and_env_flags(server):
+    out = server.output()
+    assert "fp8_e4m3" in out and "capacity" in out and server.url in out
+    with server.client() as c:
+        info = c.get("/info").json()
+    assert info["kv_cache"]["dtype"] == "fp8_e4m3"  # from FP8KV_KV_CACHE_DTYPE=fp8
+    assert info["max_total_tokens"] == MAX_MODEL_LEN  # from FP8KV_MAX_MODEL_LEN
+    assert info["kv_cache"]["capacity_tokens"] == info["kv_cache"]["num_blocks"] * info["kv_cache"]["block_size"]
+
+
+def test_models_lists_served_name(openai_client):
+    assert [m.id for m in openai_client.models.list().data] == ["smol"]
+
+
+def test_completion_matches_engine(openai_client, reference):
+    prompt = "The three primary colors are"
+    out = openai_client.completions.create(model="smol", prompt=prompt, max_tokens=8, temperature=0)
+    want = reference.generate(prompt, greedy(8))[0]
+    assert out.choices[0].text == want.outputs[0].text
+    assert out.choices[0].finish_reason == want.outputs[0].finish_reason
+    assert out.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert out.usage.completion_tokens == len(want.outputs[0].token_ids)
+
+
+def test_completion_stream_equals_engine(openai_client, reference):
+    prompt = "A recipe for pancakes needs"
+    chunks = list(openai_client.completions.create(model="smol", prompt=prompt, max_tokens=8, temperature=0,
+                                                   stream=True))
+    want = reference.generate(prompt, greedy(8))[0].outputs[0]
+    assert "".join(c.choices[0].text for c in chunks) == want.text
+    assert chunks[-1].choices[0].finish_reason == want.finish_reason
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+
+
+def test_completion_stop_string_and_batch(openai_client, reference):
+    prompts = ["Water boils at", "The largest planet is"]
+    out = openai_client.completions.create(model="smol", prompt=prompts, max_tokens=10, temperature=0,
+                                           stop=["."])
+    want = reference.generate(prompts, greedy(10, stop=["."]))
+    assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == [w.outputs[0].text for w in want]
+    assert [c.finish_reason for c in sorted(out.choices, key=lambda c: c.index)] == \
+        [w.outputs[0].finish_reason for w in want]
+
+
+def test_chat_matches_engine(openai_client, reference):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    out = openai_client.chat.completions.create(model="smol", messages=messages, max_tokens=12, temperature=0)
+    want = reference.chat(messages, greedy(12))[0]
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == want.outputs[0].text
+    assert out.usage.prompt_tokens == len(want.prompt_token_ids)
+
+
+def test_chat_stream_equals_engine(openai_client, reference):
+    messages = [{"role": "system", "content": "Answer briefly."},
+                {"role": "user", "content": "Name a fruit that is yellow."}]
+    stream = openai_client.chat.completions.create(model="smol", messages=messages, max_tokens=10,
+                                                   temperature=0, stream=True,
+                                                   stream_options={"include_usage": True})
+    chunks = list(stream)
+    want = reference.chat(messages, greedy(10))[0]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want.outputs[0].text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [want.outputs[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == len(want.outputs[0].token_ids)
+    assert chunks[-1].usage.prompt_tokens == len(want.prompt_token_ids)
+
+
+def test_chat_n_choices_seeded(openai_client):
+    messages = [{"role": "user", "content": "Say a random word."}]
+    kwargs = {"model": "smol", "messages": messages, "max_tokens": 6, "temperature": 1.0, "n": 3, "seed": 7}
+    first = openai_client.chat.completions.create(**kwargs)
+    again = openai_client.chat.completions.create(**kwargs)
+    assert sorted(c.index for c in first.choices) == [0, 1, 2]
+    assert [c.message.content for c in first.choices] == [c.message.content for c in again.choices]
+
+
+def _tgi(server):
+    from huggingface_hub import InferenceClient
+
+    return InferenceClient(model=server.url, timeout=120)
+
+
+def test_tgi_generate_matches_engine(server, reference):
+    prompt = "The sun rises in the"
+    client = _tgi(server)
+    text = client.text_generation(prompt, max_new_tokens=8)  # TGI default: greedy
+    detailed = client.text_generation(prompt, max_new_tokens=8, details=True, decoder_input_details=True)
+    want = reference.generate(prompt, greedy(8))[0]
+    assert text == want.outputs[0].text == detailed.generated_text
+    assert detailed.details.generated_tokens == len(want.outputs[0].token_ids)
+    assert [t.id for t in detailed.details.tokens] == want.outputs[0].token_ids
+    assert [t.id for t in detailed.details.prefill] == want.prompt_token_ids
+    assert detailed.details.finish_reason == ("length" if want.outputs[0].finish_reason == "length"
+                                              else "eos_token")
+
+
+def test_tgi_stream_matches_engine(server, reference):
+    prompt = "My favourite season is"
+    client = _tgi(server)  # keep it alive: it owns the open streams
+    events = list(client.text_generation(prompt, max_new_tokens=8, stream=True, details=True))
+    want = reference.generate(prompt, greedy(8))[0].outputs[0]
+    assert [e.token.id for e in events] == want.token_ids
+    assert "".join(e.token.text for e in events) == want.text
+    assert events[-1].generated_text == want.text
+    assert events[-1].details.generated_tokens == len(want.token_ids)
+    assert all(e.details is None for e in events[:-1])
+    plain = list(client.text_generation(prompt, max_new_tokens=8, stream=True))
+    assert "".join(plain) == want.text
+
+
+def test_tgi_stop_sequence_and_full_text(server, reference):
+    prompt = "Count: one, two,"
+    out = _tgi(server).text_generation(prompt, max_new_tokens=12, stop=[" four"], details=True,
+                                       return_full_text=True)
+    want = reference.generate(prompt, greedy(12, stop=[" four"]))[0].outputs[0]
+    assert out.generated_text == prompt + want.text
+    if want.stop_reason == " four":
+        assert out.details.finish_reason == "stop_sequence"
+
+
+def _metrics(server) -> dict[str, dict[tuple, float]]:
+    with server.client() as c:
+        text = c.get("/metrics").text
+    samples: dict[str, dict[tuple, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    return samples
+
+
+def _one(samples: dict[str, dict[tuple, float]], name: str, **labels) -> float:
+    matches = [v for k, v in samples.get(name, {}).items() if all((key, val) in k for key, val in labels.items())]
+    assert len(matches) == 1, (name, labels, samples.get(name))
+    return matches[0]
+
+
+def test_metrics_count_requests_and_tokens(server, openai_client):
+    before = _metrics(server)
+    out = openai_client.completions.create(model="smol", prompt="Metrics are", max_tokens=5, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    wait_idle(server)
+    after = _metrics(server)
+    route = {"route": "/v1/completions", "status": "200", "kv_cache_dtype": "fp8_e4m3"}
+    assert _one(after, "fp8kv_requests_total", **route) == _one(before, "fp8kv_requests_total", **route) + 1
+    generated = _one(after, "fp8kv_generation_tokens_total") - _one(before, "fp8kv_generation_tokens_total")
+    assert generated == out.usage.completion_tokens == 5
+    assert _one(after, "fp8kv_time_to_first_token_seconds_count") > \
+        _one(before, "fp8kv_time_to_first_token_seconds_count")
+    assert _one(after, "fp8kv_inter_token_latency_seconds_count") - \
+        _one(before, "fp8kv_inter_token_latency_seconds_count") == 4
+    with server.client() as c:
+        kv = c.get("/info").json()["kv_cache"]
+    assert _one(after, "fp8kv_kv_cache_blocks_used") == 0
+    assert _one(after, "fp8kv_kv_cache_blocks_free") == kv["num_blocks"]
+    assert _one(after, "fp8kv_kv_cache_info", kv_cache_dtype="fp8_e4m3") == 1
+    for name in ("fp8kv_num_requests_waiting", "fp8kv_batch_size_count", "fp8kv_prefix_cache_hit_rate",
+                 "fp8kv_request_duration_seconds_count"):
+        assert name in after
+
+
+async def _stream_client(url: str, i: int, disconnect_after: int | None) -> dict:
+    body = {"model": "smol", "prompt": f"Story number {i}: once upon a time", "max_tokens": 6,
+            "temperature": 0.8, "seed": i, "stream": True, "stream_options": {"include_usage": True}}
+    result = {"status": None, "chunks": 0, "done": False, "finish": None, "text": "", "usage": None}
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client, \
+            client.stream("POST", "/v1/completions", json=body) as response:
+        result["status"] = response.status_code
+        async for line in response.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                result["done"] = True
+                break
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                result["usage"] = event["usage"]
+            for choice in event["choices"]:
+                result["chunks"] += 1
+                result["text"] += choice["text"]
+                result["finish"] = choice["finish_reason"] or result["finish"]
+            if disconnect_after is not None and result["chunks"] >= disconnect_after:
+                return result  # leaving the block closes the connection mid-stream
+    return result
+
+
+def test_concurrent_streams_with_disconnects(server):
+    num_clients, quitters = 36, range(0, 36, 3)
+
+    async def run_all():
+        return await asyncio.gather(*[_stream_client(server.url, i, 2 if i in quitters else None)
+                                      for i in range(num_clients)])
+
+    results = asyncio.run(run_all())
+    assert all(r["status"] == 200 for r in results), [r["status"] for r in results]
+    for i, r in enumerate(results):
+        if i in quitters:
+            continue
+        assert r["done"] and r["finish"] in ("stop", "length"), r
+        tokens = r["usage"]["completion_tokens"]
+        assert tokens == 6 if r["finish"] == "length" else 1 <= tokens < 6, r
+    stats = wait_idle(server)
+    assert stats["blocks_used"] == 0 and stats["num_running"] == 0 and stats["num_waiting"] == 0, stats
+    # The server still answers after the storm.
+    with server.client() as c:
+        ok = c.post("/v1/completions", json={"model": "smol", "prompt": "Still alive?", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def test_generate_command_streams_engine_output(default_model_path, reference):
+    prompt = "What is the capital of France?"
+    cmd = fp8kv_command() + ["generate", default_model_path, prompt, "--max-tokens", "10", "--kv-cache-dtype",
+                             "fp8", "--kv-cache-memory", KV_CACHE_MEMORY, "--max-model-len", str(MAX_MODEL_LEN)]
+    done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600, env=QUIET_OMP)
+    assert done.returncode == 0, done.stderr[-3000:]
+    want = reference.chat([{"role": "user", "content": prompt}], greedy(10))[0].outputs[0].text
+    assert done.stdout == want + "\n"
+
+
+def test_generate_command_raw_prompt_from_stdin(default_model_path, reference):
+    prompt = "Rivers flow into the"
+    cmd = fp8kv_command() + ["generate", "-", "--model", default_model_path, "--no-chat", "--max-tokens", "6",
+                             "--kv-cache-memory", KV_CACHE_MEMORY, "--max-model-len", str(MAX_MODEL_LEN)]
+    done = subprocess.run(cmd, check=False, input=prompt, capture_output=True, text=True, timeout=600,
+                          env={**QUIET_OMP, "FP8KV_KV_CACHE_DTYPE": "fp8"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout == reference.generate(prompt, greedy(6))[0].outputs[0].text + "\n"
+
+
+def test_cli_lists_server_commands():
+    done = subprocess.run(fp8kv_command() + ["--help"], check=False, capture_output=True, text=True)
+    assert done.returncode == 0
+    for command in ("run", "generate", "systemd-unit"):
+        assert command in done.stdout
+
+
+def test_metrics_registries_are_per_app():
+    from fp8cache.server.metrics import ServerMetrics
+
+    # A second app in the same process must not collide with the first one's series.
+    first, second = ServerMetrics("a", "auto"), ServerMetrics("b", "fp8_e4m3")
+    first.generation_tokens.inc(3)
+    assert 'fp8kv_generation_tokens_total{kv_cache_dtype="auto",model_name="a"} 3.0' in first.render().decode()
+    assert 'model_name="a"' not in second.render().decode()
