@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from fp8cache.model.batch import StepBatch
+from fp8cache.rotation import rotate
 
 ATTENTION_NAME = "fp8kv_paged"
 
@@ -46,14 +47,17 @@ class ForwardContext:
     decode_seqs: torch.Tensor  # int64 indices of the seqs with query_len 1
     decode_tokens: torch.Tensor  # int64 their tokens' indices in the packed stream
     decode_context_lens: torch.Tensor  # int32
+    max_decode_len: int
     prefill_seqs: list[int]
     calculate_scales: ScaleCalculator | None = None  # set for the step that computes the scales
+    rotation: torch.Tensor | None = None  # [d, d] Hadamard (kv_rotation "hadamard"): K/V are cached rotated
 
 
 def build_forward_context(batch: StepBatch, ops: object, gather_kv: Callable,
                           kv_caches: list[tuple[torch.Tensor, torch.Tensor]], k_scales: list[torch.Tensor],
                           v_scales: list[torch.Tensor], kv_cache_dtype: str, block_size: int,
-                          device: torch.device | str = "cpu") -> ForwardContext:
+                          device: torch.device | str = "cpu",
+                          rotation: torch.Tensor | None = None) -> ForwardContext:
     """The step's tensors from a StepBatch (sequences in order, tokens packed)."""
     seqs = batch.seqs
     starts, offset = [], 0
@@ -76,7 +80,8 @@ def build_forward_context(batch: StepBatch, ops: object, gather_kv: Callable,
         decode_tokens=torch.tensor([starts[i] for i in decode], dtype=torch.long, device=device),
         decode_context_lens=torch.tensor([seqs[i].context_len for i in decode], dtype=torch.int32,
                                          device=device),
-        prefill_seqs=[i for i, s in enumerate(seqs) if s.query_len > 1])
+        max_decode_len=max((seqs[i].context_len for i in decode), default=0),
+        prefill_seqs=[i for i, s in enumerate(seqs) if s.query_len > 1], rotation=rotation)
 
 
 _current: ForwardContext | None = None
@@ -111,6 +116,10 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     q = query[0].transpose(0, 1)  # [T, heads, d]
     k = key[0].transpose(0, 1).contiguous()  # [T, kv_heads, d]
     v = value[0].transpose(0, 1).contiguous()
+    if ctx.rotation is not None:
+        # q.k and softmax(qk)V are unchanged: Q meets K in the same rotated basis and the output rotates back
+        # below (H is its own inverse). Done in torch for now; fusing it into the ops is a later step.
+        q, k, v = (rotate(t, ctx.rotation) for t in (q, k, v))
     if ctx.calculate_scales is not None:
         # Scales come from this step's own K/V, so they must exist before anything is written.
         ctx.k_scales[layer], ctx.v_scales[layer] = ctx.calculate_scales(layer, k, v)
@@ -123,6 +132,8 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         _decode(ctx, q, out, key_cache, value_cache, k_scale, v_scale, scaling)
     for i in ctx.prefill_seqs:
         _prefill(ctx, i, q, out, key_cache, value_cache, k_scale, v_scale, scaling)
+    if ctx.rotation is not None:
+        out = rotate(out, ctx.rotation)
     return out.unsqueeze(0), None
 
 
@@ -139,7 +150,7 @@ def _decode(ctx: ForwardContext, q: torch.Tensor, out: torch.Tensor, key_cache: 
     result = torch.empty_like(query)
     ctx.ops.paged_attention(result, query, key_cache, value_cache, key_cache.shape[1], float(scaling),
                             ctx.block_tables.index_select(0, ctx.decode_seqs).contiguous(),
-                            ctx.decode_context_lens, ctx.block_size, int(ctx.decode_context_lens.max()),
+                            ctx.decode_context_lens, ctx.block_size, ctx.max_decode_len,
                             None, ctx.kv_cache_dtype, k_scale, v_scale)
     out.index_copy_(0, ctx.decode_tokens, result)
 

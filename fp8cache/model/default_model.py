@@ -61,6 +61,7 @@ def ensure_default_model(progress: bool = True) -> str:
             out = os.path.join(work, DEFAULT_MODEL_NAME)
             say("Converting the GGUF to a float32 safetensors model (once)")
             _convert(gguf_path, out)
+            _make_readable(out)
             if os.path.isdir(target):  # a broken leftover: replace it
                 shutil.rmtree(target)
             os.replace(out, target)
@@ -116,6 +117,15 @@ def _convert(gguf_path: str, out: str) -> None:
         del model.config.quantization_config
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
+
+
+def _make_readable(folder: str) -> None:
+    # Some writers create 0600 files; a shared cache should follow the umask like any other file.
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(folder, 0o777 & ~umask)
+    for name in os.listdir(folder):
+        os.chmod(os.path.join(folder, name), 0o666 & ~umask)
 
 
 @contextmanager

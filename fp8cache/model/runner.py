@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Callable
 
@@ -13,6 +14,7 @@ from fp8cache.config import EngineConfig
 from fp8cache.model import attention, kv_cache
 from fp8cache.model.batch import StepBatch
 from fp8cache.model.loader import LoadedModel, load_model, read_config_dict
+from fp8cache.rotation import rotation_matrix
 
 
 def select_ops(log: Callable[[str], None]) -> tuple[object, Callable]:
@@ -41,6 +43,8 @@ class ModelRunner:
         self.model_path = loaded.model_path
         self.dtype = next(self.model.parameters()).dtype
         attention.install(self.model)
+        # Projecting only the positions we need onto the vocabulary saves most of a prefill's lm_head work.
+        self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self._read_shapes()
         self.max_model_len = self._resolve_max_model_len()
         self.eos_token_ids = self._eos_token_ids()
@@ -89,6 +93,7 @@ class ModelRunner:
     def _init_scales(self, loaded: LoadedModel) -> None:
         if self.kv_cache_dtype == formats.AUTO and self.config.quantization_param_path:
             self.log("warning: --quantization-param-path is ignored with kv-cache-dtype auto")
+        self.kv_rotation = "none"  # "hadamard" when the scales were made for rotated K/V
         self.scales = kv_scales.resolve_scales(
             self.kv_cache_dtype, self.num_layers, self.num_kv_heads,
             quantization_param_path=self.config.quantization_param_path,
@@ -103,15 +108,16 @@ class ModelRunner:
         self.log(f"KV scales: {self.scales_source}")
 
     def _use_scales(self, scales: kv_scales.KVScales) -> None:
-        if scales.rotation != "none":
-            raise ValueError(f"KV scales from {scales.source} ask for the {scales.rotation!r} rotation, which "
-                             "the model runner does not implement; use scales made without a rotation")
+        try:
+            rotation_matrix(scales.rotation, self.head_size)  # refuses head sizes it cannot rotate
+        except ValueError as e:
+            raise ValueError(f"KV scales from {scales.source}: {e}") from None
         for kind, tensors in (("k", scales.k), ("v", scales.v)):
             for i, t in enumerate(tensors):
                 if t.numel() not in (1, self.num_kv_heads):
                     raise ValueError(f"{kind} scale of layer {i} from {scales.source} has {t.numel()} values; "
                                      f"expected 1 or num_kv_heads={self.num_kv_heads}")
-        self.scales, self.scales_source = scales, scales.source
+        self.scales, self.scales_source, self.kv_rotation = scales, scales.source, scales.rotation
         self._k_scales = [t.to(self.device, torch.float32).contiguous() for t in scales.k]
         self._v_scales = [t.to(self.device, torch.float32).contiguous() for t in scales.v]
 
@@ -144,19 +150,25 @@ class ModelRunner:
         ctx = attention.build_forward_context(
             batch, ops=self._ops, gather_kv=self._gather_kv, kv_caches=self.kv_caches,
             k_scales=self._k_scales, v_scales=self._v_scales, kv_cache_dtype=self.kv_cache_dtype,
-            block_size=self.block_size, device=self.device)
+            block_size=self.block_size, device=self.device,
+            rotation=rotation_matrix(self.kv_rotation, self.head_size, self.device))
         calculating = self.scales is None and self.kv_cache_dtype != formats.AUTO
         amax: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         if calculating:
             ctx.calculate_scales = self._scale_calculator(ctx.slot_mapping, amax)
         input_ids = torch.tensor([batch.token_ids], dtype=torch.long, device=self.device)
         positions = torch.tensor([batch.positions], dtype=torch.long, device=self.device)
+        keep = self._logits_index(batch, all_logits)
         with torch.inference_mode(), attention.forward_context(ctx):
-            out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False,
-                             logits_to_keep=self._logits_index(batch, all_logits))
+            if self._takes_logits_to_keep:
+                logits = self.model(input_ids=input_ids, position_ids=positions, use_cache=False,
+                                    logits_to_keep=keep).logits[0]
+            else:  # older remote-code models: project every position, then pick
+                logits = self.model(input_ids=input_ids, position_ids=positions, use_cache=False).logits[0]
+                logits = logits if all_logits else logits[keep]
         if calculating:
             self._finish_calculation(amax)
-        return out.logits[0].to(torch.float32)
+        return logits.to(torch.float32)
 
     def _check_batch(self, batch: StepBatch) -> None:
         n = len(batch.token_ids)

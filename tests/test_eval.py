@@ -1,0 +1,68 @@
+"""fp8cache.eval.evaluate: decode-faithful quality of an FP8 cache against the auto cache."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fp8cache.config import EngineConfig
+from fp8cache.eval import evaluate, locate_eval_text, read_text
+
+KEYS = {"kv_cache_dtype", "ppl", "baseline_ppl", "kl", "top1_agreement", "tokens", "windows", "scales_source"}
+
+
+def transformers_ppl(model_path: str, windows: int, window_len: int) -> float:
+    """Perplexity of the same windows from transformers' own forward (no cache involved)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    ids = tokenizer(read_text(locate_eval_text()))["input_ids"]
+    nll, count = 0.0, 0
+    for w in range(windows):
+        window = torch.tensor([ids[w * window_len:(w + 1) * window_len]])
+        with torch.no_grad():
+            logits = model(window).logits[0, :-1].float()
+        nll += torch.nn.functional.cross_entropy(logits, window[0, 1:], reduction="sum").item()
+        count += window_len - 1
+    return math.exp(nll / count)
+
+
+def test_fp8_e4m3_eval_is_close_to_baseline(default_model_path):
+    result = evaluate(EngineConfig(model=default_model_path, kv_cache_dtype="fp8_e4m3"), windows=2,
+                      window_len=96, progress=False)
+    assert set(result) == KEYS
+    assert result["kv_cache_dtype"] == "fp8_e4m3" and result["windows"] == 2 and result["tokens"] == 2 * 95
+    assert result["scales_source"] == "default 1.0"
+    assert result["baseline_ppl"] == pytest.approx(transformers_ppl(default_model_path, 2, 96), rel=1e-4)
+    assert result["ppl"] == pytest.approx(result["baseline_ppl"], rel=0.05)
+    assert 0 < result["kl"] < 0.05
+    assert 0.85 <= result["top1_agreement"] <= 1
+
+
+def test_auto_against_auto_has_no_divergence(default_model_path):
+    result = evaluate(EngineConfig(model=default_model_path), windows=1, window_len=64, progress=False)
+    assert result["kv_cache_dtype"] == "auto"
+    assert abs(result["kl"]) < 1e-6 and result["top1_agreement"] == 1
+    assert result["ppl"] == pytest.approx(result["baseline_ppl"], rel=1e-6)
+
+
+def test_eval_with_calculated_scales_reports_them(default_model_path):
+    result = evaluate(EngineConfig(model=default_model_path, kv_cache_dtype="fp8_e5m2", calculate_kv_scales=True),
+                      windows=1, window_len=64, progress=False)
+    assert result["scales_source"].startswith("calculated")
+    assert 0 < result["kl"] < 0.2
+
+
+def test_eval_refuses_bad_input(tmp_path, default_model_path):
+    with pytest.raises(ValueError, match="windows"):
+        evaluate(EngineConfig(model=default_model_path), windows=0, progress=False)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        evaluate(EngineConfig(model=default_model_path), text_path=str(tmp_path / "none.txt"), progress=False)
+    short = tmp_path / "short.txt"
+    short.write_text("Too short for a window.")
+    with pytest.raises(ValueError, match="fewer than windows"):
+        evaluate(EngineConfig(model=default_model_path), text_path=str(short), windows=1, window_len=64,
+                 progress=False)
