@@ -24,3 +24,4 @@ class EngineConfig:
     seed: int = 0
     trust_remote_code: bool = False
     device: str = "cpu"
+    tensor_parallel_size: int = 1  # ranks sharing the model; > 1 needs RANK/WORLD_SIZE/MASTER_* env

@@ -6,6 +6,7 @@ container's environment can configure the server without a command line.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import re
@@ -152,15 +153,34 @@ def _engine_errors(fn: Callable) -> Callable:
 @click.argument("model", required=False, metavar="[MODEL]")
 @engine_options
 @server_options
+@option("--num-shard", "--tensor-parallel-size", "num_shard", type=click.IntRange(min=1), default=1,
+        help="Tensor-parallel ranks: this many processes each hold a slice of the model's heads and MLP. "
+             "Started here when RANK is unset; with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set (several "
+             "machines, torchrun) this process is that one rank.")
 @_engine_errors
 def run(model: str | None, **kw) -> None:
     """Serve MODEL over HTTP: OpenAI /v1 routes, TGI /generate routes, /health and /metrics.
 
     Example: fp8kv run ./my-model --kv-cache-dtype fp8 --quantization-param-path scales.json
     """
+    from fp8cache.distributed import parallel_state
     from fp8cache.server.serve import ServeOptions, configure_logging, serve
 
+    num_shard = kw.pop("num_shard")
+    rank = parallel_state.env_rank() if num_shard > 1 else 0
+    if rank is None:  # one machine: start the ranks and watch them (rank 0 serves HTTP)
+        from launcher.supervisor import supervise
+
+        sys.exit(supervise(sys.argv[1:], num_shard, stop_timeout=kw["graceful_timeout"] + 30))
     configure_logging(kw["log_format"])
+    config = dataclasses.replace(engine_config(_model(model, kw["model_option"]), kw),
+                                 tensor_parallel_size=num_shard)
+    if rank > 0:
+        import logging
+
+        from fp8cache.distributed.worker import run_worker
+
+        sys.exit(run_worker(config, log=logging.getLogger("fp8kv").info))
     if kw["host"] not in ("127.0.0.1", "localhost", "::1") and not kw["api_key"]:
         console.print(f"[yellow]warning:[/] listening on {kw['host']} without --api-key: anyone who can "
                       "reach this port can use the model", highlight=False)
@@ -168,7 +188,7 @@ def run(model: str | None, **kw) -> None:
                            served_model_name=kw["served_model_name"], graceful_timeout=kw["graceful_timeout"],
                            log_format=kw["log_format"], max_request_bytes=kw["max_request_bytes"],
                            max_concurrent_requests=kw["max_concurrent_requests"], access_log=kw["access_log"])
-    code = serve(engine_config(_model(model, kw["model_option"]), kw), options)
+    code = serve(config, options)
     sys.exit(code)
 
 

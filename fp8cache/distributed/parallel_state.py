@@ -1,0 +1,140 @@
+"""This process's place in the tensor-parallel group, from the standard torch.distributed environment.
+
+Every rank runs the same model slice by slice; rank 0 also runs the scheduler and tells the others what to
+compute. Two groups: the default one carries the model's all_reduces (nccl on CUDA, gloo on CPU); a gloo
+"control" group with a long timeout carries the step broadcasts, because an idle server may leave the
+workers waiting for the next step far longer than a collective's usual timeout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from fp8cache.config import EngineConfig
+
+ENV_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+_IDLE_TIMEOUT = timedelta(days=365)  # workers wait for rank 0's next step as long as the server lives
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    rank: int = 0
+    world_size: int = 1
+    control_group: object | None = None  # gloo group for step broadcasts; None when world_size == 1
+
+    @property
+    def is_parallel(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_driver(self) -> bool:
+        """Rank 0: schedules, samples, and broadcasts each step to the other ranks."""
+        return self.rank == 0
+
+
+SINGLE = ParallelState()
+_state = SINGLE
+
+
+def get() -> ParallelState:
+    return _state
+
+
+def env_rank() -> int | None:
+    """RANK from the environment, None when unset (then a multi-rank start supervises its own ranks)."""
+    value = os.environ.get("RANK")
+    return None if value is None else _env_int("RANK", value)
+
+
+def _env_int(name: str, value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def read_env(tensor_parallel_size: int) -> tuple[int, int]:
+    """(rank, world size) from RANK/WORLD_SIZE, checked against the tensor-parallel size asked for."""
+    missing = [name for name in ENV_VARS if not os.environ.get(name)]
+    if missing:
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} needs the environment variables "
+                         f"{', '.join(ENV_VARS)}; {', '.join(missing)} not set. Start with `fp8kv run "
+                         f"--num-shard {tensor_parallel_size}` (it sets them for one machine), or set them for "
+                         "each rank as torchrun does")
+    rank, world = _env_int("RANK", os.environ["RANK"]), _env_int("WORLD_SIZE", os.environ["WORLD_SIZE"])
+    if world != tensor_parallel_size:
+        raise ValueError(f"WORLD_SIZE={world} but the tensor-parallel size is {tensor_parallel_size}; fp8kv "
+                         "uses every rank for tensor parallelism, so make them equal")
+    if not 0 <= rank < world:
+        raise ValueError(f"RANK={rank} is outside [0, WORLD_SIZE={world})")
+    return rank, world
+
+
+def rank_device(config: EngineConfig, rank: int) -> str:
+    """Each rank its own GPU: a bare "cuda" becomes cuda:LOCAL_RANK (else rank modulo the GPUs here)."""
+    device = torch.device(config.device)
+    if device.type != "cuda" or device.index is not None:
+        return config.device
+    local = os.environ.get("LOCAL_RANK")
+    index = _env_int("LOCAL_RANK", local) if local is not None else rank % max(torch.cuda.device_count(), 1)
+    return f"cuda:{index}"
+
+
+def initialize(config: EngineConfig) -> tuple[EngineConfig, ParallelState]:
+    """Join the process group when config.tensor_parallel_size > 1; returns the config for this rank."""
+    global _state
+    size = config.tensor_parallel_size
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"tensor_parallel_size={size!r} must be a positive integer")
+    if size == 1:
+        return config, SINGLE
+    rank, world = read_env(size)
+    if _state.is_parallel:
+        if _state.world_size != world:
+            raise RuntimeError(f"this process already runs tensor parallelism of size {_state.world_size}")
+        return dataclasses.replace(config, device=rank_device(config, rank)), _state
+    config = dataclasses.replace(config, device=rank_device(config, rank))
+    device = torch.device(config.device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world)
+    control = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
+    _state = ParallelState(rank, world, control)
+    return config, _state
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks, in place; the row-parallel layers' reduction."""
+    if _state.is_parallel:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
+    if _state.is_parallel:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor
+
+
+def all_reduce_min_int(value: int) -> int:
+    """The smallest of each rank's value (e.g. cache blocks: every rank must hold rank 0's block ids)."""
+    if not _state.is_parallel:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_state.control_group)
+    return int(t.item())
+
+
+def destroy() -> None:
+    global _state
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _state = SINGLE

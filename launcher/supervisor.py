@@ -1,0 +1,235 @@
+"""`fp8kv run --num-shard N` on one machine: start N rank processes and keep them alive together.
+
+Like TGI's launcher: each rank is a copy of this command with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set;
+rank 0 serves HTTP, the others run model slices. Each rank reports ready over its own sd_notify socket (the
+protocol systemd uses), so the supervisor knows when all are up and can tell systemd in turn. If a rank
+exits, the others are stopped and the supervisor exits non-zero with that rank's last output. SIGTERM or
+SIGINT is forwarded to every rank: rank 0 finishes its in-flight requests, then releases the workers.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from fp8cache.server.notify import Notifier
+
+MASTER_ADDR = "127.0.0.1"
+_TAIL_LINES = 40  # lines of a failed rank's output shown again at the end
+_FAILURE_GRACE_S = 10.0  # after one rank fails, how long the others get to exit before SIGKILL
+_POLL_S = 0.1
+
+
+@dataclass
+class Rank:
+    rank: int
+    proc: subprocess.Popen
+    notify: socket.socket
+    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=_TAIL_LINES))
+    ready: bool = False
+
+
+def rank_command(argv: list[str]) -> list[str]:
+    """This same `fp8kv ...` command line, run by this Python."""
+    return [sys.executable, "-m", "launcher.cli", *argv]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((MASTER_ADDR, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """Child side: get SIGTERM if the supervisor dies (even by SIGKILL), so no rank is orphaned."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _rank_env(rank: int, world: int, port: int, notify_path: str) -> dict[str, str]:
+    env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+               MASTER_ADDR=MASTER_ADDR, MASTER_PORT=str(port), NOTIFY_SOCKET=notify_path,
+               PYTHONUNBUFFERED="1")
+    # systemd's watchdog is meant for the supervisor; rank 0 pings through it, the workers not at all.
+    env.pop("WATCHDOG_PID", None)
+    if rank:
+        env.pop("WATCHDOG_USEC", None)
+    return env
+
+
+def _relay_output(rank: Rank, write: Callable[[str], None]) -> None:
+    for raw in iter(rank.proc.stdout.readline, b""):
+        line = raw.decode(errors="replace").rstrip("\n")
+        rank.tail.append(line)
+        write(f"[rank {rank.rank}] {line}\n")
+
+
+class Supervisor:
+    def __init__(self, argv: list[str], num_shard: int, stop_timeout: float,
+                 write: Callable[[str], None] | None = None) -> None:
+        """argv: the command's arguments after the program name; stop_timeout: seconds a graceful stop
+        may take before the ranks are killed."""
+        self.argv, self.num_shard, self.stop_timeout = argv, num_shard, stop_timeout
+        self._write_lock = threading.Lock()
+        self._write = write or sys.stderr.write
+        self.ranks: list[Rank] = []
+        self.stop_signal: int | None = None
+        self.systemd = Notifier()
+        self._rank0_status: str | None = None
+
+    def say(self, text: str) -> None:
+        with self._write_lock:
+            self._write(text if text.endswith("\n") else text + "\n")
+            sys.stderr.flush()
+
+    def run(self) -> int:
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            with tempfile.TemporaryDirectory(prefix="fp8kv-ranks-") as tmp:
+                self._start(tmp)
+                return self._watch()
+        finally:
+            self._kill_all()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _on_signal(self, sig: int, frame: object) -> None:
+        if self.stop_signal is None:
+            self.stop_signal = sig
+            self.systemd.stopping(f"stopping on {signal.Signals(sig).name}")
+
+    def _start(self, tmp: str) -> None:
+        port = int(os.environ.get("MASTER_PORT") or free_port())
+        self.say(f"fp8kv: starting {self.num_shard} tensor-parallel ranks (MASTER_ADDR={MASTER_ADDR} "
+                 f"MASTER_PORT={port})")
+        for r in range(self.num_shard):
+            path = os.path.join(tmp, f"rank-{r}.notify")
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+            sock.bind(path)
+            sock.setblocking(False)
+            proc = subprocess.Popen(rank_command(self.argv), env=_rank_env(r, self.num_shard, port, path),
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    start_new_session=True, preexec_fn=_die_with_parent)  # noqa: PLW1509 (no threads yet)
+            self.ranks.append(Rank(r, proc, sock))
+            self.say(f"fp8kv: rank {r} started (pid {proc.pid})")
+        # Relay threads start after the last fork: preexec_fn is only safe while this process has one thread.
+        for rank in self.ranks:
+            threading.Thread(target=_relay_output, args=(rank, self.say), daemon=True).start()
+
+    def _watch(self) -> int:
+        """Until a stop signal or a rank's exit; the exit status."""
+        while True:
+            self._read_notifications()
+            if self.stop_signal is not None:
+                return self._stop_gracefully()
+            for rank in self.ranks:
+                code = rank.proc.poll()
+                if code is not None:
+                    return self._fail(rank, code)
+            time.sleep(_POLL_S)
+
+    def _read_notifications(self) -> None:
+        for rank in self.ranks:
+            while True:
+                try:
+                    message = rank.notify.recv(4096).decode(errors="replace")
+                except BlockingIOError:
+                    break
+                self._on_notification(rank, message)
+
+    def _on_notification(self, rank: Rank, message: str) -> None:
+        fields = message.split("\n")
+        if "READY=1" in fields and not rank.ready:
+            rank.ready = True
+            waiting = [r.rank for r in self.ranks if not r.ready]
+            self.say(f"fp8kv: rank {rank.rank} ready" + (f"; waiting for {waiting}" if waiting else
+                                                         "; all ranks ready"))
+            if not waiting:
+                status = self._rank0_status or f"{self.num_shard} tensor-parallel ranks ready"
+                self.systemd.ready(status)
+        if rank.rank == 0:
+            # Rank 0 speaks for the service (status, watchdog, stopping); READY waits for every rank.
+            status = [f for f in fields if f.startswith("STATUS=")]
+            if status:
+                self._rank0_status = status[-1].removeprefix("STATUS=")
+            rest = "\n".join(f for f in fields if f != "READY=1")
+            if rest:
+                self.systemd.send(rest)
+
+    def _fail(self, failed: Rank, code: int) -> int:
+        why = _describe_exit(code)
+        self.say(f"fp8kv: rank {failed.rank} {why}; stopping the other ranks")
+        self.systemd.stopping(f"rank {failed.rank} {why}")
+        self._signal_all(signal.SIGTERM)
+        self._wait_all(_FAILURE_GRACE_S)
+        time.sleep(0.2)  # let the relay threads print the last lines
+        self.say(f"fp8kv: last output of rank {failed.rank}:")
+        for line in failed.tail:
+            self.say(f"  | {line}")
+        self.say(f"error: tensor-parallel rank {failed.rank} {why}")
+        return code if code > 0 else 1
+
+    def _stop_gracefully(self) -> int:
+        name = signal.Signals(self.stop_signal).name
+        self.say(f"fp8kv: {name} received: stopping all {self.num_shard} ranks (up to {self.stop_timeout:g}s)")
+        self._signal_all(signal.SIGTERM)
+        if not self._wait_all(self.stop_timeout):
+            self.say(f"fp8kv: ranks still running after {self.stop_timeout:g}s; killing them")
+        time.sleep(0.2)
+        codes = [r.proc.returncode for r in self.ranks]
+        bad = [(r.rank, c) for r, c in zip(self.ranks, codes) if c != 0]
+        for r, c in bad:
+            self.say(f"fp8kv: rank {r} {_describe_exit(c)}")
+        self.say(f"fp8kv: stopped ({'cleanly' if not bad else 'with errors'})")
+        return 0 if not bad else 1
+
+    def _signal_all(self, sig: int) -> None:
+        for rank in self.ranks:
+            if rank.proc.poll() is None:
+                try:
+                    rank.proc.send_signal(sig)
+                except ProcessLookupError:
+                    pass
+
+    def _wait_all(self, timeout: float) -> bool:
+        """Wait for every rank to exit; SIGKILL the rest at the timeout. Whether all left on their own."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(r.proc.poll() is not None for r in self.ranks):
+                return True
+            time.sleep(_POLL_S)
+        self._kill_all()
+        return False
+
+    def _kill_all(self) -> None:
+        for rank in self.ranks:
+            if rank.proc.poll() is None:
+                rank.proc.kill()
+            rank.proc.wait()
+            rank.notify.close()
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+def supervise(argv: list[str], num_shard: int, stop_timeout: float) -> int:
+    """Run `fp8kv <argv>` as num_shard ranks on this machine; the exit status for the whole group."""
+    return Supervisor(argv, num_shard, stop_timeout).run()
