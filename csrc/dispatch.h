@@ -15,8 +15,10 @@
 
 #include <string>
 
-#include <ATen/ATen.h>
+#include <c10/core/ScalarType.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Half.h>
 
 #include "common/fp8.h"
 
@@ -72,23 +74,23 @@ inline const char* kv_format_name(KVFormat f) {
 #define FP8KV_DISPATCH_BY_KV_CACHE_DTYPE_WITH_DEFAULT(DEFAULT_FP8, SRC_DTYPE, KV_DTYPE, FN)               \
   do {                                                                                                   \
     const ::fp8kv::KVFormat fp8kv_format_ = ::fp8kv::parse_kv_cache_dtype((KV_DTYPE), (DEFAULT_FP8));    \
-    const ::at::ScalarType fp8kv_src_ = (SRC_DTYPE);                                                     \
+    const ::c10::ScalarType fp8kv_src_ = (SRC_DTYPE);                                                     \
     if (fp8kv_format_ == ::fp8kv::KVFormat::AUTO) {                                                      \
-      if (fp8kv_src_ == ::at::ScalarType::Float) {                                                       \
+      if (fp8kv_src_ == ::c10::ScalarType::Float) {                                                       \
         FN(float, float, ::fp8kv::KVFormat::AUTO);                                                       \
-      } else if (fp8kv_src_ == ::at::ScalarType::BFloat16) {                                             \
+      } else if (fp8kv_src_ == ::c10::ScalarType::BFloat16) {                                             \
         FN(c10::BFloat16, c10::BFloat16, ::fp8kv::KVFormat::AUTO);                                       \
-      } else if (fp8kv_src_ == ::at::ScalarType::Half) {                                                 \
+      } else if (fp8kv_src_ == ::c10::ScalarType::Half) {                                                 \
         FN(c10::Half, c10::Half, ::fp8kv::KVFormat::AUTO);                                               \
       } else {                                                                                           \
         TORCH_CHECK(false, "unsupported model dtype ", fp8kv_src_, "; use float32, bfloat16 or float16"); \
       }                                                                                                  \
     } else {                                                                                             \
-      if (fp8kv_src_ == ::at::ScalarType::Float) {                                                       \
+      if (fp8kv_src_ == ::c10::ScalarType::Float) {                                                       \
         FP8KV_DISPATCH_FP8_FORMAT_(float, fp8kv_format_, FN)                                             \
-      } else if (fp8kv_src_ == ::at::ScalarType::BFloat16) {                                             \
+      } else if (fp8kv_src_ == ::c10::ScalarType::BFloat16) {                                             \
         FP8KV_DISPATCH_FP8_FORMAT_(c10::BFloat16, fp8kv_format_, FN)                                     \
-      } else if (fp8kv_src_ == ::at::ScalarType::Half) {                                                 \
+      } else if (fp8kv_src_ == ::c10::ScalarType::Half) {                                                 \
         FP8KV_DISPATCH_FP8_FORMAT_(c10::Half, fp8kv_format_, FN)                                         \
       } else {                                                                                           \
         TORCH_CHECK(false, "unsupported model dtype ", fp8kv_src_, "; use float32, bfloat16 or float16"); \

@@ -7,8 +7,9 @@
 #include <string>
 #include <vector>
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include "cpu/attention_generic.h"
 #include "cpu/attention_kernel.h"
@@ -50,15 +51,32 @@ void run_partition(const PartitionWork& w) {
   generic::run_partition<cache_t, kFormat>(w);
 }
 
+// KV heads per unit of work: one thread runs a partition's heads in turn, prefetching the next head's
+// K/V into L2 while it computes one (so memory never idles), as long as there are units for every
+// thread. Two heads' partitions must fit in L2 together.
+int heads_per_unit(const Problem& p, int64_t cache_elem_bytes) {
+  constexpr int64_t kL2Budget = 1 << 20;
+  const int64_t per_head = int64_t{kPartitionSize} * 2 * p.head_size * cache_elem_bytes;
+  int heads = kL2Budget >= 2 * per_head ? p.num_kv_heads : 1;
+  int64_t partitions = 0;
+  for (int s = 0; s < p.num_seqs; ++s) partitions += num_partitions(p.seq_lens[s]);
+  const int64_t wanted = 4 * static_cast<int64_t>(at::get_num_threads());
+  while (heads > 1 && partitions * ((p.num_kv_heads + heads - 1) / heads) < wanted) heads = (heads + 1) / 2;
+  return heads;
+}
+
 template <typename cache_t, KVFormat kFormat>
 void attention_impl(const Problem& p) {
   struct Unit {
-    int seq, kv_head, partition;
+    int seq, partition, kv_head, heads;
   };
+  const int hpu = heads_per_unit(p, sizeof(cache_t));
   std::vector<Unit> units;
   for (int s = 0; s < p.num_seqs; ++s) {
     for (int part = 0; part < num_partitions(p.seq_lens[s]); ++part) {
-      for (int kvh = 0; kvh < p.num_kv_heads; ++kvh) units.push_back({s, kvh, part});
+      for (int kvh = 0; kvh < p.num_kv_heads; kvh += hpu) {
+        units.push_back({s, part, kvh, std::min(hpu, p.num_kv_heads - kvh)});
+      }
     }
   }
   const int G = p.num_heads / p.num_kv_heads, D = p.head_size;
@@ -72,30 +90,36 @@ void attention_impl(const Problem& p) {
     for (int64_t i = 0; i < n_units; ++i) {
       const Unit& u = units[i];
       const int seq_len = p.seq_lens[u.seq];
-      const int head0 = u.kv_head * G;
       const bool single = num_partitions(seq_len) == 1;
-      const int64_t part_row = (static_cast<int64_t>(u.seq) * p.max_partitions + u.partition) * p.num_heads + head0;
-      PartitionWork w;
-      w.key_cache = p.key_cache;
-      w.value_cache = p.value_cache;
-      w.block_table = p.block_tables + u.seq * p.block_table_stride;
-      w.num_kv_heads = p.num_kv_heads;
-      w.head_size = D;
-      w.block_size = p.block_size;
-      w.kv_head = u.kv_head;
-      w.group = G;
-      w.start = u.partition * kPartitionSize;
-      w.end = std::min(seq_len, w.start + kPartitionSize);
-      w.seq_len = seq_len;
-      w.query = p.query + (static_cast<int64_t>(u.seq) * p.num_heads + head0) * D;
-      w.qk_scale = p.scale * p.k_scale[u.kv_head];
-      w.v_scale = p.v_scale[u.kv_head];
-      w.alibi = p.alibi ? p.alibi + head0 : nullptr;
-      w.out = single ? p.out + (static_cast<int64_t>(u.seq) * p.num_heads + head0) * D : p.partial_out + part_row * D;
-      w.max_logit = p.partial_max + part_row;
-      w.exp_sum = p.partial_sum + part_row;
-      w.scratch = aligned;
-      run_partition<cache_t, kFormat>(w);
+      for (int kvh = u.kv_head; kvh < u.kv_head + u.heads; ++kvh) {
+        const int head0 = kvh * G;
+        const int64_t part_row = (static_cast<int64_t>(u.seq) * p.max_partitions + u.partition) * p.num_heads + head0;
+        PartitionWork w;
+        w.key_cache = p.key_cache;
+        w.value_cache = p.value_cache;
+        w.block_table = p.block_tables + u.seq * p.block_table_stride;
+        w.num_kv_heads = p.num_kv_heads;
+        w.head_size = D;
+        w.block_size = p.block_size;
+        w.kv_head = kvh;
+        w.group = G;
+        w.start = u.partition * kPartitionSize;
+        w.end = std::min(seq_len, w.start + kPartitionSize);
+        w.seq_len = seq_len;
+        w.query = p.query + (static_cast<int64_t>(u.seq) * p.num_heads + head0) * D;
+        w.qk_scale = p.scale * p.k_scale[kvh];
+        w.v_scale = p.v_scale[kvh];
+        w.alibi = p.alibi ? p.alibi + head0 : nullptr;
+        w.out = single ? p.out + (static_cast<int64_t>(u.seq) * p.num_heads + head0) * D : p.partial_out + part_row * D;
+        w.max_logit = p.partial_max + part_row;
+        w.exp_sum = p.partial_sum + part_row;
+        w.scratch = aligned;
+        // Pipeline: the unit's first pass fetches its own head and the next, later passes the next.
+        const bool first = kvh == u.kv_head;
+        w.prefetch_from = first ? 0 : 1;
+        w.prefetch_heads = std::min(first ? 2 : 1, u.kv_head + u.heads - kvh - (first ? 0 : 1));
+        run_partition<cache_t, kFormat>(w);
+      }
     }
   }
   // Merge partitions: weight each partition's normalised output by its share of the softmax mass.

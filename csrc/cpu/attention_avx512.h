@@ -1,13 +1,14 @@
-// AVX-512 partition kernel. FP8 is decoded in registers right where it is used: a code's bits, shifted,
-// are an fp16 (E5M2 is the high byte of one; E4M3 lands 2^(15 - bias) too small, a power of two that is
-// folded into the q and V scales), and vcvtph2ps widens it. Every query head of a GQA group shares one
-// decode of each K/V vector.
+// AVX-512 partition kernel. The cache is never copied or dequantized up front: each K/V vector is
+// decoded in registers where it is used, once per KV head for all query heads of its GQA group.
 //
-// Q.K: 16 accumulators of (head, token) pairs over the head dimension, summed across lanes by one
-//      transpose-and-add tree (reduce16).
-// P.V: the value cache keeps each head-dimension row's tokens contiguous ([d][block_size]), so a vector
-//      holds 16 tokens of one row; accumulators of (head, row) pairs run over the whole partition in
-//      registers and are reduced once at the end. V is prefetched into L2 while Q.K runs.
+// FP8 (qk_fp8 / pv_fp8): two VBMI byte-table lookups give each code's float bits exactly (NaN, inf and
+//   subnormals included), byte/word unpacks spread them into floats with 4-lane partial sums, and
+//   reduce4 finishes four accumulators at once. P.V runs 16 head-dimension rows per pass with the
+//   accumulators in registers for the whole partition.
+// auto caches (qk_heads / pv_heads): natural-order widening of bf16/fp16/fp32, 16 accumulators of
+//   (head, token) or (head, row) pairs, summed by one transpose-and-add tree (reduce16).
+// V is prefetched into L2 while Q.K runs; K is prefetched a few tiles ahead (blocks are scattered, so
+// the hardware prefetchers cannot guess them).
 #pragma once
 
 #include <immintrin.h>
@@ -36,113 +37,17 @@ FP8KV_INLINE __m256i join128(__m128i lo, __m128i hi) {
   return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
 }
 
-// Decoding of 32 cache elements into two vectors of 16 floats, in the cache's two layouts:
+// Decoding of 32 elements of an "auto" (float32 / bfloat16 / float16) cache into two vectors of 16
+// floats, in the cache's two layouts:
 //   k_pair: 16 head dims of tokens t and t+1, starting at token t's first element of a 16-dim group
 //           (x-sized pieces chunk_stride apart when x < 16);
 //   v_rows: rows d and d+1 of a 16-token tile (block size kBs; for kBs = 8 the tile's second half is
 //           the next block, pb).
-// Decoded value * kScale = stored value.
 template <typename cache_t, KVFormat kFormat>
 struct Codec;
 
-// FP8 codes -> exact floats with two byte-table lookups (AVX512-VBMI): every FP8 value of the three
-// formats is a bfloat16, i.e. a float whose low 16 bits are zero, so a table gives the float's two high
-// bytes for the 7 magnitude bits, the sign bit is copied, and one byte permute per 16 values places
-// the bytes into floats. NaN, infinities and subnormals come out exactly, with no rescaling.
-template <Fp8Format F>
-struct Fp8Tables {
-  alignas(64) uint8_t hi[128];
-  alignas(64) uint8_t lo[128];
-  alignas(64) uint8_t spread[4][64];  // byte permutes: 16 (lo, hi) byte pairs -> 16 floats
-
-  Fp8Tables() {
-    for (int c = 0; c < 128; ++c) {
-      const uint32_t bits = float_to_bits(fp8_to_float<F>(static_cast<uint8_t>(c)));
-      hi[c] = static_cast<uint8_t>(bits >> 24);
-      lo[c] = static_cast<uint8_t>(bits >> 16);
-    }
-    for (int j = 0; j < 4; ++j) {
-      for (int i = 0; i < 16; ++i) {
-        spread[j][4 * i] = spread[j][4 * i + 1] = 0;  // zeroed by the permute's mask
-        spread[j][4 * i + 2] = static_cast<uint8_t>(16 * j + i);       // lo byte of value 16j + i
-        spread[j][4 * i + 3] = static_cast<uint8_t>(64 + 16 * j + i);  // hi byte
-      }
-    }
-  }
-
-  static const Fp8Tables& get() {
-    static const Fp8Tables tables;
-    return tables;
-  }
-};
-
-template <KVFormat kFormat>
-struct Codec<uint8_t, kFormat> {
-  static constexpr Fp8Format F = fp8_format_of(kFormat);
-  static constexpr float kScale = 1.f;
-  __m512i hi0, hi1, lo0, lo1, spread[4];
-
-  Codec() {
-    const Fp8Tables<F>& t = Fp8Tables<F>::get();
-    hi0 = _mm512_load_si512(t.hi);
-    hi1 = _mm512_load_si512(t.hi + 64);
-    lo0 = _mm512_load_si512(t.lo);
-    lo1 = _mm512_load_si512(t.lo + 64);
-    for (int j = 0; j < 4; ++j) spread[j] = _mm512_load_si512(t.spread[j]);
-  }
-
-  // codes[0..16 * kOut) -> z[0..kOut), 16 values each, in order.
-  template <int kOut>
-  FP8KV_INLINE void decode(__m512i codes, __m512* z) const {
-    __m512i hi = _mm512_permutex2var_epi8(hi0, codes, hi1);  // index bit 7 (the sign) is ignored
-    __m512i lo = _mm512_permutex2var_epi8(lo0, codes, lo1);
-    hi = _mm512_ternarylogic_epi32(hi, codes, _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);  // hi | sign
-    if constexpr (F == Fp8Format::E4M3FNUZ) {  // 0x80 is NaN, not -0
-      const __mmask64 nan = _mm512_cmpeq_epi8_mask(codes, _mm512_set1_epi8(static_cast<char>(0x80)));
-      hi = _mm512_mask_mov_epi8(hi, nan, _mm512_set1_epi8(0x7F));
-      lo = _mm512_mask_mov_epi8(lo, nan, _mm512_set1_epi8(static_cast<char>(0xC0)));
-    }
-    for (int j = 0; j < kOut; ++j) {
-      z[j] = _mm512_castsi512_ps(_mm512_maskz_permutex2var_epi8(0xCCCCCCCCCCCCCCCCull, lo, spread[j], hi));
-    }
-  }
-
-  FP8KV_INLINE void decode32(__m256i b, __m512& z0, __m512& z1) const {
-    __m512 z[2];
-    decode<2>(_mm512_castsi256_si512(b), z);
-    z0 = z[0];
-    z1 = z[1];
-  }
-
-  FP8KV_INLINE void k_pair(const uint8_t* p, int64_t, __m512& z0, __m512& z1) const {
-    decode32(load256(p), z0, z1);
-  }
-
-  // tokens t..t+3 (16 dims each, contiguous for x = 16)
-  FP8KV_INLINE void k_quad(const uint8_t* p, int64_t, __m512* z) const {
-    decode<4>(_mm512_loadu_si512(p), z);
-  }
-
-  // 64 contiguous codes: 4 rows x 16 tokens (block size 16) or 2 rows x 32 tokens (block size 32)
-  FP8KV_INLINE void v_64(const uint8_t* p, __m512* z) const { decode<4>(_mm512_loadu_si512(p), z); }
-
-  template <int kBs>
-  FP8KV_INLINE void v_rows(const uint8_t* pa, const uint8_t* pb, __m512& z0, __m512& z1) const {
-    if constexpr (kBs == 16) {
-      decode32(load256(pa), z0, z1);
-    } else if constexpr (kBs == 32) {
-      decode32(join128(load128(pa), load128(pa + 32)), z0, z1);
-    } else {
-      const __m128i a = load128(pa), b = load128(pb);  // rows d, d+1 of each block
-      decode32(join128(_mm_unpacklo_epi64(a, b), _mm_unpackhi_epi64(a, b)), z0, z1);
-    }
-  }
-};
-
 template <typename half_t>
 struct Codec16 {  // bfloat16 / float16 caches (x = 8)
-  static constexpr float kScale = 1.f;
-
   static FP8KV_INLINE __m512 widen(__m256i w) {
     if constexpr (std::is_same_v<half_t, c10::BFloat16>) {
       return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(w), 16));
@@ -184,8 +89,6 @@ struct Codec<c10::Half, KVFormat::AUTO> : Codec16<c10::Half> {};
 
 template <>
 struct Codec<float, KVFormat::AUTO> {  // x = 4
-  static constexpr float kScale = 1.f;
-
   static FP8KV_INLINE __m512 gather4(const float* p, int64_t stride) {
     __m512 z = _mm512_castps128_ps512(_mm_loadu_ps(p));
     z = _mm512_insertf32x4(z, _mm_loadu_ps(p + stride), 1);
@@ -275,45 +178,53 @@ struct View {
   const cache_t* v_block(int b) const { return vcache + table[b] * block_elems; }
 };
 
-// Walks one KV head's V slabs of a partition, one cache line per call, to prefetch them into L2 while
-// Q.K runs (blocks are scattered, so the hardware prefetchers cannot guess them).
+// Walks the K and V slabs of KV heads [kv_head + from, kv_head + from + heads) of the partition's
+// blocks, one cache line per call, to prefetch them into L2 while Q.K runs: blocks are scattered, so
+// the hardware prefetchers cannot guess them, and the heads of one block are contiguous.
 template <typename cache_t>
-struct VPrefetcher {
+struct L2Prefetcher {
   const View<cache_t>& view;
   int block, last_block;
-  int offset = 0;  // bytes into the current block's slab
-  int slab_bytes;
+  int offset = 0;  // bytes into the current block's run of slabs; K lines on even calls, V on odd
+  int run_bytes;
+  bool v_turn = false;
 
-  VPrefetcher(const View<cache_t>& v, int first, int last)
-      : view(v), block(first), last_block(last), slab_bytes(v.block_elems_head * static_cast<int>(sizeof(cache_t))) {}
+  int skip_bytes;
+
+  L2Prefetcher(const View<cache_t>& v, int first, int last, int from, int heads)
+      : view(v), block(heads > 0 ? first : last + 1), last_block(last),
+        run_bytes(heads * v.block_elems_head * static_cast<int>(sizeof(cache_t))),
+        skip_bytes(from * v.block_elems_head * static_cast<int>(sizeof(cache_t))) {}
 
   FP8KV_INLINE void step() {
     if (block > last_block) return;
-    _mm_prefetch(reinterpret_cast<const char*>(view.v_block(block)) + offset, _MM_HINT_T1);
-    offset += 64;
-    if (offset >= slab_bytes) {
+    const cache_t* base = v_turn ? view.v_block(block) : view.k_block(block);
+    _mm_prefetch(reinterpret_cast<const char*>(base) + skip_bytes + offset, _MM_HINT_T1);
+    if (v_turn && (offset += 64) >= run_bytes) {
       offset = 0;
       ++block;
     }
+    v_turn = !v_turn;
   }
 };
 
 // Logits of kG query heads (q pre-scaled) for the partition's tokens, in tiles of kT tokens.
 template <typename cache_t, KVFormat kFormat, int kG>
 void qk_heads(const PartitionWork& w, const View<cache_t>& view, const float* q, const float* alibi,
-              float* logits, int logit_stride, bool prefetch_v) {
+              float* logits, int logit_stride, int prefetch_from, int prefetch_heads) {
   const Codec<cache_t, kFormat> codec{};
   constexpr int kT = kG == 1 ? 16 : kG == 2 ? 8 : kG <= 4 ? 4 : 2;
   constexpr int kStep = kT >= 4 ? 4 : 2;  // tokens decoded together
   static_assert(kT * kG <= 16, "16 accumulators at most");
   constexpr int x = 16 / sizeof(cache_t);
   constexpr int kAhead = 32;  // tokens between a K prefetch and its use
-  constexpr int kVLinesPerGroup = std::max<int>(1, kT * sizeof(cache_t) / 4);  // keeps pace with K
+  constexpr int kLinesPerGroup = std::max<int>(1, kT * sizeof(cache_t) / 2);  // K+V of one head per K group
   const int D = w.head_size, bs = w.block_size;
   const int bs_shift = __builtin_ctz(bs);  // block sizes are powers of two
   const int64_t chunk_stride = static_cast<int64_t>(bs) * x, group_stride = 16 * static_cast<int64_t>(bs);
   const int last_block = (w.end - 1) >> bs_shift;
-  VPrefetcher<cache_t> vpf(view, prefetch_v ? w.start >> bs_shift : last_block + 1, last_block);
+  L2Prefetcher<cache_t> l2pf(view, w.start >> bs_shift, last_block, prefetch_from, prefetch_heads);
+  const int l2_lines = kLinesPerGroup * prefetch_heads;  // keeps pace with this pass over K
   auto token_ptr = [&](int t) { return view.k_block(t >> bs_shift) + (t & (bs - 1)) * x; };
   const __m512 lane = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int ts = w.start; ts < w.end; ts += kT) {
@@ -350,7 +261,7 @@ void qk_heads(const PartitionWork& w, const View<cache_t>& view, const float* q,
           }
         }
       }
-      for (int i = 0; i < kVLinesPerGroup; ++i) vpf.step();
+      for (int i = 0; i < l2_lines; ++i) l2pf.step();
     }
     __m512 sums = reduce16(acc);  // lane h * kT + j: head h, token ts + j
     const int n = std::min(kT, w.end - ts);
@@ -366,7 +277,7 @@ void qk_heads(const PartitionWork& w, const View<cache_t>& view, const float* q,
   }
 }
 
-// out[h][d] = norm[h] * sum over the partition of probs[h][t] * V[t][d] (V in decoded units).
+// out[h][d] = norm[h] * sum over the partition of probs[h][t] * V[t][d].
 // Tiles are 16 tokens (block size 8: two blocks; 16: one block) or 32 (block size 32: one block).
 template <typename cache_t, KVFormat kFormat, int kG, int kBs>
 void pv_heads(const PartitionWork& w, const View<cache_t>& view, const float* probs, int prob_stride,
@@ -455,6 +366,224 @@ void pv_heads(const PartitionWork& w, const View<cache_t>& view, const float* pr
   }
 }
 
+// ---- FP8 caches: a layout that suits the table decode -------------------------------------------
+// decode_lanes turns 64 codes (four runs of 16) into z[0..3] with z[j] lane group k (128-bit lane k) =
+// codes 16k + 4j .. 16k + 4j + 3: byte and word unpacks only, no cross-lane shuffles. A run is one
+// token's 16 head dims (K) or one row's 16 tokens (V), so each accumulator holds four runs as four
+// 4-lane partial sums, and reduce4 finishes four accumulators with six in-lane shuffles.
+//
+// Every FP8 value of the three formats is a bfloat16, i.e. a float whose low 16 bits are zero, so two
+// 128-entry byte tables (AVX512-VBMI vpermi2b) give a float's two high bytes for the 7 magnitude bits
+// and the sign bit is copied: NaN, infinities and subnormals come out exactly, with no rescaling.
+template <Fp8Format F>
+struct Fp8Tables {
+  alignas(64) uint8_t hi[128];
+  alignas(64) uint8_t lo[128];
+
+  Fp8Tables() {
+    for (int c = 0; c < 128; ++c) {
+      const uint32_t bits = float_to_bits(fp8_to_float<F>(static_cast<uint8_t>(c)));
+      hi[c] = static_cast<uint8_t>(bits >> 24);
+      lo[c] = static_cast<uint8_t>(bits >> 16);
+    }
+  }
+
+  static const Fp8Tables& get() {
+    static const Fp8Tables tables;
+    return tables;
+  }
+};
+
+template <KVFormat kFormat>
+struct Fp8Lanes {
+  static constexpr Fp8Format F = fp8_format_of(kFormat);
+  __m512i hi0, hi1, lo0, lo1;
+
+  Fp8Lanes() {
+    const Fp8Tables<F>& t = Fp8Tables<F>::get();
+    hi0 = _mm512_load_si512(t.hi);
+    hi1 = _mm512_load_si512(t.hi + 64);
+    lo0 = _mm512_load_si512(t.lo);
+    lo1 = _mm512_load_si512(t.lo + 64);
+  }
+
+  FP8KV_INLINE void decode_lanes(__m512i codes, __m512* z) const {
+    __m512i hi = _mm512_permutex2var_epi8(hi0, codes, hi1);
+    __m512i lo = _mm512_permutex2var_epi8(lo0, codes, lo1);
+    hi = _mm512_ternarylogic_epi32(hi, codes, _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);  // | sign
+    if constexpr (F == Fp8Format::E4M3FNUZ) {  // 0x80 is NaN, not -0
+      const __mmask64 nan = _mm512_cmpeq_epi8_mask(codes, _mm512_set1_epi8(static_cast<char>(0x80)));
+      hi = _mm512_mask_mov_epi8(hi, nan, _mm512_set1_epi8(0x7F));
+      lo = _mm512_mask_mov_epi8(lo, nan, _mm512_set1_epi8(static_cast<char>(0xC0)));
+    }
+    const __m512i w0 = _mm512_unpacklo_epi8(lo, hi), w1 = _mm512_unpackhi_epi8(lo, hi);  // bf16 words
+    const __m512i zero = _mm512_setzero_si512();
+    z[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, w0));
+    z[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, w0));
+    z[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, w1));
+    z[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, w1));
+  }
+};
+
+// Lane group k, element e of the result = sum of a[e]'s lane group k.
+FP8KV_INLINE __m512 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE));
+  const __m512 cd = _mm512_add_ps(_mm512_shuffle_ps(c, d, 0x44), _mm512_shuffle_ps(c, d, 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x88), _mm512_shuffle_ps(ab, cd, 0xDD));
+}
+
+// reduce4 of accumulators for runs 4e + k (e = accumulator, k = lane group) back into run order.
+FP8KV_INLINE __m512 runs_in_order(__m512 r) {
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
+}
+
+// dst[j] = src[4j .. 4j+3] repeated in all four lane groups, j < n: the operand of z[j].
+FP8KV_INLINE void lanes4(const float* src, float* dst, int n) {
+  for (int j = 0; j < n; ++j) _mm512_store_ps(dst + 16 * j, _mm512_broadcast_f32x4(_mm_loadu_ps(src + 4 * j)));
+}
+
+// acc + a * b with b read from memory by the FMA itself: with 16 accumulators live, operands that the
+// compiler would otherwise hoist into registers make it spill accumulators.
+FP8KV_INLINE __m512 fma_mem(__m512 a, const float* b, __m512 acc) {
+  __asm__("vfmadd231ps %1, %2, %0" : "+v"(acc) : "m"(*reinterpret_cast<const __m512*>(b)), "v"(a));
+  return acc;
+}
+
+// qb: [kG][head_size / 4][16], q[h][4m .. 4m+3] in all four lane groups (lanes4).
+template <KVFormat kFormat, int kG>
+void qk_fp8(const PartitionWork& w, const View<uint8_t>& view, const float* qb, const float* alibi,
+            float* logits, int logit_stride, int prefetch_from, int prefetch_heads) {
+  const Fp8Lanes<kFormat> codec;
+  constexpr int kQuads = kG == 1 ? 16 : kG == 2 ? 8 : 4;  // 4 tokens per quad, one accumulator per head
+  constexpr int kT = 4 * kQuads;
+  constexpr int kAhead = 32;
+  const int D = w.head_size, bs = w.block_size;
+  const int bs_shift = __builtin_ctz(bs);
+  const int64_t group_stride = 16 * static_cast<int64_t>(bs);
+  const int last_block = (w.end - 1) >> bs_shift;
+  L2Prefetcher<uint8_t> l2pf(view, w.start >> bs_shift, last_block, prefetch_from, prefetch_heads);
+  const int l2_lines = kT / 2 * prefetch_heads;  // K+V lines of those heads per K group of this tile
+  auto token_ptr = [&](int t) { return view.k_block(t >> bs_shift) + (t & (bs - 1)) * 16; };
+  const __m512 lane = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int ts = w.start; ts < w.end; ts += kT) {
+    const uint8_t* quad[kQuads];
+    const uint8_t* ahead[kQuads];
+    for (int i = 0; i < kQuads; ++i) {
+      const int t = ts + 4 * i < w.end ? ts + 4 * i : ts;  // quads past the end re-read a valid one
+      quad[i] = token_ptr(t);
+      ahead[i] = t + kAhead < w.end ? token_ptr(t + kAhead) : quad[i];
+    }
+    __m512 acc[kG * kQuads];
+    for (int i = 0; i < kG * kQuads; ++i) acc[i] = _mm512_setzero_ps();
+    for (int g = 0; g < D / 16; ++g) {
+#pragma GCC unroll 16
+      for (int i = 0; i < kQuads; ++i) {
+        _mm_prefetch(reinterpret_cast<const char*>(ahead[i] + g * group_stride), _MM_HINT_T0);
+        __m512 z[4];
+        codec.decode_lanes(_mm512_loadu_si512(quad[i] + g * group_stride), z);
+#pragma GCC unroll 4
+        for (int h = 0; h < kG; ++h) {
+          const float* qg = qb + (h * D + g * 16) * 4;
+#pragma GCC unroll 4
+          for (int j = 0; j < 4; ++j) acc[h * kQuads + i] = fma_mem(z[j], qg + 16 * j, acc[h * kQuads + i]);
+        }
+      }
+      for (int i = 0; i < l2_lines; ++i) l2pf.step();
+    }
+    for (int h = 0; h < kG; ++h) {
+      for (int n = 0; n < kQuads / 4; ++n) {
+        const __m512* a = acc + h * kQuads + 4 * n;
+        __m512 out = runs_in_order(reduce4(a[0], a[1], a[2], a[3]));  // tokens ts + 16n + 0..15
+        const int t0 = ts + 16 * n;
+        if (t0 >= w.end) break;
+        if (alibi) {
+          const __m512 pos = _mm512_add_ps(lane, _mm512_set1_ps(static_cast<float>(t0 - (w.seq_len - 1))));
+          out = _mm512_fmadd_ps(_mm512_set1_ps(alibi[h]), pos, out);
+        }
+        _mm512_mask_storeu_ps(logits + h * logit_stride + (t0 - w.start), first_lanes(w.end - t0), out);
+      }
+    }
+  }
+}
+
+// out[h][d] = norm[h] * sum over the partition of probs[h][t] * V[t][d]; 16 rows per pass, tiles of
+// 16 tokens gathered into 64 bytes = rows d..d+3 x 16 tokens.
+template <KVFormat kFormat, int kG, int kBs>
+void pv_fp8(const PartitionWork& w, const View<uint8_t>& view, const float* probs, int prob_stride,
+            const float* norm, float* out, float* prob_lanes) {
+  const Fp8Lanes<kFormat> codec;
+  const int D = w.head_size, P = w.end - w.start;
+  const int tiles = (P + 15) / 16;
+  const int tail = P - 16 * (tiles - 1);
+  __mmask16 tail_mask[4];  // z[j] lane (k, e) holds token 4j + e
+  for (int j = 0; j < 4; ++j) {
+    const int valid = std::clamp(tail - 4 * j, 0, 4);
+    tail_mask[j] = static_cast<__mmask16>(0x1111u * ((1u << valid) - 1u));
+  }
+  const uint8_t* pa[kPartitionSize / 16];  // the tile's block (block size 8: its first block)
+  const uint8_t* pb[kPartitionSize / 16];  // block size 8: the tile's second block
+  for (int i = 0; i < tiles; ++i) {
+    const int t = w.start + 16 * i;
+    pa[i] = view.v_block(t / kBs);
+    pb[i] = (kBs == 8 && t + 8 < w.end) ? view.v_block((t + 8) / kBs) : pa[i];
+  }
+  // 64 codes: rows r..r+3 x the tile's 16 tokens
+  auto gather = [&](int i, int r) -> __m512i {
+    if constexpr (kBs == 16) {
+      return _mm512_loadu_si512(pa[i] + r * 16);
+    } else if constexpr (kBs == 32) {  // rows are 32 tokens: take the tile's half of four rows
+      const uint8_t* rows = pa[i] + r * 32;
+      const __m512i idx = (w.start / 16 + i) % 2 ? _mm512_setr_epi64(2, 3, 6, 7, 10, 11, 14, 15)
+                                                 : _mm512_setr_epi64(0, 1, 4, 5, 8, 9, 12, 13);
+      return _mm512_permutex2var_epi64(_mm512_loadu_si512(rows), idx, _mm512_loadu_si512(rows + 64));
+    } else {  // two blocks of 8 tokens: interleave their 8-byte row pieces
+      const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(load256(pa[i] + r * 8)), load256(pb[i] + r * 8), 1);
+      return _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 4, 1, 5, 2, 6, 3, 7), ab);
+    }
+  };
+  for (int i = 0; i < tiles; ++i) {  // [tile][kG][4][16]: each tile's probs in lanes4 form
+    for (int h = 0; h < kG; ++h) lanes4(probs + h * prob_stride + 16 * i, prob_lanes + (i * kG + h) * 64, 4);
+  }
+  for (int d0 = 0; d0 < D; d0 += 16) {
+    __m512 acc[kG * 4];
+    for (int i = 0; i < kG * 4; ++i) acc[i] = _mm512_setzero_ps();
+    for (int i = 0; i < tiles; ++i) {
+      const bool partial = i == tiles - 1 && tail < 16;
+#pragma GCC unroll 4
+      for (int rq = 0; rq < 4; ++rq) {
+        __m512 z[4];
+        codec.decode_lanes(gather(i, d0 + 4 * rq), z);
+        if (partial) {  // stale slots past the sequence may hold anything, even NaN: zero them
+          for (int j = 0; j < 4; ++j) z[j] = _mm512_maskz_mov_ps(tail_mask[j], z[j]);
+        }
+#pragma GCC unroll 4
+        for (int h = 0; h < kG; ++h) {
+          const float* ph = prob_lanes + (i * kG + h) * 64;
+#pragma GCC unroll 4
+          for (int j = 0; j < 4; ++j) acc[h * 4 + rq] = fma_mem(z[j], ph + 16 * j, acc[h * 4 + rq]);
+        }
+      }
+    }
+    for (int h = 0; h < kG; ++h) {
+      const __m512 rows = runs_in_order(reduce4(acc[h * 4], acc[h * 4 + 1], acc[h * 4 + 2], acc[h * 4 + 3]));
+      _mm512_storeu_ps(out + h * D + d0, _mm512_mul_ps(rows, _mm512_set1_ps(norm[h])));
+    }
+  }
+}
+
+// Calls fn(std::integral_constant<int, kG>, first_head) for subgroups of at most 4 heads.
+template <typename Fn>
+FP8KV_INLINE void for_head_quads(int group, Fn&& fn) {
+  for (int h0 = 0; h0 < group; h0 += 4) {
+    switch (std::min(4, group - h0)) {
+      case 1: fn(std::integral_constant<int, 1>{}, h0); break;
+      case 2: fn(std::integral_constant<int, 2>{}, h0); break;
+      case 3: fn(std::integral_constant<int, 3>{}, h0); break;
+      default: fn(std::integral_constant<int, 4>{}, h0); break;
+    }
+  }
+}
+
 // Softmax numerators in place over n logits; the row is zero-padded up to `padded` on return.
 FP8KV_INLINE void softmax_numerators(float* row, int n, int padded, float* max_logit, float* exp_sum) {
   __m512 m = _mm512_set1_ps(-INFINITY);
@@ -508,28 +637,49 @@ void pv_all_heads(const PartitionWork& w, const View<cache_t>& view, const float
 
 template <typename cache_t, KVFormat kFormat>
 void run_partition(const PartitionWork& w) {
-  using C = Codec<cache_t, kFormat>;
+  constexpr bool kFp8 = kFormat != KVFormat::AUTO;
   const int G = w.group, D = w.head_size, P = w.end - w.start;
-  const int stride = (P + 31) / 32 * 32;           // tiles of 32 read whole rows of zero-padded probs
+  const int stride = (P + 31) / 32 * 32;          // tiles of up to 32 read whole rows of zero-padded probs
   float* logits = w.scratch;                      // [G][stride]
   float* q = logits + G * (kPartitionSize + 32);  // [G][D]
-  float* norm = q + G * D;                        // [G]
-  const __m512 qs = _mm512_set1_ps(w.qk_scale * C::kScale);
+  float* norm = q + G * D;                        // [G], then 64-byte aligned scratch (see lanes)
+  const __m512 qs = _mm512_set1_ps(w.qk_scale);
   for (int i = 0; i < G * D; i += 16) _mm512_storeu_ps(q + i, _mm512_mul_ps(_mm512_loadu_ps(w.query + i), qs));
   const View<cache_t> view(w);
 
-  for_head_subgroups(G, [&](auto kG, int h0) {  // V is prefetched during the first subgroup's pass
-    qk_heads<cache_t, kFormat, decltype(kG)::value>(w, view, q + h0 * D, w.alibi ? w.alibi + h0 : nullptr,
-                                                    logits + h0 * stride, stride, h0 == 0);
-  });
+  float* lanes = norm + (G + 15) / 16 * 16;  // FP8 operands in lanes4 form (64-byte aligned)
+  if constexpr (kFp8) {
+    for_head_quads(G, [&](auto kG, int h0) {  // K/V go to L2 during the first subgroup's pass
+      lanes4(q + h0 * D, lanes, decltype(kG)::value * D / 4);
+      qk_fp8<kFormat, decltype(kG)::value>(w, view, lanes, w.alibi ? w.alibi + h0 : nullptr,
+                                           logits + h0 * stride, stride, w.prefetch_from, h0 == 0 ? w.prefetch_heads : 0);
+    });
+  } else {
+    for_head_subgroups(G, [&](auto kG, int h0) {  // K/V go to L2 during the first subgroup's pass
+      qk_heads<cache_t, kFormat, decltype(kG)::value>(w, view, q + h0 * D, w.alibi ? w.alibi + h0 : nullptr,
+                                                      logits + h0 * stride, stride, w.prefetch_from, h0 == 0 ? w.prefetch_heads : 0);
+    });
+  }
   for (int h = 0; h < G; ++h) {
     softmax_numerators(logits + h * stride, P, stride, w.max_logit + h, w.exp_sum + h);
-    norm[h] = w.v_scale * C::kScale / w.exp_sum[h];
+    norm[h] = w.v_scale / w.exp_sum[h];
   }
-  switch (w.block_size) {
-    case 8: pv_all_heads<cache_t, kFormat, 8>(w, view, logits, stride, norm); break;
-    case 16: pv_all_heads<cache_t, kFormat, 16>(w, view, logits, stride, norm); break;
-    default: pv_all_heads<cache_t, kFormat, 32>(w, view, logits, stride, norm); break;
+  if constexpr (kFp8) {
+    for_head_quads(G, [&](auto kG, int h0) {
+      constexpr int g = decltype(kG)::value;
+      const float* p = logits + h0 * stride;
+      switch (w.block_size) {
+        case 8: pv_fp8<kFormat, g, 8>(w, view, p, stride, norm + h0, w.out + h0 * D, lanes); break;
+        case 16: pv_fp8<kFormat, g, 16>(w, view, p, stride, norm + h0, w.out + h0 * D, lanes); break;
+        default: pv_fp8<kFormat, g, 32>(w, view, p, stride, norm + h0, w.out + h0 * D, lanes); break;
+      }
+    });
+  } else {
+    switch (w.block_size) {
+      case 8: pv_all_heads<cache_t, kFormat, 8>(w, view, logits, stride, norm); break;
+      case 16: pv_all_heads<cache_t, kFormat, 16>(w, view, logits, stride, norm); break;
+      default: pv_all_heads<cache_t, kFormat, 32>(w, view, logits, stride, norm); break;
+    }
   }
 }
 

@@ -4,6 +4,7 @@
 // paged_attention_v2 does.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 namespace fp8kv::cpu {
@@ -29,13 +30,19 @@ struct PartitionWork {
   float* max_logit;    // [group]
   float* exp_sum;      // [group]: sum of exp(logit - max_logit) over the partition
   float* scratch;      // scratch_floats(...) floats, 64-byte aligned, owned by the calling thread
+  // KV heads kv_head + prefetch_from .. + prefetch_heads - 1 are read by this thread now or next:
+  // prefetch their K and V (contiguous within a block) into L2 during this pass, so memory keeps busy
+  // while this head computes.
+  int prefetch_from;
+  int prefetch_heads;
 };
 
 // Scratch size run_partition needs (both paths fit in this).
 inline int64_t scratch_floats(int group, int head_size, int block_size) {
   const int64_t padded = kPartitionSize + 32;
+  const int64_t lanes = std::max<int64_t>(16 * head_size, kPartitionSize / 16 * 4 * 64);  // AVX-512 FP8
   return group * padded + group * static_cast<int64_t>(head_size) + static_cast<int64_t>(head_size) * 2 +
-         static_cast<int64_t>(block_size) * 2 + 1024;
+         static_cast<int64_t>(block_size) * 2 + group + 16 + lanes + 1024;
 }
 
 }  // namespace fp8kv::cpu

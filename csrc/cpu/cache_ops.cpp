@@ -2,14 +2,17 @@
 // dequantize ops that tests and the engine use to check fp8.h against torch.
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <vector>
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include "common/fp8.h"
 #include "cpu/checks.h"
 #include "cpu/cpu_ops.h"
+#include "cpu/isa.h"
 #include "dispatch.h"
 
 namespace fp8kv::cpu {
@@ -23,6 +26,69 @@ FP8KV_INLINE cache_t encode(float v, float scale) {
     return float_to_fp8<fp8_format_of(kFormat)>(v / scale);
   }
 }
+
+#if defined(FP8KV_ISA_AVX512)
+// float_to_fp8 on 16 lanes: fp8.h's integer algorithm, lane by lane, so the bits are identical.
+template <Fp8Format F>
+FP8KV_INLINE __m128i float_to_fp8_x16(__m512 x) {
+  using T = Fp8Traits<F>;
+  constexpr int kM = T::kMantissaBits, kDrop = 23 - kM;
+  const __m512i one = _mm512_set1_epi32(1);
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
+  const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(u, 24), _mm512_set1_epi32(0x80));
+  // normal: round the mantissa to kM bits, ties to even, then rebias
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, kDrop), one);
+  __m512i normal = _mm512_add_epi32(a, _mm512_add_epi32(_mm512_set1_epi32((1 << (kDrop - 1)) - 1), odd));
+  normal = _mm512_sub_epi32(_mm512_srli_epi32(normal, kDrop), _mm512_set1_epi32((127 - T::kBias) << kM));
+  // subnormal: units of 2^(1 - bias - kM); shifts past 26 round to 0 like 26 does
+  const __m512i exp_field = _mm512_srli_epi32(a, 23);
+  const __mmask16 has_exp = _mm512_test_epi32_mask(exp_field, exp_field);
+  const __m512i mant = _mm512_mask_or_epi32(a, has_exp, _mm512_and_si512(a, _mm512_set1_epi32(0x7FFFFF)),
+                                            _mm512_set1_epi32(0x800000));
+  __m512i shift = _mm512_sub_epi32(_mm512_set1_epi32(151 - T::kBias - kM), _mm512_max_epu32(exp_field, one));
+  shift = _mm512_min_epu32(shift, _mm512_set1_epi32(26));
+  const __m512i half_m1 = _mm512_sub_epi32(_mm512_sllv_epi32(one, _mm512_sub_epi32(shift, one)), one);
+  const __m512i sodd = _mm512_and_si512(_mm512_srlv_epi32(mant, shift), one);
+  const __m512i subnormal = _mm512_srlv_epi32(_mm512_add_epi32(_mm512_add_epi32(mant, half_m1), sodd), shift);
+  const __mmask16 is_normal = _mm512_cmpge_epu32_mask(a, _mm512_set1_epi32(uint32_t(128 - T::kBias) << 23));
+  __m512i mag = _mm512_mask_blend_epi32(is_normal, subnormal, normal);
+  mag = _mm512_mask_mov_epi32(mag, _mm512_cmpge_epu32_mask(a, _mm512_set1_epi32(T::kMaxBits)),
+                              _mm512_set1_epi32(T::kMaxCode));
+  __m512i code = _mm512_or_si512(mag, sign);
+  if constexpr (!T::kHasNegativeZero) code = _mm512_maskz_mov_epi32(_mm512_test_epi32_mask(mag, mag), code);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(0x7F800000));
+  const __m512i nan_code = T::kHasNegativeZero ? _mm512_or_si512(_mm512_set1_epi32(T::kNanCode), sign)
+                                               : _mm512_set1_epi32(T::kNanCode);
+  return _mm512_cvtepi32_epi8(_mm512_mask_mov_epi32(code, nan, nan_code));
+}
+
+template <typename scalar_t>
+FP8KV_INLINE __m512 load16_as_float(const scalar_t* p) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return _mm512_loadu_ps(p);
+  } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(w), 16));
+  } else {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+}
+
+// One token and head: 16 dims at a time into the K chunk (contiguous) and the V rows (stride bs).
+template <typename scalar_t, Fp8Format F>
+void cache_row_fp8(const scalar_t* krow, const scalar_t* vrow, uint8_t* kdst, uint8_t* vdst, int64_t D,
+                   int64_t bs, float ksc, float vsc) {
+  const __m512 ks = _mm512_set1_ps(ksc), vs = _mm512_set1_ps(vsc);
+  for (int64_t c = 0; c < D / 16; ++c) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(kdst + c * bs * 16),
+                     float_to_fp8_x16<F>(_mm512_div_ps(load16_as_float(krow + 16 * c), ks)));
+    alignas(16) uint8_t v[16];
+    _mm_store_si128(reinterpret_cast<__m128i*>(v), float_to_fp8_x16<F>(_mm512_div_ps(load16_as_float(vrow + 16 * c), vs)));
+    for (int i = 0; i < 16; ++i) vdst[(16 * c + i) * bs] = v[i];
+  }
+}
+#endif
 
 // key/value: [num_tokens, num_kv_heads, head_size] with any strides; caches contiguous.
 template <typename scalar_t, typename cache_t, KVFormat kFormat>
@@ -48,6 +114,14 @@ void reshape_and_cache_impl(const at::Tensor& key, const at::Tensor& value, at::
         cache_t* kdst = kc + (block * H + h) * D * bs + offset * x;  // + (d / x) * bs * x + d % x
         cache_t* vdst = vc + (block * H + h) * D * bs + offset;      // + d * bs
         const float ksc = k_scale[h], vsc = v_scale[h];
+#if defined(FP8KV_ISA_AVX512)
+        if constexpr (kFormat != KVFormat::AUTO) {
+          if (ks2 == 1 && vs2 == 1 && D % 16 == 0) {
+            cache_row_fp8<scalar_t, fp8_format_of(kFormat)>(krow, vrow, kdst, vdst, D, bs, ksc, vsc);
+            continue;
+          }
+        }
+#endif
         for (int64_t d = 0; d < D; ++d) {
           kdst[(d / x) * bs * x + d % x] = encode<cache_t, kFormat>(static_cast<float>(krow[d * ks2]), ksc);
           vdst[d * bs] = encode<cache_t, kFormat>(static_cast<float>(vrow[d * vs2]), vsc);
@@ -130,7 +204,17 @@ at::Tensor quantize_fp8(const at::Tensor& x, const std::string& kv_cache_dtype, 
   auto run = [&](auto format_tag) {
     constexpr Fp8Format F = decltype(format_tag)::value;
     at::parallel_for(0, n, 4096, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) out[i] = float_to_fp8<F>(in[i] / s[(i / inner) % heads]);
+      int64_t i = begin;
+#if defined(FP8KV_ISA_AVX512)
+      if (inner % 16 == 0) {  // 16 values share one scale
+        for (; i % 16 != 0 && i < end; ++i) out[i] = float_to_fp8<F>(in[i] / s[(i / inner) % heads]);
+        for (; i + 16 <= end; i += 16) {
+          const __m512 scaled = _mm512_div_ps(_mm512_loadu_ps(in + i), _mm512_set1_ps(s[(i / inner) % heads]));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), float_to_fp8_x16<F>(scaled));
+        }
+      }
+#endif
+      for (; i < end; ++i) out[i] = float_to_fp8<F>(in[i] / s[(i / inner) % heads]);
     });
   };
   switch (format) {

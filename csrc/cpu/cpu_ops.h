@@ -4,7 +4,7 @@
 #include <optional>
 #include <string>
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 namespace fp8kv::cpu {
 

@@ -1,12 +1,13 @@
 // Which CPU code path this translation unit compiles, chosen by the compiler flags (see _build.py):
-// -march=native on an AVX-512 machine gives the AVX-512 path, FP8KV_CPU_ISA=avx2 adds -mno-avx512f, and
-// FP8KV_CPU_ISA=scalar defines FP8KV_FORCE_SCALAR (the portable path, also used on non-x86 machines).
+// -march=native on an AVX-512 machine with VBMI (Ice Lake and later, Zen 4) gives the AVX-512 path;
+// FP8KV_CPU_ISA=avx2 adds -mno-avx512f; FP8KV_CPU_ISA=scalar defines FP8KV_FORCE_SCALAR (the portable
+// path, also what non-x86 machines get).
 #pragma once
 
 #if defined(FP8KV_FORCE_SCALAR)
 #define FP8KV_ISA_SCALAR 1
 #elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && \
-    defined(__F16C__) && defined(__FMA__)
+    defined(__AVX512VBMI__) && defined(__F16C__) && defined(__FMA__)
 #define FP8KV_ISA_AVX512 1
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #define FP8KV_ISA_AVX2 1

@@ -10,7 +10,8 @@ import torch
 from fp8cache.ops import reference
 from fp8cache.ops.reference import allocate_kv_cache
 
-__all__ = ["allocate_kv_cache", "paged_attention", "reference", "reshape_and_cache", "load"]
+__all__ = ["allocate_kv_cache", "build", "dequantize_fp8", "load", "paged_attention", "quantize_fp8",
+           "reference", "reshape_and_cache"]
 
 
 def load() -> object:
@@ -19,6 +20,24 @@ def load() -> object:
 
     _build.load_library()
     return torch.ops.fp8kv
+
+
+def build(verbose: bool = False, progress_callback=None) -> str:
+    """Compile (unless cached) and load the op library; returns its path (used by `fp8kv build`)."""
+    from fp8cache.ops import _build
+
+    return _build.build(verbose=verbose, progress_callback=progress_callback)
+
+
+def quantize_fp8(x: torch.Tensor, kv_cache_dtype: str, scale: torch.Tensor) -> torch.Tensor:
+    """uint8 codes of clamp(x / scale, -max, max); scale is [1] or one per head (dim -2 of x)."""
+    return load().quantize_fp8(x, kv_cache_dtype, scale)
+
+
+def dequantize_fp8(codes: torch.Tensor, kv_cache_dtype: str, scale: torch.Tensor,
+                   out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Values of uint8 codes times scale ([1] or one per head, dim -2), as out_dtype."""
+    return load().dequantize_fp8(codes, kv_cache_dtype, scale, out_dtype)
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,

@@ -91,8 +91,9 @@ def _isa_cflags(isa: str) -> list[str]:
             raise RuntimeError(f"FP8KV_CPU_ISA={isa} needs an x86-64 CPU; this is {platform.machine()}")
         return ["-mcpu=native"]
     flags = _cpu_flags()
-    if isa == "avx512" and not {"avx512f", "avx512bw", "avx512vl"} <= flags:
-        raise RuntimeError("FP8KV_CPU_ISA=avx512 but this CPU lacks AVX-512 (F/BW/VL); use native or avx2")
+    if isa == "avx512" and not {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vbmi"} <= flags:
+        raise RuntimeError("FP8KV_CPU_ISA=avx512 needs AVX-512 F/BW/VL/DQ/VBMI, which this CPU lacks; "
+                           "use native or avx2")
     if isa == "avx2":
         if flags and "avx2" not in flags:
             raise RuntimeError("FP8KV_CPU_ISA=avx2 but this CPU lacks AVX2; use native or scalar")
@@ -109,7 +110,8 @@ def _compiler() -> str:
 
 def _compiler_version(cxx: str) -> str:
     try:
-        return subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+        return subprocess.run([cxx, "--version"], check=False, capture_output=True, text=True,
+                              timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         return ""
 
@@ -197,9 +199,16 @@ def load_library(verbose: bool = False,
         torch.ops.load_library(str(library))
     _loaded = BuildResult(str(library), compiled, time.perf_counter() - start, isa, bool(cuda))
     verb = "compiled" if compiled else "reused cached"
-    _notify(progress_callback, f"{verb} fp8kv op library ({torch.ops.fp8kv.cpu_isa()} CPU path"
+    _notify(progress_callback, f"{verb} fp8kv op library ({_compiled_isa(isa)} CPU path"
             f"{', CUDA' if cuda else ''}) in {_loaded.seconds:.1f}s: {library}")
     return _loaded
+
+
+def _compiled_isa(requested: str) -> str:
+    try:
+        return torch.ops.fp8kv.cpu_isa()
+    except (AttributeError, RuntimeError):
+        return requested
 
 
 def _compile(name: str, root: Path, build_dir: Path, cflags: list[str], cuda: list[Path],

@@ -1,0 +1,244 @@
+"""CPU reshape_and_cache / paged_attention against the pure-torch reference (fp8cache.ops.reference).
+
+The case list is lean rather than a cross product, but every value of every axis appears: formats, head
+sizes, block sizes, MHA/GQA/MQA, per-tensor/per-head scales, query dtypes, padding slots, strided
+inputs, ALiBi, partitioned long contexts and batches.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp8cache.ops import reference as ref
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    from fp8cache.ops import load
+
+    return load()
+
+
+@dataclass
+class Case:
+    kv: str
+    head_size: int = 128
+    block_size: int = 16
+    heads: int = 8
+    kv_heads: int = 2
+    dtype: torch.dtype = torch.float32
+    seq_lens: tuple[int, ...] = (1, 37, 300)
+    per_head_scale: bool = False
+    alibi: bool = False
+    strided: bool = False
+    padding: int = 3  # padding tokens (slot -1) mixed into the batch
+    seed: int = 0
+    extra_blocks: int = 5
+    nan_token: str | None = field(default=None)  # "key" or "value": put a NaN into one cached token
+
+    def id(self) -> str:
+        bits = [self.kv, f"d{self.head_size}", f"bs{self.block_size}", f"h{self.heads}/{self.kv_heads}",
+                str(self.dtype).removeprefix("torch."), "x".join(map(str, self.seq_lens))]
+        bits += [flag for flag, on in (("perhead", self.per_head_scale), ("alibi", self.alibi),
+                                       ("strided", self.strided)) if on]
+        return "-".join(bits + ([f"nan{self.nan_token}"] if self.nan_token else []))
+
+
+CASES = [
+    Case("fp8_e4m3", 128, 16, 8, 2, torch.float32),
+    Case("fp8_e5m2", 64, 8, 4, 4, torch.bfloat16, per_head_scale=True),
+    Case("fp8_e4m3fnuz", 80, 32, 8, 1, torch.float16),
+    Case("fp8", 96, 16, 9, 3, torch.float32, alibi=True, strided=True),
+    Case("auto", 112, 8, 12, 2, torch.float32, per_head_scale=True),
+    Case("auto", 256, 32, 4, 1, torch.bfloat16, strided=True),
+    Case("auto", 64, 16, 16, 16, torch.float16, alibi=True),
+    Case("fp8_e4m3", 256, 8, 32, 8, torch.bfloat16, per_head_scale=True, alibi=True),
+    Case("fp8_e5m2", 112, 16, 16, 2, torch.float32, strided=True),
+    Case("fp8_e4m3fnuz", 64, 16, 6, 6, torch.float32, per_head_scale=True, alibi=True),
+    Case("fp8_e4m3", 80, 8, 5, 1, torch.float16, strided=True),
+    Case("fp8_e5m2", 96, 32, 24, 3, torch.bfloat16),
+    # long contexts: several 512-token partitions merged
+    Case("fp8_e4m3", 128, 16, 8, 2, torch.float32, seq_lens=(1300, 513, 7), per_head_scale=True),
+    Case("fp8_e4m3fnuz", 64, 32, 4, 1, torch.bfloat16, seq_lens=(2100,), alibi=True),
+    Case("auto", 128, 8, 4, 2, torch.bfloat16, seq_lens=(1030, 1)),
+    # a batch of many short sequences, one of them empty
+    Case("fp8_e5m2", 64, 16, 4, 2, torch.float32, seq_lens=(0, 1, 2, 15, 16, 17, 31, 33, 64, 65, 100, 200)),
+    # a NaN in the cache must come out as NaN exactly where the reference puts it
+    Case("fp8_e4m3", 64, 16, 8, 2, torch.float32, seq_lens=(40, 50), nan_token="key"),
+    Case("fp8_e4m3fnuz", 64, 8, 8, 2, torch.float32, seq_lens=(40, 50), nan_token="value"),
+    Case("fp8_e5m2", 64, 32, 8, 8, torch.float32, seq_lens=(600, 50), nan_token="value"),
+]
+
+
+def build(case: Case):
+    """Caches filled through both implementations, plus the attention inputs."""
+    g = torch.Generator().manual_seed(case.seed)
+    bs, hk, d = case.block_size, case.kv_heads, case.head_size
+    blocks_per_seq = [(n + bs - 1) // bs for n in case.seq_lens]
+    num_blocks = sum(blocks_per_seq) + case.extra_blocks
+    ids = torch.randperm(num_blocks, generator=g).to(torch.int32)
+    table = torch.zeros(len(case.seq_lens), max(1, max(blocks_per_seq)), dtype=torch.int32)
+    slots, used = [], 0
+    for s, n in enumerate(case.seq_lens):
+        table[s, :blocks_per_seq[s]] = ids[used:used + blocks_per_seq[s]]
+        used += blocks_per_seq[s]
+        slots += [int(table[s, t // bs]) * bs + t % bs for t in range(n)]
+    for i in range(case.padding):  # padding tokens scattered through the batch
+        slots.insert((i * 7919) % (len(slots) + 1), -1)
+    slot_mapping = torch.tensor(slots, dtype=torch.long)
+    n_tok = len(slots)
+    if case.strided:  # key/value as views into a packed qkv tensor, with a transposed layout
+        qkv = torch.randn(n_tok, d, 3, hk, generator=g).to(case.dtype)
+        key, value = qkv[:, :, 1].transpose(1, 2), qkv[:, :, 2].transpose(1, 2)
+        assert not key.is_contiguous()
+    else:
+        key = torch.randn(n_tok, hk, d, generator=g).to(case.dtype)
+        value = torch.randn(n_tok, hk, d, generator=g).to(case.dtype)
+    if case.nan_token:
+        target = key if case.nan_token == "key" else value
+        valid = [i for i, slot in enumerate(slots) if slot >= 0]
+        target[valid[5], 0, 3] = float("nan")
+    n_scales = hk if case.per_head_scale else 1
+    k_scale = torch.rand(n_scales, generator=g) * 0.03 + 0.004
+    v_scale = torch.rand(n_scales, generator=g) * 0.03 + 0.004
+    model_dtype = case.dtype
+    ref_caches = ref.allocate_kv_cache(num_blocks, bs, hk, d, case.kv, model_dtype)
+    op_caches = ref.allocate_kv_cache(num_blocks, bs, hk, d, case.kv, model_dtype)
+    ref.reshape_and_cache(key, value, *ref_caches, slot_mapping, case.kv, k_scale, v_scale)
+    wide = torch.randn(len(case.seq_lens), case.heads, 2 * d, generator=g).to(case.dtype)
+    query = wide[..., :d] if case.strided else wide[..., :d].contiguous()
+    alibi = torch.randn(case.heads, generator=g) * 0.05 if case.alibi else None
+    return {"key": key, "value": value, "slot_mapping": slot_mapping, "k_scale": k_scale,
+            "v_scale": v_scale, "ref_caches": ref_caches, "op_caches": op_caches, "table": table,
+            "query": query, "alibi": alibi, "seq_lens": torch.tensor(case.seq_lens, dtype=torch.int32)}
+
+
+def attention(impl, case: Case, caches, b) -> torch.Tensor:
+    out = torch.full_like(b["query"], 7.0)  # garbage: every row must be written
+    impl.paged_attention(out, b["query"], caches[0], caches[1], case.kv_heads, case.head_size ** -0.5,
+                         b["table"], b["seq_lens"], case.block_size, max(case.seq_lens), b["alibi"], case.kv,
+                         b["k_scale"], b["v_scale"])
+    return out
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    return {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+
+
+@pytest.mark.parametrize("case", CASES, ids=Case.id)
+def test_ops_match_reference(ops, case):
+    b = build(case)
+    ops.reshape_and_cache(b["key"], b["value"], *b["op_caches"], b["slot_mapping"], case.kv,
+                          b["k_scale"], b["v_scale"])
+    for mine, theirs in zip(b["op_caches"], b["ref_caches"]):
+        assert torch.equal(mine.view(torch.uint8), theirs.view(torch.uint8)), "cache bytes differ"
+    want = attention(ref, case, b["ref_caches"], b)
+    got = attention(ops, case, b["op_caches"], b)
+    assert got.dtype == case.dtype
+    if case.nan_token:
+        assert torch.isnan(want).any()
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    ok = ~torch.isnan(want)
+    scale = want[ok].float().abs().max().clamp(min=1e-3)
+    err = (got[ok].float() - want[ok].float()).abs().max() / scale
+    assert err <= tolerance(case.dtype), f"max error {err:.2e} of the output scale"
+
+
+def test_empty_sequence_writes_zeros(ops):
+    case = Case("fp8_e4m3", 64, 16, 4, 2, seq_lens=(0, 5))
+    b = build(case)
+    out = attention(ops, case, b["ref_caches"], b)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+
+
+def test_out_of_range_slot_raises_and_writes_nothing(ops):
+    case = Case("fp8_e4m3", 64, 16, 4, 2, seq_lens=(20,))
+    b = build(case)
+    num_slots = b["op_caches"][0].shape[0] * case.block_size
+    bad = b["slot_mapping"].clone()
+    bad[-1] = num_slots
+    before = [c.clone() for c in b["op_caches"]]
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.reshape_and_cache(b["key"], b["value"], *b["op_caches"], bad, case.kv, b["k_scale"], b["v_scale"])
+    assert all(torch.equal(x, y) for x, y in zip(before, b["op_caches"]))
+
+
+@pytest.mark.parametrize("bad_id", [-1, 10_000])
+def test_out_of_range_block_id_raises(ops, bad_id):
+    case = Case("fp8_e5m2", 64, 16, 4, 2, seq_lens=(40,))
+    b = build(case)
+    b["table"][0, 1] = bad_id
+    with pytest.raises(RuntimeError, match="outside the cache's blocks"):
+        attention(ops, case, b["ref_caches"], b)
+
+
+def test_seq_len_longer_than_block_table_raises(ops):
+    case = Case("auto", 64, 16, 4, 2, seq_lens=(40,))
+    b = build(case)
+    b["seq_lens"][0] = 16 * b["table"].shape[1] + 1
+    with pytest.raises(RuntimeError, match="block_tables has only"):
+        attention(ops, case, b["ref_caches"], b)
+
+
+def test_mismatched_arguments_raise(ops):
+    case = Case("fp8_e4m3", 64, 16, 4, 2, seq_lens=(10,))
+    b = build(case)
+    with pytest.raises(RuntimeError, match="uint8"):
+        ops.reshape_and_cache(b["key"], b["value"], b["op_caches"][0].float(), b["op_caches"][1].float(),
+                              b["slot_mapping"], case.kv, b["k_scale"], b["v_scale"])
+    with pytest.raises(RuntimeError, match="k_scale must have 1 or 2"):
+        ops.reshape_and_cache(b["key"], b["value"], *b["op_caches"], b["slot_mapping"], case.kv,
+                              torch.ones(3), b["v_scale"])
+    with pytest.raises(RuntimeError, match="valid choices"):
+        ops.reshape_and_cache(b["key"], b["value"], *b["op_caches"], b["slot_mapping"], "fp16",
+                              b["k_scale"], b["v_scale"])
+
+
+SMOKE = [CASES[0], CASES[1], CASES[2], CASES[5], CASES[13]]
+
+
+@pytest.mark.parametrize("case", SMOKE, ids=Case.id)
+def test_smoke(ops, case):
+    """A few cases, also run by test_other_isa_builds against the scalar / AVX2 builds."""
+    test_ops_match_reference(ops, case)
+
+
+def test_isa_is_what_was_asked_for(ops):
+    asked = os.environ.get("FP8KV_CPU_ISA", "native")
+    if asked in ("scalar", "avx2", "avx512"):
+        assert ops.cpu_isa() == asked
+
+
+def _cpu_has(flag: str) -> bool:
+    try:
+        return flag in Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(os.environ.get("FP8KV_CPU_ISA") is not None, reason="already inside an ISA run")
+@pytest.mark.parametrize("isa", ["scalar", "avx2"])
+def test_other_isa_builds(isa):
+    """The op library built for a lower CPU path (its own cache key) passes the FP8 conversion tests
+    (fp8.h's scalar encoder there, the vector one in an AVX-512 build) and the smoke cases. The library
+    is registered per process, so this runs pytest in a child process."""
+    if isa == "avx2" and not (_cpu_has("avx2") and _cpu_has("avx512f")):
+        pytest.skip("avx2 is only a separate path on an AVX-512 machine")
+    env = dict(os.environ, FP8KV_CPU_ISA=isa, PYTHONPATH=os.pathsep.join(
+        [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)),
+         str(Path(__file__).with_name("test_fp8_conversion.py")), "-k",
+         "test_smoke or test_isa_is_what_was_asked_for or conversion"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=1800, check=False)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert " passed" in result.stdout
