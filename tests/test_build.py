@@ -58,7 +58,7 @@ def test_key_follows_flags_and_isa(source_copy: Path):
 def test_cache_dir_precedence(monkeypatch, tmp_path: Path):
     monkeypatch.setenv("FP8KV_CACHE_DIR", str(tmp_path / "explicit"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert _build.cache_dir() == tmp_path / "explicit"
+    assert _build.cache_dir() == tmp_path / "explicit" / "ops"
     monkeypatch.delenv("FP8KV_CACHE_DIR")
     assert _build.cache_dir() == tmp_path / "xdg" / "fp8kv" / "ops"
     monkeypatch.delenv("XDG_CACHE_HOME")
@@ -86,7 +86,7 @@ def test_compile_holds_the_lock(monkeypatch, tmp_path: Path):
     seen = {}
 
     def fake_compile(name, *args):
-        with open(tmp_path / f"{name}.lock", "w") as other:
+        with open(tmp_path / "ops" / f"{name}.lock", "w") as other:
             try:
                 fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 seen["locked"] = False

@@ -14,6 +14,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__HIPCC__)
+#include <hip/hip_runtime.h>  // hipcc defines __forceinline__ and __host__/__device__ only here
+#endif
+
 #if defined(__CUDACC__) || defined(__HIPCC__)
 #define FP8KV_HOST_DEVICE __host__ __device__
 #define FP8KV_INLINE __forceinline__

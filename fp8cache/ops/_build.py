@@ -5,7 +5,8 @@ CPU code path, so a second process (or a second run) loads the cached library in
 any change to the sources rebuilds. A file lock keeps two processes from compiling the same key at once.
 
 Environment:
-  FP8KV_CACHE_DIR   where built libraries live (default $XDG_CACHE_HOME/fp8kv/ops or ~/.cache/fp8kv/ops)
+  FP8KV_CACHE_DIR   fp8kv's cache root; built libraries live in its ops/ folder
+                    (default $XDG_CACHE_HOME/fp8kv/ops or ~/.cache/fp8kv/ops)
   FP8KV_CPU_ISA     native (default) | avx512 | avx2 | scalar: force a lower CPU path, e.g. for testing
   CXX               the C++ compiler (default: c++, g++ or clang++ on PATH)
   MAX_JOBS          parallel compile jobs (torch's ninja convention)
@@ -59,7 +60,7 @@ def source_dir() -> Path:
 
 def cache_dir() -> Path:
     if os.environ.get("FP8KV_CACHE_DIR"):
-        return Path(os.environ["FP8KV_CACHE_DIR"]).expanduser()
+        return Path(os.environ["FP8KV_CACHE_DIR"]).expanduser() / "ops"
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "fp8kv" / "ops"
 

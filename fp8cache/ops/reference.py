@@ -76,7 +76,7 @@ def gather_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: t
               seq_len: int, kv_cache_dtype: str, k_scale: torch.Tensor,
               v_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of positions [0, seq_len) of one sequence, dequantized to float32 [seq_len, heads, d]."""
-    num_blocks, num_kv_heads, _, block_size, x = key_cache.shape
+    num_blocks, num_kv_heads, _, block_size, _ = key_cache.shape
     head_size = value_cache.shape[2]
     n_blocks = (seq_len + block_size - 1) // block_size
     ids = block_table[:n_blocks].long()
@@ -98,7 +98,7 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
                     max_seq_len: int, alibi_slopes: torch.Tensor | None, kv_cache_dtype: str,
                     k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
     """Decode attention: each query row attends to positions [0, seq_len) of its sequence."""
-    num_seqs, num_heads, head_size = query.shape
+    num_seqs, num_heads, _ = query.shape
     group = num_heads // num_kv_heads
     for i in range(num_seqs):
         seq_len = int(seq_lens[i])
