@@ -142,10 +142,10 @@ def _set_threads(threads: int | None) -> None:
 def _check_plot(plot_path: str | None) -> None:
     """Fail before a long run, not after it, when --plot cannot be honoured."""
     if plot_path:
-        from fp8cache.bench.plot import PlotUnavailable, _pyplot
+        from fp8cache.bench.plot import PlotUnavailable, require_matplotlib
 
         try:
-            _pyplot()
+            require_matplotlib()
         except PlotUnavailable as exc:
             _fail(str(exc))
 
@@ -176,7 +176,7 @@ _PLOT_OPT = click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
 @click.option("--compare", multiple=True, type=click.Choice(["hf"]),
               help="Also run a peer in the same run: hf = transformers generate (batched, dynamic cache).")
 @click.option("--repeats", default=1, show_default=True, type=click.IntRange(1),
-              help="Timed runs per engine (fresh prompts each); the median is reported.")
+              help="Timed runs per engine, taking turns (fresh prompts each); the median is reported.")
 @_MODEL_DTYPE_OPT
 @click.option("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB (default: the engine's).")
 @click.option("--max-num-seqs", default=256, show_default=True, type=click.IntRange(1))
@@ -222,12 +222,14 @@ def throughput(model, num_prompts, input_len, output_len, kv_cache_dtypes, compa
               help="Cap on the batch (set it below what fits to compare dtypes at the same batch).")
 @click.option("--max-num-batched-tokens", default=2048, show_default=True, type=click.IntRange(1))
 @click.option("--block-size", default=16, show_default=True, type=click.Choice(["8", "16", "32"]))
+@click.option("--repeats", default=1, show_default=True, type=click.IntRange(1),
+              help="Timed runs per dtype and context, taking turns (fresh prompts each); the median is reported.")
 @_MODEL_DTYPE_OPT
 @_THREADS_OPT
 @_JSON_OPT
 @_PLOT_OPT
 def capacity(model, kv_cache_memory, contexts, output_len, kv_cache_dtypes, max_num_seqs,
-             max_num_batched_tokens, block_size, dtype, threads, as_json, plot_path) -> None:
+             max_num_batched_tokens, block_size, repeats, dtype, threads, as_json, plot_path) -> None:
     """Tokens that fit a KV-cache budget per dtype, the largest batch per context, and its throughput."""
     from fp8cache.bench import capacity as bench
     from fp8cache.bench import plot
@@ -238,7 +240,7 @@ def capacity(model, kv_cache_memory, contexts, output_len, kv_cache_dtypes, max_
     _set_threads(threads)
     rows, interrupted = _collect(lambda bar: bench.iter_capacity(
         model, tuple(dtypes), kv_cache_memory, tuple(context_list), output_len, max_num_seqs,
-        max_num_batched_tokens, int(block_size), dtype, progress=bar, log=_log))
+        max_num_batched_tokens, int(block_size), dtype, repeats, progress=bar, log=_log))
     bench.add_ratios(rows)
     table = Table(title=f"capacity at a {kv_cache_memory} KV cache, {output_len} output tokens per sequence\n"
                         f"{_machine_line(rows)}")

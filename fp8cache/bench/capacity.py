@@ -12,12 +12,19 @@ The whole batch is submitted at once; peak_running says how many the scheduler h
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable, Iterator
 
 from fp8cache.bench import machine
 from fp8cache.bench.prompts import PromptSource
-from fp8cache.bench.throughput import WARMUP_OUTPUT_LEN, Progress, check_kv_cache_dtypes, run_batch
+from fp8cache.bench.throughput import (
+    WARMUP_OUTPUT_LEN,
+    BatchResult,
+    Progress,
+    build_engines,
+    check_kv_cache_dtypes,
+    median_result,
+    run_batch,
+)
 
 WARMUP_INPUT_LEN = 64
 
@@ -30,61 +37,65 @@ def max_batch(num_blocks: int, block_size: int, context: int) -> int:
 def iter_capacity(model: str | None = None, kv_cache_dtypes: tuple[str, ...] = ("auto", "fp8_e4m3"),
                   kv_cache_memory: int | str = "256MiB", contexts: tuple[int, ...] = (4096,),
                   output_len: int = 128, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
-                  block_size: int = 16, dtype: str = "auto", text_path: str | None = None,
+                  block_size: int = 16, dtype: str = "auto", repeats: int = 1, text_path: str | None = None,
                   progress: Progress | None = None, log: Callable[[str], None] = print) -> Iterator[dict]:
-    """Yield one row per (dtype, context) as soon as it is measured."""
-    from fp8cache.engine.llm import LLM
-
+    """Yield one row per (context, dtype). The dtypes of one context take turns, `repeats` rounds of
+    fresh prompts, so drift on a shared machine hits them alike; a row reports the median round."""
     dtypes = check_kv_cache_dtypes(list(kv_cache_dtypes))
     contexts = _check_contexts(contexts, output_len)
-    if max_num_seqs < 1:
-        raise ValueError(f"max_num_seqs={max_num_seqs} must be >= 1")
+    if max_num_seqs < 1 or repeats < 1:
+        raise ValueError(f"max_num_seqs={max_num_seqs} and repeats={repeats} must both be >= 1")
+    engines = build_engines(model, dtypes, log, dtype=dtype, kv_cache_memory=kv_cache_memory,
+                            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                            block_size=block_size, max_model_len=max(contexts))
+    source = PromptSource(next(iter(engines.values())).tokenizer, text_path)
+    for engine in engines.values():
+        _warm_up(engine, source, min(contexts) - output_len)
     info = machine.describe()
-    for kv_dtype in dtypes:
-        llm = LLM(model=model, dtype=dtype, kv_cache_dtype=kv_dtype, kv_cache_memory=kv_cache_memory,
-                  max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                  block_size=block_size, max_model_len=max(contexts), log=log)
-        runner = llm.llm_engine.runner
-        source = PromptSource(llm.get_tokenizer(), text_path)
-        _warm_up(llm, source, min(contexts) - output_len)
-        for context in contexts:
-            yield _measure(llm, source, kv_dtype, context, output_len, max_num_seqs, kv_cache_memory, info,
-                           progress)
-        del llm, runner
-        gc.collect()
+    for context in contexts:
+        results: dict[str, list[BatchResult]] = {dt: [] for dt in engines}
+        for r in range(repeats):
+            for kv_dtype, engine in engines.items():
+                batch = min(max_batch(engine.runner.num_blocks, engine.runner.block_size, context), max_num_seqs)
+                if batch:
+                    label = f"{kv_dtype} context {context} batch {batch}"
+                    done, total = r * batch * output_len, repeats * batch * output_len
+                    on_tokens = (lambda n, lb=label, d=done, t=total: progress(lb, d + n, t)) if progress else None
+                    prompts = source.take(batch, context - output_len)
+                    results[kv_dtype].append(run_batch(engine, prompts, output_len, on_tokens))
+                if r == repeats - 1:
+                    yield _row(engine, kv_dtype, context, output_len, max_num_seqs, kv_cache_memory,
+                               results[kv_dtype], info)
 
 
-def _warm_up(llm, source: PromptSource, input_len: int) -> None:
+def _warm_up(engine, source: PromptSource, input_len: int) -> None:
     # Two short prompts run every code path (prefill, decode, cache writes) before anything is timed.
-    runner = llm.llm_engine.runner
+    runner = engine.runner
     length = min(input_len, WARMUP_INPUT_LEN)
     count = min(2, max_batch(runner.num_blocks, runner.block_size, length + WARMUP_OUTPUT_LEN))
     if count:
-        run_batch(llm, source.take(count, length), WARMUP_OUTPUT_LEN)
+        run_batch(engine, source.take(count, length), WARMUP_OUTPUT_LEN)
 
 
-def _measure(llm, source: PromptSource, kv_dtype: str, context: int, output_len: int, max_num_seqs: int,
-             kv_cache_memory: int | str, info: dict, progress: Progress | None) -> dict:
-    runner = llm.llm_engine.runner
+def _row(engine, kv_dtype: str, context: int, output_len: int, max_num_seqs: int, kv_cache_memory: int | str,
+         results: list[BatchResult], info: dict) -> dict:
+    runner = engine.runner
     fits = max_batch(runner.num_blocks, runner.block_size, context)
-    batch = min(fits, max_num_seqs)
-    input_len = context - output_len
     row = {"engine": "fp8kv", "kv_cache_dtype": kv_dtype, "kv_cache_memory": kv_cache_memory,
            "capacity_tokens": runner.capacity_tokens, "bytes_per_token": runner.bytes_per_token,
            "num_blocks": runner.num_blocks, "block_size": runner.block_size, "context": context,
-           "input_len": input_len, "output_len": output_len, "max_batch": fits, "batch": batch,
-           "limited_by": "memory" if fits <= max_num_seqs else "max_num_seqs", "machine": info}
-    if batch == 0:
+           "input_len": context - output_len, "output_len": output_len, "max_batch": fits,
+           "batch": min(fits, max_num_seqs), "limited_by": "memory" if fits <= max_num_seqs else "max_num_seqs",
+           "machine": info}
+    if not results:
         row.update(verified=False, note=f"one sequence of {context} tokens does not fit "
                                         f"{runner.capacity_tokens} tokens of cache")
         return row
-    label = f"{kv_dtype} context {context} batch {batch}"
-    total = batch * output_len
-    on_tokens = (lambda n: progress(label, n, total)) if progress else None
-    result = run_batch(llm, source.take(batch, input_len), output_len, on_tokens)
-    row.update(result.rates(), input_tokens=result.input_tokens, output_tokens=result.output_tokens,
-               num_preemptions=result.num_preemptions, peak_running=result.peak_running,
-               verified=result.num_preemptions == 0)
+    median = median_result(results)
+    preemptions = sum(r.num_preemptions for r in results)
+    row.update(median.rates(), input_tokens=median.input_tokens, output_tokens=median.output_tokens,
+               num_preemptions=preemptions, peak_running=min(r.peak_running for r in results),
+               repeats=len(results), elapsed_all_s=[r.elapsed_s for r in results], verified=preemptions == 0)
     return row
 
 

@@ -12,6 +12,11 @@ class PlotUnavailable(RuntimeError):
     pass
 
 
+def require_matplotlib() -> None:
+    """Raise PlotUnavailable now, before a long run, if the plot could not be drawn after it."""
+    _pyplot()
+
+
 def _pyplot():
     try:
         import matplotlib

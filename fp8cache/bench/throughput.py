@@ -3,11 +3,15 @@
 Every engine gets the same WikiText-2 prompts of exactly input_len tokens and generates exactly
 output_len tokens per prompt (ignore_eos, greedy), after a warm-up on other prompts. The peer is
 Hugging Face transformers `generate` with its default dynamic cache, on the same weights, batched.
+
+All engines are built up front (the fp8kv ones share one copy of the weights) and the timed runs take
+turns: round r runs every engine once on prompt set r. Drift on a shared machine then hits every engine
+alike, and the median over rounds is what a row reports.
 """
 
 from __future__ import annotations
 
-import gc
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Iterator
@@ -50,6 +54,23 @@ def check_kv_cache_dtypes(names: list[str]) -> list[str]:
     return list(dict.fromkeys(canonical))
 
 
+def build_engines(model: str | None, kv_cache_dtypes: list[str], log: Callable[[str], None] = print,
+                  **config) -> dict[str, object]:
+    """One LLMEngine per kv-cache dtype, all on one loaded copy of the weights (as eval does)."""
+    from fp8cache.config import EngineConfig
+    from fp8cache.engine.llm_engine import LLMEngine
+    from fp8cache.model.loader import load_model
+    from fp8cache.model.runner import ModelRunner
+
+    base = EngineConfig(model=model, **config)
+    loaded = load_model(base)
+    engines = {}
+    for kv_dtype in kv_cache_dtypes:
+        cfg = dataclasses.replace(base, kv_cache_dtype=kv_dtype)
+        engines[kv_dtype] = LLMEngine(cfg, log=log, runner=ModelRunner(cfg, log=log, loaded=loaded))
+    return engines
+
+
 def bench_params(output_len: int):
     from fp8cache.engine.sampling_params import SamplingParams
 
@@ -57,11 +78,10 @@ def bench_params(output_len: int):
     return SamplingParams(temperature=0.0, max_tokens=output_len, min_tokens=output_len, ignore_eos=True)
 
 
-def run_batch(llm, prompts: list[list[int]], output_len: int, on_tokens: Callable[[int], None] | None = None
-              ) -> BatchResult:
-    """Time one batch through the engine, submitted at once. The loop is LLM.generate's own, driven here
-    so that progress shows per step and the peak of concurrently running sequences is seen."""
-    engine = llm.llm_engine
+def run_batch(engine, prompts: list[list[int]], output_len: int,
+              on_tokens: Callable[[int], None] | None = None) -> BatchResult:
+    """Time one batch through an LLMEngine, submitted at once. The loop is LLM.generate's own, driven
+    here so that progress shows per step and the peak of concurrently running sequences is seen."""
     params = bench_params(output_len)
     before = engine.stats
     ids = [f"bench-{next(_request_ids)}" for _ in prompts]
@@ -108,77 +128,89 @@ def run_transformers(model, prompts: list[list[int]], output_len: int, pad_token
     return BatchResult(elapsed, len(prompts), sum(len(p) for p in prompts), len(prompts) * new_tokens)
 
 
+@dataclass
+class _Contestant:
+    engine: str  # "fp8kv" | "transformers"
+    kv_cache_dtype: str
+    run: Callable[[list[list[int]], int, Callable[[int], None] | None], BatchResult]
+    extra: dict
+
+    @property
+    def label(self) -> str:
+        return f"fp8kv {self.kv_cache_dtype}" if self.engine == "fp8kv" else "transformers generate"
+
+
 def iter_throughput(model: str | None = None, kv_cache_dtypes: tuple[str, ...] = ("auto", "fp8_e4m3"),
                     num_prompts: int = 16, input_len: int = 256, output_len: int = 128,
                     compare: tuple[str, ...] = (), repeats: int = 1, dtype: str = "auto",
                     kv_cache_memory: int | str | None = None, max_num_seqs: int = 256,
                     max_num_batched_tokens: int = 2048, text_path: str | None = None,
                     progress: Progress | None = None, log: Callable[[str], None] = print) -> Iterator[dict]:
-    """Yield one row per fp8kv kv-cache dtype, then one per peer, each as soon as it is measured."""
-    from fp8cache.engine.llm import LLM
-
+    """Yield one row per fp8kv kv-cache dtype, then one per peer, each after its last timed run."""
     _check_lengths(num_prompts, input_len, output_len, repeats)
     dtypes = check_kv_cache_dtypes(list(kv_cache_dtypes))
     unknown = [p for p in compare if p not in PEERS]
     if unknown:
         raise ValueError(f"unknown peer(s) {', '.join(unknown)} for --compare; valid: {', '.join(PEERS)}")
-    info = machine.describe()
-    prompt_sets = None
-    model_path = None
-    for kv_dtype in dtypes:
-        llm = LLM(model=model, dtype=dtype, kv_cache_dtype=kv_dtype, kv_cache_memory=kv_cache_memory,
-                  max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, log=log)
-        runner = llm.llm_engine.runner
-        model_path, model_dtype = runner.model_path, runner.dtype
-        if prompt_sets is None:
-            prompt_sets = _prompt_sets(llm.get_tokenizer(), text_path, num_prompts, input_len, repeats)
-        label = f"fp8kv {kv_dtype}"
-        run_batch(llm, prompt_sets[0], WARMUP_OUTPUT_LEN)
-        results = [run_batch(llm, prompts, output_len, _tokens_progress(progress, label, num_prompts,
-                                                                          output_len, r, repeats))
-                   for r, prompts in enumerate(prompt_sets[1:])]
-        yield _row("fp8kv", kv_dtype, results, num_prompts, input_len, output_len, info,
-                   capacity_tokens=runner.capacity_tokens, bytes_per_token=runner.bytes_per_token)
-        del llm, runner
-        gc.collect()
+    engines = build_engines(model, dtypes, log, dtype=dtype, kv_cache_memory=kv_cache_memory,
+                            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    runner = next(iter(engines.values())).runner
+    contestants = [_engine_contestant(dt, e) for dt, e in engines.items()]
     if "hf" in compare:
-        yield _transformers_row(model_path, model_dtype, prompt_sets, num_prompts, input_len, output_len,
-                                info, progress)
+        contestants.append(_transformers_contestant(runner.model_path, runner.dtype))
+    sets = _prompt_sets(runner.tokenizer, text_path, num_prompts, input_len, repeats)
+    for c in contestants:
+        c.run(sets[0], WARMUP_OUTPUT_LEN, None)
+    info = machine.describe()
+    results: dict[str, list[BatchResult]] = {c.label: [] for c in contestants}
+    total = num_prompts * output_len * repeats
+    for r, prompts in enumerate(sets[1:]):
+        for c in contestants:
+            done_before = r * num_prompts * output_len
+            on_tokens = (lambda n, c=c, d=done_before: progress(c.label, d + n, total)) if progress else None
+            results[c.label].append(c.run(prompts, output_len, on_tokens))
+            if r == repeats - 1:
+                yield _row(c, results[c.label], num_prompts, input_len, output_len, info)
 
 
-def _transformers_row(model_path: str, model_dtype: torch.dtype, prompt_sets, num_prompts: int,
-                      input_len: int, output_len: int, info: dict, progress: Progress | None) -> dict:
+def _engine_contestant(kv_dtype: str, engine) -> _Contestant:
+    runner = engine.runner
+    return _Contestant("fp8kv", kv_dtype, lambda prompts, n, cb: run_batch(engine, prompts, n, cb),
+                       {"capacity_tokens": runner.capacity_tokens, "bytes_per_token": runner.bytes_per_token})
+
+
+def _transformers_contestant(model_path: str, model_dtype: torch.dtype) -> _Contestant:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    label = "transformers generate"
-    if progress:
-        progress(label, 0, num_prompts * output_len)
+    # Its own copy of the weights: fp8kv's runners replace the attention of the model they share.
     hf_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=model_dtype,
                                                     local_files_only=True).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    run_transformers(hf_model, prompt_sets[0], WARMUP_OUTPUT_LEN, pad)
-    results = []
-    for r, prompts in enumerate(prompt_sets[1:]):
-        results.append(run_transformers(hf_model, prompts, output_len, pad))
-        if progress:  # generate() shows nothing until it returns
-            progress(label, (r + 1) * num_prompts * output_len // len(prompt_sets[1:]),
-                     num_prompts * output_len)
-    row = _row("transformers", "auto", results, num_prompts, input_len, output_len, info)
-    row["cache"] = "DynamicCache"
-    row["attn_implementation"] = hf_model.config._attn_implementation
-    return row
+
+    def run(prompts: list[list[int]], n: int, on_tokens: Callable[[int], None] | None) -> BatchResult:
+        result = run_transformers(hf_model, prompts, n, pad)
+        if on_tokens is not None:  # generate() reports nothing until it returns
+            on_tokens(result.output_tokens)
+        return result
+
+    return _Contestant("transformers", "auto", run,
+                       {"cache": "DynamicCache", "attn_implementation": hf_model.config._attn_implementation})
 
 
-def _row(engine: str, kv_dtype: str, results: list[BatchResult], num_prompts: int, input_len: int,
-         output_len: int, info: dict, **extra) -> dict:
-    # The median run by elapsed time stands for all repeats; every elapsed time is kept beside it.
-    median = sorted(results, key=lambda r: r.elapsed_s)[(len(results) - 1) // 2]
-    row = {"engine": engine, "kv_cache_dtype": kv_dtype, "num_prompts": num_prompts, "input_len": input_len,
-           "output_len": output_len, **median.rates(), "input_tokens": median.input_tokens,
-           "output_tokens": median.output_tokens, "num_preemptions": median.num_preemptions,
-           "repeats": len(results), "elapsed_all_s": [r.elapsed_s for r in results], **extra,
-           "machine": info}
+def median_result(results: list[BatchResult]) -> BatchResult:
+    """The median run by elapsed time (the lower middle of an even count) stands for all repeats."""
+    return sorted(results, key=lambda r: r.elapsed_s)[(len(results) - 1) // 2]
+
+
+def _row(c: _Contestant, results: list[BatchResult], num_prompts: int, input_len: int, output_len: int,
+         info: dict) -> dict:
+    median = median_result(results)  # every elapsed time is kept beside it
+    row = {"engine": c.engine, "kv_cache_dtype": c.kv_cache_dtype, "num_prompts": num_prompts,
+           "input_len": input_len, "output_len": output_len, **median.rates(),
+           "input_tokens": median.input_tokens, "output_tokens": median.output_tokens,
+           "num_preemptions": median.num_preemptions, "repeats": len(results),
+           "elapsed_all_s": [r.elapsed_s for r in results], **c.extra, "machine": info}
     if median.finish_reasons:
         row["finish_reasons"] = median.finish_reasons
     return row
@@ -204,14 +236,6 @@ def _prompt_sets(tokenizer, text_path: str | None, num_prompts: int, input_len: 
     source = PromptSource(tokenizer, text_path)
     return [source.take(min(num_prompts, 4), input_len)] + [source.take(num_prompts, input_len)
                                                             for _ in range(repeats)]
-
-
-def _tokens_progress(progress: Progress | None, label: str, num_prompts: int, output_len: int, repeat: int,
-                     repeats: int) -> Callable[[int], None] | None:
-    if progress is None:
-        return None
-    total = num_prompts * output_len * repeats
-    return lambda n: progress(label, repeat * num_prompts * output_len + n, total)
 
 
 def _check_lengths(num_prompts: int, input_len: int, output_len: int, repeats: int) -> None:
