@@ -23,7 +23,8 @@ console = Console(stderr=True)
 @click.option("--dataset", required=True, type=click.Path(exists=True, dir_okay=False),
               help="Calibration text: a .txt file, or .jsonl with a \"text\" string or chat \"messages\" per line.")
 @click.option("--num-samples", type=click.IntRange(min=1), default=32, help="Samples to run through the model.")
-@click.option("--max-seq-len", type=click.IntRange(min=2), default=512, help="Most tokens per sample.")
+@click.option("--max-seq-len", type=click.IntRange(min=2), default=None,
+              help="Most tokens per sample [default: 512, or the model's limit if lower].")
 @click.option("--granularity", type=click.Choice(GRANULARITIES), default="head",
               help="One scale per layer (tensor) or per layer and KV head (head), separately for K and V.")
 @click.option("--kv-rotation", type=click.Choice(ROTATIONS), default="none",
@@ -42,7 +43,7 @@ console = Console(stderr=True)
 @click.option("--device", default="cpu", help="torch device: cpu, cuda, ...")
 @click.option("--tokenizer", metavar="PATH", help="Tokenizer folder, if not the model's.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow Python code shipped in the model folder to run.")
-def calibrate(model: str | None, dataset: str, num_samples: int, max_seq_len: int, granularity: str,
+def calibrate(model: str | None, dataset: str, num_samples: int, max_seq_len: int | None, granularity: str,
               kv_rotation: str, kv_cache_dtype: str, statistic: str, output: str, write_checkpoint: str | None,
               dtype: str, device: str, tokenizer: str | None, trust_remote_code: bool) -> None:
     """Measure KV cache scales of MODEL (default: the embedded model) on a calibration dataset.
@@ -53,6 +54,8 @@ def calibrate(model: str | None, dataset: str, num_samples: int, max_seq_len: in
     from fp8cache.model.default_model import DefaultModelError
 
     try:
+        if write_checkpoint:
+            cal.check_checkpoint_target(write_checkpoint, kv_rotation)
         with _progress() as on_samples:
             result = cal.calibrate(
                 model, dataset, kv_cache_dtype=kv_cache_dtype, num_samples=num_samples, max_seq_len=max_seq_len,
@@ -68,8 +71,9 @@ def calibrate(model: str | None, dataset: str, num_samples: int, max_seq_len: in
     fmt = result.scales.fmt_name
     console.print(f"[green]wrote[/] {output}: {result.num_samples} samples, {result.num_tokens} tokens, "
                   f"{fmt}, {result.granularity}, rotation {kv_rotation}", highlight=False)
-    console.print(f"use it: fp8kv run {model or ''} --kv-cache-dtype {fmt} --quantization-param-path {output}",
-                  highlight=False)
+    run = " ".join(["fp8kv run", *([model] if model else []), f"--kv-cache-dtype {fmt}",
+                    f"--quantization-param-path {output}"])
+    console.print(f"use it: {run}", highlight=False)
     if checkpoint:
         console.print(f"[green]wrote[/] checkpoint {checkpoint}: fp8kv run {checkpoint} --kv-cache-dtype {fmt}",
                       highlight=False)

@@ -11,6 +11,8 @@ import torch
 from fp8cache import formats, ops
 from fp8cache import scales as kv_scales
 from fp8cache.config import EngineConfig
+from fp8cache.distributed import parallel_state, sharding
+from fp8cache.distributed import worker as tp_worker
 from fp8cache.model import attention, kv_cache
 from fp8cache.model.batch import StepBatch
 from fp8cache.model.loader import LoadedModel, load_model, read_config_dict
@@ -31,6 +33,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, log: Callable[[str], None] = print,
                  loaded: LoadedModel | None = None):
         """`loaded` lets several runners share one model's weights (eval compares caches this way)."""
+        config, self.tp = parallel_state.initialize(config)  # single process: unchanged config, rank 0 of 1
         self.config, self.log = config, log
         self.device = torch.device(config.device)
         backend = formats.backend_of(self.device)
@@ -41,6 +44,10 @@ class ModelRunner:
         loaded = loaded or load_model(config)
         self.model, self.tokenizer, self.hf_config = loaded.model, loaded.tokenizer, loaded.hf_config
         self.model_path = loaded.model_path
+        if self.tp.is_parallel:  # keep only this rank's heads and MLP columns
+            sharding.shard_model(self.model, self.hf_config, self.tp.rank, self.tp.world_size)
+            if self.tp.is_driver:
+                tp_worker.register_driver()
         self.dtype = next(self.model.parameters()).dtype
         attention.install(self.model)
         # Projecting only the positions we need onto the vocabulary saves most of a prefill's lm_head work.
@@ -58,7 +65,8 @@ class ModelRunner:
         cfg = self.hf_config
         self.num_layers = cfg.num_hidden_layers
         num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
+        self.total_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
+        self.num_kv_heads = self.total_kv_heads // self.tp.world_size  # this rank's share (cache, scales)
         self.head_size = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
         self.block_size = self.config.block_size
         if self.block_size < 1:
@@ -95,8 +103,9 @@ class ModelRunner:
             self.log("warning: --quantization-param-path is ignored with kv-cache-dtype auto")
         self.kv_rotation = "none"  # "hadamard" when the scales were made for rotated K/V
         self.scales = kv_scales.resolve_scales(
-            self.kv_cache_dtype, self.num_layers, self.num_kv_heads,
-            quantization_param_path=self.config.quantization_param_path,
+            self.kv_cache_dtype, self.num_layers, self.total_kv_heads,
+            quantization_param_path=self.config.quantization_param_path, tp_rank=self.tp.rank,
+            tp_size=self.tp.world_size,
             checkpoint_tensors=loaded.checkpoint_scale_tensors, config=read_config_dict(self.model_path),
             calculate=self.config.calculate_kv_scales, warn=lambda msg: self.log(f"warning: {msg}"))
         if self.scales is None:
@@ -126,6 +135,8 @@ class ModelRunner:
                                                         self.kv_cache_dtype, self.dtype, backend)
         plan = kv_cache.plan_cache(self.config.kv_cache_memory, self.config.kv_cache_memory_fraction,
                                    self.block_size, self.bytes_per_token)
+        # Rank 0 hands out block ids, so every rank needs at least as many blocks as rank 0 plans.
+        plan.num_blocks = parallel_state.all_reduce_min_int(plan.num_blocks)
         self.num_blocks, self.capacity_tokens = plan.num_blocks, plan.capacity_tokens
         self.kv_caches = kv_cache.allocate_caches(
             ops.allocate_kv_cache, self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads,
@@ -147,6 +158,10 @@ class ModelRunner:
     def execute(self, batch: StepBatch, all_logits: bool = False) -> torch.Tensor:
         """float32 logits: [seqs with want_logits, vocab] at each one's last token; [tokens, vocab] if all_logits."""
         self._check_batch(batch)
+        with tp_worker.driver_step(batch, all_logits):  # rank 0 of several: the other ranks run it too
+            return self._execute(batch, all_logits)
+
+    def _execute(self, batch: StepBatch, all_logits: bool) -> torch.Tensor:
         ctx = attention.build_forward_context(
             batch, ops=self._ops, gather_kv=self._gather_kv, kv_caches=self.kv_caches,
             k_scales=self._k_scales, v_scales=self._v_scales, kv_cache_dtype=self.kv_cache_dtype,
@@ -211,6 +226,9 @@ class ModelRunner:
         def calculate(layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             k_amax = k[valid].abs().amax(dim=(0, 2)).to(torch.float32)  # per KV head
             v_amax = v[valid].abs().amax(dim=(0, 2)).to(torch.float32)
+            if granularity == "tensor" and self.tp.is_parallel:  # one scale per layer across all ranks' heads
+                k_amax = parallel_state.all_reduce_max(k_amax.max().reshape(1))
+                v_amax = parallel_state.all_reduce_max(v_amax.max().reshape(1))
             amax[layer] = (k_amax, v_amax)
             one = kv_scales.compute_scales([k_amax], [v_amax], fmt, granularity)
             return one.k[0].to(self.device), one.v[0].to(self.device)

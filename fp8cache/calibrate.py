@@ -1,0 +1,403 @@
+"""`fp8kv calibrate`: KV cache scales measured on the unquantized model (DESIGN section 3).
+
+The model runs in its own dtype with transformers' SDPA attention; a thin attention function in front of it
+sees post-RoPE K and V of every layer (rotated first when a kv rotation is asked, since the cache then holds
+rotated K/V) and records, per layer and KV head, the absolute maximum over all tokens and a fixed-seed
+subsample of tokens. The scale of each layer (and head) then comes from one statistic:
+
+- "amax":       absolute maximum -> the format's largest value (never saturates on the calibration data);
+- "percentile": the PERCENTILE-th percentile of |x| -> the largest value (clips rare outliers);
+- "mse":        the scale, on a grid of SEARCH_STEPS per octave from one octave above the amax scale to
+                two below, that minimises the squared quantization error of the subsample.
+
+Which one is the default was decided by measuring KL on held-out text: see docs/kv-cache-quality.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from fp8cache import formats, rotation
+from fp8cache import scales as kv_scales
+from fp8cache.config import EngineConfig
+
+STATISTICS = ("amax", "percentile", "mse")
+DEFAULT_STATISTIC = "mse"
+PERCENTILE = 99.99
+SEARCH_STEPS = 16  # candidate scales per octave in the mse search
+DEFAULT_MAX_SEQ_LEN = 512
+SAMPLE_TOKENS = 2048  # tokens per layer kept for the percentile and mse statistics
+ATTENTION_NAME = "fp8kv_calibrate"
+SCALES_FILE_IN_CHECKPOINT = "kv_cache_scales.safetensors"
+
+
+class CalibrationError(ValueError):
+    """Calibration input that cannot be used; the message names the problem and the fix."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Calibration samples
+
+def read_samples(path: str, tokenizer: object, num_samples: int, max_seq_len: int) -> list[list[int]]:
+    """Token ids of up to `num_samples` samples of at most `max_seq_len` tokens from a .txt or .jsonl file.
+
+    Text files are tokenized as one stream and cut into consecutive windows; JSON lines give one sample per
+    line, from its "text" or its chat "messages" (rendered with the tokenizer's chat template)."""
+    if num_samples < 1 or max_seq_len < 2:
+        raise CalibrationError(f"need num_samples >= 1 and max_seq_len >= 2, got {num_samples} and {max_seq_len}")
+    if not os.path.isfile(path):
+        raise CalibrationError(f"dataset {path!r} does not exist; give a .txt file or a .jsonl file with "
+                               "\"text\" or \"messages\" per line")
+    if path.lower().endswith(".jsonl"):
+        samples = list(_jsonl_samples(path, tokenizer, num_samples, max_seq_len))
+    else:
+        samples = _text_samples(path, tokenizer, num_samples, max_seq_len)
+    if not samples:
+        raise CalibrationError(f"dataset {path!r} holds no text to calibrate on")
+    return samples
+
+
+def _text_samples(path: str, tokenizer: object, num_samples: int, max_seq_len: int) -> list[list[int]]:
+    try:
+        with open(path, encoding="utf-8", newline="") as f:
+            text = f.read()
+    except UnicodeDecodeError:
+        raise CalibrationError(f"dataset {path!r} is not UTF-8 text; give a .txt file, or a .jsonl file with "
+                               "\"text\" or \"messages\" per line") from None
+    wanted = num_samples * max_seq_len
+    # Tokenizing a prefix that surely holds enough tokens keeps huge files cheap (a token is < 8 chars).
+    ids = tokenizer(text[:wanted * 8])["input_ids"]
+    if len(ids) < wanted and len(text) > wanted * 8:
+        ids = tokenizer(text)["input_ids"]
+    windows = [ids[i:i + max_seq_len] for i in range(0, min(len(ids), wanted), max_seq_len)]
+    return [w for w in windows if len(w) >= 2]
+
+
+def _jsonl_samples(path: str, tokenizer: object, num_samples: int, max_seq_len: int) -> Iterator[list[int]]:
+    taken = 0
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if taken == num_samples:
+                return
+            if not line.strip():
+                continue
+            ids = _record_ids(path, number, line, tokenizer)[:max_seq_len]
+            if len(ids) >= 2:
+                taken += 1
+                yield ids
+
+
+def _record_ids(path: str, number: int, line: str, tokenizer: object) -> list[int]:
+    where = f"dataset {path}, line {number}"
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise CalibrationError(f"{where}: not valid JSON ({e}); each line must be one JSON object") from None
+    if isinstance(record, dict) and isinstance(record.get("text"), str):
+        return tokenizer(record["text"])["input_ids"]
+    if isinstance(record, dict) and isinstance(record.get("messages"), list):
+        return _chat_ids(where, record["messages"], tokenizer)
+    raise CalibrationError(f"{where}: expected an object with a \"text\" string or a \"messages\" list, got "
+                           f"{line.strip()[:60]}")
+
+
+def _chat_ids(where: str, messages: list, tokenizer: object) -> list[int]:
+    from jinja2 import TemplateError
+
+    if not getattr(tokenizer, "chat_template", None):
+        raise CalibrationError(f"{where}: chat \"messages\" need a tokenizer with a chat template; this one "
+                               "has none: give \"text\" records instead")
+    for m in messages:
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise CalibrationError(f"{where}: each message must be {{\"role\": str, \"content\": str}}, got "
+                                   f"{json.dumps(m)[:60]}")
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+    except TemplateError as e:
+        raise CalibrationError(f"{where}: the model's chat template cannot render these messages ({e}); "
+                               "give \"text\" records instead") from None
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Statistics of post-RoPE K and V
+
+class KVStatistics:
+    """Per layer, separately for K and V: per-head absolute maximum and a token subsample [n, heads, d]."""
+
+    def __init__(self, num_layers: int, tokens_per_sample: int, seed: int = 0):
+        self.k_amax: list[torch.Tensor | None] = [None] * num_layers
+        self.v_amax: list[torch.Tensor | None] = [None] * num_layers
+        self._k_parts: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+        self._v_parts: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+        self.tokens_per_sample = max(1, tokens_per_sample)
+        self._generator = torch.Generator().manual_seed(seed)
+        self.matrix: torch.Tensor | None = None  # rotation applied before observing
+
+    def observe(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [tokens, kv_heads, head_size] of one sample."""
+        k, v = k.detach().to("cpu", torch.float32), v.detach().to("cpu", torch.float32)
+        if not bool(torch.isfinite(k).all()) or not bool(torch.isfinite(v).all()):
+            raise CalibrationError(f"layer {layer} produced non-finite K/V on the calibration data; the model "
+                                   "overflows in this dtype: calibrate with --dtype float32")
+        self.k_amax[layer] = _running_max(self.k_amax[layer], k.abs().amax(dim=(0, 2)))
+        self.v_amax[layer] = _running_max(self.v_amax[layer], v.abs().amax(dim=(0, 2)))
+        keep = torch.randperm(k.shape[0], generator=self._generator)[:self.tokens_per_sample]
+        self._k_parts[layer].append(k[keep])
+        self._v_parts[layer].append(v[keep])
+
+    def k_samples(self, layer: int) -> torch.Tensor:
+        return torch.cat(self._k_parts[layer])
+
+    def v_samples(self, layer: int) -> torch.Tensor:
+        return torch.cat(self._v_parts[layer])
+
+    def check_complete(self) -> None:
+        missing = [i for i, a in enumerate(self.k_amax) if a is None]
+        if missing:
+            raise RuntimeError(f"calibration saw no K/V for layers {missing}: the model does not route every "
+                               "attention layer through transformers' AttentionInterface")
+
+
+def _running_max(current: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+    return new if current is None else torch.maximum(current, new)
+
+
+_active: KVStatistics | None = None
+
+
+def _observing_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attention_mask: torch.Tensor | None, **kwargs) -> tuple[torch.Tensor, None]:
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if _active is None:
+        raise RuntimeError(f"attention {ATTENTION_NAME!r} runs only inside fp8cache.calibrate.collect_statistics")
+    k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, kv_heads, d], post-RoPE
+    if _active.matrix is not None:
+        k, v = rotation.rotate(k, _active.matrix), rotation.rotate(v, _active.matrix)
+    _active.observe(module.layer_idx, k, v)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+@contextmanager
+def _observing(stats: KVStatistics) -> Iterator[KVStatistics]:
+    global _active
+    previous, _active = _active, stats
+    try:
+        yield stats
+    finally:
+        _active = previous
+
+
+def collect_statistics(model: torch.nn.Module, samples: list[list[int]], kv_rotation: str = "none",
+                       on_sample: Callable[[int], None] | None = None) -> KVStatistics:
+    """Run `model` unquantized over `samples` (one at a time) and record post-RoPE K/V statistics."""
+    from transformers import AttentionInterface
+
+    cfg = model.config
+    num_heads = cfg.num_attention_heads
+    head_size = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
+    device = next(model.parameters()).device
+    stats = KVStatistics(cfg.num_hidden_layers, SAMPLE_TOKENS // len(samples))
+    stats.matrix = rotation.rotation_matrix(kv_rotation, head_size, device)
+    AttentionInterface.register(ATTENTION_NAME, _observing_attention)
+    model.set_attn_implementation(ATTENTION_NAME)
+    with torch.inference_mode(), _observing(stats):
+        for ids in samples:
+            model(input_ids=torch.tensor([ids], device=device), use_cache=False, logits_to_keep=1)
+            if on_sample is not None:
+                on_sample(len(ids))
+    stats.check_complete()
+    return stats
+
+
+# ---------------------------------------------------------------------------------------------------
+# Scales from statistics
+
+def choose_scale(amax: torch.Tensor, samples: torch.Tensor, fmt: formats.Fp8Format, granularity: str,
+                 statistic: str) -> torch.Tensor:
+    """float32 scale [1] or [heads] from per-head `amax` [heads] and `samples` [n, heads, d]."""
+    if granularity == "tensor":
+        groups = [(amax.max(), samples)]
+    else:
+        groups = [(amax[h], samples[:, h]) for h in range(amax.numel())]
+    values = [_group_scale(float(a), x.reshape(-1), fmt, statistic) for a, x in groups]
+    return torch.tensor(values, dtype=torch.float32).clamp(min=kv_scales.MIN_SCALE)
+
+
+def _group_scale(amax: float, x: torch.Tensor, fmt: formats.Fp8Format, statistic: str) -> float:
+    if amax == 0.0:
+        return kv_scales.MIN_SCALE  # a head that is always zero: any scale stores it exactly
+    if statistic == "amax":
+        return amax / fmt.max
+    if statistic == "percentile":
+        top = float(torch.quantile(x.abs(), PERCENTILE / 100))
+        return (top or amax) / fmt.max  # a mostly-zero head falls back to its maximum
+    if statistic == "mse":
+        return mse_scale(amax, x, fmt)
+    raise CalibrationError(f"unknown statistic {statistic!r}; valid: {', '.join(STATISTICS)}")
+
+
+def mse_scale(amax: float, x: torch.Tensor, fmt: formats.Fp8Format) -> float:
+    """The candidate scale with the least squared quantization error of `x` (ties: the largest scale)."""
+    steps = torch.arange(-SEARCH_STEPS, 2 * SEARCH_STEPS + 1, dtype=torch.float64)
+    candidates = (amax / fmt.max) * torch.pow(2.0, -steps / SEARCH_STEPS)
+    x = x.to(torch.float32)
+    errors = []
+    for s in candidates.to(torch.float32):
+        stored = torch.clamp(x / s, -fmt.max, fmt.max).to(fmt.torch_dtype).to(torch.float32)
+        errors.append(float((stored * s - x).double().pow(2).sum()))
+    best = min(range(len(errors)), key=lambda i: (errors[i], i))
+    return float(candidates[best])
+
+
+def scales_from_statistics(stats: KVStatistics, kv_cache_dtype: str, granularity: str, statistic: str,
+                           kv_rotation: str, source: str) -> kv_scales.KVScales:
+    fmt = formats.FP8_FORMATS[kv_cache_dtype]
+    if granularity not in kv_scales.GRANULARITIES:
+        raise CalibrationError(f"unknown granularity {granularity!r}; valid: {', '.join(kv_scales.GRANULARITIES)}")
+    k = [choose_scale(stats.k_amax[i], stats.k_samples(i), fmt, granularity, statistic)
+         for i in range(len(stats.k_amax))]
+    v = [choose_scale(stats.v_amax[i], stats.v_samples(i), fmt, granularity, statistic)
+         for i in range(len(stats.v_amax))]
+    return kv_scales.KVScales(k, v, kv_cache_dtype, source, kv_rotation)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The whole calibration
+
+@dataclass
+class CalibrationResult:
+    scales: kv_scales.KVScales
+    k_amax: list[torch.Tensor]  # per layer, [num_kv_heads], after the rotation if any
+    v_amax: list[torch.Tensor]
+    statistic: str
+    granularity: str
+    num_samples: int
+    num_tokens: int
+    model_path: str
+    model_type: str
+    num_kv_heads: int
+
+
+def calibrate(model: str | None, dataset: str, kv_cache_dtype: str = "fp8", num_samples: int = 32,
+              max_seq_len: int | None = None, granularity: str = "head", kv_rotation: str = "none",
+              statistic: str = DEFAULT_STATISTIC, dtype: str = "auto", device: str = "cpu",
+              tokenizer: str | None = None, trust_remote_code: bool = False, progress: bool = False,
+              on_samples: Callable[[int], Callable[[int], None]] | None = None) -> CalibrationResult:
+    """Scales for `model` from `dataset`. max_seq_len None: DEFAULT_MAX_SEQ_LEN or the model's limit if lower.
+    `on_samples(n)` is told the sample count and returns a per-sample callback (given the sample's token
+    count), e.g. to drive a progress bar."""
+    from fp8cache.model.loader import load_model
+
+    fmt_name = formats.resolve_kv_cache_dtype(kv_cache_dtype, formats.backend_of(device))
+    if fmt_name == formats.AUTO:
+        raise CalibrationError("calibration makes scales for an FP8 cache; choose --kv-cache-dtype fp8, "
+                               f"{', '.join(formats.FP8_FORMATS)}")
+    if granularity not in kv_scales.GRANULARITIES:
+        raise CalibrationError(f"unknown granularity {granularity!r}; valid: {', '.join(kv_scales.GRANULARITIES)}")
+    if statistic not in STATISTICS:
+        raise CalibrationError(f"unknown statistic {statistic!r}; valid: {', '.join(STATISTICS)}")
+    if kv_rotation not in rotation.ROTATIONS:
+        raise CalibrationError(f"unknown kv rotation {kv_rotation!r}; valid: {', '.join(rotation.ROTATIONS)}")
+    loaded = load_model(EngineConfig(model=model, tokenizer=tokenizer, dtype=dtype, device=device,
+                                     trust_remote_code=trust_remote_code), progress=progress)
+    cfg = loaded.hf_config
+    limit = getattr(cfg, "max_position_embeddings", None)
+    if max_seq_len is None:
+        max_seq_len = min(DEFAULT_MAX_SEQ_LEN, limit or DEFAULT_MAX_SEQ_LEN)
+    if limit is not None and max_seq_len > limit:
+        raise CalibrationError(f"max_seq_len {max_seq_len} exceeds the model's max_position_embeddings "
+                               f"({limit}); use at most {limit}")
+    samples = read_samples(dataset, loaded.tokenizer, num_samples, max_seq_len)
+    on_sample = on_samples(len(samples)) if on_samples is not None else None
+    stats = collect_statistics(loaded.model, samples, kv_rotation, on_sample)
+    source = f"calibrated on {os.path.basename(dataset)} ({statistic}, {granularity})"
+    scales = scales_from_statistics(stats, fmt_name, granularity, statistic, kv_rotation, source)
+    return CalibrationResult(scales, list(stats.k_amax), list(stats.v_amax), statistic, granularity,
+                             len(samples), sum(len(s) for s in samples), loaded.model_path,
+                             getattr(cfg, "model_type", "unknown"),
+                             getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+
+
+def write_scales(result: CalibrationResult, path: str) -> None:
+    """The DESIGN section 3 file: vLLM's `scaling_factor` plus fp8kv's per-K/V (and per-head) keys."""
+    kv_scales.write_scales_file(path, result.scales, result.model_type, result.num_kv_heads)
+
+
+# ---------------------------------------------------------------------------------------------------
+# A checkpoint that carries the scales
+
+def write_checkpoint(result: CalibrationResult, out_dir: str) -> str:
+    """Copy the model folder to `out_dir` with k_scale/v_scale tensors and config.json's kv_cache_torch_dtype.
+
+    The scales go into their own safetensors file (listed in the weight index when the model has one), so
+    the weight files are copied byte for byte."""
+    from safetensors.torch import save_file
+
+    from fp8cache.model.loader import read_scale_tensors
+
+    scales, src = result.scales, result.model_path
+    check_checkpoint_target(out_dir, scales.rotation)
+    out_dir = os.path.abspath(out_dir)
+    if os.path.abspath(src) == out_dir:
+        raise CalibrationError(f"--write-checkpoint {out_dir} is the model folder itself; give a new folder")
+    existing = sorted(read_scale_tensors(src))
+    if existing:
+        raise CalibrationError(f"the model already carries KV scales ({existing[0]}, ...); write the checkpoint "
+                               "from weights without KV scales")
+    os.makedirs(out_dir, exist_ok=True)
+    for name in sorted(os.listdir(src)):
+        path = os.path.join(src, name)
+        if os.path.isfile(path) and not name.startswith("."):
+            shutil.copy2(path, os.path.join(out_dir, name))
+    tensors = {}
+    for i, (k, v) in enumerate(zip(scales.k, scales.v)):
+        for kind, t in (("k", k), ("v", v)):
+            # One value is stored as a 0-dim tensor like vLLM's and llm-compressor's k_scale/v_scale.
+            value = t.reshape(()) if t.numel() == 1 else t.reshape(-1)
+            tensors[f"model.layers.{i}.self_attn.{kind}_scale"] = value.to(torch.float32).contiguous()
+    save_file(tensors, os.path.join(out_dir, SCALES_FILE_IN_CHECKPOINT), metadata={"format": "pt"})
+    _add_to_index(out_dir, list(tensors))
+    _set_config(out_dir, "kv_cache_torch_dtype", formats.FP8_FORMATS[scales.fmt_name].scale_file_dtype)
+    return out_dir
+
+
+def check_checkpoint_target(out_dir: str, kv_rotation: str) -> None:
+    """Refuse a checkpoint request before calibrating rather than after."""
+    if kv_rotation != "none":
+        raise CalibrationError("--write-checkpoint cannot carry scales made with --kv-rotation "
+                               f"{kv_rotation}: checkpoint scales have no rotation field, and other engines "
+                               "would apply them to unrotated K/V; use the scales file (--output) instead")
+    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
+        raise CalibrationError(f"--write-checkpoint {os.path.abspath(out_dir)} exists and is not an empty "
+                               "folder; give a new folder (nothing is overwritten)")
+
+
+def _add_to_index(out_dir: str, names: list[str]) -> None:
+    path = os.path.join(out_dir, "model.safetensors.index.json")
+    if not os.path.isfile(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        index = json.load(f)
+    index.setdefault("weight_map", {}).update({n: SCALES_FILE_IN_CHECKPOINT for n in names})
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(index, f, indent=2)
+        f.write("\n")
+
+
+def _set_config(out_dir: str, key: str, value: str) -> None:
+    path = os.path.join(out_dir, "config.json")
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    config[key] = value
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+        f.write("\n")
