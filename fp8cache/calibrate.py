@@ -345,10 +345,10 @@ def write_checkpoint(result: CalibrationResult, out_dir: str) -> str:
     from fp8cache.model.loader import read_scale_tensors
 
     scales, src = result.scales, result.model_path
-    check_checkpoint_target(out_dir, scales.rotation)
     out_dir = os.path.abspath(out_dir)
     if os.path.abspath(src) == out_dir:
         raise CalibrationError(f"--write-checkpoint {out_dir} is the model folder itself; give a new folder")
+    check_checkpoint_target(out_dir, scales.rotation)
     existing = sorted(read_scale_tensors(src))
     if existing:
         raise CalibrationError(f"the model already carries KV scales ({existing[0]}, ...); write the checkpoint "
