@@ -1,0 +1,314 @@
+"""`fp8kv calibrate`: scales against an independent capture of transformers' K/V, the file against the DESIGN
+schema and a reader that knows only vLLM's schema, checkpoint round trips, datasets, and held-out quality."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from scipy.linalg import hadamard as scipy_hadamard
+
+from fp8cache import calibrate as cal
+from fp8cache import formats
+from fp8cache.config import EngineConfig
+from fp8cache.eval import evaluate, locate_eval_text, read_text
+from fp8cache.model.loader import load_model, read_config_dict
+from fp8cache.model.runner import ModelRunner
+from fp8cache.scales import load_scales_file, scales_from_checkpoint
+from launcher.calibrate_command import calibrate as calibrate_command
+
+SAMPLES, SEQ_LEN = 2, 96
+E4M3 = formats.FP8_FORMATS["fp8_e4m3"]
+
+
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory) -> tuple[str, str]:
+    """(calibration file, evaluation file): the second half of WikiText-2 test and its first 20k chars."""
+    text = read_text(locate_eval_text())
+    folder = tmp_path_factory.mktemp("texts")
+    calib, held_out = folder / "calib.txt", folder / "eval.txt"
+    calib.write_text(text[len(text) // 2:], encoding="utf-8", newline="")
+    held_out.write_text(text[:20000], encoding="utf-8", newline="")
+    return str(calib), str(held_out)
+
+
+@pytest.fixture(scope="module")
+def loaded(default_model_path):
+    return load_model(EngineConfig(model=default_model_path), progress=False)
+
+
+def independent_kv(model_path: str, samples: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, post-RoPE K and V [tokens, kv_heads, d] of all samples, from forward hooks on k_proj/v_proj
+    and transformers' own rotary embedding (not through any attention function)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    model = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    cfg = model.config
+    d = cfg.hidden_size // cfg.num_attention_heads
+    out: dict[int, list] = {i: [[], []] for i in range(cfg.num_hidden_layers)}
+    proj: dict[tuple[str, int], torch.Tensor] = {}
+
+    def keep(kind: str, i: int):
+        return lambda module, args, output: proj.__setitem__((kind, i), output)
+
+    for i, layer in enumerate(model.model.layers):
+        layer.self_attn.k_proj.register_forward_hook(keep("k", i))
+        layer.self_attn.v_proj.register_forward_hook(keep("v", i))
+    for ids in samples:
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            model(x)
+            cos, sin = model.model.rotary_emb(x.float(), torch.arange(len(ids))[None])
+        for i in range(cfg.num_hidden_layers):
+            k = proj[("k", i)].view(1, len(ids), -1, d).transpose(1, 2)
+            k, _ = apply_rotary_pos_emb(k, k, cos, sin)
+            out[i][0].append(k[0].transpose(0, 1))
+            out[i][1].append(proj[("v", i)].view(len(ids), -1, d))
+    return [(torch.cat(k), torch.cat(v)) for k, v in (out[i] for i in range(cfg.num_hidden_layers))]
+
+
+def read_json(path: str) -> dict:
+    return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+def vllm_schema_scales(path: str, num_layers: int) -> list[float]:
+    """What a reader that knows only the vLLM/aphrodite schema takes from the file: kv_cache.dtype and one
+    positive float per layer in scaling_factor[tp_rank 0]."""
+    doc = read_json(path)
+    kv = doc["kv_cache"]
+    assert kv["dtype"] in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2")
+    table = kv["scaling_factor"]["0"]
+    assert sorted(table, key=int) == [str(i) for i in range(num_layers)]
+    values = [table[str(i)] for i in range(num_layers)]
+    assert all(isinstance(x, float) and math.isfinite(x) and x > 0 for x in values)
+    return values
+
+
+@pytest.fixture(scope="module")
+def head_amax(default_model_path, texts, tmp_path_factory):
+    """A per-head, amax calibration and the file `fp8kv calibrate` writes for it."""
+    result = cal.calibrate(default_model_path, texts[0], "fp8_e4m3", SAMPLES, SEQ_LEN, granularity="head",
+                           statistic="amax")
+    path = str(tmp_path_factory.mktemp("scales") / "head.json")
+    cal.write_scales(result, path)
+    return result, path
+
+
+# ---- scales against independent K/V ---------------------------------------------------------------------
+
+def test_amax_scales_are_the_per_head_maxima_of_transformers_k_and_v(head_amax, default_model_path, texts,
+                                                                    loaded):
+    result, _ = head_amax
+    ids = loaded.tokenizer(read_text(texts[0]))["input_ids"][:SAMPLES * SEQ_LEN]
+    samples = [ids[i:i + SEQ_LEN] for i in range(0, len(ids), SEQ_LEN)]
+    assert (result.num_samples, result.num_tokens) == (SAMPLES, SAMPLES * SEQ_LEN)
+    for i, (k, v) in enumerate(independent_kv(default_model_path, samples)):
+        torch.testing.assert_close(result.scales.k[i], k.abs().amax(dim=(0, 2)) / E4M3.max, rtol=1e-5, atol=0)
+        torch.testing.assert_close(result.scales.v[i], v.abs().amax(dim=(0, 2)) / E4M3.max, rtol=1e-5, atol=0)
+
+
+def test_hadamard_tensor_scales_are_maxima_of_rotated_k_and_v(default_model_path, texts, loaded, tmp_path):
+    result = cal.calibrate(default_model_path, texts[0], "fp8_e5m2", 1, SEQ_LEN, granularity="tensor",
+                           kv_rotation="hadamard", statistic="amax")
+    ids = loaded.tokenizer(read_text(texts[0]))["input_ids"][:SEQ_LEN]
+    h = torch.tensor(scipy_hadamard(64), dtype=torch.float32) / 8
+    e5m2 = formats.FP8_FORMATS["fp8_e5m2"]
+    for i, (k, v) in enumerate(independent_kv(default_model_path, [ids])):
+        torch.testing.assert_close(result.scales.k[i], (k @ h).abs().max().reshape(1) / e5m2.max, rtol=1e-5, atol=0)
+        torch.testing.assert_close(result.scales.v[i], (v @ h).abs().max().reshape(1) / e5m2.max, rtol=1e-5, atol=0)
+    path = str(tmp_path / "rotated.json")
+    cal.write_scales(result, path)
+    assert read_json(path)["kv_rotation"] == "hadamard"
+    assert load_scales_file(path, 30, 3, "fp8_e5m2").rotation == "hadamard"
+
+
+# ---- the file ----------------------------------------------------------------------------------------
+
+def test_file_follows_the_schema_and_loads_back(head_amax):
+    result, path = head_amax
+    doc = read_json(path)
+    assert doc["model_type"] == "llama" and doc["kv_cache"]["dtype"] == "float8_e4m3fn"
+    assert "kv_rotation" not in doc  # no rotation: the file stays a plain vLLM file plus optional keys
+    for name, tensors in (("k_scaling_factor", result.scales.k), ("v_scaling_factor", result.scales.v)):
+        table = doc["kv_cache"][name]["0"]
+        assert len(table) == 30 and all(len(table[str(i)]) == 3 for i in range(30))
+        assert [table[str(i)] for i in range(30)] == [t.tolist() for t in tensors]
+    back = load_scales_file(path, 30, 3, "fp8_e4m3")
+    assert all(torch.equal(a, b) for a, b in zip(back.k + back.v, result.scales.k + result.scales.v))
+
+
+def test_a_vllm_schema_reader_gets_a_scale_that_never_saturates(head_amax):
+    result, path = head_amax
+    plain = vllm_schema_scales(path, 30)
+    for i, s in enumerate(plain):
+        assert s == pytest.approx(max(float(result.k_amax[i].max()), float(result.v_amax[i].max())) / E4M3.max,
+                                  rel=1e-6)
+    # Our own loader reads such a plain file (only scaling_factor) as the same scale for K and V.
+    stripped = read_json(path)
+    del stripped["kv_cache"]["k_scaling_factor"], stripped["kv_cache"]["v_scaling_factor"]
+    plain_path = path.replace(".json", "-plain.json")
+    Path(plain_path).write_text(json.dumps(stripped))
+    back = load_scales_file(plain_path, 30, 3, "fp8_e4m3")
+    assert [float(t) for t in back.k] == pytest.approx(plain) and [float(t) for t in back.v] == pytest.approx(plain)
+
+
+def test_runner_uses_the_per_head_file(head_amax, loaded):
+    result, path = head_amax
+    runner = ModelRunner(EngineConfig(model=loaded.model_path, kv_cache_dtype="fp8_e4m3", kv_cache_memory="16MiB",
+                                      quantization_param_path=path), log=lambda m: None, loaded=loaded)
+    assert runner.scales_source == f"file {path}" and runner.kv_rotation == "none"
+    assert all(t.shape == (3,) for t in runner._k_scales + runner._v_scales)
+    assert torch.equal(torch.stack(runner._k_scales), torch.stack(result.scales.k))
+
+
+# ---- checkpoint ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("made_for, run_with, factor", [("fp8_e4m3", "fp8_e4m3", 1.0),
+                                                        ("fp8_e4m3fnuz", "fp8_e4m3", 0.5)])
+def test_checkpoint_carries_the_scales(head_amax, loaded, tmp_path, made_for, run_with, factor):
+    result, _ = head_amax
+    scales = result.scales.for_format(made_for)
+    made = cal.CalibrationResult(**{**result.__dict__, "scales": scales})
+    out = cal.write_checkpoint(made, str(tmp_path / "ckpt"))
+    config = read_config_dict(out)
+    assert config["kv_cache_torch_dtype"] == formats.FP8_FORMATS[made_for].scale_file_dtype
+    with_scales = load_model(EngineConfig(model=out), progress=False)
+    assert len(with_scales.checkpoint_scale_tensors) == 60
+    back = scales_from_checkpoint(with_scales.checkpoint_scale_tensors, 30, 3, config, made_for)
+    assert all(torch.equal(a, b) for a, b in zip(back.k + back.v, scales.k + scales.v))
+    runner = ModelRunner(EngineConfig(model=out, kv_cache_dtype=run_with, kv_cache_memory="16MiB"),
+                         log=lambda m: None, loaded=with_scales)
+    assert runner.scales_source == "checkpoint"
+    for got, want in zip(runner._k_scales + runner._v_scales, scales.k + scales.v):
+        torch.testing.assert_close(got, want * factor, rtol=0, atol=0)
+
+
+def test_checkpoint_refusals(head_amax, tmp_path):
+    result, _ = head_amax
+    rotated = cal.CalibrationResult(**{**result.__dict__, "scales": cal.kv_scales.KVScales(
+        result.scales.k, result.scales.v, "fp8_e4m3", "x", "hadamard")})
+    with pytest.raises(cal.CalibrationError, match="--write-checkpoint cannot carry .*--kv-rotation hadamard"):
+        cal.write_checkpoint(rotated, str(tmp_path / "a"))
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    with pytest.raises(cal.CalibrationError, match="exists and is not an empty folder"):
+        cal.write_checkpoint(result, str(tmp_path / "full"))
+    with pytest.raises(cal.CalibrationError, match="is the model folder itself"):
+        cal.write_checkpoint(result, result.model_path)
+
+
+# ---- statistics ----------------------------------------------------------------------------------------
+
+def quant_error(x: torch.Tensor, s: float, fmt: formats.Fp8Format) -> float:
+    stored = torch.clamp(x / s, -fmt.max, fmt.max).to(fmt.torch_dtype).to(torch.float32)
+    return float((stored * s - x).double().pow(2).sum())
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz"])
+def test_mse_scale_is_no_worse_than_amax_or_any_grid_scale(name):
+    fmt = formats.FP8_FORMATS[name]
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(1)) * torch.linspace(0.01, 3, 4096)
+    amax = float(x.abs().max())
+    best = cal.mse_scale(amax, x, fmt)
+    assert quant_error(x, best, fmt) <= quant_error(x, amax / fmt.max, fmt)
+    for j in range(-cal.SEARCH_STEPS, 2 * cal.SEARCH_STEPS + 1, 5):
+        assert quant_error(x, best, fmt) <= quant_error(x, amax / fmt.max * 2 ** (-j / cal.SEARCH_STEPS), fmt)
+
+
+def test_percentile_and_granularity_of_choose_scale():
+    x = torch.randn(20000, 2, 8, generator=torch.Generator().manual_seed(2))
+    x[0, 1, 0] = 100.0  # one outlier in head 1
+    amax = x.abs().amax(dim=(0, 2))
+    per_head = cal.choose_scale(amax, x, E4M3, "head", "amax")
+    torch.testing.assert_close(per_head, amax / E4M3.max)
+    assert cal.choose_scale(amax, x, E4M3, "tensor", "amax").tolist() == pytest.approx([100.0 / E4M3.max])
+    pct = cal.choose_scale(amax, x, E4M3, "head", "percentile")
+    expected = [float(torch.quantile(x[:, h].abs().reshape(-1), cal.PERCENTILE / 100)) / E4M3.max for h in (0, 1)]
+    assert pct.tolist() == pytest.approx(expected, rel=1e-6)
+    assert float(pct[1]) < float(per_head[1]) / 10  # the outlier is clipped, not followed
+    zero = cal.choose_scale(torch.zeros(2), torch.zeros(10, 2, 8), E4M3, "head", "mse")
+    assert zero.tolist() == pytest.approx([cal.kv_scales.MIN_SCALE] * 2)
+
+
+# ---- datasets ------------------------------------------------------------------------------------------
+
+def test_jsonl_text_and_chat_messages(loaded, tmp_path):
+    tok = loaded.tokenizer
+    messages = [{"role": "user", "content": "What is the capital of France?"},
+                {"role": "assistant", "content": "The capital of France is Paris."}]
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join([json.dumps({"text": "Paris is a city in France " * 8}), "",
+                               json.dumps({"messages": messages}), json.dumps({"text": "unused"})]) + "\n")
+    samples = cal.read_samples(str(path), tok, 2, 20)
+    assert samples[0] == tok("Paris is a city in France " * 8)["input_ids"][:20]
+    chat = tok(tok.apply_chat_template(messages, tokenize=False), add_special_tokens=False)["input_ids"]
+    assert samples[1] == chat[:20] and len(samples) == 2
+
+
+def test_text_file_is_cut_into_consecutive_windows(loaded, texts):
+    ids = loaded.tokenizer(read_text(texts[1]))["input_ids"]
+    assert cal.read_samples(texts[1], loaded.tokenizer, 3, 50) == [ids[0:50], ids[50:100], ids[100:150]]
+
+
+@pytest.mark.parametrize("line, message", [
+    ("{not json", "line 2: not valid JSON"),
+    ('{"prompt": "x"}', "line 2: expected an object with a \"text\" string or a \"messages\" list"),
+    ('{"messages": [{"role": "user"}]}', "line 2: each message must be"),
+])
+def test_bad_jsonl_lines_are_named(loaded, tmp_path, line, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"text": "fine text here"}) + "\n" + line + "\n")
+    with pytest.raises(cal.CalibrationError, match=message.replace("[", r"\[")):
+        cal.read_samples(str(path), loaded.tokenizer, 5, 32)
+
+
+def test_unusable_datasets_are_refused(loaded, tmp_path):
+    empty, binary = tmp_path / "empty.txt", tmp_path / "weights.bin"
+    empty.write_text("")
+    binary.write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(cal.CalibrationError, match="holds no text"):
+        cal.read_samples(str(empty), loaded.tokenizer, 2, 32)
+    with pytest.raises(cal.CalibrationError, match="is not UTF-8 text"):
+        cal.read_samples(str(binary), loaded.tokenizer, 2, 32)
+    with pytest.raises(cal.CalibrationError, match="does not exist"):
+        cal.read_samples(str(tmp_path / "missing.txt"), loaded.tokenizer, 2, 32)
+
+
+# ---- the command and held-out quality ----------------------------------------------------------------------
+
+def test_command_writes_the_file_and_prints_the_table(tiny_llama_path, tmp_path):
+    words = "the city of the river was the first new school in the world and the people of the state had a house"
+    data = tmp_path / "tiny.txt"
+    data.write_text(" ".join([words] * 6))
+    out = tmp_path / "tiny.json"
+    run = CliRunner().invoke(calibrate_command, [tiny_llama_path, "--dataset", str(data), "--num-samples", "2",
+                                                 "--max-seq-len", "64", "--kv-cache-dtype", "fp8_e5m2",
+                                                 "--output", str(out)], terminal_width=200)
+    assert run.exit_code == 0, run.output
+    assert "KV scales (fp8_e5m2" in run.output and "│     1 │" in run.output
+    assert load_scales_file(str(out), 2, 2, "fp8_e5m2").per_head()
+    bad = CliRunner().invoke(calibrate_command, [tiny_llama_path, "--dataset", str(data), "--kv-rotation",
+                                                 "hadamard", "--output", str(out), "--write-checkpoint",
+                                                 str(tmp_path / "ckpt")])
+    assert bad.exit_code == 2 and "cannot carry" in bad.output
+
+
+def test_scales_calibrated_on_one_text_help_on_another(default_model_path, texts, tmp_path):
+    calib, held_out = texts
+    assert read_text(held_out) not in read_text(calib)
+    result = cal.calibrate(default_model_path, calib, "fp8_e4m3", 4, 128, granularity="head",
+                           kv_rotation="hadamard")
+    path = str(tmp_path / "calibrated.json")
+    cal.write_scales(result, path)
+    config = EngineConfig(model=default_model_path, kv_cache_dtype="fp8_e4m3")
+    calibrated = evaluate(EngineConfig(**{**config.__dict__, "quantization_param_path": path}), held_out,
+                          windows=1, window_len=512, progress=False)
+    unit = evaluate(config, held_out, windows=1, window_len=512, progress=False)
+    assert calibrated["scales_source"] == f"file {path}" and unit["scales_source"] == "default 1.0"
+    assert calibrated["kl"] < 0.75 * unit["kl"], (calibrated["kl"], unit["kl"])
+    assert calibrated["top1_agreement"] > 0.9
