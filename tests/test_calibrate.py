@@ -162,8 +162,8 @@ def test_runner_uses_the_per_head_file(head_amax, loaded):
     runner = ModelRunner(EngineConfig(model=loaded.model_path, kv_cache_dtype="fp8_e4m3", kv_cache_memory="16MiB",
                                       quantization_param_path=path), log=lambda m: None, loaded=loaded)
     assert runner.scales_source == f"file {path}" and runner.kv_rotation == "none"
-    assert all(t.shape == (3,) for t in runner._k_scales + runner._v_scales)
-    assert torch.equal(torch.stack(runner._k_scales), torch.stack(result.scales.k))
+    assert all(t.shape == (3,) for t in runner.scales.k + runner.scales.v)
+    assert torch.equal(torch.stack(runner.scales.k), torch.stack(result.scales.k))
 
 
 # ---- checkpoint ----------------------------------------------------------------------------------------
@@ -184,7 +184,7 @@ def test_checkpoint_carries_the_scales(head_amax, loaded, tmp_path, made_for, ru
     runner = ModelRunner(EngineConfig(model=out, kv_cache_dtype=run_with, kv_cache_memory="16MiB"),
                          log=lambda m: None, loaded=with_scales)
     assert runner.scales_source == "checkpoint"
-    for got, want in zip(runner._k_scales + runner._v_scales, scales.k + scales.v):
+    for got, want in zip(runner.scales.k + runner.scales.v, scales.k + scales.v):
         torch.testing.assert_close(got, want * factor, rtol=0, atol=0)
 
 
