@@ -116,3 +116,70 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
             logits = logits + alibi_slopes.to(torch.float32)[:, None] * (pos - (seq_len - 1))[None]
         probs = torch.softmax(logits, dim=-1)
         out[i] = torch.einsum("ht,thd->hd", probs, v).to(out.dtype)
+
+
+# ---- recent-token window (issue 8) ------------------------------------------------------------------
+# The newest tokens of a sequence also live in a small "window" cache in the model dtype (auto layout of
+# DESIGN section 4), as a ring: position p sits at ring slot p % window_size, and ring slot r at
+# window_block_table[r // block_size] * block_size + r % block_size. Attention reads positions
+# [0, window_start) from the FP8 cache and [window_start, seq_len) from the window.
+
+
+def window_slots(window_block_table: torch.Tensor | list[int], positions: torch.Tensor, window_size: int,
+                 block_size: int) -> torch.Tensor:
+    """Window-cache slots (int64) of `positions` for one sequence's window block table."""
+    table = torch.as_tensor(window_block_table, dtype=torch.long)
+    ring = positions.long() % window_size
+    return table[ring // block_size] * block_size + ring % block_size
+
+
+def gather_window_kv(window_key_cache: torch.Tensor, window_value_cache: torch.Tensor,
+                     window_block_table: torch.Tensor, start: int, end: int,
+                     window_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of positions [start, end) of one sequence from its window ring, float32 [n, heads, d]."""
+    if end - start > window_size:
+        raise ValueError(f"positions [{start}, {end}) span more than window_size {window_size}")
+    num_blocks, num_kv_heads, _, block_size, _ = window_key_cache.shape
+    head_size = window_value_cache.shape[2]
+    slots = window_slots(window_block_table, torch.arange(start, end), window_size, block_size)
+    if slots.numel() and (bool((slots < 0).any()) or bool((slots >= num_blocks * block_size).any())):
+        raise IndexError(f"window block table holds a block id outside [0, {num_blocks})")
+    blocks, offsets = slots // block_size, slots % block_size
+    k = window_key_cache[blocks, :, :, offsets, :].reshape(-1, num_kv_heads, head_size)
+    v = window_value_cache[blocks, :, :, offsets]
+    return k.to(torch.float32), v.to(torch.float32)
+
+
+def paged_attention_window(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
+                           value_cache: torch.Tensor, window_key_cache: torch.Tensor,
+                           window_value_cache: torch.Tensor, num_kv_heads: int, scale: float,
+                           block_tables: torch.Tensor, window_block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, window_starts: torch.Tensor, window_size: int,
+                           block_size: int, max_seq_len: int, alibi_slopes: torch.Tensor | None,
+                           kv_cache_dtype: str, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+    """Decode attention over FP8 positions [0, window_start) and window positions [window_start, seq_len)."""
+    if window_size < 1:
+        raise ValueError(f"window_size {window_size} must be >= 1 (use paged_attention without a window)")
+    num_seqs, num_heads, _ = query.shape
+    group = num_heads // num_kv_heads
+    for i in range(num_seqs):
+        seq_len, start = int(seq_lens[i]), int(window_starts[i])
+        if not max(0, seq_len - window_size) <= start <= seq_len:
+            raise ValueError(f"window_starts[{i}]={start} must lie in [max(0, seq_len - window_size), seq_len]"
+                             f" = [{max(0, seq_len - window_size)}, {seq_len}]")
+        if seq_len == 0:
+            out[i] = 0
+            continue
+        k_old, v_old = gather_kv(key_cache, value_cache, block_tables[i], start, kv_cache_dtype, k_scale,
+                                 v_scale)
+        k_new, v_new = gather_window_kv(window_key_cache, window_value_cache, window_block_tables[i], start,
+                                        seq_len, window_size)
+        k = torch.cat([k_old, k_new]).repeat_interleave(group, dim=1)  # [T, heads, d]
+        v = torch.cat([v_old, v_new]).repeat_interleave(group, dim=1)
+        q = query[i].to(torch.float32)
+        logits = torch.einsum("hd,thd->ht", q, k) * scale
+        if alibi_slopes is not None:
+            pos = torch.arange(seq_len, dtype=torch.float32, device=q.device)
+            logits = logits + alibi_slopes.to(torch.float32)[:, None] * (pos - (seq_len - 1))[None]
+        probs = torch.softmax(logits, dim=-1)
+        out[i] = torch.einsum("ht,thd->hd", probs, v).to(out.dtype)
