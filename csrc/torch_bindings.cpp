@@ -21,6 +21,12 @@ TORCH_LIBRARY(fp8kv, m) {
       "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "int num_kv_heads, float scale, Tensor block_tables, Tensor seq_lens, int block_size, "
       "int max_seq_len, Tensor? alibi_slopes, str kv_cache_dtype, Tensor k_scale, Tensor v_scale) -> ()");
+  m.def(
+      "paged_attention_window(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor window_key_cache, Tensor window_value_cache, int num_kv_heads, float scale, "
+      "Tensor block_tables, Tensor window_block_tables, Tensor seq_lens, Tensor window_starts, "
+      "int window_size, int block_size, int max_seq_len, Tensor? alibi_slopes, str kv_cache_dtype, "
+      "Tensor k_scale, Tensor v_scale) -> ()");
   m.def("quantize_fp8(Tensor x, str kv_cache_dtype, Tensor scale) -> Tensor");
   m.def("dequantize_fp8(Tensor codes, str kv_cache_dtype, Tensor scale, ScalarType out_dtype) -> Tensor");
   m.def("cpu_isa() -> str", &cpu_isa);

@@ -1,5 +1,9 @@
 // CPU paged attention (decode): argument checks, splitting into (sequence, KV head, partition) units
 // for OpenMP, and the merge of partitions (as in vLLM's paged_attention_v2).
+//
+// paged_attention_window reads positions [0, window_start) from the paged cache and the newest ones
+// [window_start, seq_len) from the model-dtype window ring; both become partitions of the same softmax,
+// so the window costs a few extra units and merge terms, not a second pass.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -24,60 +28,91 @@
 namespace fp8kv::cpu {
 namespace {
 
-struct Problem {
-  int num_seqs, num_heads, num_kv_heads, head_size, block_size, max_partitions;
-  std::vector<int32_t> seq_lens;
-  const int32_t* block_tables;
-  int64_t block_table_stride;
-  const float* query;  // [num_seqs, num_heads, head_size]
-  const float* alibi;  // [num_heads] or nullptr
-  float scale;
-  std::vector<float> k_scale, v_scale;  // per KV head
-  const void* key_cache;
-  const void* value_cache;
-  float* out;            // [num_seqs, num_heads, head_size]
-  float* partial_out;    // [num_seqs, max_partitions, num_heads, head_size]
-  float* partial_max;    // [num_seqs, max_partitions, num_heads]
-  float* partial_sum;    // [num_seqs, max_partitions, num_heads]
-};
-
-int num_partitions(int seq_len) { return (seq_len + kPartitionSize - 1) / kPartitionSize; }
-
 template <typename cache_t, KVFormat kFormat>
 void run_partition(const PartitionWork& w) {
 #if defined(FP8KV_ISA_AVX512)
-  if (avx512::supports(w.head_size, w.block_size)) return avx512::run_partition<cache_t, kFormat>(w);
+  if (avx512::supports(w)) return avx512::run_partition<cache_t, kFormat>(w);
 #endif
   generic::run_partition<cache_t, kFormat>(w);
 }
 
+using PartitionFn = void (*)(const PartitionWork&);
+
+// A cache attention reads: the paged cache (FP8 or auto) or the window ring (model dtype).
+struct CacheSource {
+  const void* key_cache = nullptr;
+  const void* value_cache = nullptr;
+  const int32_t* block_tables = nullptr;
+  int64_t block_table_stride = 0;
+  std::vector<float> k_scale, v_scale;  // per KV head; ones for model-dtype caches
+  PartitionFn run = nullptr;            // run_partition of the cache's format
+  int64_t elem_bytes = 0;
+};
+
+enum Source : int { kPaged = 0, kWindow = 1 };
+
+// One partition of a sequence's softmax: tokens [start, end) of one cache, at most kPartitionSize.
+struct Span {
+  int seq;
+  Source source;
+  int start, end;
+  int last_pos;  // token index of the sequence's newest position in this cache's indexing (ALiBi)
+};
+
+struct Problem {
+  int num_seqs, num_heads, num_kv_heads, head_size, block_size;
+  const float* query;  // [num_seqs, num_heads, head_size]
+  const float* alibi;  // [num_heads] or nullptr
+  float scale;
+  CacheSource sources[2];
+  std::vector<Span> spans;      // grouped by sequence, in order
+  std::vector<int> first_span;  // [num_seqs + 1]: sequence s owns spans [first_span[s], first_span[s + 1])
+  float* out;                   // [num_seqs, num_heads, head_size]
+  float* partial_out;           // [spans, num_heads, head_size]: used by sequences with several spans
+  float* partial_max;           // [spans, num_heads]
+  float* partial_sum;           // [spans, num_heads]
+
+  int spans_of(int seq) const { return first_span[seq + 1] - first_span[seq]; }
+};
+
+// Tokens [start, end) of one cache as spans of at most kPartitionSize. An unaligned start gets a span of
+// its own up to the next block boundary, because the AVX-512 kernels' tiles start at block boundaries.
+void add_spans(Problem& p, int seq, Source source, int start, int end, int last_pos) {
+  int t = start;
+  if (t < end && t % p.block_size != 0) {
+    const int next = std::min(end, (t / p.block_size + 1) * p.block_size);
+    p.spans.push_back({seq, source, t, next, last_pos});
+    t = next;
+  }
+  for (; t < end; t += kPartitionSize) p.spans.push_back({seq, source, t, std::min(end, t + kPartitionSize), last_pos});
+}
+
 // KV heads per unit of work: one thread runs a partition's heads in turn, prefetching the next head's
 // K/V into L2 while it computes one (so memory never idles), as long as there are units for every
-// thread. Two heads' partitions must fit in L2 together.
-int heads_per_unit(const Problem& p, int64_t cache_elem_bytes) {
+// thread. Two heads' partitions must fit in L2 together; paged partitions are counted whole, window
+// spans (short) as they are.
+int heads_per_unit(const Problem& p) {
   constexpr int64_t kL2Budget = 1 << 20;
-  const int64_t per_head = int64_t{kPartitionSize} * 2 * p.head_size * cache_elem_bytes;
+  int64_t per_head = 0;
+  for (const Span& s : p.spans) {
+    const int64_t tokens = s.source == kPaged ? kPartitionSize : s.end - s.start;
+    per_head = std::max(per_head, tokens * 2 * p.head_size * p.sources[s.source].elem_bytes);
+  }
   int heads = kL2Budget >= 2 * per_head ? p.num_kv_heads : 1;
-  int64_t partitions = 0;
-  for (int s = 0; s < p.num_seqs; ++s) partitions += num_partitions(p.seq_lens[s]);
+  const int64_t partitions = static_cast<int64_t>(p.spans.size());
   const int64_t wanted = 4 * static_cast<int64_t>(at::get_num_threads());
   while (heads > 1 && partitions * ((p.num_kv_heads + heads - 1) / heads) < wanted) heads = (heads + 1) / 2;
   return heads;
 }
 
-template <typename cache_t, KVFormat kFormat>
-void attention_impl(const Problem& p) {
+void run_spans(const Problem& p) {
   struct Unit {
-    int seq, partition, kv_head, heads;
+    int span, kv_head, heads;
   };
-  const int hpu = heads_per_unit(p, sizeof(cache_t));
+  const int hpu = heads_per_unit(p);
   std::vector<Unit> units;
-  for (int s = 0; s < p.num_seqs; ++s) {
-    for (int part = 0; part < num_partitions(p.seq_lens[s]); ++part) {
-      for (int kvh = 0; kvh < p.num_kv_heads; kvh += hpu) {
-        units.push_back({s, part, kvh, std::min(hpu, p.num_kv_heads - kvh)});
-      }
-    }
+  for (int i = 0; i < static_cast<int>(p.spans.size()); ++i) {
+    for (int kvh = 0; kvh < p.num_kv_heads; kvh += hpu) units.push_back({i, kvh, std::min(hpu, p.num_kv_heads - kvh)});
   }
   const int G = p.num_heads / p.num_kv_heads, D = p.head_size;
   const int64_t scratch_size = scratch_floats(G, D, p.block_size);
@@ -89,28 +124,30 @@ void attention_impl(const Problem& p) {
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n_units; ++i) {
       const Unit& u = units[i];
-      const int seq_len = p.seq_lens[u.seq];
-      const bool single = num_partitions(seq_len) == 1;
+      const Span& span = p.spans[u.span];
+      const CacheSource& src = p.sources[span.source];
+      const bool single = p.spans_of(span.seq) == 1;
       for (int kvh = u.kv_head; kvh < u.kv_head + u.heads; ++kvh) {
         const int head0 = kvh * G;
-        const int64_t part_row = (static_cast<int64_t>(u.seq) * p.max_partitions + u.partition) * p.num_heads + head0;
+        const int64_t part_row = static_cast<int64_t>(u.span) * p.num_heads + head0;
+        const int64_t out_row = static_cast<int64_t>(span.seq) * p.num_heads + head0;
         PartitionWork w;
-        w.key_cache = p.key_cache;
-        w.value_cache = p.value_cache;
-        w.block_table = p.block_tables + u.seq * p.block_table_stride;
+        w.key_cache = src.key_cache;
+        w.value_cache = src.value_cache;
+        w.block_table = src.block_tables + span.seq * src.block_table_stride;
         w.num_kv_heads = p.num_kv_heads;
         w.head_size = D;
         w.block_size = p.block_size;
         w.kv_head = kvh;
         w.group = G;
-        w.start = u.partition * kPartitionSize;
-        w.end = std::min(seq_len, w.start + kPartitionSize);
-        w.seq_len = seq_len;
-        w.query = p.query + (static_cast<int64_t>(u.seq) * p.num_heads + head0) * D;
-        w.qk_scale = p.scale * p.k_scale[kvh];
-        w.v_scale = p.v_scale[kvh];
+        w.start = span.start;
+        w.end = span.end;
+        w.last_pos = span.last_pos;
+        w.query = p.query + out_row * D;
+        w.qk_scale = p.scale * src.k_scale[kvh];
+        w.v_scale = src.v_scale[kvh];
         w.alibi = p.alibi ? p.alibi + head0 : nullptr;
-        w.out = single ? p.out + (static_cast<int64_t>(u.seq) * p.num_heads + head0) * D : p.partial_out + part_row * D;
+        w.out = single ? p.out + out_row * D : p.partial_out + part_row * D;
         w.max_logit = p.partial_max + part_row;
         w.exp_sum = p.partial_sum + part_row;
         w.scratch = aligned;
@@ -118,7 +155,7 @@ void attention_impl(const Problem& p) {
         const bool first = kvh == u.kv_head;
         w.prefetch_from = first ? 0 : 1;
         w.prefetch_heads = std::min(first ? 2 : 1, u.kv_head + u.heads - kvh - (first ? 0 : 1));
-        run_partition<cache_t, kFormat>(w);
+        src.run(w);
       }
     }
   }
@@ -126,14 +163,14 @@ void attention_impl(const Problem& p) {
   at::parallel_for(0, static_cast<int64_t>(p.num_seqs) * p.num_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t sh = begin; sh < end; ++sh) {
       const int s = static_cast<int>(sh / p.num_heads), h = static_cast<int>(sh % p.num_heads);
-      const int np = num_partitions(p.seq_lens[s]);
+      const int np = p.spans_of(s);
       float* dst = p.out + sh * D;
       if (np == 0) {
         std::fill(dst, dst + D, 0.f);  // empty sequence: defined as zeros
         continue;
       }
       if (np == 1) continue;
-      auto row = [&](int part) { return (static_cast<int64_t>(s) * p.max_partitions + part) * p.num_heads + h; };
+      auto row = [&](int part) { return static_cast<int64_t>(p.first_span[s] + part) * p.num_heads + h; };
       float global_max = -INFINITY;
       for (int part = 0; part < np; ++part) global_max = std::fmax(global_max, p.partial_max[row(part)]);
       std::fill(dst, dst + D, 0.f);
@@ -150,6 +187,195 @@ void attention_impl(const Problem& p) {
   });
 }
 
+// Every block id that tokens [begin, end) of row `seq` read lies in [0, num_blocks).
+void check_block_ids(const int32_t* row, int seq, int64_t begin, int64_t end, int64_t block_size,
+                     int64_t num_blocks, const char* table_name, const char* cache_name) {
+  if (begin >= end) return;
+  for (int64_t b = begin / block_size; b <= (end - 1) / block_size; ++b) {
+    TORCH_CHECK(row[b] >= 0 && row[b] < num_blocks, table_name, "[", seq, ", ", b, "] = ", row[b],
+                " is outside the ", cache_name, " blocks [0, ", num_blocks, ")");
+  }
+}
+
+void check_table(const at::Tensor& t, int64_t num_seqs, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == num_seqs, name, " must be [num_seqs=", num_seqs, ", max_blocks], got ",
+              t.sizes());
+  TORCH_CHECK(t.scalar_type() == at::kInt, name, " must be int32, got ", t.scalar_type());
+}
+
+void check_seq_vector(const at::Tensor& t, int64_t num_seqs, const char* name) {
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == num_seqs, name, " must be [num_seqs=", num_seqs, "], got ", t.sizes());
+  TORCH_CHECK(t.scalar_type() == at::kInt, name, " must be int32, got ", t.scalar_type());
+}
+
+// The arguments both ops share, checked, with the float32 / contiguous copies the raw pointers of
+// Problem point into; finish() runs the partitions and writes `out`.
+class Launch {
+ public:
+  Launch(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+         int64_t num_kv_heads, double scale, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+         int64_t block_size, const std::optional<at::Tensor>& alibi_slopes, const std::string& kv_cache_dtype,
+         const at::Tensor& k_scale, const at::Tensor& v_scale)
+      : out_(out) {
+    const KVFormat format = parse_kv_cache_dtype(kv_cache_dtype, kCpuDefaultFp8);
+    paged_ = check_caches(key_cache, value_cache, format != KVFormat::AUTO);
+    TORCH_CHECK(query.dim() == 3, "query must be [num_seqs, num_heads, head_size], got ", query.sizes());
+    check_model_dtype(query, "query");
+    check_model_dtype(out, "out");
+    TORCH_CHECK(out.sizes() == query.sizes(), "out ", out.sizes(), " must have the shape of query ", query.sizes());
+    TORCH_CHECK(query.device().is_cpu() && out.device().is_cpu(), "query and out must be CPU tensors");
+    TORCH_CHECK(num_kv_heads == paged_.num_kv_heads, "num_kv_heads = ", num_kv_heads, " but the cache has ",
+                paged_.num_kv_heads, " KV heads");
+    TORCH_CHECK(block_size == paged_.block_size, "block_size = ", block_size, " but the cache's block size is ",
+                paged_.block_size);
+    TORCH_CHECK(query.size(2) == paged_.head_size, "query head_size ", query.size(2), " != cache head_size ",
+                paged_.head_size);
+    const int64_t num_seqs = query.size(0), num_heads = query.size(1);
+    TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads (", num_heads, ") must be a multiple of num_kv_heads (",
+                num_kv_heads, ")");
+    TORCH_CHECK(std::isfinite(scale), "scale must be finite, got ", scale);
+    check_table(block_tables, num_seqs, "block_tables");
+    check_seq_vector(seq_lens, num_seqs, "seq_lens");
+
+    Problem& p = problem_;
+    p.num_seqs = static_cast<int>(num_seqs);
+    p.num_heads = static_cast<int>(num_heads);
+    p.num_kv_heads = static_cast<int>(num_kv_heads);
+    p.head_size = static_cast<int>(paged_.head_size);
+    p.block_size = static_cast<int>(paged_.block_size);
+    seq_lens_ = seq_lens.contiguous();
+    for (int s = 0; s < p.num_seqs; ++s) {
+      TORCH_CHECK(seq_len(s) >= 0, "seq_lens[", s, "] = ", seq_len(s), " is negative");
+    }
+    q_ = query.to(at::kFloat).contiguous();
+    p.query = q_.data_ptr<float>();
+    p.alibi = nullptr;
+    if (alibi_slopes.has_value()) {
+      TORCH_CHECK(alibi_slopes->numel() == num_heads, "alibi_slopes must have num_heads = ", num_heads,
+                  " elements, got shape ", alibi_slopes->sizes());
+      alibi_ = alibi_slopes->to(at::kFloat).contiguous();
+      p.alibi = alibi_.data_ptr<float>();
+    }
+    p.scale = static_cast<float>(scale);
+    // Scales only mean something for FP8 caches; an "auto" cache holds the values themselves.
+    const bool fp8 = format != KVFormat::AUTO;
+    CacheSource& src = p.sources[kPaged];
+    src.k_scale = fp8 ? check_scale(k_scale, num_kv_heads, "k_scale") : std::vector<float>(num_kv_heads, 1.f);
+    src.v_scale = fp8 ? check_scale(v_scale, num_kv_heads, "v_scale") : std::vector<float>(num_kv_heads, 1.f);
+    tables_ = block_tables.contiguous();
+    src.block_tables = tables_.data_ptr<int32_t>();
+    src.block_table_stride = tables_.size(1);
+    src.key_cache = key_cache.data_ptr();
+    src.value_cache = value_cache.data_ptr();
+    src.elem_bytes = static_cast<int64_t>(key_cache.element_size());
+    // Auto caches are dispatched on their own dtype: the query is float32 here whatever it was.
+    const at::ScalarType dtype = format == KVFormat::AUTO ? key_cache.scalar_type() : query.scalar_type();
+#define FP8KV_PICK(scalar_t, cache_t, kFormat) src.run = &run_partition<cache_t, kFormat>
+    FP8KV_DISPATCH_BY_KV_CACHE_DTYPE_CPU(dtype, kv_cache_dtype, FP8KV_PICK);
+#undef FP8KV_PICK
+    p.first_span.assign(1, 0);
+  }
+
+  Problem& problem() { return problem_; }
+  int seq_len(int s) const { return seq_lens_.data_ptr<int32_t>()[s]; }
+
+  // Positions [0, n) of sequence `seq` from the paged cache; `what` names where n came from in errors.
+  void add_paged(int seq, int n, const char* what) {
+    const CacheSource& src = problem_.sources[kPaged];
+    const int64_t blocks = (n + paged_.block_size - 1) / paged_.block_size;
+    TORCH_CHECK(blocks <= src.block_table_stride, what, "[", seq, "] = ", n, " needs ", blocks,
+                " blocks but block_tables has only ", src.block_table_stride, " columns");
+    check_block_ids(src.block_tables + seq * src.block_table_stride, seq, 0, n, paged_.block_size,
+                    paged_.num_blocks, "block_tables", "cache's");
+    add_spans(problem_, seq, kPaged, 0, n, seq_len(seq) - 1);
+  }
+
+  // The window ring of paged_attention_window: checked, and its kernel picked from its dtype.
+  void set_window(const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_tables,
+                  const at::Tensor& window_starts, int64_t window_size) {
+    Problem& p = problem_;
+    check_model_dtype(key_cache, "window_key_cache");
+    window_ = check_caches(key_cache, value_cache, false, "window_");
+    TORCH_CHECK(window_.num_kv_heads == paged_.num_kv_heads && window_.head_size == paged_.head_size &&
+                    window_.block_size == paged_.block_size,
+                "window_key_cache ", key_cache.sizes(), " must have the cache's num_kv_heads = ", paged_.num_kv_heads,
+                ", head_size = ", paged_.head_size, " and block_size = ", paged_.block_size);
+    check_table(block_tables, p.num_seqs, "window_block_tables");
+    check_seq_vector(window_starts, p.num_seqs, "window_starts");
+    const int64_t ring_blocks = (window_size + window_.block_size - 1) / window_.block_size;
+    TORCH_CHECK(block_tables.size(1) >= ring_blocks, "window_block_tables has ", block_tables.size(1),
+                " columns but a ring of window_size = ", window_size, " needs ", ring_blocks);
+    window_size_ = window_size;
+    window_starts_ = window_starts.contiguous();
+    window_tables_ = block_tables.contiguous();
+    CacheSource& ring = p.sources[kWindow];
+    ring.key_cache = key_cache.data_ptr();
+    ring.value_cache = value_cache.data_ptr();
+    ring.block_tables = window_tables_.data_ptr<int32_t>();
+    ring.block_table_stride = window_tables_.size(1);
+    ring.k_scale.assign(p.num_kv_heads, 1.f);  // model-dtype values: no scales
+    ring.v_scale.assign(p.num_kv_heads, 1.f);
+    ring.elem_bytes = static_cast<int64_t>(key_cache.element_size());
+#define FP8KV_PICK(scalar_t, cache_t, kFormat) ring.run = &run_partition<cache_t, kFormat>
+    FP8KV_DISPATCH_BY_KV_CACHE_DTYPE_CPU(key_cache.scalar_type(), "auto", FP8KV_PICK);
+#undef FP8KV_PICK
+  }
+
+  // window_starts[seq], checked against seq_lens[seq] and the window size.
+  int window_start(int seq) const {
+    const int64_t len = seq_len(seq), start = window_starts_.data_ptr<int32_t>()[seq];
+    const int64_t lowest = std::max<int64_t>(0, len - window_size_);
+    TORCH_CHECK(lowest <= start && start <= len, "window_starts[", seq, "] = ", start, " must lie in [max(0, seq_lens[",
+                seq, "] - window_size), seq_lens[", seq, "]] = [", lowest, ", ", len, "]");
+    return static_cast<int>(start);
+  }
+
+  // Positions [start, seq_len) of sequence `seq` from the window ring. Position q sits at ring slot
+  // q % window_size, so they are at most two runs of ring slots.
+  void add_window(int seq, int start) {
+    const CacheSource& ring = problem_.sources[kWindow];
+    const int32_t* row = ring.block_tables + seq * ring.block_table_stride;
+    const int64_t len = seq_len(seq);
+    for (int64_t pos = start; pos < len;) {
+      const int64_t lap = pos / window_size_ * window_size_;  // the position ring slot 0 holds in this lap
+      const int64_t end = std::min(len, lap + window_size_);
+      check_block_ids(row, seq, pos - lap, end - lap, window_.block_size, window_.num_blocks, "window_block_tables",
+                      "window cache's");
+      add_spans(problem_, seq, kWindow, static_cast<int>(pos - lap), static_cast<int>(end - lap),
+                static_cast<int>(len - 1 - lap));
+      pos = end;
+    }
+  }
+
+  // Closes the current sequence's list of spans (sequences are added in order).
+  void end_sequence() { problem_.first_span.push_back(static_cast<int>(problem_.spans.size())); }
+
+  void finish() {
+    Problem& p = problem_;
+    const int64_t num_spans = static_cast<int64_t>(p.spans.size());
+    bool merged = false;
+    for (int s = 0; s < p.num_seqs; ++s) merged |= p.spans_of(s) > 1;
+    const auto f32 = q_.options();
+    at::Tensor out_f32 =
+        (out_.scalar_type() == at::kFloat && out_.is_contiguous()) ? out_ : at::empty(out_.sizes(), f32);
+    at::Tensor partial_out = at::empty(merged ? num_spans * p.num_heads * p.head_size : 0, f32);
+    at::Tensor partial_stats = at::empty({2, std::max<int64_t>(1, num_spans) * p.num_heads}, f32);
+    p.out = out_f32.data_ptr<float>();
+    p.partial_out = partial_out.data_ptr<float>();
+    p.partial_max = partial_stats[0].data_ptr<float>();
+    p.partial_sum = partial_stats[1].data_ptr<float>();
+    run_spans(p);
+    if (!out_f32.is_same(out_)) out_.copy_(out_f32);
+  }
+
+ private:
+  at::Tensor& out_;
+  CacheGeometry paged_, window_{};
+  int64_t window_size_ = 0;
+  Problem problem_;
+  at::Tensor seq_lens_, q_, alibi_, tables_, window_starts_, window_tables_;
+};
+
 }  // namespace
 
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
@@ -159,91 +385,36 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                      const std::string& kv_cache_dtype, const at::Tensor& k_scale,
                      const at::Tensor& v_scale) {
   (void)max_seq_len;  // partitions are sized from seq_lens itself, so a stale max_seq_len cannot overflow
-  const KVFormat format = parse_kv_cache_dtype(kv_cache_dtype, kCpuDefaultFp8);
-  const CacheGeometry g = check_caches(key_cache, value_cache, format != KVFormat::AUTO);
-  TORCH_CHECK(query.dim() == 3, "query must be [num_seqs, num_heads, head_size], got ", query.sizes());
-  check_model_dtype(query, "query");
-  check_model_dtype(out, "out");
-  TORCH_CHECK(out.sizes() == query.sizes(), "out ", out.sizes(), " must have the shape of query ", query.sizes());
-  TORCH_CHECK(query.device().is_cpu() && out.device().is_cpu(), "query and out must be CPU tensors");
-  TORCH_CHECK(num_kv_heads == g.num_kv_heads, "num_kv_heads = ", num_kv_heads, " but the cache has ",
-              g.num_kv_heads, " KV heads");
-  TORCH_CHECK(block_size == g.block_size, "block_size = ", block_size, " but the cache's block size is ",
-              g.block_size);
-  TORCH_CHECK(query.size(2) == g.head_size, "query head_size ", query.size(2), " != cache head_size ",
-              g.head_size);
-  const int64_t num_seqs = query.size(0), num_heads = query.size(1);
-  TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads (", num_heads, ") must be a multiple of num_kv_heads (",
-              num_kv_heads, ")");
-  TORCH_CHECK(std::isfinite(scale), "scale must be finite, got ", scale);
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_seqs,
-              "block_tables must be [num_seqs=", num_seqs, ", max_blocks], got ", block_tables.sizes());
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt, "block_tables must be int32, got ",
-              block_tables.scalar_type());
-  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == num_seqs, "seq_lens must be [num_seqs=", num_seqs,
-              "], got ", seq_lens.sizes());
-  TORCH_CHECK(seq_lens.scalar_type() == at::kInt, "seq_lens must be int32, got ", seq_lens.scalar_type());
-
-  Problem p;
-  p.num_seqs = static_cast<int>(num_seqs);
-  p.num_heads = static_cast<int>(num_heads);
-  p.num_kv_heads = static_cast<int>(num_kv_heads);
-  p.head_size = static_cast<int>(g.head_size);
-  p.block_size = static_cast<int>(g.block_size);
-  const at::Tensor lens = seq_lens.contiguous();
-  p.seq_lens.assign(lens.data_ptr<int32_t>(), lens.data_ptr<int32_t>() + num_seqs);
-  const at::Tensor tables = block_tables.contiguous();
-  p.block_tables = tables.data_ptr<int32_t>();
-  p.block_table_stride = tables.size(1);
-  int max_len = 0;
-  for (int s = 0; s < p.num_seqs; ++s) {
-    const int len = p.seq_lens[s];
-    TORCH_CHECK(len >= 0, "seq_lens[", s, "] = ", len, " is negative");
-    const int64_t blocks = (len + g.block_size - 1) / g.block_size;
-    TORCH_CHECK(blocks <= tables.size(1), "seq_lens[", s, "] = ", len, " needs ", blocks,
-                " blocks but block_tables has only ", tables.size(1), " columns");
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int32_t id = p.block_tables[s * p.block_table_stride + b];
-      TORCH_CHECK(id >= 0 && id < g.num_blocks, "block_tables[", s, ", ", b, "] = ", id,
-                  " is outside the cache's blocks [0, ", g.num_blocks, ")");
-    }
-    max_len = std::max(max_len, len);
+  Launch launch(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens, block_size,
+                alibi_slopes, kv_cache_dtype, k_scale, v_scale);
+  for (int s = 0; s < launch.problem().num_seqs; ++s) {
+    launch.add_paged(s, launch.seq_len(s), "seq_lens");
+    launch.end_sequence();
   }
-  p.max_partitions = std::max(1, num_partitions(max_len));
+  launch.finish();
+}
 
-  const at::Tensor q = query.to(at::kFloat).contiguous();
-  p.query = q.data_ptr<float>();
-  at::Tensor alibi;
-  p.alibi = nullptr;
-  if (alibi_slopes.has_value()) {
-    TORCH_CHECK(alibi_slopes->numel() == num_heads, "alibi_slopes must have num_heads = ", num_heads,
-                " elements, got shape ", alibi_slopes->sizes());
-    alibi = alibi_slopes->to(at::kFloat).contiguous();
-    p.alibi = alibi.data_ptr<float>();
+void paged_attention_window(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                            const at::Tensor& value_cache, const at::Tensor& window_key_cache,
+                            const at::Tensor& window_value_cache, int64_t num_kv_heads, double scale,
+                            const at::Tensor& block_tables, const at::Tensor& window_block_tables,
+                            const at::Tensor& seq_lens, const at::Tensor& window_starts, int64_t window_size,
+                            int64_t block_size, int64_t max_seq_len,
+                            const std::optional<at::Tensor>& alibi_slopes, const std::string& kv_cache_dtype,
+                            const at::Tensor& k_scale, const at::Tensor& v_scale) {
+  (void)max_seq_len;
+  TORCH_CHECK(window_size >= 1, "window_size = ", window_size,
+              " must be >= 1; call paged_attention when there is no window");
+  Launch launch(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens, block_size,
+                alibi_slopes, kv_cache_dtype, k_scale, v_scale);
+  launch.set_window(window_key_cache, window_value_cache, window_block_tables, window_starts, window_size);
+  for (int s = 0; s < launch.problem().num_seqs; ++s) {
+    const int start = launch.window_start(s);
+    launch.add_paged(s, start, "window_starts");
+    launch.add_window(s, start);
+    launch.end_sequence();
   }
-  p.scale = static_cast<float>(scale);
-  // Scales only mean something for FP8 caches; an "auto" cache holds the values themselves.
-  const bool fp8 = format != KVFormat::AUTO;
-  p.k_scale = fp8 ? check_scale(k_scale, num_kv_heads, "k_scale") : std::vector<float>(num_kv_heads, 1.f);
-  p.v_scale = fp8 ? check_scale(v_scale, num_kv_heads, "v_scale") : std::vector<float>(num_kv_heads, 1.f);
-  p.key_cache = key_cache.data_ptr();
-  p.value_cache = value_cache.data_ptr();
-
-  const auto f32 = query.options().dtype(at::kFloat);
-  at::Tensor out_f32 = (out.scalar_type() == at::kFloat && out.is_contiguous()) ? out : at::empty(out.sizes(), f32);
-  at::Tensor partial_out = at::empty(p.max_partitions > 1 ? num_seqs * p.max_partitions * num_heads * g.head_size : 0, f32);
-  at::Tensor partial_stats = at::empty({2, num_seqs * p.max_partitions * num_heads}, f32);
-  p.out = out_f32.data_ptr<float>();
-  p.partial_out = partial_out.data_ptr<float>();
-  p.partial_max = partial_stats[0].data_ptr<float>();
-  p.partial_sum = partial_stats[1].data_ptr<float>();
-
-  // Auto caches are dispatched on their own dtype: the query is float32 here whatever it was.
-  const at::ScalarType src = format == KVFormat::AUTO ? key_cache.scalar_type() : query.scalar_type();
-#define FP8KV_CALL(scalar_t, cache_t, kFormat) attention_impl<cache_t, kFormat>(p)
-  FP8KV_DISPATCH_BY_KV_CACHE_DTYPE_CPU(src, kv_cache_dtype, FP8KV_CALL);
-#undef FP8KV_CALL
-  if (!out_f32.is_same(out)) out.copy_(out_f32);
+  launch.finish();
 }
 
 }  // namespace fp8kv::cpu

@@ -27,8 +27,10 @@
 
 namespace fp8kv::cpu::avx512 {
 
-inline bool supports(int head_size, int block_size) {
-  return head_size % 16 == 0 && (block_size == 8 || block_size == 16 || block_size == 32);
+// Tiles of 16 or 32 tokens start at block boundaries, so a partition must start at one.
+inline bool supports(const PartitionWork& w) {
+  return w.head_size % 16 == 0 && (w.block_size == 8 || w.block_size == 16 || w.block_size == 32) &&
+         w.start % w.block_size == 0;
 }
 
 FP8KV_INLINE __m128i load128(const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); }
@@ -268,8 +270,8 @@ void qk_heads(const PartitionWork& w, const View<cache_t>& view, const float* q,
     for (int h = 0; h < kG; ++h) {
       const __mmask16 lanes = static_cast<__mmask16>(((1u << n) - 1u) << (h * kT));
       __m512 out = sums;
-      if (alibi) {  // slope * (position - (seq_len - 1))
-        const __m512 pos = _mm512_add_ps(lane, _mm512_set1_ps(static_cast<float>(ts - h * kT - (w.seq_len - 1))));
+      if (alibi) {  // slope * (position - newest position)
+        const __m512 pos = _mm512_add_ps(lane, _mm512_set1_ps(static_cast<float>(ts - h * kT - w.last_pos)));
         out = _mm512_fmadd_ps(_mm512_set1_ps(alibi[h]), pos, sums);
       }
       _mm512_mask_storeu_ps(logits + h * logit_stride + (ts - w.start) - h * kT, lanes, out);
@@ -497,7 +499,7 @@ void qk_fp8(const PartitionWork& w, const View<uint8_t>& view, const float* qb, 
         const int t0 = ts + 16 * n;
         if (t0 >= w.end) break;
         if (alibi) {
-          const __m512 pos = _mm512_add_ps(lane, _mm512_set1_ps(static_cast<float>(t0 - (w.seq_len - 1))));
+          const __m512 pos = _mm512_add_ps(lane, _mm512_set1_ps(static_cast<float>(t0 - w.last_pos)));
           out = _mm512_fmadd_ps(_mm512_set1_ps(alibi[h]), pos, out);
         }
         _mm512_mask_storeu_ps(logits + h * logit_stride + (t0 - w.start), first_lanes(w.end - t0), out);

@@ -119,7 +119,7 @@ void run_partition(const PartitionWork& w) {
     for (int c = 0; c < D / x; ++c) decode<cache_t, kFormat>(kb + c * bs * x, row + c * x, x);
     for (int h = 0; h < G; ++h) {
       float logit = dot(q + h * D, row, D);
-      if (w.alibi) logit += w.alibi[h] * static_cast<float>(t - (w.seq_len - 1));
+      if (w.alibi) logit += w.alibi[h] * static_cast<float>(t - w.last_pos);
       logits[h * P + (t - w.start)] = logit;
     }
   }

@@ -1,7 +1,8 @@
 // The unit of work of the CPU paged attention: one (sequence, KV head, partition of <= kPartitionSize
-// tokens). Each ISA path (attention_generic.h, attention_avx512.h) implements run_partition for it; the
-// driver (attention.cpp) spreads the units over threads and merges the partitions, as vLLM's
-// paged_attention_v2 does.
+// tokens of one cache). Each ISA path (attention_generic.h, attention_avx512.h) implements run_partition
+// for it; the driver (attention.cpp) spreads the units over threads and merges the partitions, as vLLM's
+// paged_attention_v2 does. A partition may also be a run of ring slots of the window cache
+// (paged_attention_window): token indices are then ring slots, and last_pos shifts ALiBi to true positions.
 #pragma once
 
 #include <algorithm>
@@ -20,8 +21,8 @@ struct PartitionWork {
   int block_size;
   int kv_head;
   int group;           // query heads per KV head; they are handled together so K/V are read once
-  int start, end;      // token positions [start, end) of this partition
-  int seq_len;
+  int start, end;      // token indices [start, end) of this partition in its cache (block_table order)
+  int last_pos;        // token index of the newest position: ALiBi adds alibi[h] * (t - last_pos)
   const float* query;  // [group, head_size] float32
   float qk_scale;      // softmax scale * k_scale[kv_head]
   float v_scale;       // v_scale[kv_head]

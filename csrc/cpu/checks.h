@@ -19,37 +19,36 @@ struct CacheGeometry {
   int64_t x;  // elements per 16-byte chunk of the key cache's innermost dimension
 };
 
-inline CacheGeometry check_caches(const at::Tensor& key_cache, const at::Tensor& value_cache, bool fp8) {
-  TORCH_CHECK(key_cache.dim() == 5,
-              "key_cache must be [num_blocks, num_kv_heads, head_size // x, block_size, x], got shape ",
+// `prefix` names the pair in errors: "" for key_cache / value_cache, "window_" for the window ring.
+inline CacheGeometry check_caches(const at::Tensor& key_cache, const at::Tensor& value_cache, bool fp8,
+                                  const char* prefix = "") {
+  const std::string k = std::string(prefix) + "key_cache", v = std::string(prefix) + "value_cache";
+  TORCH_CHECK(key_cache.dim() == 5, k, " must be [num_blocks, num_kv_heads, head_size // x, block_size, x], got shape ",
               key_cache.sizes());
-  TORCH_CHECK(value_cache.dim() == 4,
-              "value_cache must be [num_blocks, num_kv_heads, head_size, block_size], got shape ",
+  TORCH_CHECK(value_cache.dim() == 4, v, " must be [num_blocks, num_kv_heads, head_size, block_size], got shape ",
               value_cache.sizes());
-  TORCH_CHECK(key_cache.device().is_cpu() && value_cache.device().is_cpu(), "caches must be CPU tensors");
-  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(),
-              "key_cache and value_cache must be contiguous (allocate them with ops.allocate_kv_cache)");
-  TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type(),
-              "key_cache and value_cache dtypes differ: ", key_cache.scalar_type(), " vs ",
-              value_cache.scalar_type());
+  TORCH_CHECK(key_cache.device().is_cpu() && value_cache.device().is_cpu(), k, " and ", v, " must be CPU tensors");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), k, " and ", v,
+              " must be contiguous (allocate them with ops.allocate_kv_cache)");
+  TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type(), k, " and ", v, " dtypes differ: ",
+              key_cache.scalar_type(), " vs ", value_cache.scalar_type());
   const auto dtype = key_cache.scalar_type();
   if (fp8) {
     TORCH_CHECK(dtype == at::kByte, "an FP8 kv_cache_dtype stores uint8 caches, got ", dtype,
                 "; allocate them with ops.allocate_kv_cache(..., kv_cache_dtype, ...)");
   } else {
-    TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
-                "kv_cache_dtype 'auto' needs float32, bfloat16 or float16 caches, got ", dtype);
+    TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, "kv_cache_dtype 'auto' needs ",
+                k, " and ", v, " in float32, bfloat16 or float16, got ", dtype);
   }
   CacheGeometry g{key_cache.size(0), key_cache.size(1), value_cache.size(2), key_cache.size(3),
                   key_cache.size(4)};
   const int64_t x = 16 / static_cast<int64_t>(key_cache.element_size());
-  TORCH_CHECK(g.x == x, "key_cache's last dimension must be x = 16 // element_size = ", x, ", got ", g.x);
-  TORCH_CHECK(key_cache.size(2) * x == g.head_size,
-              "key_cache head_size // x = ", key_cache.size(2), " does not match value_cache head_size ",
-              g.head_size);
+  TORCH_CHECK(g.x == x, k, "'s last dimension must be x = 16 // element_size = ", x, ", got ", g.x);
+  TORCH_CHECK(key_cache.size(2) * x == g.head_size, k, " head_size // x = ", key_cache.size(2), " does not match ", v,
+              " head_size ", g.head_size);
   TORCH_CHECK(value_cache.size(0) == g.num_blocks && value_cache.size(1) == g.num_kv_heads &&
                   value_cache.size(3) == g.block_size,
-              "key_cache ", key_cache.sizes(), " and value_cache ", value_cache.sizes(), " do not match");
+              k, " ", key_cache.sizes(), " and ", v, " ", value_cache.sizes(), " do not match");
   return g;
 }
 

@@ -20,6 +20,17 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                      const std::string& kv_cache_dtype, const at::Tensor& k_scale,
                      const at::Tensor& v_scale);
 
+// paged_attention whose newest positions [window_starts[i], seq_lens[i]) come from a model-dtype ring
+// (window_key_cache / window_value_cache, ring slot = position % window_size) instead of the paged cache.
+void paged_attention_window(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                            const at::Tensor& value_cache, const at::Tensor& window_key_cache,
+                            const at::Tensor& window_value_cache, int64_t num_kv_heads, double scale,
+                            const at::Tensor& block_tables, const at::Tensor& window_block_tables,
+                            const at::Tensor& seq_lens, const at::Tensor& window_starts, int64_t window_size,
+                            int64_t block_size, int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes,
+                            const std::string& kv_cache_dtype, const at::Tensor& k_scale,
+                            const at::Tensor& v_scale);
+
 at::Tensor quantize_fp8(const at::Tensor& x, const std::string& kv_cache_dtype, const at::Tensor& scale);
 
 at::Tensor dequantize_fp8(const at::Tensor& codes, const std::string& kv_cache_dtype,

@@ -6,6 +6,7 @@
 TORCH_LIBRARY_IMPL(fp8kv, CPU, m) {
   m.impl("reshape_and_cache", &fp8kv::cpu::reshape_and_cache);
   m.impl("paged_attention", &fp8kv::cpu::paged_attention);
+  m.impl("paged_attention_window", &fp8kv::cpu::paged_attention_window);
   m.impl("quantize_fp8", &fp8kv::cpu::quantize_fp8);
   m.impl("dequantize_fp8", &fp8kv::cpu::dequantize_fp8);
 }

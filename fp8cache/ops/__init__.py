@@ -10,8 +10,8 @@ import torch
 from fp8cache.ops import reference
 from fp8cache.ops.reference import allocate_kv_cache
 
-__all__ = ["allocate_kv_cache", "build", "dequantize_fp8", "load", "paged_attention", "quantize_fp8",
-           "reference", "reshape_and_cache"]
+__all__ = ["allocate_kv_cache", "build", "dequantize_fp8", "load", "paged_attention", "paged_attention_window",
+           "quantize_fp8", "reference", "reshape_and_cache"]
 
 
 def load() -> object:
@@ -55,3 +55,18 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
     load().paged_attention(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables,
                            seq_lens, block_size, max_seq_len, alibi_slopes, kv_cache_dtype,
                            k_scale, v_scale)
+
+
+def paged_attention_window(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
+                           value_cache: torch.Tensor, window_key_cache: torch.Tensor,
+                           window_value_cache: torch.Tensor, num_kv_heads: int, scale: float,
+                           block_tables: torch.Tensor, window_block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, window_starts: torch.Tensor, window_size: int,
+                           block_size: int, max_seq_len: int, alibi_slopes: torch.Tensor | None,
+                           kv_cache_dtype: str, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+    """paged_attention reading positions [window_starts[i], seq_lens[i]) from the model-dtype window ring
+    (ring slot = position % window_size) instead of the paged cache; one softmax over all positions."""
+    load().paged_attention_window(out, query, key_cache, value_cache, window_key_cache, window_value_cache,
+                                  num_kv_heads, scale, block_tables, window_block_tables, seq_lens,
+                                  window_starts, window_size, block_size, max_seq_len, alibi_slopes,
+                                  kv_cache_dtype, k_scale, v_scale)
