@@ -9,8 +9,6 @@ SIGINT is forwarded to every rank: rank 0 finishes its in-flight requests, then 
 
 from __future__ import annotations
 
-import collections
-import ctypes
 import os
 import signal
 import socket
@@ -20,22 +18,28 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from fp8cache.distributed.processes import (
+    LOOPBACK,
+    RankProcess,
+    describe_exit,
+    die_with_parent,
+    free_port,
+    rank_env,
+    relay_output,
+)
 from fp8cache.server.notify import Notifier
 
-MASTER_ADDR = "127.0.0.1"
-_TAIL_LINES = 40  # lines of a failed rank's output shown again at the end
+MASTER_ADDR = LOOPBACK
+__all__ = ["MASTER_ADDR", "Supervisor", "free_port", "rank_command", "supervise"]
 _FAILURE_GRACE_S = 10.0  # after one rank fails, how long the others get to exit before SIGKILL
 _POLL_S = 0.1
 
 
 @dataclass
-class Rank:
-    rank: int
-    proc: subprocess.Popen
-    notify: socket.socket
-    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=_TAIL_LINES))
+class Rank(RankProcess):
+    notify: socket.socket | None = None
     ready: bool = False
 
 
@@ -44,36 +48,13 @@ def rank_command(argv: list[str]) -> list[str]:
     return [sys.executable, "-m", "launcher.cli", *argv]
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((MASTER_ADDR, 0))
-        return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    """Child side: get SIGTERM if the supervisor dies (even by SIGKILL), so no rank is orphaned."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def _rank_env(rank: int, world: int, port: int, notify_path: str) -> dict[str, str]:
-    env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-               MASTER_ADDR=MASTER_ADDR, MASTER_PORT=str(port), NOTIFY_SOCKET=notify_path,
-               PYTHONUNBUFFERED="1")
+    env = rank_env(rank, world, port, MASTER_ADDR, NOTIFY_SOCKET=notify_path)
     # systemd's watchdog is meant for the supervisor; rank 0 pings through it, the workers not at all.
     env.pop("WATCHDOG_PID", None)
     if rank:
         env.pop("WATCHDOG_USEC", None)
     return env
-
-
-def _relay_output(rank: Rank, write: Callable[[str], None]) -> None:
-    for raw in iter(rank.proc.stdout.readline, b""):
-        line = raw.decode(errors="replace").rstrip("\n")
-        rank.tail.append(line)
-        write(f"[rank {rank.rank}] {line}\n")
 
 
 class Supervisor:
@@ -121,12 +102,12 @@ class Supervisor:
             sock.setblocking(False)
             proc = subprocess.Popen(rank_command(self.argv), env=_rank_env(r, self.num_shard, port, path),
                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    start_new_session=True, preexec_fn=_die_with_parent)  # noqa: PLW1509 (no threads yet)
-            self.ranks.append(Rank(r, proc, sock))
+                                    start_new_session=True, preexec_fn=die_with_parent)  # noqa: PLW1509 (no threads yet)
+            self.ranks.append(Rank(r, proc, notify=sock))
             self.say(f"fp8kv: rank {r} started (pid {proc.pid})")
         # Relay threads start after the last fork: preexec_fn is only safe while this process has one thread.
         for rank in self.ranks:
-            threading.Thread(target=_relay_output, args=(rank, self.say), daemon=True).start()
+            threading.Thread(target=relay_output, args=(rank, self.say), daemon=True).start()
 
     def _watch(self) -> int:
         """Until a stop signal or a rank's exit; the exit status."""
@@ -169,7 +150,7 @@ class Supervisor:
                 self.systemd.send(rest)
 
     def _fail(self, failed: Rank, code: int) -> int:
-        why = _describe_exit(code)
+        why = describe_exit(code)
         self.say(f"fp8kv: rank {failed.rank} {why}; stopping the other ranks")
         self.systemd.stopping(f"rank {failed.rank} {why}")
         self._signal_all(signal.SIGTERM)
@@ -191,7 +172,7 @@ class Supervisor:
         codes = [r.proc.returncode for r in self.ranks]
         bad = [(r.rank, c) for r, c in zip(self.ranks, codes) if c != 0]
         for r, c in bad:
-            self.say(f"fp8kv: rank {r} {_describe_exit(c)}")
+            self.say(f"fp8kv: rank {r} {describe_exit(c)}")
         self.say(f"fp8kv: stopped ({'cleanly' if not bad else 'with errors'})")
         return 0 if not bad else 1
 
@@ -219,15 +200,6 @@ class Supervisor:
                 rank.proc.kill()
             rank.proc.wait()
             rank.notify.close()
-
-
-def _describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with status {code}"
 
 
 def supervise(argv: list[str], num_shard: int, stop_timeout: float) -> int:

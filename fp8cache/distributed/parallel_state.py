@@ -65,8 +65,8 @@ def read_env(tensor_parallel_size: int) -> tuple[int, int]:
     if missing:
         raise ValueError(f"tensor_parallel_size={tensor_parallel_size} needs the environment variables "
                          f"{', '.join(ENV_VARS)}; {', '.join(missing)} not set. Start with `fp8kv run "
-                         f"--num-shard {tensor_parallel_size}` (it sets them for one machine), or set them for "
-                         "each rank as torchrun does")
+                         f"--num-shard {tensor_parallel_size}` (it sets them for one machine), or set them "
+                         "for each rank as torchrun does (LLM(tensor_parallel_size=N) starts its own ranks)")
     rank, world = _env_int("RANK", os.environ["RANK"]), _env_int("WORLD_SIZE", os.environ["WORLD_SIZE"])
     if world != tensor_parallel_size:
         raise ValueError(f"WORLD_SIZE={world} but the tensor-parallel size is {tensor_parallel_size}; fp8kv "
@@ -87,28 +87,39 @@ def rank_device(config: EngineConfig, rank: int) -> str:
 
 
 def initialize(config: EngineConfig) -> tuple[EngineConfig, ParallelState]:
-    """Join the process group when config.tensor_parallel_size > 1; returns the config for this rank."""
-    global _state
+    """Join the process group when config.tensor_parallel_size > 1; returns the config for this rank.
+
+    A process that joined already (an offline group, see group.py, or an earlier runner) keeps its group;
+    otherwise the rank comes from the standard environment (`fp8kv run --num-shard N`, torchrun)."""
     size = config.tensor_parallel_size
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"tensor_parallel_size={size!r} must be a positive integer")
     if size == 1:
         return config, SINGLE
-    rank, world = read_env(size)
     if _state.is_parallel:
-        if _state.world_size != world:
-            raise RuntimeError(f"this process already runs tensor parallelism of size {_state.world_size}")
-        return dataclasses.replace(config, device=rank_device(config, rank)), _state
+        if _state.world_size != size:
+            raise RuntimeError(f"this process already runs tensor parallelism of size {_state.world_size}, "
+                               f"not {size}; close that engine (LLM.close()) before starting another")
+        return dataclasses.replace(config, device=rank_device(config, _state.rank)), _state
+    rank, world = read_env(size)
     config = dataclasses.replace(config, device=rank_device(config, rank))
-    device = torch.device(config.device)
+    return config, join(rank, world, torch.device(config.device))
+
+
+def join(rank: int, world: int, device: torch.device, store: dist.Store | None = None) -> ParallelState:
+    """Join the default group (from the environment, or over `store`) and make the control group."""
+    global _state
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world)
+        if store is None:
+            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world)
+        else:
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world)
     control = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
     _state = ParallelState(rank, world, control)
-    return config, _state
+    return _state
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:

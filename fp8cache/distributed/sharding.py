@@ -16,6 +16,7 @@ from fp8cache.distributed import parallel_state
 
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
+_SHARD_MARK = "_fp8kv_tp_shard"  # (rank, size) on a model already cut to one rank's share
 
 
 class RowParallelLinear(nn.Module):
@@ -61,7 +62,14 @@ def check_divisible(hf_config: object, tp_size: int) -> None:
 
 
 def shard_model(model: nn.Module, hf_config: object, tp_rank: int, tp_size: int) -> None:
-    """Keep only rank tp_rank's share of every attention and MLP block of `model`."""
+    """Keep only rank tp_rank's share of every attention and MLP block of `model`. Runners that share one
+    loaded model (the bench's cache dtypes side by side) all call this; the first one shards it."""
+    done = getattr(model, _SHARD_MARK, None)
+    if done == (tp_rank, tp_size):
+        return
+    if done is not None:
+        raise RuntimeError(f"this model is already sharded as rank {done[0]} of {done[1]}; load it again for "
+                           f"rank {tp_rank} of {tp_size}")
     check_divisible(hf_config, tp_size)
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
@@ -80,6 +88,7 @@ def shard_model(model: nn.Module, hf_config: object, tp_rank: int, tp_size: int)
                          "with --num-shard 1")
     for mlp in mlps:
         _shard_mlp(mlp, tp_rank, tp_size)
+    setattr(model, _SHARD_MARK, (tp_rank, tp_size))
 
 
 def _shard_attention(block: nn.Module, heads: int, kv_heads: int, tp_rank: int, tp_size: int) -> None:

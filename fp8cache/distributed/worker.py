@@ -2,6 +2,8 @@
 
 Rank 0 broadcasts each StepBatch before computing it; every other rank receives it and runs the same step on
 its own slice of the model, so the all_reduces inside the forward pass meet. A None message ends the loop.
+A rank may hold several runners on one copy of the weights (the bench's cache dtypes side by side): every
+rank builds them in the same order, and each step names its runner by that index.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import atexit
 import contextlib
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch.distributed as dist
@@ -19,10 +21,14 @@ from fp8cache.config import EngineConfig
 from fp8cache.distributed import parallel_state
 from fp8cache.model.batch import StepBatch
 
+Execute = Callable[[StepBatch, bool], object]  # a runner's execute(batch, all_logits)
 _STOP = None
 _STOP_WAIT_S = 60.0  # how long the stop message waits for a step in flight
 _step_lock = threading.Lock()  # one collective sequence at a time: a step, or the stop message
 _stopped = False
+_driver_registered = False
+_runner_index = 0  # which of this rank's runners the next step is for (rank 0 sets it, see selected_runner)
+steps_sent = 0  # steps rank 0 has broadcast: a failure after the broadcast leaves the workers mid-step
 
 
 def _broadcast(message: object) -> object:
@@ -33,8 +39,20 @@ def _broadcast(message: object) -> object:
 
 
 @contextmanager
+def selected_runner(index: int) -> Iterator[None]:
+    """Rank 0: steps inside this block are for runner `index` (0, the only one, unless several are built)."""
+    global _runner_index
+    previous, _runner_index = _runner_index, index
+    try:
+        yield
+    finally:
+        _runner_index = previous
+
+
+@contextmanager
 def driver_step(batch: StepBatch, all_logits: bool) -> Iterator[None]:
     """Rank 0: send the step to the workers, then compute it (inside the block) while no stop can cut in."""
+    global steps_sent
     state = parallel_state.get()
     if not (state.is_parallel and state.is_driver):
         yield
@@ -42,7 +60,8 @@ def driver_step(batch: StepBatch, all_logits: bool) -> Iterator[None]:
     with _step_lock:
         if _stopped:
             raise RuntimeError("the tensor-parallel workers were stopped; this engine can run no more steps")
-        _broadcast((batch, all_logits))
+        steps_sent += 1
+        _broadcast((_runner_index, batch, all_logits))
         yield
 
 
@@ -66,27 +85,48 @@ def stop_workers() -> None:
 
 def register_driver() -> None:
     """Rank 0 stops its workers when it exits, whichever way it ends (server, LLM, generate)."""
-    atexit.register(stop_workers)
+    global _driver_registered
+    if not _driver_registered:
+        _driver_registered = True
+        atexit.register(stop_workers)
 
 
-def serve_steps(execute: Callable[[StepBatch, bool], object]) -> int:
-    """Ranks > 0: run every step rank 0 sends until the stop message; the number of steps run."""
+def reset() -> None:
+    """After the process group is destroyed: a later group starts with workers not yet stopped."""
+    global _stopped, _runner_index
+    with _step_lock:
+        _stopped, _runner_index = False, 0
+
+
+def serve_steps(execute: Execute | Sequence[Execute]) -> int:
+    """Ranks > 0: run every step rank 0 sends, each on the runner it names, until the stop message; the number
+    of steps run. execute: one runner's execute, or every runner's in the order rank 0 built them."""
+    executes = list(execute) if isinstance(execute, Sequence) else [execute]
     steps = 0
     while True:
         message = _broadcast(None)
         if message is _STOP:
             return steps
-        batch, all_logits = message
-        execute(batch, all_logits)
+        index, batch, all_logits = message
+        executes[index](batch, all_logits)
         steps += 1
+
+
+def build_runners(configs: Sequence[EngineConfig], log: Callable[[str], None] = print) -> list:
+    """This rank's ModelRunners, one per config, in order; several share one loaded copy of the weights."""
+    from fp8cache.model.loader import load_model
+    from fp8cache.model.runner import ModelRunner
+
+    configs = [parallel_state.initialize(c)[0] for c in configs]  # this rank's device in each
+    loaded = load_model(configs[0]) if len(configs) > 1 else None
+    return [ModelRunner(c, log=log, loaded=loaded) for c in configs]
 
 
 def run_worker(config: EngineConfig, log: Callable[[str], None] = print) -> int:
     """A rank > 0 of `fp8kv run --num-shard N`: load this rank's slice, report ready, serve steps; exit code."""
-    from fp8cache.model.runner import ModelRunner
     from fp8cache.server.notify import Notifier
 
-    runner = ModelRunner(config, log=log)
+    (runner,) = build_runners([config], log)
     state = parallel_state.get()
     if state.is_driver:
         raise RuntimeError("run_worker is for ranks > 0; rank 0 runs the engine")

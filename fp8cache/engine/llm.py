@@ -3,12 +3,18 @@
     from fp8cache import LLM, SamplingParams
     llm = LLM(kv_cache_dtype="fp8")
     out = llm.generate("London is the capital of", SamplingParams(temperature=0.7, top_p=0.8))
+
+With tensor_parallel_size=N > 1 this process is rank 0 and starts N-1 worker processes itself (see
+fp8cache/distributed/group.py); `with LLM(...) as llm:` or llm.close() stops them, and so does this process's
+exit. Under an outside launcher (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set, e.g. torchrun) RANK 0 makes the
+LLM and the other ranks run `fp8kv run --num-shard N` with the same engine flags.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+from typing import Self
 
 from fp8cache.config import EngineConfig
 from fp8cache.engine.llm_engine import LLMEngine
@@ -24,7 +30,7 @@ class LLM:
                  calculate_kv_scales: bool = False, block_size: int = 16, max_model_len: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  kv_cache_memory: int | str | None = None, enable_prefix_caching: bool = True, seed: int = 0,
-                 trust_remote_code: bool = False, log=print, **kwargs) -> None:
+                 trust_remote_code: bool = False, tensor_parallel_size: int = 1, log=print, **kwargs) -> None:
         unknown = sorted(set(kwargs) - _CONFIG_FIELDS)
         if unknown:
             raise TypeError(f"LLM() got unknown argument(s) {', '.join(unknown)}; "
@@ -35,12 +41,64 @@ class LLM:
                               max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
                               enable_prefix_caching=enable_prefix_caching, seed=seed,
-                              trust_remote_code=trust_remote_code, **kwargs)
-        self.llm_engine = LLMEngine(config, log=log)
+                              trust_remote_code=trust_remote_code, tensor_parallel_size=tensor_parallel_size,
+                              **kwargs)
+        self._start(config, log)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, log=print) -> LLM:
+        """An LLM for a ready EngineConfig (what `fp8kv generate` builds from its flags)."""
+        llm = cls.__new__(cls)
+        llm._start(config, log)
+        return llm
+
+    def _start(self, config: EngineConfig, log) -> None:
+        from fp8cache.distributed import parallel_state
+
+        self.tp_group = None  # the worker processes this LLM started, if any
+        self.llm_engine: LLMEngine | None = None
         self._request_ids = itertools.count()
+        runner = None
+        size = config.tensor_parallel_size
+        if isinstance(size, int) and size > 1:
+            rank = parallel_state.env_rank()
+            if rank is None:
+                from fp8cache.distributed.group import TensorParallelGroup
+
+                self.tp_group = TensorParallelGroup.start([config], log=log)
+                runner = self.tp_group.runners[0]
+            elif rank != 0:
+                raise ValueError(f"RANK={rank} is set, so an outside launcher started this process as a "
+                                 f"worker rank: there, run `fp8kv run --num-shard {size}` with the same "
+                                 "engine flags (only RANK 0 makes the LLM), or unset RANK to let LLM start "
+                                 "its ranks")
+        try:
+            self.llm_engine = LLMEngine(config, log=log, runner=runner)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (if any) and let the model and KV cache go; idempotent."""
+        group, self.tp_group = self.tp_group, None
+        self.llm_engine = None
+        if group is not None:
+            group.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    @property
+    def engine(self) -> LLMEngine:
+        if self.llm_engine is None:
+            raise RuntimeError("this LLM was closed; make a new LLM to generate again")
+        return self.llm_engine
 
     def get_tokenizer(self):
-        return self.llm_engine.tokenizer
+        return self.engine.tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
@@ -53,11 +111,11 @@ class LLM:
             for prompt, p in zip(prompts, params):
                 rid = str(next(self._request_ids))
                 text, token_ids = prompt
-                self.llm_engine.add_request(rid, text if text is not None else token_ids, p,
-                                            prompt_token_ids=token_ids if text is not None else None)
+                self.engine.add_request(rid, text if text is not None else token_ids, p,
+                                        prompt_token_ids=token_ids if text is not None else None)
                 ids.append(rid)
         except Exception:
-            self.llm_engine.abort_request(ids)
+            self.engine.abort_request(ids)
             raise
         return self._run(ids, use_tqdm)
 
@@ -76,7 +134,7 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        engine = self.llm_engine
+        engine = self.engine
         pending = set(ids)
         done: dict[str, RequestOutput] = {}
         bar = _progress_bar(len(ids)) if use_tqdm else None
