@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+DEFAULT_KV_RECENT_WINDOW = 32
+
 
 @dataclass
 class EngineConfig:
@@ -24,4 +26,7 @@ class EngineConfig:
     seed: int = 0
     trust_remote_code: bool = False
     device: str = "cpu"
+    # Newest tokens per sequence whose K/V are also kept in the model dtype (0: plain FP8 cache);
+    # None: DEFAULT_KV_RECENT_WINDOW for FP8 caches, 0 for auto.
+    kv_recent_window: int | None = None
     tensor_parallel_size: int = 1  # ranks sharing the model; > 1 needs RANK/WORLD_SIZE/MASTER_* env

@@ -1,7 +1,9 @@
 """Quality of an FP8 KV cache against the `auto` cache, "decode-faithful" (DESIGN section 7).
 
 Each window runs as one prefill through the model runner. Prefill writes K/V into the cache and reads them
-back from it, so every position attends to quantized K/V exactly as in generation. The same weights run
+back from it, so every position attends to quantized K/V exactly as in generation; with a recent-token window
+of N, position i reads positions i-N+1..i in full precision and older ones from FP8, as decode does. The same
+weights run
 with an `auto` cache for the baseline; we report perplexity of both, the mean per-token KL(baseline || fp8)
 and how often the top-1 token agrees.
 """
@@ -18,9 +20,9 @@ from dataclasses import replace
 import torch
 
 from fp8cache import formats
-from fp8cache.config import EngineConfig
+from fp8cache.config import DEFAULT_KV_RECENT_WINDOW, EngineConfig
 from fp8cache.model import kv_cache
-from fp8cache.model.batch import SeqChunk, StepBatch
+from fp8cache.model.batch import SeqChunk, StepBatch, window_slot
 from fp8cache.model.loader import load_model, resolve_dtype
 from fp8cache.model.runner import ModelRunner
 
@@ -86,6 +88,7 @@ def evaluate(config: EngineConfig, text_path: str | None = None, windows: int = 
         "tokens": n,
         "windows": windows,
         "scales_source": tested.scales_source,
+        "kv_recent_window": tested.kv_recent_window,
     }
 
 
@@ -94,25 +97,40 @@ def _window_config(config: EngineConfig, hf_config: object, window_len: int, kv_
     blocks = -(-window_len // config.block_size)
     backend = formats.backend_of(config.device)
     num_heads = hf_config.num_attention_heads
-    token_bytes = kv_cache.bytes_per_token(
-        hf_config.num_hidden_layers, getattr(hf_config, "num_key_value_heads", None) or num_heads,
-        getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads, kv_cache_dtype,
-        resolve_dtype(config.dtype, config.device), backend)
-    return replace(config, kv_cache_dtype=kv_cache_dtype, max_model_len=window_len,
-                   kv_cache_memory=blocks * config.block_size * token_bytes)
+    shape = (hf_config.num_hidden_layers, getattr(hf_config, "num_key_value_heads", None) or num_heads,
+             getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads)
+    dtype = resolve_dtype(config.dtype, config.device)
+    memory = blocks * config.block_size * kv_cache.bytes_per_token(*shape, kv_cache_dtype, dtype, backend)
+    recent = config.kv_recent_window
+    if kv_cache_dtype != formats.AUTO and recent != 0:  # one seat of the recent-token ring
+        ring_blocks = -(-min(recent or DEFAULT_KV_RECENT_WINDOW, window_len) // config.block_size)
+        memory += ring_blocks * config.block_size * kv_cache.bytes_per_token(*shape, formats.AUTO, dtype, backend)
+    return replace(config, kv_cache_dtype=kv_cache_dtype, max_model_len=window_len, max_num_seqs=1,
+                   kv_cache_memory=memory)
 
 
-def window_batch(ids: list[int], block_size: int) -> StepBatch:
+def window_batch(ids: list[int], block_size: int, recent_window: int = 0, ring_blocks: int = 0) -> StepBatch:
+    """One prefill of the whole window as the only sequence, in blocks 0.. (and recent-token ring blocks
+    0..ring_blocks-1 when recent_window > 0)."""
     n = len(ids)
-    table = list(range(-(-n // block_size)))
-    return StepBatch(token_ids=list(ids), positions=list(range(n)), slot_mapping=list(range(n)),
-                     seqs=[SeqChunk(query_len=n, context_len=n, block_table=table)])
+    chunk = SeqChunk(query_len=n, context_len=n, block_table=list(range(-(-n // block_size))))
+    batch = StepBatch(token_ids=list(ids), positions=list(range(n)), slot_mapping=list(range(n)), seqs=[chunk])
+    if recent_window:
+        chunk.window_block_table = list(range(ring_blocks))
+        batch.window_slot_mapping = [window_slot(chunk.window_block_table, p, recent_window, block_size)
+                                     if p >= n - recent_window else -1 for p in range(n)]
+    return batch
+
+
+def runner_batch(ids: list[int], runner: ModelRunner) -> StepBatch:
+    """window_batch laid out for `runner`'s cache."""
+    return window_batch(ids, runner.block_size, runner.kv_recent_window, runner.cache_plan.window_blocks_per_seat)
 
 
 def _score_window(baseline: ModelRunner, tested: ModelRunner, ids: list[int], totals: dict) -> None:
     targets = torch.tensor(ids[1:], dtype=torch.long)
-    base = torch.log_softmax(baseline.execute(window_batch(ids, baseline.block_size), all_logits=True)[:-1], -1)
-    fp8 = torch.log_softmax(tested.execute(window_batch(ids, tested.block_size), all_logits=True)[:-1], -1)
+    base = torch.log_softmax(baseline.execute(runner_batch(ids, baseline), all_logits=True)[:-1], -1)
+    fp8 = torch.log_softmax(tested.execute(runner_batch(ids, tested), all_logits=True)[:-1], -1)
     totals["nll_base"] += float(-base.gather(1, targets[:, None]).sum())
     totals["nll_fp8"] += float(-fp8.gather(1, targets[:, None]).sum())
     totals["kl"] += float((base.exp() * (base - fp8)).sum())

@@ -71,6 +71,7 @@ def _progress() -> Progress:
 
 def _collect(rows_of: Callable[[_Bars], Iterator[dict]]) -> tuple[list[dict], bool]:
     """Run a row generator under a progress bar; on Ctrl-C keep the rows so far. (rows, interrupted)"""
+    from fp8cache.distributed.group import WorkerDiedError
     from fp8cache.model.default_model import DefaultModelError
 
     _quiet_transformers()
@@ -84,7 +85,7 @@ def _collect(rows_of: Callable[[_Bars], Iterator[dict]]) -> tuple[list[dict], bo
     except KeyboardInterrupt:
         console.print(f"[yellow]interrupted:[/] showing the {len(rows)} row(s) measured so far")
         return rows, True
-    except (ValueError, OSError, DefaultModelError) as exc:
+    except (ValueError, OSError, DefaultModelError, WorkerDiedError) as exc:
         _fail(str(exc))
     return rows, False
 
@@ -160,6 +161,9 @@ _MODEL_DTYPE_OPT = click.option("--dtype", default="auto", show_default=True,
 _THREADS_OPT = click.option("--threads", default=None, type=click.IntRange(1),
                             help="torch threads for every engine in the run (default: torch's own choice). "
                                  "On a busy machine fewer threads than cores avoids oversubscription.")
+_WINDOW_OPT = click.option("--kv-recent-window", type=click.IntRange(min=0), default=None,
+                           help="Newest tokens per sequence kept in full precision beside an FP8 cache "
+                                "(0: plain FP8; default: the engine's, 32).")
 _JSON_OPT = click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON on stdout.")
 _PLOT_OPT = click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
                          help="Write a PNG of the figures (needs `pip install fp8kv[plot]`).")
@@ -181,11 +185,17 @@ _PLOT_OPT = click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
 @click.option("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB (default: the engine's).")
 @click.option("--max-num-seqs", default=256, show_default=True, type=click.IntRange(1))
 @click.option("--max-num-batched-tokens", default=2048, show_default=True, type=click.IntRange(1))
+@click.option("--num-shard", "--tensor-parallel-size", "num_shard", default=1, show_default=True,
+              type=click.IntRange(1),
+              help="Tensor-parallel ranks for the fp8kv engines: this process is rank 0 and starts the others "
+                   "(gloo on CPU). --threads then applies to every rank. The transformers peer stays whole.")
+@_WINDOW_OPT
 @_THREADS_OPT
 @_JSON_OPT
 @_PLOT_OPT
 def throughput(model, num_prompts, input_len, output_len, kv_cache_dtypes, compare, repeats, dtype,
-               kv_cache_memory, max_num_seqs, max_num_batched_tokens, threads, as_json, plot_path) -> None:
+               kv_cache_memory, max_num_seqs, max_num_batched_tokens, num_shard, kv_recent_window, threads, as_json,
+               plot_path) -> None:
     """Offline throughput per kv-cache dtype (and transformers with --compare hf), measured in one run."""
     from fp8cache.bench import plot
     from fp8cache.bench import throughput as bench
@@ -195,10 +205,12 @@ def throughput(model, num_prompts, input_len, output_len, kv_cache_dtypes, compa
     _set_threads(threads)
     rows, interrupted = _collect(lambda bar: bench.iter_throughput(
         model, tuple(dtypes), num_prompts, input_len, output_len, tuple(compare), repeats, dtype,
-        kv_cache_memory, max_num_seqs, max_num_batched_tokens, progress=bar, log=_log))
+        kv_cache_memory, max_num_seqs, max_num_batched_tokens, progress=bar, log=_log, num_shard=num_shard,
+        threads_per_rank=threads, kv_recent_window=kv_recent_window))
     bench.add_ratios(rows)
-    table = Table(title=f"offline throughput, {num_prompts} prompts, {input_len} in / {output_len} out\n"
-                        f"{_machine_line(rows)}")
+    shards = f", fp8kv over {num_shard} tensor-parallel ranks" if num_shard > 1 else ""
+    table = Table(title=f"offline throughput, {num_prompts} prompts, {input_len} in / {output_len} out"
+                        f"{shards}\n{_machine_line(rows)}")
     for col in ("engine", "kv cache", "req/s", "output tok/s", "total tok/s", "elapsed s", "vs auto",
                 "vs transformers"):
         table.add_column(col, justify="right")
@@ -225,11 +237,13 @@ def throughput(model, num_prompts, input_len, output_len, kv_cache_dtypes, compa
 @click.option("--repeats", default=1, show_default=True, type=click.IntRange(1),
               help="Timed runs per dtype and context, taking turns (fresh prompts each); the median is reported.")
 @_MODEL_DTYPE_OPT
+@_WINDOW_OPT
 @_THREADS_OPT
 @_JSON_OPT
 @_PLOT_OPT
 def capacity(model, kv_cache_memory, contexts, output_len, kv_cache_dtypes, max_num_seqs,
-             max_num_batched_tokens, block_size, repeats, dtype, threads, as_json, plot_path) -> None:
+             max_num_batched_tokens, block_size, repeats, dtype, kv_recent_window, threads, as_json,
+             plot_path) -> None:
     """Tokens that fit a KV-cache budget per dtype, the largest batch per context, and its throughput."""
     from fp8cache.bench import capacity as bench
     from fp8cache.bench import plot
@@ -240,7 +254,8 @@ def capacity(model, kv_cache_memory, contexts, output_len, kv_cache_dtypes, max_
     _set_threads(threads)
     rows, interrupted = _collect(lambda bar: bench.iter_capacity(
         model, tuple(dtypes), kv_cache_memory, tuple(context_list), output_len, max_num_seqs,
-        max_num_batched_tokens, int(block_size), dtype, repeats, progress=bar, log=_log))
+        max_num_batched_tokens, int(block_size), dtype, repeats, progress=bar, log=_log,
+        kv_recent_window=kv_recent_window))
     bench.add_ratios(rows)
     table = Table(title=f"capacity at a {kv_cache_memory} KV cache, {output_len} output tokens per sequence\n"
                         f"{_machine_line(rows)}")

@@ -107,10 +107,15 @@ def _table(result) -> Table:
     scales = result.scales
     table = Table(title=f"KV scales ({scales.fmt_name}, {result.statistic}, {result.granularity}, rotation "
                         f"{scales.rotation})")
-    for col in ("layer", "K scale", "V scale", "K amax", "V amax"):
+    # With a rotation the scales and maxima are of the rotated K/V; the file's plain vLLM scaling_factor,
+    # for readers that know no rotation, is of the unrotated K/V: shown as its own column.
+    plain = scales.unrotated_scales
+    columns = ["layer", "K scale", "V scale", "K amax", "V amax"] + (["vLLM scale"] if plain else [])
+    for col in columns:
         table.add_column(col, justify="right")
     for i, (k, v) in enumerate(zip(scales.k, scales.v)):
-        table.add_row(str(i), _values(k), _values(v), _values(result.k_amax[i]), _values(result.v_amax[i]))
+        row = [str(i), _values(k), _values(v), _values(result.k_amax[i]), _values(result.v_amax[i])]
+        table.add_row(*row, *([f"{plain[i]:.4g}"] if plain else []))
     return table
 
 

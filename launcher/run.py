@@ -61,6 +61,9 @@ _ENGINE_OPTIONS = [
            help="Compute KV scales from the first batch when no scales file or checkpoint scales exist."),
     option("--kv-scales-granularity", type=click.Choice(["tensor", "head"]), default="tensor",
            help="Granularity of calculated scales."),
+    option("--kv-recent-window", type=click.IntRange(min=0), default=None,
+           help="Keep each sequence's newest N tokens' K/V in full precision too (0: plain FP8 cache; "
+                "default 32 with an FP8 cache)."),
     option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
            help="Weights and activations dtype (auto: float32 on CPU)."),
     option("--block-size", type=click.Choice(["8", "16", "32"]), default="16", help="Tokens per KV cache block."),
@@ -124,7 +127,8 @@ def engine_config(model: str | None, kw: dict):
     return EngineConfig(
         model=model, tokenizer=kw["tokenizer"], dtype=kw["dtype"], kv_cache_dtype=kw["kv_cache_dtype"],
         quantization_param_path=kw["quantization_param_path"], calculate_kv_scales=kw["calculate_kv_scales"],
-        kv_scales_granularity=kw["kv_scales_granularity"], block_size=int(kw["block_size"]),
+        kv_scales_granularity=kw["kv_scales_granularity"], kv_recent_window=kw["kv_recent_window"],
+        block_size=int(kw["block_size"]),
         max_model_len=kw["max_model_len"], max_num_seqs=kw["max_num_seqs"],
         max_num_batched_tokens=kw["max_num_batched_tokens"], kv_cache_memory=_memory(kw["kv_cache_memory"]),
         enable_prefix_caching=kw["enable_prefix_caching"], seed=kw["seed"], device=kw["device"],
@@ -213,6 +217,10 @@ def run(model: str | None, **kw) -> None:
 @option("--ignore-eos", is_flag=True, help="Keep generating past the end-of-sequence token.")
 @option("--chat/--no-chat", default=None,
         help="Wrap PROMPT in the tokenizer's chat template (default: when the tokenizer has one).")
+@option("--num-shard", "--tensor-parallel-size", "num_shard", type=click.IntRange(min=1), default=1,
+        help="Tensor-parallel ranks: this process is rank 0 and starts the others itself. With "
+             "RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set (several machines, torchrun) this process is that "
+             "one rank.")
 @engine_options
 @_engine_errors
 def generate(args: tuple[str, ...], **kw) -> None:
@@ -223,14 +231,37 @@ def generate(args: tuple[str, ...], **kw) -> None:
     if len(args) > 2:
         raise click.UsageError(f"expected [MODEL] PROMPT, got {len(args)} arguments; quote the prompt")
     model, prompt = (args[0], args[1]) if len(args) == 2 else (None, args[0])
+    from fp8cache.distributed import parallel_state
+    from fp8cache.distributed.group import WorkerDiedError
+    from fp8cache.engine.llm import LLM
+
+    num_shard = kw.pop("num_shard")
+    config = dataclasses.replace(engine_config(_model(model, kw["model_option"]), kw),
+                                 tensor_parallel_size=num_shard)
+
+    def log(msg: str) -> None:
+        from rich.markup import escape
+
+        console.print(f"[dim]{escape(msg)}[/]", highlight=False)  # worker lines start "[rank 1]"
+
+    if num_shard > 1 and (parallel_state.env_rank() or 0) > 0:  # one worker rank of an outside launcher
+        from fp8cache.distributed.worker import run_worker
+
+        sys.exit(run_worker(config, log=log))
     if prompt == "-":
         prompt = sys.stdin.read()
-    from fp8cache.engine.llm_engine import LLMEngine
+    try:
+        with console.status("loading the model..."):
+            llm = LLM.from_config(config, log=log)  # with --num-shard N, also starts and stops ranks 1..N-1
+        with llm:
+            _generate(llm.engine, prompt, kw)
+    except WorkerDiedError as exc:
+        _fail(str(exc), code=1)
+
+
+def _generate(engine, prompt: str, kw: dict) -> None:
     from fp8cache.engine.sampling_params import SamplingParams
 
-    config = engine_config(_model(model, kw["model_option"]), kw)
-    with console.status("loading the model..."):
-        engine = LLMEngine(config, log=lambda msg: console.print(f"[dim]{msg}[/]", highlight=False))
     params = SamplingParams(
         temperature=kw["temperature"], top_p=kw["top_p"], top_k=kw["top_k"], min_p=kw["min_p"],
         repetition_penalty=kw["repetition_penalty"], presence_penalty=kw["presence_penalty"],

@@ -137,8 +137,10 @@ def test_throughput_cache_sizes_follow_the_model_config(throughput_run, default_
     per_element = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
     assert rows[0]["bytes_per_token"] == per_element * torch.finfo(torch.float32).bits // 8
     assert rows[1]["bytes_per_token"] == per_element * torch.finfo(torch.float8_e4m3fn).bits // 8
-    for r in rows[:2]:  # every dtype gets the same 32MiB, in whole blocks of 16 tokens
-        assert r["capacity_tokens"] == 32 * 2**20 // (16 * r["bytes_per_token"]) * 16
+    assert rows[0]["window_bytes"] == 0 and rows[1]["kv_recent_window"] == 32
+    assert rows[1]["window_bytes"] == rows[1]["window_seats"] * 32 * rows[0]["bytes_per_token"]  # float32 ring
+    for r in rows[:2]:  # every dtype gets the same 32MiB (less the window's), in whole blocks of 16 tokens
+        assert r["capacity_tokens"] == (32 * 2**20 - r["window_bytes"]) // (16 * r["bytes_per_token"]) * 16
 
 
 def test_throughput_plot_is_a_png(throughput_run):
@@ -175,7 +177,7 @@ def test_capacity_batches_fit_the_budget_without_preemption(default_model_path, 
     # 3 MB holds 4 blocks of 16 tokens in float32 (1 sequence of 64) and 16 in FP8 (4 sequences).
     plot = tmp_path / "capacity.png"
     args = [default_model_path, "--kv-cache-memory", "3MB", "--context", "64", "--output-len", "4",
-            "--kv-cache-dtype", "auto,fp8_e4m3", "--repeats", "2", *THREADS, "--json"]
+            "--kv-cache-dtype", "auto,fp8_e4m3", "--kv-recent-window", "0", "--repeats", "2", *THREADS, "--json"]
     try:
         import matplotlib  # noqa: F401
         args += ["--plot", str(plot)]

@@ -209,7 +209,9 @@ def test_fp8_cache_greedy_tokens_mostly_agree_with_auto(loaded, auto_run, kv_cac
     context of each prompt goes first: the rest then read their prefix from its FP8 cache blocks.
     """
     auto_tokens = auto_run[1]
-    engine = make_engine(loaded, kv_cache_dtype=kv_cache_dtype)
+    # Plain FP8 (no recent-token window): these short contexts would otherwise sit wholly in the window and
+    # never read a cached prefix from FP8 (tests/test_recent_window.py covers the window).
+    engine = make_engine(loaded, kv_cache_dtype=kv_cache_dtype, kv_recent_window=0)
     tok = engine.tokenizer
     longest = [(tok.encode(p) + out[:-1], out[-1]) for p, out in zip(PROMPTS, auto_tokens)]
     rest = [(tok.encode(p) + out[:k], out[k]) for p, out in zip(PROMPTS, auto_tokens)

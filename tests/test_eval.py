@@ -10,7 +10,8 @@ import torch
 from fp8cache.config import EngineConfig
 from fp8cache.eval import evaluate, locate_eval_text, read_text
 
-KEYS = {"kv_cache_dtype", "ppl", "baseline_ppl", "kl", "top1_agreement", "tokens", "windows", "scales_source"}
+KEYS = {"kv_cache_dtype", "ppl", "baseline_ppl", "kl", "top1_agreement", "tokens", "windows", "scales_source",
+        "kv_recent_window"}
 
 
 def transformers_ppl(model_path: str, windows: int, window_len: int) -> float:
@@ -40,6 +41,18 @@ def test_fp8_e4m3_eval_is_close_to_baseline(default_model_path):
     assert result["ppl"] == pytest.approx(result["baseline_ppl"], rel=0.05)
     assert 0 < result["kl"] < 0.05
     assert 0.85 <= result["top1_agreement"] <= 1
+
+
+def test_recent_window_as_long_as_the_text_has_no_divergence(default_model_path):
+    """Every position then reads all of its context in full precision: the FP8 copies are never read."""
+    whole = evaluate(EngineConfig(model=default_model_path, kv_cache_dtype="fp8_e5m2", kv_recent_window=64),
+                     windows=1, window_len=64, progress=False)
+    part = evaluate(EngineConfig(model=default_model_path, kv_cache_dtype="fp8_e5m2", kv_recent_window=8),
+                    windows=1, window_len=64, progress=False)
+    plain = evaluate(EngineConfig(model=default_model_path, kv_cache_dtype="fp8_e5m2", kv_recent_window=0),
+                     windows=1, window_len=64, progress=False)
+    assert whole["kv_recent_window"] == 64 and abs(whole["kl"]) < 1e-6 and whole["top1_agreement"] == 1
+    assert 0 < part["kl"] < plain["kl"]
 
 
 def test_auto_against_auto_has_no_divergence(default_model_path):

@@ -52,6 +52,8 @@ def step(parts: list[tuple[Seq, int, int]], want_logits: bool = True) -> StepBat
 
 
 def make_runner(loaded, kv_cache_dtype: str = "auto", **overrides) -> ModelRunner:
+    """A runner whose FP8 cache holds every token (no recent-token window: tests/test_recent_window.py)."""
+    overrides.setdefault("kv_recent_window", 0)
     config = EngineConfig(model=loaded.model_path, kv_cache_dtype=kv_cache_dtype, block_size=BLOCK,
                           kv_cache_memory=overrides.pop("kv_cache_memory", "64MiB"), **overrides)
     return ModelRunner(config, log=lambda msg: None, loaded=loaded)

@@ -142,7 +142,7 @@ from fp8cache.model.runner import ModelRunner
 model, kv_cache_dtype, scales, size, out, batches = sys.argv[1:7]
 BATCHES = json.loads(batches)
 config = EngineConfig(model=model, kv_cache_dtype=kv_cache_dtype, quantization_param_path=scales or None,
-                      kv_cache_memory="8MiB", tensor_parallel_size=int(size))
+                      kv_cache_memory="8MiB", tensor_parallel_size=int(size), kv_recent_window=0)
 runner = ModelRunner(config, log=lambda msg: None)
 result = {"k": [t.tolist() for t in runner._k_scales], "v": [t.tolist() for t in runner._v_scales],
           "num_kv_heads": runner.num_kv_heads, "cache_heads": runner.kv_caches[0][0].shape[1]}
@@ -168,7 +168,7 @@ def one_rank_logits(model: str, kv_cache_dtype: str, scales: str | None, monkeyp
 
     monkeypatch.setenv("FP8KV_REFERENCE_OPS", "1")
     runner = ModelRunner(EngineConfig(model=model, kv_cache_dtype=kv_cache_dtype, quantization_param_path=scales,
-                                      kv_cache_memory="8MiB"), log=lambda msg: None)
+                                      kv_cache_memory="8MiB", kv_recent_window=0), log=lambda msg: None)
     return [runner.execute(StepBatch(*b[:3], [SeqChunk(*b[3])])) for b in BATCHES]
 
 

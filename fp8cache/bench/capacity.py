@@ -21,6 +21,7 @@ from fp8cache.bench.throughput import (
     BatchResult,
     Progress,
     build_engines,
+    cache_figures,
     check_kv_cache_dtypes,
     median_result,
     run_batch,
@@ -34,11 +35,19 @@ def max_batch(num_blocks: int, block_size: int, context: int) -> int:
     return num_blocks // -(-context // block_size)
 
 
+def fitting_batch(runner, context: int) -> int:
+    """max_batch, and no more sequences than the recent-token window has seats for."""
+    fits = max_batch(runner.num_blocks, runner.block_size, context)
+    seats = runner.cache_plan.window_seats
+    return min(fits, seats) if seats else fits
+
+
 def iter_capacity(model: str | None = None, kv_cache_dtypes: tuple[str, ...] = ("auto", "fp8_e4m3"),
                   kv_cache_memory: int | str = "256MiB", contexts: tuple[int, ...] = (4096,),
                   output_len: int = 128, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                   block_size: int = 16, dtype: str = "auto", repeats: int = 1, text_path: str | None = None,
-                  progress: Progress | None = None, log: Callable[[str], None] = print) -> Iterator[dict]:
+                  progress: Progress | None = None, log: Callable[[str], None] = print,
+                  kv_recent_window: int | None = None) -> Iterator[dict]:
     """Yield one row per (context, dtype). The dtypes of one context take turns, `repeats` rounds of
     fresh prompts, so drift on a shared machine hits them alike; a row reports the median round."""
     dtypes = check_kv_cache_dtypes(list(kv_cache_dtypes))
@@ -47,7 +56,7 @@ def iter_capacity(model: str | None = None, kv_cache_dtypes: tuple[str, ...] = (
         raise ValueError(f"max_num_seqs={max_num_seqs} and repeats={repeats} must both be >= 1")
     engines = build_engines(model, dtypes, log, dtype=dtype, kv_cache_memory=kv_cache_memory,
                             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                            block_size=block_size, max_model_len=max(contexts))
+                            block_size=block_size, max_model_len=max(contexts), kv_recent_window=kv_recent_window)
     source = PromptSource(next(iter(engines.values())).tokenizer, text_path)
     for engine in engines.values():
         _warm_up(engine, source, min(contexts) - output_len)
@@ -56,7 +65,7 @@ def iter_capacity(model: str | None = None, kv_cache_dtypes: tuple[str, ...] = (
         results: dict[str, list[BatchResult]] = {dt: [] for dt in engines}
         for r in range(repeats):
             for kv_dtype, engine in engines.items():
-                batch = min(max_batch(engine.runner.num_blocks, engine.runner.block_size, context), max_num_seqs)
+                batch = min(fitting_batch(engine.runner, context), max_num_seqs)
                 if batch:
                     label = f"{kv_dtype} context {context} batch {batch}"
                     done, total = r * batch * output_len, repeats * batch * output_len
@@ -72,7 +81,7 @@ def _warm_up(engine, source: PromptSource, input_len: int) -> None:
     # Two short prompts run every code path (prefill, decode, cache writes) before anything is timed.
     runner = engine.runner
     length = min(input_len, WARMUP_INPUT_LEN)
-    count = min(2, max_batch(runner.num_blocks, runner.block_size, length + WARMUP_OUTPUT_LEN))
+    count = min(2, fitting_batch(runner, length + WARMUP_OUTPUT_LEN))
     if count:
         run_batch(engine, source.take(count, length), WARMUP_OUTPUT_LEN)
 
@@ -80,10 +89,9 @@ def _warm_up(engine, source: PromptSource, input_len: int) -> None:
 def _row(engine, kv_dtype: str, context: int, output_len: int, max_num_seqs: int, kv_cache_memory: int | str,
          results: list[BatchResult], info: dict) -> dict:
     runner = engine.runner
-    fits = max_batch(runner.num_blocks, runner.block_size, context)
+    fits = fitting_batch(runner, context)
     row = {"engine": "fp8kv", "kv_cache_dtype": kv_dtype, "kv_cache_memory": kv_cache_memory,
-           "capacity_tokens": runner.capacity_tokens, "bytes_per_token": runner.bytes_per_token,
-           "num_blocks": runner.num_blocks, "block_size": runner.block_size, "context": context,
+           **cache_figures(runner), "num_blocks": runner.num_blocks, "block_size": runner.block_size, "context": context,
            "input_len": context - output_len, "output_len": output_len, "max_batch": fits,
            "batch": min(fits, max_num_seqs), "limited_by": "memory" if fits <= max_num_seqs else "max_num_seqs",
            "machine": info}

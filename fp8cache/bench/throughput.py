@@ -7,10 +7,15 @@ Hugging Face transformers `generate` with its default dynamic cache, on the same
 All engines are built up front (the fp8kv ones share one copy of the weights) and the timed runs take
 turns: round r runs every engine once on prompt set r. Drift on a shared machine then hits every engine
 alike, and the median over rounds is what a row reports.
+
+With num_shard N > 1 the fp8kv engines run tensor-parallel: this process is rank 0 and starts N-1 worker
+processes (fp8cache/distributed/group.py, as LLM(tensor_parallel_size=N) does), each holding its share of
+every engine. The transformers peer stays whole, in this process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import time
@@ -69,6 +74,26 @@ def build_engines(model: str | None, kv_cache_dtypes: list[str], log: Callable[[
         cfg = dataclasses.replace(base, kv_cache_dtype=kv_dtype)
         engines[kv_dtype] = LLMEngine(cfg, log=log, runner=ModelRunner(cfg, log=log, loaded=loaded))
     return engines
+
+
+@contextlib.contextmanager
+def open_engines(model: str | None, kv_cache_dtypes: list[str], log: Callable[[str], None] = print,
+                 num_shard: int = 1, threads_per_rank: int | None = None,
+                 **config) -> Iterator[dict[str, object]]:
+    """build_engines, or with num_shard > 1 the same engines over a tensor-parallel group whose worker
+    processes stop when the block ends (threads_per_rank: torch threads of each worker)."""
+    if num_shard == 1:
+        yield build_engines(model, kv_cache_dtypes, log, **config)
+        return
+    from fp8cache.config import EngineConfig
+    from fp8cache.distributed.group import TensorParallelGroup
+    from fp8cache.engine.llm_engine import LLMEngine
+
+    base = EngineConfig(model=model, tensor_parallel_size=num_shard, **config)
+    configs = [dataclasses.replace(base, kv_cache_dtype=kv_dtype) for kv_dtype in kv_cache_dtypes]
+    with TensorParallelGroup.start(configs, log, threads_per_rank) as group:
+        yield {cfg.kv_cache_dtype: LLMEngine(cfg, log=log, runner=runner)
+               for cfg, runner in zip(configs, group.runners)}
 
 
 def bench_params(output_len: int):
@@ -145,17 +170,32 @@ def iter_throughput(model: str | None = None, kv_cache_dtypes: tuple[str, ...] =
                     compare: tuple[str, ...] = (), repeats: int = 1, dtype: str = "auto",
                     kv_cache_memory: int | str | None = None, max_num_seqs: int = 256,
                     max_num_batched_tokens: int = 2048, text_path: str | None = None,
-                    progress: Progress | None = None, log: Callable[[str], None] = print) -> Iterator[dict]:
-    """Yield one row per fp8kv kv-cache dtype, then one per peer, each after its last timed run."""
+                    progress: Progress | None = None, log: Callable[[str], None] = print,
+                    num_shard: int = 1, threads_per_rank: int | None = None,
+                    kv_recent_window: int | None = None) -> Iterator[dict]:
+    """Yield one row per fp8kv kv-cache dtype, then one per peer, each after its last timed run.
+    num_shard: tensor-parallel ranks of the fp8kv engines (threads_per_rank: torch threads of each worker).
+    kv_recent_window: newest tokens kept in full precision beside FP8 (None: the engine's default)."""
     _check_lengths(num_prompts, input_len, output_len, repeats)
+    if isinstance(num_shard, bool) or not isinstance(num_shard, int) or num_shard < 1:
+        raise ValueError(f"num_shard={num_shard!r} must be an integer >= 1")
     dtypes = check_kv_cache_dtypes(list(kv_cache_dtypes))
     unknown = [p for p in compare if p not in PEERS]
     if unknown:
         raise ValueError(f"unknown peer(s) {', '.join(unknown)} for --compare; valid: {', '.join(PEERS)}")
-    engines = build_engines(model, dtypes, log, dtype=dtype, kv_cache_memory=kv_cache_memory,
-                            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    with open_engines(model, dtypes, log, num_shard, threads_per_rank, dtype=dtype,
+                      kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
+                      max_num_batched_tokens=max_num_batched_tokens, kv_recent_window=kv_recent_window) as engines:
+        yield from _race(engines, num_prompts, input_len, output_len, compare, repeats, text_path, progress,
+                         num_shard)
+
+
+def _race(engines: dict[str, object], num_prompts: int, input_len: int, output_len: int,
+          compare: tuple[str, ...], repeats: int, text_path: str | None, progress: Progress | None,
+          num_shard: int) -> Iterator[dict]:
+    """Warm every contestant up, then time them taking turns; one row each after its last run."""
     runner = next(iter(engines.values())).runner
-    contestants = [_engine_contestant(dt, e) for dt, e in engines.items()]
+    contestants = [_engine_contestant(dt, e, num_shard) for dt, e in engines.items()]
     if "hf" in compare:
         contestants.append(_transformers_contestant(runner.model_path, runner.dtype))
     sets = _prompt_sets(runner.tokenizer, text_path, num_prompts, input_len, repeats)
@@ -173,10 +213,18 @@ def iter_throughput(model: str | None = None, kv_cache_dtypes: tuple[str, ...] =
                 yield _row(c, results[c.label], num_prompts, input_len, output_len, info)
 
 
-def _engine_contestant(kv_dtype: str, engine) -> _Contestant:
-    runner = engine.runner
+def _engine_contestant(kv_dtype: str, engine, num_shard: int = 1) -> _Contestant:
+    runner = engine.runner  # with num_shard > 1, rank 0's: capacity and bytes per token are per rank
     return _Contestant("fp8kv", kv_dtype, lambda prompts, n, cb: run_batch(engine, prompts, n, cb),
-                       {"capacity_tokens": runner.capacity_tokens, "bytes_per_token": runner.bytes_per_token})
+                       {"num_shard": num_shard, **cache_figures(runner)})
+
+
+def cache_figures(runner) -> dict:
+    """What the engine's cache holds, for a bench row (the recent-token window's memory included)."""
+    plan = runner.cache_plan
+    return {"capacity_tokens": runner.capacity_tokens, "bytes_per_token": runner.bytes_per_token,
+            "kv_recent_window": runner.kv_recent_window, "window_seats": plan.window_seats,
+            "window_bytes": plan.window_bytes}
 
 
 def _transformers_contestant(model_path: str, model_dtype: torch.dtype) -> _Contestant:
@@ -195,7 +243,8 @@ def _transformers_contestant(model_path: str, model_dtype: torch.dtype) -> _Cont
         return result
 
     return _Contestant("transformers", "auto", run,
-                       {"cache": "DynamicCache", "attn_implementation": hf_model.config._attn_implementation})
+                       {"num_shard": 1, "cache": "DynamicCache",
+                        "attn_implementation": hf_model.config._attn_implementation})
 
 
 def median_result(results: list[BatchResult]) -> BatchResult:

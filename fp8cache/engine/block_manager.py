@@ -9,6 +9,10 @@ free list is LRU, so the blocks freed longest ago go first.
 Sharing covers only blocks that are already computed: a block is registered after the step that filled
 it. A sequence never writes into a block it shares, because the cached prefix it takes stops short of
 its last token (that token must be fed again so that its logits exist).
+
+With a recent-token window (kv_recent_window N > 0) sharing covers only the old, quantized part of a prompt:
+a hit stops at the last block boundary at least N tokens before the prompt's end, so a shared prefix that
+reaches into the newest N tokens is partly recomputed, and one shorter than N gives no hit at all.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import hashlib
 from collections import OrderedDict
 
 from fp8cache.engine.sequence import Sequence
+from fp8cache.engine.window_pool import WindowPool
 
 
 class Block:
@@ -36,7 +41,7 @@ def block_hash(prev_hash: int | None, token_ids: list[int], fingerprint: str) ->
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 cache_fingerprint: str = "") -> None:
+                 cache_fingerprint: str = "", window: WindowPool | None = None) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"BlockManager needs num_blocks >= 1 and block_size >= 1, "
                              f"got {num_blocks} and {block_size}")
@@ -44,6 +49,7 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.cache_fingerprint = cache_fingerprint
+        self.window = window  # recent-token window seats (kv_recent_window > 0), else None
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU
         self.hash_to_block_id: dict[int, int] = {}
@@ -60,6 +66,10 @@ class BlockManager:
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self.free_block_ids)
+
+    @property
+    def window_size(self) -> int:
+        return self.window.window_size if self.window else 0
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -93,10 +103,14 @@ class BlockManager:
         """Ids of cached blocks holding seq's leading tokens; changes nothing.
 
         Stops before the block holding the last token: that token is always fed again for its logits.
+        With a recent-token window of N it also stops N tokens before the end: cached blocks hold only FP8
+        K/V, so the newest N tokens are computed again and enter the sequence's full-precision window.
         """
         if not self.enable_prefix_caching:
             return []
         max_blocks = (len(seq) - 1) // self.block_size
+        if self.window:
+            max_blocks = min(max_blocks, max(len(seq) - self.window.window_size, 0) // self.block_size)
         found = []
         for i, h in enumerate(self._full_block_hashes(seq, max_blocks)):
             block_id = self.hash_to_block_id.get(h)
@@ -130,6 +144,8 @@ class BlockManager:
         new_blocks = self.blocks_needed(num_computed + num_new_tokens) - len(seq.block_table) \
             - len(cached_block_ids)
         revived = sum(1 for i in cached_block_ids if self.blocks[i].ref_count == 0)
+        if self.window and not seq.window_block_table and not self.window.num_free_seats:
+            return False
         return max(new_blocks, 0) + revived <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, num_new_tokens: int, cached_block_ids: list[int] = ()) -> None:
@@ -146,6 +162,10 @@ class BlockManager:
             seq.num_computed_tokens += cached_tokens
             seq.num_cached_tokens += cached_tokens
             seq.num_registered_blocks = len(seq.block_table)
+        if self.window and not seq.window_block_table:
+            self.window.take(seq)
+            # Cached blocks hold only FP8 K/V: the window fills from the first token this sequence computes.
+            seq.window_floor = seq.num_computed_tokens
         self.append(seq, num_new_tokens)
 
     def append(self, seq: Sequence, num_new_tokens: int) -> None:
@@ -176,6 +196,9 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
+        if self.window:
+            self.window.release(seq)
+        seq.window_floor = 0
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]

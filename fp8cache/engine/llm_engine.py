@@ -24,6 +24,7 @@ from fp8cache.engine.sampler import Sampler
 from fp8cache.engine.sampling_params import SamplingParams
 from fp8cache.engine.scheduler import Scheduler
 from fp8cache.engine.sequence import Sequence
+from fp8cache.engine.window_pool import WindowPool
 
 
 @dataclass
@@ -74,7 +75,7 @@ class LLMEngine:
         self.tokenizer = runner.tokenizer
         self.eos_token_ids = set(runner.eos_token_ids)
         self.block_manager = BlockManager(runner.num_blocks, runner.block_size, config.enable_prefix_caching,
-                                          runner.cache_fingerprint)
+                                          runner.cache_fingerprint, _window_pool(runner))
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(config.seed)
         self.max_model_len = runner.max_model_len
@@ -212,3 +213,10 @@ class LLMEngine:
         if len(token_ids) > self.cache_capacity_tokens:
             raise ValueError(f"the prompt has {len(token_ids)} tokens but the whole KV cache holds "
                              f"{self.cache_capacity_tokens}; raise kv_cache_memory or shorten the prompt")
+
+
+def _window_pool(runner) -> WindowPool | None:
+    plan = getattr(runner, "cache_plan", None)
+    if plan is None or not plan.window_seats:
+        return None
+    return WindowPool(plan.window_size, plan.window_seats, plan.window_blocks_per_seat)

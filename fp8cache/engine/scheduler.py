@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from fp8cache.engine.block_manager import BlockManager
 from fp8cache.engine.sequence import Sequence, SequenceStatus
-from fp8cache.model.batch import SeqChunk, StepBatch
+from fp8cache.model.batch import SeqChunk, StepBatch, window_slot
 
 
 @dataclass
@@ -143,16 +143,21 @@ class Scheduler:
 
     def _build_batch(self, scheduled: list[ScheduledSeq]) -> StepBatch:
         batch = StepBatch()
-        bs = self.block_manager.block_size
+        bs, window = self.block_manager.block_size, self.block_manager.window_size
         for item in scheduled:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_new_tokens
             batch.token_ids.extend(seq.token_ids[start:end])
             batch.positions.extend(range(start, end))
             batch.slot_mapping.extend(seq.block_table[p // bs] * bs + p % bs for p in range(start, end))
+            if window:
+                batch.window_slot_mapping.extend(window_slot(seq.window_block_table, p, window, bs)
+                                                 if p >= end - window else -1 for p in range(start, end))
             batch.seqs.append(SeqChunk(query_len=item.num_new_tokens, context_len=end,
                                        block_table=list(seq.block_table[:-(-end // bs)]),
-                                       want_logits=item.reaches_end))
+                                       want_logits=item.reaches_end,
+                                       window_block_table=list(seq.window_block_table),
+                                       window_floor=seq.window_floor))
             if item.num_new_tokens > 1 or seq.num_output_tokens == 0:
                 self.num_prefill_tokens_computed += item.num_new_tokens
         return batch

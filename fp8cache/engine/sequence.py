@@ -41,6 +41,8 @@ class Sequence:
         self.block_hashes: list[int] = []  # hashes of the full blocks of token_ids, filled lazily
         self.hash_fingerprint: str | None = None  # the cache fingerprint block_hashes were made with
         self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache
+        self.window_block_table: list[int] = []  # full-precision ring of the newest tokens (kv_recent_window)
+        self.window_floor = 0  # first position computed by this sequence (older: prefix cache, FP8 only)
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.generator = _generator(params, index)

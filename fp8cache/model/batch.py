@@ -18,6 +18,10 @@ class SeqChunk:
     context_len: int
     block_table: list[int]  # block ids covering positions [0, context_len)
     want_logits: bool = True  # False for a prefill chunk that does not reach the prompt's end
+    # Recent-token window (kv_recent_window > 0): the sequence's ring of window blocks, and the first position
+    # it computed itself (older ones came from the prefix cache and exist only in FP8).
+    window_block_table: list[int] = field(default_factory=list)
+    window_floor: int = 0
 
 
 @dataclass
@@ -26,7 +30,14 @@ class StepBatch:
     positions: list[int] = field(default_factory=list)
     slot_mapping: list[int] = field(default_factory=list)  # block * block_size + offset per token
     seqs: list[SeqChunk] = field(default_factory=list)
+    window_slot_mapping: list[int] = field(default_factory=list)  # ring slot per token, -1 outside the window
 
     @property
     def is_decode_only(self) -> bool:
         return all(s.query_len == 1 for s in self.seqs)
+
+
+def window_slot(window_block_table: list[int], position: int, window_size: int, block_size: int) -> int:
+    """Where `position` lives in a sequence's recent-token ring (ring slot position % window_size)."""
+    ring = position % window_size
+    return window_block_table[ring // block_size] * block_size + ring % block_size

@@ -60,29 +60,54 @@ class CachePlan:
     bytes_per_token: int
     budget_bytes: int
     budget_source: str
+    window_size: int = 0  # kv_recent_window: newest tokens per sequence also kept in the model dtype
+    window_seats: int = 0  # running sequences that can hold a window at once
+    window_blocks_per_seat: int = 0
+    window_bytes: int = 0  # all seats' window blocks, taken from the budget
 
     @property
     def capacity_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
+    @property
+    def window_num_blocks(self) -> int:
+        return self.window_seats * self.window_blocks_per_seat
+
+
+# Every sequence that may run (max_num_seqs) gets a window seat, unless that would take more than this
+# share of the budget: then fewer sequences run at once rather than the FP8 cache shrinking to nothing.
+WINDOW_BUDGET_SHARE = 2
+
 
 def plan_cache(kv_cache_memory: int | str | None, kv_cache_memory_fraction: float, block_size: int,
-               token_bytes: int) -> CachePlan:
-    if kv_cache_memory is not None:
-        budget = parse_memory_size(kv_cache_memory)
-        source = "kv_cache_memory"
-    else:
-        fraction = kv_cache_memory_fraction
-        if not isinstance(fraction, (int, float)) or isinstance(fraction, bool) or not 0 < fraction <= 1:
-            raise ValueError(f"kv_cache_memory_fraction={fraction!r} must be a number in (0, 1]")
-        budget = int(available_memory_bytes() * fraction)
-        source = f"{fraction:g} of available memory"
-    num_blocks = budget // (block_size * token_bytes)
+               token_bytes: int, window_size: int = 0, window_token_bytes: int = 0,
+               max_num_seqs: int = 1) -> CachePlan:
+    """Blocks of the FP8 (or auto) cache, and window seats, that fit the budget together."""
+    budget, source = _budget(kv_cache_memory, kv_cache_memory_fraction)
+    seats = blocks_per_seat = window_bytes = 0
+    if window_size > 0:
+        blocks_per_seat = -(-window_size // block_size)
+        seat_bytes = blocks_per_seat * block_size * window_token_bytes
+        seats = max(1, min(max_num_seqs, budget // WINDOW_BUDGET_SHARE // seat_bytes))
+        window_bytes = seats * seat_bytes
+    num_blocks = (budget - window_bytes) // (block_size * token_bytes)
     if num_blocks < 1:
+        window = f" after {window_bytes} bytes of recent-token window" if window_bytes else ""
         raise ValueError(
             f"the KV cache budget ({budget} bytes, {source}) holds no block of {block_size} tokens "
-            f"({block_size * token_bytes} bytes); raise kv_cache_memory or kv_cache_memory_fraction")
-    return CachePlan(num_blocks, block_size, token_bytes, budget, source)
+            f"({block_size * token_bytes} bytes){window}; raise kv_cache_memory or kv_cache_memory_fraction"
+            + (" or lower kv_recent_window" if window_bytes else ""))
+    return CachePlan(num_blocks, block_size, token_bytes, budget, source, window_size, seats, blocks_per_seat,
+                     window_bytes)
+
+
+def _budget(kv_cache_memory: int | str | None, kv_cache_memory_fraction: float) -> tuple[int, str]:
+    if kv_cache_memory is not None:
+        return parse_memory_size(kv_cache_memory), "kv_cache_memory"
+    fraction = kv_cache_memory_fraction
+    if not isinstance(fraction, (int, float)) or isinstance(fraction, bool) or not 0 < fraction <= 1:
+        raise ValueError(f"kv_cache_memory_fraction={fraction!r} must be a number in (0, 1]")
+    return int(available_memory_bytes() * fraction), f"{fraction:g} of available memory"
 
 
 def allocate_caches(allocate: Callable, num_layers: int, num_blocks: int, block_size: int,
@@ -93,11 +118,20 @@ def allocate_caches(allocate: Callable, num_layers: int, num_blocks: int, block_
             for _ in range(num_layers)]
 
 
-def describe(plan: CachePlan, kv_cache_dtype: str, max_model_len: int) -> list[str]:
+def describe(plan: CachePlan, kv_cache_dtype: str, max_model_len: int, max_num_seqs: int = 1,
+             model_dtype: torch.dtype | None = None) -> list[str]:
     mib = plan.num_blocks * plan.block_size * plan.bytes_per_token / 2**20
     lines = [(f"KV cache: {kv_cache_dtype}, {plan.num_blocks} blocks of {plan.block_size} tokens = "
               f"{plan.capacity_tokens} tokens of capacity, {plan.bytes_per_token} bytes per token "
               f"({mib:.1f} MiB, {plan.budget_source})")]
+    if plan.window_size:
+        dtype = str(model_dtype).replace("torch.", "") if model_dtype is not None else "the model dtype"
+        lines.append(f"Recent-token window: the newest {plan.window_size} tokens of each sequence also in {dtype},"
+                     f" {plan.window_seats} seats ({plan.window_bytes / 2**20:.1f} MiB of the budget)")
+        if plan.window_seats < max_num_seqs:
+            lines.append(f"note: the recent-token window has seats for {plan.window_seats} sequences, fewer than "
+                         f"max_num_seqs {max_num_seqs}; at most {plan.window_seats} run at once "
+                         "(raise kv_cache_memory or lower kv_recent_window)")
     if plan.capacity_tokens < max_model_len:
         lines.append(f"warning: the KV cache holds {plan.capacity_tokens} tokens, fewer than max_model_len "
                      f"{max_model_len}; one long sequence may not fit (raise kv_cache_memory)")

@@ -10,7 +10,7 @@ import torch
 
 from fp8cache import formats, ops
 from fp8cache import scales as kv_scales
-from fp8cache.config import EngineConfig
+from fp8cache.config import DEFAULT_KV_RECENT_WINDOW, EngineConfig
 from fp8cache.distributed import parallel_state, sharding
 from fp8cache.distributed import worker as tp_worker
 from fp8cache.model import attention, kv_cache
@@ -55,6 +55,7 @@ class ModelRunner:
         self._read_shapes()
         self.max_model_len = self._resolve_max_model_len()
         self.eos_token_ids = self._eos_token_ids()
+        self.kv_recent_window = self._resolve_recent_window()
         self._ops, self._gather_kv = select_ops(log)
         self._init_scales(loaded)
         self._init_cache(backend)
@@ -87,6 +88,18 @@ class ModelRunner:
             self.log(f"max_model_len {length} is capped to the model's sliding window {window}")
             length = window
         return int(length)
+
+    def _resolve_recent_window(self) -> int:
+        wanted = self.config.kv_recent_window
+        if wanted is not None and (not isinstance(wanted, int) or isinstance(wanted, bool) or wanted < 0):
+            raise ValueError(f"kv_recent_window={wanted!r} must be a whole number of tokens >= 0 "
+                             "(0 keeps every token in FP8)")
+        if self.kv_cache_dtype == formats.AUTO:
+            if wanted:
+                self.log("note: kv_recent_window is ignored with kv-cache-dtype auto (the cache is full precision)")
+            return 0
+        window = DEFAULT_KV_RECENT_WINDOW if wanted is None else wanted
+        return min(window, self.max_model_len)  # a longer ring could never fill
 
     def _eos_token_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -133,15 +146,25 @@ class ModelRunner:
     def _init_cache(self, backend: str) -> None:
         self.bytes_per_token = kv_cache.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_size,
                                                         self.kv_cache_dtype, self.dtype, backend)
+        window_token_bytes = kv_cache.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_size,
+                                                      formats.AUTO, self.dtype, backend)
         plan = kv_cache.plan_cache(self.config.kv_cache_memory, self.config.kv_cache_memory_fraction,
-                                   self.block_size, self.bytes_per_token)
+                                   self.block_size, self.bytes_per_token, self.kv_recent_window,
+                                   window_token_bytes, self.config.max_num_seqs)
         # Rank 0 hands out block ids, so every rank needs at least as many blocks as rank 0 plans.
         plan.num_blocks = parallel_state.all_reduce_min_int(plan.num_blocks)
+        if plan.window_seats:
+            plan.window_seats = parallel_state.all_reduce_min_int(plan.window_seats)
+        self.cache_plan = plan
         self.num_blocks, self.capacity_tokens = plan.num_blocks, plan.capacity_tokens
         self.kv_caches = kv_cache.allocate_caches(
             ops.allocate_kv_cache, self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads,
             self.head_size, self.kv_cache_dtype, self.dtype, str(self.device))
-        for line in kv_cache.describe(plan, self.kv_cache_dtype, self.max_model_len):
+        self.window_caches = kv_cache.allocate_caches(
+            ops.allocate_kv_cache, self.num_layers, plan.window_num_blocks, self.block_size, self.num_kv_heads,
+            self.head_size, formats.AUTO, self.dtype, str(self.device)) if plan.window_seats else None
+        for line in kv_cache.describe(plan, self.kv_cache_dtype, self.max_model_len, self.config.max_num_seqs,
+                                      self.dtype):
             self.log(line)
 
     @property
@@ -166,7 +189,8 @@ class ModelRunner:
             batch, ops=self._ops, gather_kv=self._gather_kv, kv_caches=self.kv_caches,
             k_scales=self._k_scales, v_scales=self._v_scales, kv_cache_dtype=self.kv_cache_dtype,
             block_size=self.block_size, device=self.device,
-            rotation=rotation_matrix(self.kv_rotation, self.head_size, self.device))
+            rotation=rotation_matrix(self.kv_rotation, self.head_size, self.device),
+            window_size=self.kv_recent_window, window_caches=self.window_caches)
         calculating = self.scales is None and self.kv_cache_dtype != formats.AUTO
         amax: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         if calculating:
@@ -195,7 +219,14 @@ class ModelRunner:
         if sum(s.query_len for s in batch.seqs) != n:
             raise ValueError(f"StepBatch seqs' query_len add up to {sum(s.query_len for s in batch.seqs)}, "
                              f"but it has {n} tokens")
+        if self.kv_recent_window and len(batch.window_slot_mapping) != n:
+            raise ValueError(f"StepBatch has {n} token_ids but {len(batch.window_slot_mapping)} "
+                             f"window_slot_mapping entries; with kv_recent_window they must match")
+        ring_blocks = self.cache_plan.window_blocks_per_seat
         for i, s in enumerate(batch.seqs):
+            if self.kv_recent_window and len(s.window_block_table) != ring_blocks:
+                raise ValueError(f"seq {i}: window_block_table has {len(s.window_block_table)} blocks; the "
+                                 f"recent-token window of {self.kv_recent_window} tokens needs {ring_blocks}")
             if s.query_len < 1 or s.context_len < s.query_len:
                 raise ValueError(f"seq {i}: query_len {s.query_len} and context_len {s.context_len} need "
                                  "1 <= query_len <= context_len")

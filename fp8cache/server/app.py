@@ -60,6 +60,7 @@ class ModelInfo:
     model_dtype: str = "float32"
     device: str = "cpu"
     special_ids: frozenset[int] = field(default_factory=frozenset)
+    kv_recent_window: int = 0  # newest tokens per sequence also kept in the model dtype
 
     @classmethod
     def from_runner(cls, runner: Any) -> ModelInfo:
@@ -73,7 +74,8 @@ class ModelInfo:
             num_blocks=int(runner.num_blocks), vocab_size=min(vocab, model_vocab) if model_vocab else vocab,
             model_dtype=str(getattr(runner, "dtype", "float32")).removeprefix("torch."),
             device=str(getattr(runner, "device", "cpu")),
-            special_ids=frozenset(getattr(tokenizer, "all_special_ids", ()) or ()))
+            special_ids=frozenset(getattr(tokenizer, "all_special_ids", ()) or ()),
+            kv_recent_window=int(getattr(runner, "kv_recent_window", 0)))
 
 
 @dataclass
@@ -558,7 +560,7 @@ async def info(request: Request) -> Response:
         "sha": None, "docker_label": None,
         "kv_cache": {"dtype": i.kv_cache_dtype, "scales_source": i.scales_source, "block_size": i.block_size,
                      "num_blocks": i.num_blocks, "capacity_tokens": i.capacity_tokens,
-                     "blocks_used": stats.get("blocks_used"), "blocks_free": stats.get("blocks_free")},
+                     "recent_window": i.kv_recent_window, "blocks_used": stats.get("blocks_used"), "blocks_free": stats.get("blocks_free")},
         "engine": stats,
     })
 

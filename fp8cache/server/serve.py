@@ -199,14 +199,16 @@ def _default_name(model_path: str) -> str:
 
 def _print_summary(name: str, model_path: str, info: Any, url: str, options: ServeOptions) -> None:
     fields = {"model": name, "model_path": model_path, "kv_cache_dtype": info.kv_cache_dtype,
-              "scales_source": info.scales_source, "capacity_tokens": info.capacity_tokens,
+              "scales_source": info.scales_source, "kv_recent_window": info.kv_recent_window,
+              "capacity_tokens": info.capacity_tokens,
               "max_model_len": info.max_model_len, "url": url, "api_key_required": bool(options.api_key)}
     if options.log_format == "json":
         logger.info("serving", extra={"fields": fields})
         return
     lines = [f"fp8kv serving {name} at {url}",
              f"  model:          {model_path}",
-             f"  kv cache:       {info.kv_cache_dtype}, scales: {info.scales_source}",
+             (f"  kv cache:       {info.kv_cache_dtype}, scales: {info.scales_source}, "
+             f"recent window: {info.kv_recent_window} tokens in {info.model_dtype}"),
              f"  capacity:       {info.capacity_tokens} tokens ({info.num_blocks} blocks of {info.block_size})",
              f"  max model len:  {info.max_model_len}",
              f"  OpenAI API:     {url}/v1 (completions, chat/completions, models)",

@@ -1,0 +1,279 @@
+"""The recent-token window (kv_recent_window): newest tokens' K/V kept in full precision beside the FP8 cache.
+
+Checked against independent references: the pure-torch reference ops, the `auto` cache and transformers'
+own generate (a window at least as long as the sequence must change nothing), and, for window attention
+itself, a one-shot prefill whose mask says which positions each row reads in full precision.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp8cache.config import EngineConfig
+from fp8cache.engine.block_manager import BlockManager
+from fp8cache.engine.llm_engine import LLMEngine
+from fp8cache.engine.sampling_params import SamplingParams
+from fp8cache.engine.scheduler import Scheduler
+from fp8cache.engine.sequence import Sequence
+from fp8cache.engine.window_pool import WindowPool
+from fp8cache.eval import runner_batch, window_batch
+from fp8cache.model.batch import SeqChunk, StepBatch, window_slot
+from fp8cache.model.kv_cache import plan_cache
+from fp8cache.model.loader import load_model
+from fp8cache.model.runner import ModelRunner
+from fp8cache.ops import reference
+
+BLOCK = 8
+
+
+# ---- bookkeeping ---------------------------------------------------------------------------------------
+
+def seq_of(n: int, rid: str = "r") -> Sequence:
+    return Sequence(rid, 0, list(range(1, n + 1)), SamplingParams(max_tokens=4))
+
+
+def test_window_pool_hands_out_distinct_seats_and_takes_them_back():
+    pool = WindowPool(window_size=20, num_seats=2, blocks_per_seat=3)
+    a, b, c = seq_of(4, "a"), seq_of(4, "b"), seq_of(4, "c")
+    pool.take(a)
+    pool.take(b)
+    assert sorted(a.window_block_table + b.window_block_table) == list(range(6))
+    assert pool.num_free_seats == 0
+    with pytest.raises(RuntimeError, match="no free recent-window seat"):
+        pool.take(c)
+    pool.check_invariants([a, b])
+    pool.release(a)
+    pool.take(c)
+    assert c.window_block_table and not a.window_block_table
+    pool.check_invariants([b, c])
+    pool.release(b)
+    pool.release(b)  # a sequence without a seat releases nothing
+    assert pool.num_free_seats == 1
+
+
+def test_prefix_hits_stop_a_window_before_the_prompt_end():
+    window = WindowPool(window_size=12, num_seats=4, blocks_per_seat=2)
+    bm = BlockManager(num_blocks=32, block_size=BLOCK, window=window)
+    first = seq_of(40)
+    bm.allocate(first, 40)
+    first.num_computed_tokens = 40
+    bm.register_computed_blocks(first)
+    # Without a window 4 blocks (32 tokens) would hit; the newest 12 tokens must be recomputed: 28 -> 3 blocks.
+    second = seq_of(40, "s")
+    assert len(bm.lookup_prefix(second)) == 3
+    short = seq_of(15, "t")  # shares 15 tokens, fewer than block + window: no hit
+    assert bm.lookup_prefix(short) == []
+    cached = bm.lookup_prefix(second)
+    bm.allocate(second, 40 - 24, cached)
+    assert second.window_floor == 24 and len(second.window_block_table) == 2
+    bm.free(second)
+    bm.free(first)
+    assert window.num_free_seats == 4 and bm.num_free_blocks == 32
+    bm.check_invariants()
+
+
+def test_no_free_seat_means_cannot_allocate():
+    bm = BlockManager(num_blocks=32, block_size=BLOCK, window=WindowPool(8, 1, 1))
+    a, b = seq_of(5, "a"), seq_of(5, "b")
+    assert bm.can_allocate(a, 5)
+    bm.allocate(a, 5)
+    assert not bm.can_allocate(b, 5)
+    bm.free(a)
+    assert bm.can_allocate(b, 5)
+
+
+def test_scheduler_maps_only_the_newest_tokens_to_the_ring():
+    window = 10
+    bm = BlockManager(num_blocks=64, block_size=BLOCK, window=WindowPool(window, 2, 2))
+    sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=13)
+    seq = seq_of(30)
+    sched.add(seq)
+    seen = []
+    while seq.num_computed_tokens < len(seq):
+        plan = sched.schedule()
+        chunk, start = plan.batch.seqs[0], seq.num_computed_tokens
+        end = start + chunk.query_len
+        expected = [int(reference.window_slots(seq.window_block_table, torch.tensor([p]), window, BLOCK)[0])
+                    if p >= end - window else -1 for p in range(start, end)]
+        assert plan.batch.window_slot_mapping == expected
+        assert chunk.window_block_table == seq.window_block_table
+        seen.append(chunk.query_len)
+        sched.on_step_done(plan.scheduled)
+    assert seen == [13, 13, 4]
+
+
+def test_plan_counts_the_window_in_the_budget():
+    plain = plan_cache(1 << 20, 0.3, 16, 1000)
+    windowed = plan_cache(1 << 20, 0.3, 16, 1000, window_size=20, window_token_bytes=4000, max_num_seqs=64)
+    seat = 2 * 16 * 4000  # 20 tokens round up to 2 blocks
+    assert windowed.window_blocks_per_seat == 2 and windowed.window_bytes == windowed.window_seats * seat
+    assert windowed.window_seats == (1 << 20) // 2 // seat  # capped at half the budget
+    assert plan_cache(1 << 20, 0.3, 16, 1000, window_size=20, window_token_bytes=4000,
+                      max_num_seqs=2).window_seats == 2
+    assert windowed.num_blocks == ((1 << 20) - windowed.window_bytes) // (16 * 1000) < plain.num_blocks
+    with pytest.raises(ValueError, match="kv_recent_window"):
+        plan_cache(seat + 100, 0.3, 16, 1000, window_size=20, window_token_bytes=4000)
+
+
+# ---- the model -----------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def loaded(tiny_llama_path):
+    return load_model(EngineConfig(model=tiny_llama_path), progress=False)
+
+
+def make_runner(loaded, kv_cache_dtype: str, window: int | None, monkeypatch=None, use_reference=False,
+                **overrides) -> ModelRunner:
+    if monkeypatch is not None:
+        monkeypatch.setenv("FP8KV_REFERENCE_OPS", "1" if use_reference else "0")
+    config = EngineConfig(model=loaded.model_path, kv_cache_dtype=kv_cache_dtype, block_size=BLOCK,
+                          kv_cache_memory=overrides.pop("kv_cache_memory", "16MiB"), kv_recent_window=window,
+                          max_num_seqs=overrides.pop("max_num_seqs", 4), **overrides)
+    return ModelRunner(config, log=lambda msg: None, loaded=loaded)
+
+
+def prompt_ids(n: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 60, (n,), generator=g).tolist()
+
+
+class RingSeq:
+    """One sequence fed step by step through the runner, with blocks [first_block, ...) and ring seat 0."""
+
+    def __init__(self, runner: ModelRunner, ids: list[int], first_block: int = 0, seat: int = 0) -> None:
+        self.runner, self.ids = runner, ids
+        n_blocks = -(-len(ids) // runner.block_size)
+        self.blocks = list(range(first_block, first_block + n_blocks))
+        per_seat = runner.cache_plan.window_blocks_per_seat
+        self.ring = list(range(seat * per_seat, (seat + 1) * per_seat))
+
+    def chunk(self, start: int, end: int) -> StepBatch:
+        bs, window = self.runner.block_size, self.runner.kv_recent_window
+        batch = StepBatch(token_ids=self.ids[start:end], positions=list(range(start, end)),
+                          slot_mapping=[self.blocks[p // bs] * bs + p % bs for p in range(start, end)])
+        batch.window_slot_mapping = [window_slot(self.ring, p, window, bs) if p >= end - window else -1
+                                     for p in range(start, end)]
+        batch.seqs.append(SeqChunk(end - start, end, self.blocks[:-(-end // bs)], window_block_table=self.ring))
+        return batch
+
+
+@pytest.mark.parametrize("use_reference", [True, False], ids=["reference-ops", "compiled-ops"])
+@pytest.mark.parametrize("kv_cache_dtype,window", [("fp8_e4m3", 8), ("fp8_e5m2", 13), ("fp8_e4m3", 1)])
+def test_chunked_prefill_and_decode_read_the_window_like_one_prefill(loaded, monkeypatch, use_reference,
+                                                                     kv_cache_dtype, window):
+    """Feeding a sequence in chunks and then token by token (ring writes, ring reads, window decode op)
+    gives the logits of one prefill of the whole sequence, where row i reads i-N+1..i in full precision."""
+    ids = prompt_ids(60)
+    one_shot = make_runner(loaded, kv_cache_dtype, window, monkeypatch, use_reference=True)
+    want = one_shot.execute(runner_batch(ids, one_shot), all_logits=True)
+    runner = make_runner(loaded, kv_cache_dtype, window, monkeypatch, use_reference)
+    seq = RingSeq(runner, ids)
+    got = [runner.execute(seq.chunk(0, 11), all_logits=True), runner.execute(seq.chunk(11, 40), all_logits=True)]
+    got += [runner.execute(seq.chunk(p, p + 1)) for p in range(40, 60)]
+    torch.testing.assert_close(torch.cat(got), want, atol=2e-4, rtol=1e-4)
+
+
+def test_window_changes_logits_only_through_full_precision(loaded, monkeypatch):
+    """A window as long as the text equals the auto cache; no window equals plain FP8; one between differs
+    from both and lies closer to auto."""
+    ids = prompt_ids(48, seed=1)
+    logits = {}
+    for name, dtype, window in (("auto", "auto", None), ("plain", "fp8_e5m2", 0), ("whole", "fp8_e5m2", 48),
+                                ("part", "fp8_e5m2", 16)):
+        runner = make_runner(loaded, dtype, window, monkeypatch, use_reference=True)
+        logits[name] = runner.execute(runner_batch(ids, runner), all_logits=True)
+    torch.testing.assert_close(logits["whole"], logits["auto"], atol=1e-5, rtol=1e-5)
+    err_plain = (logits["plain"] - logits["auto"]).abs().mean()
+    err_part = (logits["part"] - logits["auto"]).abs().mean()
+    assert 0 < err_part < err_plain
+
+
+def test_auto_cache_ignores_the_window(loaded):
+    runner = make_runner(loaded, "auto", 32)
+    assert runner.kv_recent_window == 0 and runner.window_caches is None
+
+
+def test_bad_window_is_refused(loaded):
+    with pytest.raises(ValueError, match="kv_recent_window=-1"):
+        make_runner(loaded, "fp8_e4m3", -1)
+
+
+def test_batch_without_window_slots_is_refused(loaded):
+    runner = make_runner(loaded, "fp8_e4m3", 8)
+    with pytest.raises(ValueError, match="window_slot_mapping"):
+        runner.execute(window_batch(prompt_ids(10), BLOCK))
+
+
+# ---- the engine ----------------------------------------------------------------------------------------
+
+def run_engine(loaded, prompts: list[list[int]], max_tokens: int, **overrides) -> tuple[LLMEngine, list]:
+    config = EngineConfig(model=loaded.model_path, block_size=BLOCK,
+                          kv_cache_memory=overrides.pop("kv_cache_memory", "16MiB"), **overrides)
+    engine = LLMEngine(config, log=lambda _: None, runner=ModelRunner(config, log=lambda _: None, loaded=loaded))
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[int(out.request_id)] = out.outputs[0].token_ids
+        engine.block_manager.check_invariants()
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks, "KV blocks leaked"
+    if bm.window:
+        assert bm.window.num_free_seats == bm.window.num_seats, "recent-window seats leaked"
+    return engine, [done[i] for i in range(len(prompts))]
+
+
+@pytest.fixture(scope="module")
+def shared_prompts() -> list[list[int]]:
+    base = prompt_ids(40, seed=2)
+    return [base + prompt_ids(5 + 3 * i, seed=10 + i) for i in range(3)] + [prompt_ids(20, seed=3)]
+
+
+def test_window_longer_than_every_sequence_equals_auto_and_transformers(loaded, shared_prompts):
+    from transformers import AutoModelForCausalLM
+
+    _, auto = run_engine(loaded, shared_prompts, 12, kv_cache_dtype="auto")
+    engine, windowed = run_engine(loaded, shared_prompts, 12, kv_cache_dtype="fp8_e5m2", kv_recent_window=128)
+    assert windowed == auto
+    assert engine.stats.prefix_cache_hits == 0  # every cached block lies inside some prompt's window
+    model = AutoModelForCausalLM.from_pretrained(loaded.model_path, dtype=torch.float32).eval()
+    for prompt, out in zip(shared_prompts, auto):
+        with torch.no_grad():
+            gen = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12, min_new_tokens=12)
+        assert out == gen[0, len(prompt):].tolist()
+
+
+def test_preemption_recomputes_the_window_and_gives_the_same_tokens(loaded, shared_prompts):
+    """A cache too small for all sequences preempts and recomputes (refilling the ring); the tokens equal
+    those of a cache big enough for all, and nothing leaks."""
+    kw = {"kv_cache_dtype": "fp8_e4m3", "kv_recent_window": 8, "enable_prefix_caching": False, "max_num_seqs": 4}
+    _, roomy = run_engine(loaded, shared_prompts, 10, **kw)
+    block = 2 * 2 * 2 * 64 * BLOCK  # layers * K/V * kv heads * head size * tokens, 1 byte each
+    seat = 2 * 2 * 2 * 64 * 4 * 8  # 8 tokens in float32
+    engine, tight = run_engine(loaded, shared_prompts, 10, kv_cache_memory=16 * block + 4 * seat,
+                               max_num_batched_tokens=24, **kw)
+    assert engine.block_manager.window.num_seats == 4 and engine.block_manager.num_blocks == 16
+    assert engine.stats.num_preemptions > 0
+    assert tight == roomy
+
+
+def test_prefix_caching_on_and_off_agree_and_abort_frees_the_seat(loaded, shared_prompts):
+    _, off = run_engine(loaded, shared_prompts, 8, kv_cache_dtype="fp8_e4m3", kv_recent_window=8,
+                        enable_prefix_caching=False)
+    engine, on = run_engine(loaded, shared_prompts[:1], 8, kv_cache_dtype="fp8_e4m3", kv_recent_window=8)
+    engine.add_request("late", shared_prompts[1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    engine.add_request("gone", shared_prompts[2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    outs = {}
+    engine.step()
+    engine.abort_request("gone")
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outs[out.request_id] = out.outputs[0].token_ids
+    assert engine.stats.prefix_cache_hits > 0
+    assert on[0] == off[0] and outs["late"] == off[1]
+    bm = engine.block_manager
+    assert bm.window.num_free_seats == bm.window.num_seats and bm.num_free_blocks == bm.num_blocks
