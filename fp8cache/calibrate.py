@@ -11,6 +11,11 @@ subsample of tokens. The scale of each layer (and head) then comes from one stat
                 two below, that minimises the squared quantization error of the subsample.
 
 Which one is the default was decided by measuring KL on held-out text: see docs/kv-cache-quality.md.
+
+With a rotation the file must also serve readers that know no rotation (vLLM's plain `scaling_factor`,
+DESIGN section 3), and they quantize UNROTATED K/V. So the absolute maxima of the unrotated K/V are recorded
+too, and the same statistic, per tensor, on the unrotated subsample (the rotated one rotated back: H is its
+own inverse) gives each layer's `unrotated_scales` value: the larger of K's and V's.
 """
 
 from __future__ import annotations
@@ -139,7 +144,10 @@ class KVStatistics:
         self._v_parts: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
         self.tokens_per_sample = max(1, tokens_per_sample)
         self._generator = torch.Generator().manual_seed(seed)
-        self.matrix: torch.Tensor | None = None  # rotation applied before observing
+        self.rotation = rotation.NONE  # the kv rotation applied to K/V before `observe`
+        # With a rotation: per-head absolute maxima of the K/V before it (see observe_unrotated).
+        self.k_amax_unrotated: list[torch.Tensor | None] = [None] * num_layers
+        self.v_amax_unrotated: list[torch.Tensor | None] = [None] * num_layers
 
     def observe(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [tokens, kv_heads, head_size] of one sample."""
@@ -152,6 +160,17 @@ class KVStatistics:
         keep = torch.randperm(k.shape[0], generator=self._generator)[:self.tokens_per_sample]
         self._k_parts[layer].append(k[keep])
         self._v_parts[layer].append(v[keep])
+
+    def observe_unrotated(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [tokens, kv_heads, head_size] of one sample before the rotation (absolute maxima only)."""
+        k, v = k.detach().to("cpu", torch.float32), v.detach().to("cpu", torch.float32)
+        self.k_amax_unrotated[layer] = _running_max(self.k_amax_unrotated[layer], k.abs().amax(dim=(0, 2)))
+        self.v_amax_unrotated[layer] = _running_max(self.v_amax_unrotated[layer], v.abs().amax(dim=(0, 2)))
+
+    def unrotated_samples(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V subsamples as they were before the rotation."""
+        return (rotation.apply_rotation(self.k_samples(layer), self.rotation),
+                rotation.apply_rotation(self.v_samples(layer), self.rotation))
 
     def k_samples(self, layer: int) -> torch.Tensor:
         return torch.cat(self._k_parts[layer])
@@ -180,8 +199,9 @@ def _observing_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     if _active is None:
         raise RuntimeError(f"attention {ATTENTION_NAME!r} runs only inside fp8cache.calibrate.collect_statistics")
     k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, kv_heads, d], post-RoPE
-    if _active.matrix is not None:
-        k, v = rotation.rotate(k, _active.matrix), rotation.rotate(v, _active.matrix)
+    if _active.rotation != rotation.NONE:
+        _active.observe_unrotated(module.layer_idx, k, v)
+        k, v = rotation.apply_rotation(k, _active.rotation), rotation.apply_rotation(v, _active.rotation)
     _active.observe(module.layer_idx, k, v)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
@@ -206,7 +226,8 @@ def collect_statistics(model: torch.nn.Module, samples: list[list[int]], kv_rota
     head_size = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
     device = next(model.parameters()).device
     stats = KVStatistics(cfg.num_hidden_layers, SAMPLE_TOKENS // len(samples))
-    stats.matrix = rotation.rotation_matrix(kv_rotation, head_size, device)
+    rotation.rotation_matrix(kv_rotation, head_size)  # refuses unknown names and head sizes before the run
+    stats.rotation = kv_rotation
     AttentionInterface.register(ATTENTION_NAME, _observing_attention)
     model.set_attn_implementation(ATTENTION_NAME)
     with torch.inference_mode(), _observing(stats):
@@ -267,7 +288,21 @@ def scales_from_statistics(stats: KVStatistics, kv_cache_dtype: str, granularity
          for i in range(len(stats.k_amax))]
     v = [choose_scale(stats.v_amax[i], stats.v_samples(i), fmt, granularity, statistic)
          for i in range(len(stats.v_amax))]
-    return kv_scales.KVScales(k, v, kv_cache_dtype, source, kv_rotation)
+    unrotated = None
+    if kv_rotation != rotation.NONE:
+        unrotated = [unrotated_scale(stats, i, fmt, statistic) for i in range(len(stats.k_amax))]
+    return kv_scales.KVScales(k, v, kv_cache_dtype, source, kv_rotation, unrotated)
+
+
+def unrotated_scale(stats: KVStatistics, layer: int, fmt: formats.Fp8Format, statistic: str) -> float:
+    """One scale for the layer's unrotated K and V (the plain vLLM scaling_factor of a rotated file): the
+    statistic per tensor on each, then the larger, so that neither saturates more than the statistic lets."""
+    if stats.k_amax_unrotated[layer] is None:
+        raise RuntimeError(f"calibration recorded no unrotated K/V for layer {layer}; collect the statistics "
+                           "with collect_statistics(..., kv_rotation=...)")
+    k, v = stats.unrotated_samples(layer)
+    return max(float(choose_scale(stats.k_amax_unrotated[layer], k, fmt, "tensor", statistic)[0]),
+               float(choose_scale(stats.v_amax_unrotated[layer], v, fmt, "tensor", statistic)[0]))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -285,6 +320,9 @@ class CalibrationResult:
     model_path: str
     model_type: str
     num_kv_heads: int
+    # With a rotation: per layer, [num_kv_heads] absolute maxima of the K/V before it (None without).
+    k_amax_unrotated: list[torch.Tensor] | None = None
+    v_amax_unrotated: list[torch.Tensor] | None = None
 
 
 def calibrate(model: str | None, dataset: str, kv_cache_dtype: str = "fp8", num_samples: int = 32,
@@ -321,14 +359,18 @@ def calibrate(model: str | None, dataset: str, kv_cache_dtype: str = "fp8", num_
     stats = collect_statistics(loaded.model, samples, kv_rotation, on_sample)
     source = f"calibrated on {os.path.basename(dataset)} ({statistic}, {granularity})"
     scales = scales_from_statistics(stats, fmt_name, granularity, statistic, kv_rotation, source)
+    rotated = kv_rotation != rotation.NONE
     return CalibrationResult(scales, list(stats.k_amax), list(stats.v_amax), statistic, granularity,
                              len(samples), sum(len(s) for s in samples), loaded.model_path,
                              getattr(cfg, "model_type", "unknown"),
-                             getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+                             getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+                             list(stats.k_amax_unrotated) if rotated else None,
+                             list(stats.v_amax_unrotated) if rotated else None)
 
 
 def write_scales(result: CalibrationResult, path: str) -> None:
-    """The DESIGN section 3 file: vLLM's `scaling_factor` plus fp8kv's per-K/V (and per-head) keys."""
+    """The DESIGN section 3 file: vLLM's `scaling_factor` plus fp8kv's per-K/V (and per-head) keys; with a
+    rotation, `scaling_factor` holds the unrotated scales and k_/v_scaling_factor the rotated ones."""
     kv_scales.write_scales_file(path, result.scales, result.model_type, result.num_kv_heads)
 
 

@@ -12,12 +12,17 @@ inverse: the same matrix rotates and rotates back.
 Head sizes that are not a power of two (80, 96, 112, ...) get a block-diagonal H whose blocks are the largest
 power of two that divides the head size (80 -> 5 blocks of 16, 96 -> 3 of 32, 112 -> 7 of 16); blocks smaller
 than MIN_BLOCK spread too little and are refused.
+
+`apply_rotation` is what the attention layer calls: the compiled fast Walsh-Hadamard transform
+(torch.ops.fp8kv.hadamard_transform, O(d log d) per row) once the op library is loaded, else the float32
+matmul `rotate` with `rotation_matrix` (O(d^2) per row), which stays the reference.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 
@@ -72,3 +77,40 @@ def rotation_matrix(rotation: str, head_size: int, device: torch.device | str = 
 def rotate(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
     """x [..., d] @ matrix in float32, back in x's dtype. With a Hadamard matrix this also undoes itself."""
     return (x.to(torch.float32) @ matrix).to(x.dtype)
+
+
+# dtypes the compiled op takes; others (float64, ...) go through the matmul.
+_OP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def apply_rotation(x: torch.Tensor, rotation: str) -> torch.Tensor:
+    """x [..., d] in the basis of kv rotation `rotation`, in x's dtype: x itself for "none", x @ H for
+    "hadamard" (H is its own inverse, so the same call rotates back). The result is contiguous for "hadamard".
+
+    Runs the compiled op when it can (see `uses_compiled_op`), else `rotate(x, rotation_matrix(...))`; the two
+    agree to float32 rounding. Raises for unknown names and head sizes H cannot rotate."""
+    if rotation == NONE:
+        return x
+    if rotation != HADAMARD:
+        raise ValueError(f"unknown kv rotation {rotation!r}; valid: {', '.join(ROTATIONS)}")
+    if x.dim() == 0:
+        raise ValueError("apply_rotation needs x of shape [..., head_size], got a 0-dim tensor")
+    hadamard_block_size(x.shape[-1])  # the same refusal on both paths
+    if uses_compiled_op(x):
+        return torch.ops.fp8kv.hadamard_transform(x)
+    return rotate(x, hadamard_matrix(x.shape[-1], x.device))
+
+
+def uses_compiled_op(x: torch.Tensor) -> bool:
+    """Whether apply_rotation(x, "hadamard") runs torch.ops.fp8kv.hadamard_transform: the op library is loaded
+    in this process (fp8cache.ops.load(); this never compiles it), FP8KV_REFERENCE_OPS is not "1", x is
+    float32/bfloat16/float16, and the library has a kernel for x's device (CPU always, CUDA/ROCm when it was
+    built with GPU sources)."""
+    if os.environ.get("FP8KV_REFERENCE_OPS") == "1" or x.dtype not in _OP_DTYPES:
+        return False
+    from fp8cache.ops import _build
+
+    built = _build.last_build()
+    if built is None:
+        return False
+    return x.device.type == "cpu" or (x.device.type == "cuda" and built.with_cuda)

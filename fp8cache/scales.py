@@ -54,13 +54,27 @@ class KVScales:
     v: list[torch.Tensor]
     fmt_name: str  # canonical kv-cache-dtype the scales apply to ("fp8_e4m3", ...)
     source: str  # for people: "file scales.json", "checkpoint", ...
-    rotation: str = "none"  # reserved for a Hadamard rotation of K/V before quantization
+    rotation: str = "none"  # "hadamard": k and v are scales of K H and V H (fp8cache.rotation)
+    # Rotated scales only: per layer, one scale for the UNROTATED K and V together. It is what the plain vLLM
+    # `scaling_factor` of a rotated file holds, for readers that know no rotation and apply it to unrotated
+    # K/V; fp8kv itself uses k and v. None for unrotated scales (their plain scale is max(k, v)).
+    unrotated_scales: list[float] | None = None
 
     def __post_init__(self) -> None:
         if len(self.k) != len(self.v):
             raise ValueError(f"KVScales needs as many K as V layers, got {len(self.k)} and {len(self.v)}")
         if self.rotation not in ROTATIONS:
             raise ValueError(f"unknown kv rotation {self.rotation!r}; valid: {', '.join(ROTATIONS)}")
+        if self.unrotated_scales is not None:
+            if self.rotation == "none":
+                raise ValueError("unrotated_scales are for rotated scales only; unrotated scales give vLLM's "
+                                 "plain scale as max(k, v)")
+            if len(self.unrotated_scales) != len(self.k):
+                raise ValueError(f"unrotated_scales has {len(self.unrotated_scales)} layers, k and v have "
+                                 f"{len(self.k)}")
+            bad = [s for s in self.unrotated_scales if not (math.isfinite(s) and s > 0)]
+            if bad:
+                raise ValueError(f"unrotated_scales must be positive finite numbers, got {bad[0]!r}")
 
     @property
     def num_layers(self) -> int:
@@ -87,8 +101,9 @@ class KVScales:
         factor = 1.0
         if self.fmt_name in _E4M3_SCALE_UNIT and name in _E4M3_SCALE_UNIT:
             factor = _E4M3_SCALE_UNIT[name] / _E4M3_SCALE_UNIT[self.fmt_name]
+        unrotated = None if self.unrotated_scales is None else [s * factor for s in self.unrotated_scales]
         return KVScales([t * factor for t in self.k], [t * factor for t in self.v], name, self.source,
-                        self.rotation)
+                        self.rotation, unrotated)
 
     def shard(self, tp_rank: int, tp_size: int) -> KVScales:
         """This tensor-parallel rank's scales: per-head vectors cut to the rank's heads."""
@@ -102,7 +117,7 @@ class KVScales:
             return t[start:stop].clone()
 
         return KVScales([cut(t) for t in self.k], [cut(t) for t in self.v], self.fmt_name, self.source,
-                        self.rotation)
+                        self.rotation, self.unrotated_scales)
 
 
 def head_range(num_kv_heads: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
@@ -134,6 +149,10 @@ def ones(num_layers: int, fmt_name: str) -> KVScales:
 
 # ---------------------------------------------------------------------------------------------------
 # Scale files (vLLM/aphrodite schema + fp8kv's k_/v_scaling_factor and kv_rotation)
+#
+# A rotated file ("kv_rotation": "hadamard") keeps the vLLM schema valid for readers that ignore the key:
+# `scaling_factor` holds the scale of the UNROTATED K/V, which is what they will quantize; the scales of
+# the rotated K/V, which fp8kv uses, are in k_scaling_factor and v_scaling_factor, required in such a file.
 
 _TABLES = ("scaling_factor", "k_scaling_factor", "v_scaling_factor")
 
@@ -155,11 +174,20 @@ def load_scales_file(path: str | os.PathLike, num_layers: int, num_kv_heads: int
         raise ScalesFileError(path, "kv_cache.scaling_factor", "is missing",
                               "add {\"<tp_rank>\": {\"<layer>\": scale}}, or both k_scaling_factor "
                               "and v_scaling_factor")
+    if rotation != "none" and not {"k_scaling_factor", "v_scaling_factor"} <= set(present):
+        missing = next(name for name in ("k_scaling_factor", "v_scaling_factor") if name not in present)
+        raise ScalesFileError(path, f"kv_cache.{missing}", f"is missing, and a file with kv_rotation {rotation!r} "
+                              "needs it: its scaling_factor holds the scales of unrotated K/V (for plain vLLM "
+                              "readers), not of the rotated K/V the cache stores",
+                              f"make the file again with `fp8kv calibrate --kv-rotation {rotation}`")
     tables = {name: _read_table(path, name, kv[name], num_layers, num_kv_heads, tp_rank, tp_size)
               for name in present}
     k = tables.get("k_scaling_factor") or tables["scaling_factor"]
     v = tables.get("v_scaling_factor") or tables["scaling_factor"]
-    scales = KVScales(k, v, fmt.name, f"file {path}", rotation)
+    unrotated = None
+    if rotation != "none" and "scaling_factor" in tables:
+        unrotated = [float(t.max()) for t in tables["scaling_factor"]]
+    scales = KVScales(k, v, fmt.name, f"file {path}", rotation, unrotated)
     return scales if kv_cache_dtype == formats.AUTO else scales.for_format(kv_cache_dtype)
 
 
@@ -261,7 +289,10 @@ def _scale_value(path: str | os.PathLike, key: str, value: object) -> float:
 
 
 def write_scales_file(path: str | os.PathLike, scales: KVScales, model_type: str, num_kv_heads: int) -> None:
-    """Write `scales` atomically in the vLLM schema that plain vLLM/aphrodite readers also accept."""
+    """Write `scales` atomically in the vLLM schema that plain vLLM/aphrodite readers also accept.
+
+    Rotated scales need `scales.unrotated_scales`: they become the plain `scaling_factor`, since readers that
+    know no rotation apply it to unrotated K/V (fp8cache.calibrate measures them)."""
     fmt = formats.FP8_FORMATS.get(scales.fmt_name)
     if fmt is None:
         raise ValueError(f"cannot write scales for kv-cache-dtype {scales.fmt_name!r}: need one of "
@@ -278,8 +309,16 @@ def write_scales_file(path: str | os.PathLike, scales: KVScales, model_type: str
         t = t.detach().to("cpu", torch.float32)
         return float(t) if t.numel() == 1 else [float(x) for x in t]
 
-    # Plain readers use one scale for K and V: the largest never saturates what either side stored.
-    combined = {str(i): max(float(k.max()), float(v.max())) for i, (k, v) in enumerate(zip(scales.k, scales.v))}
+    if scales.rotation == "none":
+        # Plain readers use one scale for K and V: the largest never saturates what either side stored.
+        combined = {str(i): max(float(k.max()), float(v.max())) for i, (k, v) in enumerate(zip(scales.k, scales.v))}
+    elif scales.unrotated_scales is None:
+        raise ValueError(f"scales with kv rotation {scales.rotation!r} need unrotated_scales (one scale per "
+                         "layer for the unrotated K/V) to write the plain vLLM scaling_factor, which readers "
+                         "that know no rotation apply to unrotated K/V; calibrate them with "
+                         f"`fp8kv calibrate --kv-rotation {scales.rotation}`")
+    else:
+        combined = {str(i): float(s) for i, s in enumerate(scales.unrotated_scales)}
     kv_cache = {
         "dtype": fmt.scale_file_dtype,
         "scaling_factor": {"0": combined},

@@ -3,13 +3,14 @@
 #
 #   scripts/compile_check.sh [cuda|cuda-kernels|cuda-bindings|hip|hip-kernels|hip-hipify|all]  (default: all)
 #
-#   cuda-kernels   nvcc: csrc/cuda/kernels_instantiate.cu (torch-free, all kernels) for sm_80, sm_89, sm_90
-#   cuda-bindings  nvcc -std=c++20: csrc/cuda/torch_bindings_cuda.cu for sm_90, against the headers of a
-#                  CUDA build of torch unzipped from a wheel (this machine's torch is CPU-only)
+#   cuda-kernels   nvcc: csrc/cuda/kernels_instantiate.cu and hadamard_kernels.cu (torch-free, all kernels)
+#                  for sm_80, sm_89, sm_90
+#   cuda-bindings  nvcc -std=c++20: csrc/cuda/torch_bindings_cuda.cu and hadamard.cu for sm_90, against the
+#                  headers of a CUDA build of torch unzipped from a wheel (this machine's torch is CPU-only)
 #   cuda           both of the above
-#   hip-kernels    hipcc (HIP_PLATFORM=amd): the same kernel file as HIP (-x hip) for gfx90a and gfx940
+#   hip-kernels    hipcc (HIP_PLATFORM=amd): the same kernel files as HIP (-x hip) for gfx90a and gfx940
 #   hip-hipify     torch.utils.hipify on a copy of csrc/ (as a ROCm torch build does), then hipcc on the
-#                  hipified kernel file for gfx90a
+#                  hipified kernel files for gfx90a
 #   hip            both HIP checks. The bindings are not HIP-compiled: there are no ROCm torch headers here.
 #
 # Exit status: 0 compiled, 1 a compile failed, 77 skipped because a compiler (or the torch wheel) is missing.
@@ -58,10 +59,17 @@ check_cuda_kernels() {
   local nvcc
   nvcc="$(find_tool "${NVCC:-}" nvcc /usr/local/bin/nvcc /usr/local/cuda/bin/nvcc)" ||
     { echo "SKIP cuda-kernels: nvcc not found (set NVCC)"; return $SKIPPED; }
+  local status=0
   run_timed "cuda-kernels sm_80,sm_89,sm_90" "$nvcc" -std=c++17 -O3 "${TORCH_NVCC_FLAGS[@]}" --threads "${MAX_JOBS:-1}" \
     -gencode arch=compute_80,code=sm_80 -gencode arch=compute_89,code=sm_89 -gencode arch=compute_90,code=sm_90 \
     --Werror all-warnings -Xptxas=-warn-spills,-warn-lmem-usage \
-    -c "$CSRC/cuda/kernels_instantiate.cu" -o "$OUT/kernels_cuda.o"
+    -c "$CSRC/cuda/kernels_instantiate.cu" -o "$OUT/kernels_cuda.o" || status=1
+  run_timed "cuda-kernels hadamard sm_80,sm_89,sm_90" "$nvcc" -std=c++17 -O3 "${TORCH_NVCC_FLAGS[@]}" \
+    --threads "${MAX_JOBS:-1}" \
+    -gencode arch=compute_80,code=sm_80 -gencode arch=compute_89,code=sm_89 -gencode arch=compute_90,code=sm_90 \
+    --Werror all-warnings -Xptxas=-warn-spills,-warn-lmem-usage \
+    -c "$CSRC/cuda/hadamard_kernels.cu" -o "$OUT/hadamard_cuda.o" || status=1
+  return $status
 }
 
 # torch/include of a CUDA torch wheel, unzipped once into the cache.
@@ -90,10 +98,16 @@ check_cuda_bindings() {
     { echo "SKIP cuda-bindings: nvcc not found (set NVCC)"; return $SKIPPED; }
   include="$(cuda_torch_include)" ||
     { echo "SKIP cuda-bindings: no CUDA torch wheel at $TORCH_CUDA_WHEEL (set TORCH_CUDA_WHEEL)"; return $SKIPPED; }
+  local status=0
   run_timed "cuda-bindings sm_90" "$nvcc" -std=c++20 -O2 "${TORCH_NVCC_FLAGS[@]}" \
     -gencode arch=compute_90,code=sm_90 -Xcompiler -fPIC -D_GLIBCXX_USE_CXX11_ABI=1 \
     -I "$CSRC" -isystem "$include" -isystem "$include/torch/csrc/api/include" \
-    -c "$CSRC/cuda/torch_bindings_cuda.cu" -o "$OUT/bindings_cuda.o"
+    -c "$CSRC/cuda/torch_bindings_cuda.cu" -o "$OUT/bindings_cuda.o" || status=1
+  run_timed "cuda-bindings hadamard sm_90" "$nvcc" -std=c++20 -O2 "${TORCH_NVCC_FLAGS[@]}" \
+    -gencode arch=compute_90,code=sm_90 -Xcompiler -fPIC -D_GLIBCXX_USE_CXX11_ABI=1 \
+    -I "$CSRC" -isystem "$include" -isystem "$include/torch/csrc/api/include" \
+    -c "$CSRC/cuda/hadamard.cu" -o "$OUT/hadamard_bindings_cuda.o" || status=1
+  return $status
 }
 
 find_hipcc() {
@@ -105,9 +119,14 @@ check_hip_kernels() {
   hipcc="$(find_hipcc)" ||
     { echo "SKIP hip-kernels: hipcc not found (apt-get install hipcc libamdhip64-dev, or set HIPCC)"; return $SKIPPED; }
   echo "note: HIP bindings are not compiled (no ROCm torch headers here); kernels only"
+  local status=0
   HIP_PLATFORM=amd run_timed "hip-kernels gfx90a,gfx940" "$hipcc" -x hip -std=c++17 -O3 "${TORCH_HIPCC_FLAGS[@]}" \
     --offload-arch=gfx90a --offload-arch=gfx940 -Werror \
-    -c "$CSRC/cuda/kernels_instantiate.cu" -o "$OUT/kernels_hip.o"
+    -c "$CSRC/cuda/kernels_instantiate.cu" -o "$OUT/kernels_hip.o" || status=1
+  HIP_PLATFORM=amd run_timed "hip-kernels hadamard gfx90a,gfx940" "$hipcc" -x hip -std=c++17 -O3 \
+    "${TORCH_HIPCC_FLAGS[@]}" --offload-arch=gfx90a --offload-arch=gfx940 -Werror \
+    -c "$CSRC/cuda/hadamard_kernels.cu" -o "$OUT/hadamard_hip.o" || status=1
+  return $status
 }
 
 check_hip_hipify() {
@@ -127,9 +146,14 @@ hipify_python.hipify(project_directory=root, output_directory=root, header_inclu
                      includes=[os.path.join(root, "*")], extra_files=sources, show_detailed=False,
                      show_progress=False, is_pytorch_extension=True, hipify_extra_files_only=True)
 PY
+  local status=0
   HIP_PLATFORM=amd run_timed "hip-hipify gfx90a" "$hipcc" -x hip -std=c++17 -O3 "${TORCH_HIPCC_FLAGS[@]}" \
     --offload-arch=gfx90a -Werror -I "$OUT/hipify" \
-    -c "$OUT/hipify/hip/kernels_instantiate.hip" -o "$OUT/kernels_hipified.o"
+    -c "$OUT/hipify/hip/kernels_instantiate.hip" -o "$OUT/kernels_hipified.o" || status=1
+  HIP_PLATFORM=amd run_timed "hip-hipify hadamard gfx90a" "$hipcc" -x hip -std=c++17 -O3 "${TORCH_HIPCC_FLAGS[@]}" \
+    --offload-arch=gfx90a -Werror -I "$OUT/hipify" \
+    -c "$OUT/hipify/hip/hadamard_kernels.hip" -o "$OUT/hadamard_hipified.o" || status=1
+  return $status
 }
 
 # Run the named checks; a skip does not hide a failure, and all-skipped reports a skip.

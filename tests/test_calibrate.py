@@ -127,6 +127,56 @@ def test_hadamard_tensor_scales_are_maxima_of_rotated_k_and_v(default_model_path
     assert load_scales_file(path, 30, 3, "fp8_e5m2").rotation == "hadamard"
 
 
+def test_rotated_file_gives_vllm_readers_the_unrotated_scale(default_model_path, texts, loaded, tmp_path):
+    """A reader that ignores kv_rotation applies scaling_factor to UNROTATED K/V: it must be their statistic,
+    while fp8kv reads the rotated scales from k_/v_scaling_factor."""
+    result = cal.calibrate(default_model_path, texts[0], "fp8_e4m3", 1, SEQ_LEN, granularity="head",
+                           kv_rotation="hadamard", statistic="amax")
+    path = str(tmp_path / "rotated.json")
+    cal.write_scales(result, path)
+    ids = loaded.tokenizer(read_text(texts[0]))["input_ids"][:SEQ_LEN]
+    plain = vllm_schema_scales(path, 30)
+    doc = read_json(path)
+    h = torch.tensor(scipy_hadamard(64), dtype=torch.float32) / 8
+    saturated_before = 0
+    for i, (k, v) in enumerate(independent_kv(default_model_path, [ids])):
+        unrotated_amax = max(float(k.abs().max()), float(v.abs().max()))
+        assert plain[i] == pytest.approx(unrotated_amax / E4M3.max, rel=1e-5)
+        for name, x in (("k_scaling_factor", k), ("v_scaling_factor", v)):  # per head, of the rotated K/V
+            want = ((x @ h).abs().amax(dim=(0, 2)) / E4M3.max).tolist()
+            assert doc["kv_cache"][name]["0"][str(i)] == pytest.approx(want, rel=1e-5)
+        old_plain = max(doc["kv_cache"]["k_scaling_factor"]["0"][str(i)] + doc["kv_cache"]["v_scaling_factor"]["0"][str(i)])
+        saturated_before += old_plain < plain[i] * (1 - 1e-6)
+    # The rotation spreads outliers, so rotated maxima are smaller: a plain scale taken from them (as files
+    # had before) saturates unrotated K/V in a vLLM reader. This data shows it, so the check above has teeth.
+    assert saturated_before > 0
+    back = load_scales_file(path, 30, 3, "fp8_e4m3")
+    assert back.rotation == "hadamard"
+    assert all(torch.equal(a, b) for a, b in zip(back.k + back.v, result.scales.k + result.scales.v))
+    assert back.unrotated_scales == pytest.approx(plain, rel=1e-7)
+    assert load_scales_file(path, 30, 3, "fp8_e4m3fnuz").unrotated_scales == pytest.approx([2 * s for s in plain],
+                                                                                          rel=1e-7)
+
+
+def test_rotated_files_and_scales_without_both_kinds_of_scale_are_refused(tmp_path):
+    rotated = cal.kv_scales.KVScales([torch.tensor([0.02])] * 2, [torch.tensor([0.01])] * 2, "fp8_e4m3", "x",
+                                     "hadamard")
+    with pytest.raises(ValueError, match="need unrotated_scales .* plain vLLM scaling_factor"):
+        cal.kv_scales.write_scales_file(tmp_path / "a.json", rotated, "llama", 1)
+    with pytest.raises(ValueError, match="unrotated_scales are for rotated scales only"):
+        cal.kv_scales.KVScales(rotated.k, rotated.v, "fp8_e4m3", "x", "none", [0.03, 0.03])
+    with pytest.raises(ValueError, match="unrotated_scales has 1 layers"):
+        cal.kv_scales.KVScales(rotated.k, rotated.v, "fp8_e4m3", "x", "hadamard", [0.03])
+    # A rotated file whose only scales are the plain (unrotated) ones cannot be used for the rotated cache.
+    path = tmp_path / "plain-only.json"
+    path.write_text(json.dumps({"model_type": "llama", "kv_rotation": "hadamard", "kv_cache": {
+        "dtype": "float8_e4m3fn", "scaling_factor": {"0": {"0": 0.03, "1": 0.03}}}}))
+    with pytest.raises(cal.kv_scales.ScalesFileError,
+                       match=r"key kv_cache.k_scaling_factor: is missing.*kv_rotation 'hadamard'.*"
+                             r"fp8kv calibrate --kv-rotation hadamard"):
+        load_scales_file(str(path), 2, 1, "fp8_e4m3")
+
+
 # ---- the file ----------------------------------------------------------------------------------------
 
 def test_file_follows_the_schema_and_loads_back(head_amax):
@@ -292,6 +342,14 @@ def test_command_writes_the_file_and_prints_the_table(tiny_llama_path, tmp_path)
     assert run.exit_code == 0, run.output
     assert "KV scales (fp8_e5m2" in run.output and "│     1 │" in run.output
     assert load_scales_file(str(out), 2, 2, "fp8_e5m2").per_head()
+    assert "vLLM scale" not in run.output
+    rotated = CliRunner().invoke(calibrate_command, [tiny_llama_path, "--dataset", str(data), "--num-samples", "1",
+                                                     "--max-seq-len", "32", "--kv-rotation", "hadamard", "--output",
+                                                     str(out)], terminal_width=200)
+    assert rotated.exit_code == 0, rotated.output
+    assert "vLLM scale" in rotated.output
+    assert load_scales_file(str(out), 2, 2, "fp8_e4m3").unrotated_scales == pytest.approx(
+        vllm_schema_scales(str(out), 2), rel=1e-7)
     bad = CliRunner().invoke(calibrate_command, [tiny_llama_path, "--dataset", str(data), "--kv-rotation",
                                                  "hadamard", "--output", str(out), "--write-checkpoint",
                                                  str(tmp_path / "ckpt")])

@@ -177,7 +177,8 @@ def test_fp8_rotation_and_per_head_scales_from_the_file_reach_the_cache_and_logi
         "k_scaling_factor": {"0": k}, "v_scaling_factor": {"0": v}}}
     path = tmp_path / "rotated.json"
     path.write_text(json.dumps(doc))
-    runner = make_runner(loaded, "fp8_e4m3", quantization_param_path=str(path))
+    # kv_recent_window=0: every position in FP8, as the fake-quant references below assume.
+    runner = make_runner(loaded, "fp8_e4m3", quantization_param_path=str(path), kv_recent_window=0)
     assert runner.kv_rotation == "hadamard" and runner.scales.per_head()
     logits = runner.execute(window_batch(text_ids, runner.block_size), all_logits=True)
 

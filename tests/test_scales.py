@@ -47,8 +47,10 @@ def kv_scales(draw, fmt_names=FORMAT_NAMES):
 
     k = [one_layer() for _ in range(num_layers)]
     v = [one_layer() for _ in range(num_layers)] if separate else [t.clone() for t in k]
-    scales = KVScales(k, v, draw(st.sampled_from(fmt_names)), "test",
-                      draw(st.sampled_from(["none", "hadamard"])))
+    rotation = draw(st.sampled_from(["none", "hadamard"]))
+    # Rotated scales carry the scale of the unrotated K/V for vLLM's plain scaling_factor.
+    unrotated = [draw(scale_values) for _ in range(num_layers)] if rotation != "none" else None
+    scales = KVScales(k, v, draw(st.sampled_from(fmt_names)), "test", rotation, unrotated)
     return scales, num_kv_heads
 
 
@@ -80,6 +82,7 @@ def test_write_then_load_gives_the_same_scales(drawn):
     assert_same_values(scales.v, loaded.v)
     assert loaded.fmt_name == scales.fmt_name
     assert loaded.rotation == scales.rotation
+    assert loaded.unrotated_scales == scales.unrotated_scales
     assert loaded.per_head() == scales.per_head()
     assert loaded.source.startswith("file ") and loaded.source.endswith("scales.json")
     assert loaded.fingerprint() == scales.fingerprint()
@@ -132,6 +135,9 @@ def test_vllm_only_readers_get_one_conservative_scale_per_layer(drawn):
     assert doc["kv_cache"]["dtype"] == formats.FP8_FORMATS[scales.fmt_name].scale_file_dtype
     assert ("kv_rotation" in doc) == (scales.rotation != "none")
     for layer, value in enumerate(plain):
+        if scales.rotation != "none":  # they apply it to unrotated K/V: the unrotated scale, not k/v's
+            assert value == scales.unrotated_scales[layer]
+            continue
         every = torch.cat([scales.k[layer], scales.v[layer]]).tolist()
         assert value == max(every)  # large enough that neither K nor V saturates
         assert all(value >= x for x in every)
