@@ -59,8 +59,14 @@ class KVScales:
     # `scaling_factor` of a rotated file holds, for readers that know no rotation and apply it to unrotated
     # K/V; fp8kv itself uses k and v. None for unrotated scales (their plain scale is max(k, v)).
     unrotated_scales: list[float] | None = None
+    # The kv_recent_window the scales were made for (`fp8kv calibrate --kv-recent-window`); run, eval and
+    # bench use it when the user gives none. None: not recorded.
+    recent_window: int | None = None
 
     def __post_init__(self) -> None:
+        if self.recent_window is not None and (not isinstance(self.recent_window, int)
+                                               or isinstance(self.recent_window, bool) or self.recent_window < 0):
+            raise ValueError(f"recent_window={self.recent_window!r} must be a whole number of tokens >= 0")
         if len(self.k) != len(self.v):
             raise ValueError(f"KVScales needs as many K as V layers, got {len(self.k)} and {len(self.v)}")
         if self.rotation not in ROTATIONS:
@@ -103,7 +109,7 @@ class KVScales:
             factor = _E4M3_SCALE_UNIT[name] / _E4M3_SCALE_UNIT[self.fmt_name]
         unrotated = None if self.unrotated_scales is None else [s * factor for s in self.unrotated_scales]
         return KVScales([t * factor for t in self.k], [t * factor for t in self.v], name, self.source,
-                        self.rotation, unrotated)
+                        self.rotation, unrotated, self.recent_window)
 
     def shard(self, tp_rank: int, tp_size: int) -> KVScales:
         """This tensor-parallel rank's scales: per-head vectors cut to the rank's heads."""
@@ -117,7 +123,7 @@ class KVScales:
             return t[start:stop].clone()
 
         return KVScales([cut(t) for t in self.k], [cut(t) for t in self.v], self.fmt_name, self.source,
-                        self.rotation, self.unrotated_scales)
+                        self.rotation, self.unrotated_scales, self.recent_window)
 
 
 def head_range(num_kv_heads: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
@@ -187,7 +193,11 @@ def load_scales_file(path: str | os.PathLike, num_layers: int, num_kv_heads: int
     unrotated = None
     if rotation != "none" and "scaling_factor" in tables:
         unrotated = [float(t.max()) for t in tables["scaling_factor"]]
-    scales = KVScales(k, v, fmt.name, f"file {path}", rotation, unrotated)
+    window = doc.get("kv_recent_window")
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 0):
+        raise ScalesFileError(path, "kv_recent_window", f"must be a whole number of tokens >= 0, not {window!r}",
+                              "fix it, or drop the key to use fp8kv's default")
+    scales = KVScales(k, v, fmt.name, f"file {path}", rotation, unrotated, window)
     return scales if kv_cache_dtype == formats.AUTO else scales.for_format(kv_cache_dtype)
 
 
@@ -328,6 +338,8 @@ def write_scales_file(path: str | os.PathLike, scales: KVScales, model_type: str
     doc: dict[str, object] = {"model_type": model_type, "kv_cache": kv_cache}
     if scales.rotation != "none":
         doc["kv_rotation"] = scales.rotation
+    if scales.recent_window is not None:
+        doc["kv_recent_window"] = scales.recent_window
     _write_atomically(path, json.dumps(doc, indent=2) + "\n")
 
 

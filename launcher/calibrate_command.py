@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import click
@@ -42,10 +43,14 @@ console = Console(stderr=True)
               help="Dtype the model runs in (auto: float32 on CPU).")
 @click.option("--device", default="cpu", help="torch device: cpu, cuda, ...")
 @click.option("--tokenizer", metavar="PATH", help="Tokenizer folder, if not the model's.")
+@click.option("--kv-recent-window", type=click.IntRange(min=0), default=None,
+              help="Record the recent-token window (newest tokens kept in full precision) to use with these scales; "
+                   "run/eval/bench take it when not given one.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow Python code shipped in the model folder to run.")
 def calibrate(model: str | None, dataset: str, num_samples: int, max_seq_len: int | None, granularity: str,
               kv_rotation: str, kv_cache_dtype: str, statistic: str, output: str, write_checkpoint: str | None,
-              dtype: str, device: str, tokenizer: str | None, trust_remote_code: bool) -> None:
+              dtype: str, device: str, tokenizer: str | None, kv_recent_window: int | None,
+              trust_remote_code: bool) -> None:
     """Measure KV cache scales of MODEL (default: the embedded model) on a calibration dataset.
 
     Example: fp8kv calibrate ./my-model --dataset calib.txt --kv-cache-dtype fp8 --output scales.json
@@ -62,6 +67,8 @@ def calibrate(model: str | None, dataset: str, num_samples: int, max_seq_len: in
                 granularity=granularity, kv_rotation=kv_rotation, statistic=statistic, dtype=dtype,
                 device=device, tokenizer=tokenizer, trust_remote_code=trust_remote_code, progress=True,
                 on_samples=on_samples)
+        if kv_recent_window is not None:
+            result.scales = dataclasses.replace(result.scales, recent_window=kv_recent_window)
         cal.write_scales(result, output)
         checkpoint = cal.write_checkpoint(result, write_checkpoint) if write_checkpoint else None
     except (ValueError, OSError, DefaultModelError) as exc:

@@ -342,7 +342,13 @@ def test_command_writes_the_file_and_prints_the_table(tiny_llama_path, tmp_path)
     assert run.exit_code == 0, run.output
     assert "KV scales (fp8_e5m2" in run.output and "│     1 │" in run.output
     assert load_scales_file(str(out), 2, 2, "fp8_e5m2").per_head()
+    assert load_scales_file(str(out), 2, 2, "fp8_e5m2").recent_window is None
     assert "vLLM scale" not in run.output
+    windowed = CliRunner().invoke(calibrate_command, [tiny_llama_path, "--dataset", str(data), "--num-samples", "1",
+                                                      "--max-seq-len", "32", "--kv-cache-dtype", "fp8_e5m2",
+                                                      "--kv-recent-window", "16", "--output", str(out)])
+    assert windowed.exit_code == 0, windowed.output
+    assert load_scales_file(str(out), 2, 2, "fp8_e5m2").recent_window == 16
     rotated = CliRunner().invoke(calibrate_command, [tiny_llama_path, "--dataset", str(data), "--num-samples", "1",
                                                      "--max-seq-len", "32", "--kv-rotation", "hadamard", "--output",
                                                      str(out)], terminal_width=200)
