@@ -233,3 +233,30 @@ def test_raw_http_garbage_does_not_break_the_server(server):
     assert reply == b"" or reply.startswith(b"HTTP/1.1 4")
     with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as c:
         assert c.get("/v1/models").status_code == 200
+
+
+def test_a_whole_oversized_body_in_one_message_is_refused_without_waiting():
+    """The body can arrive in one ASGI message (more_body False); the refusal must not then wait for more."""
+    import asyncio
+
+    from starlette.requests import Request
+
+    from fp8cache.server import app as server_app
+    from fp8cache.server import protocol as P
+
+    sent = []
+
+    async def receive():
+        if not sent:
+            sent.append(True)
+            return {"type": "http.request", "body": b"x" * 2048, "more_body": False}
+        await asyncio.sleep(3600)  # a client waiting for our answer sends nothing more
+
+    request = Request({"type": "http", "method": "POST", "headers": []}, receive)
+
+    async def read():
+        return await asyncio.wait_for(server_app.read_json(request, 1024), timeout=10)
+
+    with pytest.raises(P.RequestError) as refused:
+        asyncio.run(read())
+    assert refused.value.status == 413

@@ -23,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from fp8cache.server import protocol as P
 from fp8cache.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
@@ -255,19 +256,31 @@ def _too_big(limit: int) -> P.RequestError:
 # -- body parsing ------------------------------------------------------------------------------------
 
 
+async def _read_body(request: Request, limit: int) -> bytes:
+    # ASGI messages rather than request.stream(): we must know whether the message that crossed the limit was
+    # the last one. Draining after the last one would wait for a disconnect the client never sends (it waits
+    # for our answer): a whole oversized body arriving in one read used to hang until the client timed out.
+    chunks, size, more = [], 0, True
+    while more:
+        message = await request.receive()
+        if message["type"] != "http.request":
+            raise ClientDisconnect()
+        body, more = message.get("body", b""), message.get("more_body", False)
+        size += len(body)
+        if size > limit:
+            if more:
+                await _drain(request.receive, _DRAIN_LIMIT)
+            raise _too_big(limit)
+        chunks.append(body)
+    return b"".join(chunks)
+
+
 def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not valid JSON")
 
 
 async def read_json(request: Request, limit: int) -> Any:
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            await _drain(request.receive, _DRAIN_LIMIT)
-            raise _too_big(limit)
-        chunks.append(chunk)
-    raw = b"".join(chunks)
+    raw = await _read_body(request, limit)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
