@@ -33,23 +33,36 @@ def _cuda_include() -> Path | None:
 
 # "shared": the FP8 conversions of common/fp8.h, as on GPUs before sm_89, for E4M3FNUZ and on ROCm.
 # "cuda_fp8": the sm_89+ path through cuda_fp8.h (here its host implementation of the same conversions).
-@pytest.fixture(scope="module", params=["shared", "cuda_fp8"])
-def emu(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+EMULATION_VARIANTS = ["shared", "cuda_fp8"]
+
+
+def load_emulation(variant: str, tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+    """The host emulation library, built once per test session (a minute or so; shared with
+    tests/test_cuda_window_emulation.py)."""
     cxx = shutil.which("g++")
     if cxx is None:
         pytest.skip("g++ not found: the host emulation of the GPU kernels needs g++ >= 12")
     flags = ["-DFP8KV_HOST_EMULATION"]
-    if request.param == "cuda_fp8":
+    if variant == "cuda_fp8":
         include = _cuda_include()
         if include is None:
             pytest.skip("cuda_fp8.h not found under /usr/local/cuda*/include: no CUDA toolkit")
         flags += ["-DFP8KV_HOST_EMULATION_CUDA_FP8", "-I", str(include)]
-    lib = tmp_path_factory.mktemp("emu") / f"fp8kv_host_emulation_{request.param}.so"
-    cmd = [cxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", *flags,
-           str(CSRC / "cuda" / "host_emulation.cpp"), "-o", str(lib)]
-    done = subprocess.run(cmd, check=False, capture_output=True, text=True)
-    assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stderr}"
+    lib = tmp_path_factory.getbasetemp() / "fp8kv_host_emulation" / f"{variant}.so"
+    if not lib.is_file():
+        lib.parent.mkdir(exist_ok=True)
+        partial = lib.with_suffix(".partial")
+        cmd = [cxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", *flags,
+               str(CSRC / "cuda" / "host_emulation.cpp"), "-o", str(partial)]
+        done = subprocess.run(cmd, check=False, capture_output=True, text=True)
+        assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stderr}"
+        partial.rename(lib)
     return ctypes.CDLL(str(lib))
+
+
+@pytest.fixture(scope="module", params=EMULATION_VARIANTS)
+def emu(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+    return load_emulation(request.param, tmp_path_factory)
 
 
 def _p(t: torch.Tensor | None) -> ctypes.c_void_p:

@@ -1,6 +1,6 @@
-// Launchers of the cache kernels and their explicit instantiations: the only translation unit that holds
-// device code. Torch-free, so the compile checks build it for several GPU architectures with nvcc and, as
-// HIP source, with hipcc (scripts/compile_check.sh).
+// Launchers of the cache and attention kernels and their explicit instantiations: the translation unit that
+// holds their device code. Torch-free, so the compile checks build it for several GPU architectures with nvcc
+// and, as HIP source, with hipcc (scripts/compile_check.sh).
 #include "attention_kernels.cuh"
 #include "cache_kernels.cuh"
 #include "launch.h"
@@ -20,19 +20,11 @@ Error launch_paged_attention(const PagedAttentionArgs<scalar_t, cache_t>& args, 
   if (args.num_seqs == 0 || args.num_heads == 0) return kSuccess;
   const dim3 grid(args.num_heads, args.num_seqs, args.num_partitions);
   const dim3 block(kAttentionThreads);
-  switch (args.block_size) {
-    case 8:
-      paged_attention_kernel<scalar_t, cache_t, kFormat, 8><<<grid, block, 0, stream>>>(args);
-      break;
-    case 16:
-      paged_attention_kernel<scalar_t, cache_t, kFormat, 16><<<grid, block, 0, stream>>>(args);
-      break;
-    case 32:
-      paged_attention_kernel<scalar_t, cache_t, kFormat, 32><<<grid, block, 0, stream>>>(args);
-      break;
-    default:
-      return kInvalidValue;
-  }
+  const bool launched = with_block_size(args.block_size, [&](auto block_size) {
+    paged_attention_kernel<scalar_t, cache_t, kFormat, decltype(block_size)::value>
+        <<<grid, block, 0, stream>>>(args);
+  });
+  if (!launched) return kInvalidValue;
   const Error error = last_launch_error();
   if (error != kSuccess || args.num_partitions == 1) return error;
   paged_attention_reduce_kernel<scalar_t, cache_t>
@@ -40,14 +32,49 @@ Error launch_paged_attention(const PagedAttentionArgs<scalar_t, cache_t>& args, 
   return last_launch_error();
 }
 
+template <typename scalar_t, typename cache_t, Fp8Format kFormat, typename window_t>
+Error launch_paged_attention_window(const PagedAttentionWindowArgs<scalar_t, cache_t, window_t>& args,
+                                    Stream stream) {
+  const PagedAttentionArgs<scalar_t, cache_t>& a = args.paged;
+  const WindowPositions& w = args.positions;
+  if (a.num_seqs == 0 || a.num_heads == 0) return kSuccess;
+  if (a.num_partitions != w.num_fp8_partitions + w.num_window_partitions || w.num_fp8_partitions < 1 ||
+      w.num_window_partitions < 1) {
+    return kInvalidValue;
+  }
+  const dim3 block(kAttentionThreads);
+  Error error = kSuccess;
+  const bool launched = with_block_size(a.block_size, [&](auto block_size) {
+    constexpr int kBlockSize = decltype(block_size)::value;
+    window_paged_part_kernel<scalar_t, cache_t, kFormat, kBlockSize>
+        <<<dim3(a.num_heads, a.num_seqs, w.num_fp8_partitions), block, 0, stream>>>(a, w);
+    error = last_launch_error();
+    if (error != kSuccess) return;
+    window_ring_part_kernel<scalar_t, cache_t, window_t, kBlockSize>
+        <<<dim3(a.num_heads, a.num_seqs, w.num_window_partitions), block, 0, stream>>>(a, w, args.window);
+    error = last_launch_error();
+  });
+  if (!launched) return kInvalidValue;
+  if (error != kSuccess) return error;
+  paged_attention_window_reduce_kernel<scalar_t, cache_t>
+      <<<dim3(a.num_heads, a.num_seqs), block, 0, stream>>>(a, w);
+  return last_launch_error();
+}
+
+#define FP8KV_INSTANTIATE_WINDOW(scalar_t, cache_t, format, window_t)            \
+  template Error launch_paged_attention_window<scalar_t, cache_t, format, window_t>( \
+      const PagedAttentionWindowArgs<scalar_t, cache_t, window_t>&, Stream);
+
 #define FP8KV_INSTANTIATE(scalar_t, cache_t, format)                \
   template Error launch_reshape_and_cache<scalar_t, cache_t, format>( \
       const ReshapeAndCacheArgs<scalar_t, cache_t>&, Stream);        \
   template Error launch_paged_attention<scalar_t, cache_t, format>(   \
-      const PagedAttentionArgs<scalar_t, cache_t>&, Stream);
+      const PagedAttentionArgs<scalar_t, cache_t>&, Stream);        \
+  FP8KV_FOR_EACH_WINDOW_TYPE_OF(FP8KV_INSTANTIATE_WINDOW, scalar_t, cache_t, format)
 
 FP8KV_FOR_EACH_KERNEL_TYPE(FP8KV_INSTANTIATE)
 
 #undef FP8KV_INSTANTIATE
+#undef FP8KV_INSTANTIATE_WINDOW
 
 }  // namespace fp8kv::gpu

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "platform.cuh"
 
@@ -17,6 +18,8 @@ namespace fp8kv::gpu {
 constexpr int kErrorSlotOutOfRange = 1;   // slot_mapping holds a slot >= num_blocks * block_size
 constexpr int kErrorBlockOutOfRange = 2;  // block_tables holds a block id outside [0, num_blocks)
 constexpr int kErrorSeqLenOutOfRange = 4;  // seq_len < 0, > max_seq_len, or past the block table's end
+constexpr int kErrorWindowStartOutOfRange = 8;   // outside [max(0, seq_len - window_size), seq_len]
+constexpr int kErrorWindowBlockOutOfRange = 16;  // window_block_tables: an id outside [0, num_window_blocks)
 
 constexpr int kPartitionSize = 512;  // tokens per thread block in paged attention (v2-style partitions)
 constexpr int kMaxHeadSize = 256;
@@ -70,12 +73,49 @@ struct PagedAttentionArgs {
   bool k_scale_per_head, v_scale_per_head;
 };
 
+// paged_attention_window: positions [0, window_start) from the paged cache, as paged_attention reads them,
+// and [window_start, seq_len) from the window cache, a ring of window_t (float, half_t or bf16_t; an "auto"
+// cache layout) where position p sits at ring slot p % window_size, in block
+// window_block_tables[seq][slot / block_size]. Partitions [0, num_fp8_partitions) cover the paged part, the
+// others the window (num_window_partitions); one softmax over all.
+
+// Where each sequence's window starts: all that the paged part and the merge need of the window.
+struct WindowPositions {
+  const int* window_starts;  // [num_seqs]
+  int window_size;
+  int num_fp8_partitions, num_window_partitions;
+};
+
+template <typename window_t>
+struct WindowCache {
+  const window_t* key_cache;    // [num_blocks, num_kv_heads, head_size / x, block_size, x]
+  const window_t* value_cache;  // [num_blocks, num_kv_heads, head_size, block_size]
+  const int* block_tables;      // [num_seqs, >= ceil(window_size / block_size)], last dim contiguous
+  int num_blocks;
+  int64_t block_table_stride;
+  int64_t key_block_stride, key_head_stride, value_block_stride, value_head_stride;
+};
+
+template <typename scalar_t, typename cache_t, typename window_t>
+struct PagedAttentionWindowArgs {
+  PagedAttentionArgs<scalar_t, cache_t> paged;  // num_partitions counts both kinds; partials always used
+  WindowPositions positions;
+  WindowCache<window_t> window;
+};
+
 inline int num_partitions_for(int max_seq_len) {
   const int n = (max_seq_len + kPartitionSize - 1) / kPartitionSize;
   return n > 0 ? n : 1;
 }
 
-// Both return the launch error (success when nothing was launched). Preconditions are checked by the
+// A window holds at most min(window_size, max_seq_len) positions of a sequence, in partitions that do not
+// cross the ring's wrap (attention_kernels.cuh): one more when a sequence can wrap.
+inline int num_window_partitions_for(int window_size, int max_seq_len) {
+  const bool wraps = window_size < max_seq_len;
+  return num_partitions_for(wraps ? window_size : max_seq_len) + (wraps ? 1 : 0);
+}
+
+// All return the launch error (success when nothing was launched). Preconditions are checked by the
 // binding: supported head/block size, 16-byte aligned caches, sizes within grid limits.
 template <typename scalar_t, typename cache_t, Fp8Format kFormat>
 Error launch_reshape_and_cache(const ReshapeAndCacheArgs<scalar_t, cache_t>& args, Stream stream);
@@ -83,12 +123,33 @@ Error launch_reshape_and_cache(const ReshapeAndCacheArgs<scalar_t, cache_t>& arg
 template <typename scalar_t, typename cache_t, Fp8Format kFormat>
 Error launch_paged_attention(const PagedAttentionArgs<scalar_t, cache_t>& args, Stream stream);
 
+template <typename scalar_t, typename cache_t, Fp8Format kFormat, typename window_t>
+Error launch_paged_attention_window(const PagedAttentionWindowArgs<scalar_t, cache_t, window_t>& args,
+                                    Stream stream);
+
+// fn(std::integral_constant<int, B>{}) for block size B of kSupportedBlockSizes; false for another size.
+template <class Fn>
+bool with_block_size(int block_size, const Fn& fn) {
+  switch (block_size) {
+    case 8: fn(std::integral_constant<int, 8>{}); return true;
+    case 16: fn(std::integral_constant<int, 16>{}); return true;
+    case 32: fn(std::integral_constant<int, 32>{}); return true;
+    default: return false;
+  }
+}
+
 // Every (scalar_t, cache_t, kFormat) the kernels are built for; X is a macro taking the three.
 #define FP8KV_FOR_EACH_CACHE_TYPE_OF(X, scalar_t)                  \
   X(scalar_t, scalar_t, ::fp8kv::Fp8Format::E4M3FN)               \
   X(scalar_t, uint8_t, ::fp8kv::Fp8Format::E4M3FN)                \
   X(scalar_t, uint8_t, ::fp8kv::Fp8Format::E5M2)                  \
   X(scalar_t, uint8_t, ::fp8kv::Fp8Format::E4M3FNUZ)
+
+// The window dtypes of paged_attention_window; X is a macro taking (scalar_t, cache_t, kFormat, window_t).
+#define FP8KV_FOR_EACH_WINDOW_TYPE_OF(X, scalar_t, cache_t, format) \
+  X(scalar_t, cache_t, format, float)                              \
+  X(scalar_t, cache_t, format, ::fp8kv::gpu::half_t)               \
+  X(scalar_t, cache_t, format, ::fp8kv::gpu::bf16_t)
 
 #define FP8KV_FOR_EACH_KERNEL_TYPE(X)                         \
   FP8KV_FOR_EACH_CACHE_TYPE_OF(X, float)                     \
