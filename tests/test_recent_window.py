@@ -277,3 +277,22 @@ def test_prefix_caching_on_and_off_agree_and_abort_frees_the_seat(loaded, shared
     assert on[0] == off[0] and outs["late"] == off[1]
     bm = engine.block_manager
     assert bm.window.num_free_seats == bm.window.num_seats and bm.num_free_blocks == bm.num_blocks
+
+
+def test_window_recorded_in_the_scales_file_is_used_unless_one_is_given(loaded, tmp_path):
+    import json
+
+    from fp8cache import scales as kv_scales
+
+    scales = kv_scales.ones(2, "fp8_e4m3")
+    path = tmp_path / "scales.json"
+    kv_scales.write_scales_file(path, kv_scales.KVScales(scales.k, scales.v, "fp8_e4m3", "test", recent_window=12),
+                                "llama", 2)
+    assert json.loads(path.read_text())["kv_recent_window"] == 12
+    assert make_runner(loaded, "fp8_e4m3", None, quantization_param_path=str(path)).kv_recent_window == 12
+    assert make_runner(loaded, "fp8_e4m3", 4, quantization_param_path=str(path)).kv_recent_window == 4
+    doc = json.loads(path.read_text())
+    doc["kv_recent_window"] = -3
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="kv_recent_window"):
+        make_runner(loaded, "fp8_e4m3", None, quantization_param_path=str(path))

@@ -55,9 +55,9 @@ class ModelRunner:
         self._read_shapes()
         self.max_model_len = self._resolve_max_model_len()
         self.eos_token_ids = self._eos_token_ids()
-        self.kv_recent_window = self._resolve_recent_window()
         self._ops, self._gather_kv = select_ops(log)
         self._init_scales(loaded)
+        self.kv_recent_window = self._resolve_recent_window()
         self._init_cache(backend)
 
     # ---- setup -------------------------------------------------------------------------------------
@@ -98,7 +98,10 @@ class ModelRunner:
             if wanted:
                 self.log("note: kv_recent_window is ignored with kv-cache-dtype auto (the cache is full precision)")
             return 0
-        window = DEFAULT_KV_RECENT_WINDOW if wanted is None else wanted
+        recorded = self.scales.recent_window if self.scales is not None else None
+        if wanted is None and recorded is not None:
+            self.log(f"recent-token window: {recorded} tokens, as recorded in the KV scales ({self.scales.source})")
+        window = wanted if wanted is not None else recorded if recorded is not None else DEFAULT_KV_RECENT_WINDOW
         return min(window, self.max_model_len)  # a longer ring could never fill
 
     def _eos_token_ids(self) -> set[int]:
