@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from fp8cache.model.batch import StepBatch
 from fp8cache.ops.reference import gather_window_kv
-from fp8cache.rotation import rotate
+from fp8cache.rotation import HADAMARD, apply_rotation
 
 ATTENTION_NAME = "fp8kv_paged"
 
@@ -140,8 +140,8 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     v = value[0].transpose(0, 1).contiguous()
     if ctx.rotation is not None:
         # q.k and softmax(qk)V are unchanged: Q meets K in the same rotated basis and the output rotates back
-        # below (H is its own inverse). Done in torch for now; fusing it into the ops is a later step.
-        q, k, v = (rotate(t, ctx.rotation) for t in (q, k, v))
+        # below (H is its own inverse). apply_rotation runs the compiled O(d log d) transform when it can.
+        q, k, v = (apply_rotation(t, HADAMARD) for t in (q, k, v))
     if ctx.calculate_scales is not None:
         # Scales come from this step's own K/V, so they must exist before anything is written.
         ctx.k_scales[layer], ctx.v_scales[layer] = ctx.calculate_scales(layer, k, v)
@@ -166,7 +166,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                            for old, new in zip(earlier[i], (k, v)))
         _prefill(ctx, i, q, out, key_cache, value_cache, k_scale, v_scale, scaling, recent)
     if ctx.rotation is not None:
-        out = rotate(out, ctx.rotation)
+        out = apply_rotation(out, HADAMARD)
     return out.unsqueeze(0), None
 
 
