@@ -20,15 +20,17 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]) -> list[int]:
         if logits.shape[0] != len(seqs):
             raise ValueError(f"sampler got {logits.shape[0]} logit rows for {len(seqs)} sequences")
-        logits = logits.float().clone()
-        ban_stop_tokens_before_min(logits, seqs, eos_token_ids)
-        apply_penalties(logits, seqs)
-        params = [s.params for s in seqs]
-        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+        logits = logits.float()
+        if any(_edits_logits(s, eos_token_ids) for s in seqs):  # only bans and penalties write in place
+            logits = logits.clone()
+            ban_stop_tokens_before_min(logits, seqs, eos_token_ids)
+            apply_penalties(logits, seqs)
         tokens = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
+        greedy = [s.params.greedy for s in seqs]
+        if not all(greedy):
             probs = sampling_probs(logits, seqs)
-            tokens = torch.where(greedy, tokens, self.draw(probs, seqs))
+            greedy_rows = torch.tensor(greedy, device=logits.device)
+            tokens = torch.where(greedy_rows, tokens, self.draw(probs, seqs))
         return tokens.tolist()
 
     def draw(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -38,6 +40,14 @@ class Sampler:
                 q[i].exponential_(generator=seq.generator)
         q.clamp_(min=torch.finfo(q.dtype).tiny)  # q == 0 would make a p == 0 token win (0/0 = nan)
         return (probs / q.to(probs.device)).argmax(dim=-1)
+
+
+def _edits_logits(seq: Sequence, eos_token_ids: set[int]) -> bool:
+    """Whether ban_stop_tokens_before_min or apply_penalties may change seq's row."""
+    p = seq.params
+    if seq.num_output_tokens < p.min_tokens and (p.stop_token_ids or (eos_token_ids and not p.ignore_eos)):
+        return True
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
 def _column(seqs: list[Sequence], name: str, device: torch.device) -> torch.Tensor:

@@ -7,21 +7,24 @@ the step.
 
 Prefill is "decode-faithful": a prefill (or chunked-prefill) sequence writes its K/V into the cache first and
 then reads its whole context back from the cache, so every position attends to the same quantized K/V that
-decode would see, and a cached prefix or earlier chunks are read from the FP8 cache.
+decode would see, and a cached prefix or earlier chunks are read from the FP8 cache. Prefill chunks of one
+shape share a mask built once per step and are attended to together: one batched read of their cached K/V
+and one SDPA call per layer.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from fp8cache.model.batch import StepBatch
-from fp8cache.ops.reference import gather_window_kv
-from fp8cache.rotation import HADAMARD, apply_rotation
+from fp8cache.ops import reference
+from fp8cache.ops.reference import gather_kv_blocks, gather_window_at, window_index
+from fp8cache.rotation import NONE, apply_rotation
 
 ATTENTION_NAME = "fp8kv_paged"
 
@@ -30,11 +33,28 @@ ScaleCalculator = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor
 
 
 @dataclass
+class PrefillGroup:
+    """Prefill chunks of one shape (query_len, context_len, window floor): one mask, and per layer one batched
+    read of their cached keys and one attention call. Built once per step; every layer uses it."""
+
+    seqs: list[int]  # indices into the step's seqs
+    tokens: torch.Tensor  # int64 [n * query_len]: the chunks' rows in the packed stream, chunk after chunk
+    query_len: int
+    cached_len: int  # keys [0, cached_len) of each chunk's sequence are read back from the cache
+    block_ids: torch.Tensor  # int64 [n, blocks covering cached_len], checked against the cache
+    mask: torch.Tensor | None  # bool [query_len, keys]; None: plain causal over [0, context_len)
+    # Recent-token window: ring (blocks, offsets) [n * earlier] of the positions before each chunk whose
+    # full-precision K/V its rows read; each chunk's own full-precision K/V follow them as keys.
+    earlier_index: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+@dataclass
 class ForwardContext:
     """Everything one step's attention layers share."""
 
     ops: object  # fp8cache.ops or fp8cache.ops.reference: reshape_and_cache, paged_attention
     gather_kv: Callable  # (key_cache, value_cache, block_table, seq_len, dtype, k_scale, v_scale) -> K, V
+    # (reference.gather_kv is read for a whole prefill group at once, through reference.gather_kv_blocks)
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer
     k_scales: list[torch.Tensor]  # per layer, [1] or [num_kv_heads]
     v_scales: list[torch.Tensor]
@@ -50,22 +70,26 @@ class ForwardContext:
     decode_context_lens: torch.Tensor  # int32
     max_decode_len: int
     prefill_seqs: list[int]
+    decode_block_tables: torch.Tensor | None = None  # block_tables' decode rows (every layer reads them)
+    all_decode: bool = False  # every token is a decode token, in order: no gather/scatter of rows needed
     calculate_scales: ScaleCalculator | None = None  # set for the step that computes the scales
-    rotation: torch.Tensor | None = None  # [d, d] Hadamard (kv_rotation "hadamard"): K/V are cached rotated
+    rotation: str = NONE  # kv rotation ("hadamard"): K/V are cached rotated, Q meets them rotated
     # Recent-token window (kv_recent_window > 0): each sequence's newest window_size tokens also sit, in the
     # model dtype, in a ring of window blocks; attention reads them from there instead of from FP8.
     window_size: int = 0
     window_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer, auto layout
     window_slot_mapping: torch.Tensor | None = None  # int64 [num_tokens], -1 for tokens outside the window
     window_block_tables: torch.Tensor | None = None  # int32 [num_seqs, blocks per ring]
+    decode_window_block_tables: torch.Tensor | None = None  # window_block_tables' decode rows
     window_floors: list[int] | None = None  # per seq: positions below came from the prefix cache (FP8 only)
     decode_window_starts: torch.Tensor | None = None  # int32: first position each decode reads from the window
+    prefill_groups: list[PrefillGroup] = field(default_factory=list)  # prefill_seqs by shape
 
 
 def build_forward_context(batch: StepBatch, ops: object, gather_kv: Callable,
                           kv_caches: list[tuple[torch.Tensor, torch.Tensor]], k_scales: list[torch.Tensor],
                           v_scales: list[torch.Tensor], kv_cache_dtype: str, block_size: int,
-                          device: torch.device | str = "cpu", rotation: torch.Tensor | None = None,
+                          device: torch.device | str = "cpu", rotation: str = NONE,
                           window_size: int = 0,
                           window_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> ForwardContext:
     """The step's tensors from a StepBatch (sequences in order, tokens packed)."""
@@ -80,30 +104,74 @@ def build_forward_context(batch: StepBatch, ops: object, gather_kv: Callable,
         # ceil(context_len / block_size) are.
         tables[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
     decode = [i for i, s in enumerate(seqs) if s.query_len == 1]
-    return ForwardContext(
+    all_decode = len(decode) == len(seqs)
+    decode_seqs = torch.tensor(decode, dtype=torch.long, device=device)
+    tables = tables.to(device)
+    ctx = ForwardContext(
         ops=ops, gather_kv=gather_kv, kv_caches=kv_caches, k_scales=list(k_scales), v_scales=list(v_scales),
         kv_cache_dtype=kv_cache_dtype, block_size=block_size,
         slot_mapping=torch.tensor(batch.slot_mapping, dtype=torch.long, device=device),
         query_starts=starts, query_lens=[s.query_len for s in seqs], context_lens=[s.context_len for s in seqs],
-        block_tables=tables.to(device),
-        decode_seqs=torch.tensor(decode, dtype=torch.long, device=device),
+        block_tables=tables, decode_seqs=decode_seqs,
+        decode_block_tables=tables if all_decode else tables.index_select(0, decode_seqs), all_decode=all_decode,
         decode_tokens=torch.tensor([starts[i] for i in decode], dtype=torch.long, device=device),
         decode_context_lens=torch.tensor([seqs[i].context_len for i in decode], dtype=torch.int32,
                                          device=device),
         max_decode_len=max((seqs[i].context_len for i in decode), default=0),
         prefill_seqs=[i for i, s in enumerate(seqs) if s.query_len > 1], rotation=rotation,
-        **(_window_fields(batch, decode, window_size, window_caches, device) if window_size else {}))
+        **(_window_fields(batch, decode, decode_seqs, window_size, window_caches, device) if window_size else {}))
+    ctx.prefill_groups = _prefill_groups(ctx)
+    return ctx
 
 
-def _window_fields(batch: StepBatch, decode: list[int], window_size: int,
+def _window_fields(batch: StepBatch, decode: list[int], decode_seqs: torch.Tensor, window_size: int,
                    window_caches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device | str) -> dict:
     seqs = batch.seqs
     starts = [max(seqs[i].context_len - window_size, seqs[i].window_floor) for i in decode]
     tables = torch.tensor([s.window_block_table for s in seqs], dtype=torch.int32, device=device)
+    decode_tables = tables if len(decode) == len(seqs) else tables.index_select(0, decode_seqs)
     return {"window_size": window_size, "window_caches": window_caches,
             "window_slot_mapping": torch.tensor(batch.window_slot_mapping, dtype=torch.long, device=device),
-            "window_block_tables": tables, "window_floors": [s.window_floor for s in seqs],
+            "window_block_tables": tables, "decode_window_block_tables": decode_tables,
+            "window_floors": [s.window_floor for s in seqs],
             "decode_window_starts": torch.tensor(starts, dtype=torch.int32, device=device)}
+
+
+def _prefill_groups(ctx: ForwardContext) -> list[PrefillGroup]:
+    by_shape: dict[tuple[int, int, int], list[int]] = {}
+    for i in ctx.prefill_seqs:
+        floor = max(ctx.window_floors[i], 0) if ctx.window_size else 0
+        by_shape.setdefault((ctx.query_lens[i], ctx.context_lens[i], floor), []).append(i)
+    return [_prefill_group(ctx, seqs, *shape) for shape, seqs in by_shape.items()]
+
+
+def _prefill_group(ctx: ForwardContext, seqs: list[int], q_len: int, ctx_len: int, floor: int) -> PrefillGroup:
+    prefix = ctx_len - q_len
+    device = ctx.block_tables.device
+    starts = torch.tensor([ctx.query_starts[i] for i in seqs], dtype=torch.long, device=device)
+    tokens = (starts[:, None] + torch.arange(q_len, device=device)).reshape(-1)
+    rows = torch.arange(q_len, device=device)[:, None] + prefix  # query row r sits at position prefix + r
+    positions = torch.arange(ctx_len, device=device)[None, :]
+    mask, earlier, cached_len = None if not prefix else positions <= rows, None, ctx_len
+    if ctx.window_size:
+        # Each row reads one key per position: from the window if within its last window_size positions (and
+        # computed by this sequence), else from the cache. Both sets go into one softmax. No row reads a
+        # position at or past the last row's full-precision start from the cache, so the cache keys stop there.
+        cached_len = min(max(ctx_len - ctx.window_size, floor), ctx_len)
+        first_recent = max(prefix - ctx.window_size + 1, floor)  # the chunk's first row's first full position
+        window_cache = ctx.window_caches[0][0]
+        index = [window_index(ctx.window_block_tables[i], first_recent, prefix, ctx.window_size,
+                              window_cache.shape[0], window_cache.shape[3]) for i in seqs]
+        earlier = (torch.cat([b for b, _ in index]), torch.cat([o for _, o in index]))
+        full_from = torch.clamp(rows - ctx.window_size + 1, min=floor)
+        recent_positions = positions[:, first_recent:]
+        mask = torch.cat([positions[:, :cached_len] < full_from,
+                          (recent_positions >= full_from) & (recent_positions <= rows)], 1)
+    block_ids = ctx.block_tables[seqs, :-(-cached_len // ctx.block_size)].long()
+    num_blocks = ctx.kv_caches[0][0].shape[0]
+    if block_ids.numel() and (bool((block_ids < 0).any()) or bool((block_ids >= num_blocks).any())):
+        raise IndexError(f"block table holds a block id outside [0, {num_blocks})")
+    return PrefillGroup(seqs, tokens, q_len, cached_len, block_ids, mask, earlier)
 
 
 _current: ForwardContext | None = None
@@ -138,10 +206,10 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     q = query[0].transpose(0, 1)  # [T, heads, d]
     k = key[0].transpose(0, 1).contiguous()  # [T, kv_heads, d]
     v = value[0].transpose(0, 1).contiguous()
-    if ctx.rotation is not None:
+    if ctx.rotation != NONE:
         # q.k and softmax(qk)V are unchanged: Q meets K in the same rotated basis and the output rotates back
         # below (H is its own inverse). apply_rotation runs the compiled O(d log d) transform when it can.
-        q, k, v = (apply_rotation(t, HADAMARD) for t in (q, k, v))
+        q, k, v = (apply_rotation(t, ctx.rotation) for t in (q, k, v))
     if ctx.calculate_scales is not None:
         # Scales come from this step's own K/V, so they must exist before anything is written.
         ctx.k_scales[layer], ctx.v_scales[layer] = ctx.calculate_scales(layer, k, v)
@@ -150,23 +218,19 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     window = ctx.window_caches[layer] if ctx.window_size else None
     # A prefill chunk's rows see their predecessors' full-precision K/V, which this step's window writes
     # may overwrite in the ring: read them first.
-    earlier = {i: _earlier_window_kv(ctx, i, window) for i in ctx.prefill_seqs} if window else {}
+    earlier = [gather_window_at(window[0], window[1], g.earlier_index) for g in ctx.prefill_groups] if window else []
     ctx.ops.reshape_and_cache(k, v, key_cache, value_cache, ctx.slot_mapping, ctx.kv_cache_dtype,
                               k_scale, v_scale)
     if window:
         ctx.ops.reshape_and_cache(k, v, window[0], window[1], ctx.window_slot_mapping, "auto", k_scale, v_scale)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous: the decode op writes into it
     if ctx.decode_seqs.numel():
         _decode(ctx, q, out, key_cache, value_cache, k_scale, v_scale, scaling, window)
-    for i in ctx.prefill_seqs:
-        recent = None
-        if window:
-            start, q_len = ctx.query_starts[i], ctx.query_lens[i]
-            recent = tuple(torch.cat([old, new[start:start + q_len].to(torch.float32)])
-                           for old, new in zip(earlier[i], (k, v)))
-        _prefill(ctx, i, q, out, key_cache, value_cache, k_scale, v_scale, scaling, recent)
-    if ctx.rotation is not None:
-        out = apply_rotation(out, HADAMARD)
+    for n, group in enumerate(ctx.prefill_groups):
+        _prefill(ctx, group, q, k, v, out, key_cache, value_cache, k_scale, v_scale, scaling,
+                 earlier[n] if window else None)
+    if ctx.rotation != NONE:
+        out = apply_rotation(out, ctx.rotation)
     return out.unsqueeze(0), None
 
 
@@ -180,60 +244,61 @@ def _refuse_unsupported(kwargs: dict) -> None:
 def _decode(ctx: ForwardContext, q: torch.Tensor, out: torch.Tensor, key_cache: torch.Tensor,
             value_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor, scaling: float,
             window: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-    query = q.index_select(0, ctx.decode_tokens).contiguous()
-    result = torch.empty_like(query)
-    tables = ctx.block_tables.index_select(0, ctx.decode_seqs).contiguous()
+    if ctx.all_decode:  # the packed rows are the decode rows already: write the output in place
+        query, result = q.contiguous(), out
+    else:
+        query = q.index_select(0, ctx.decode_tokens)
+        result = torch.empty_like(query)
     if window is None:
         ctx.ops.paged_attention(result, query, key_cache, value_cache, key_cache.shape[1], float(scaling),
-                                tables, ctx.decode_context_lens, ctx.block_size, ctx.max_decode_len,
-                                None, ctx.kv_cache_dtype, k_scale, v_scale)
+                                ctx.decode_block_tables, ctx.decode_context_lens, ctx.block_size,
+                                ctx.max_decode_len, None, ctx.kv_cache_dtype, k_scale, v_scale)
     else:
         ctx.ops.paged_attention_window(
             result, query, key_cache, value_cache, window[0], window[1], key_cache.shape[1], float(scaling),
-            tables, ctx.window_block_tables.index_select(0, ctx.decode_seqs).contiguous(),
-            ctx.decode_context_lens, ctx.decode_window_starts, ctx.window_size, ctx.block_size,
-            ctx.max_decode_len, None, ctx.kv_cache_dtype, k_scale, v_scale)
-    out.index_copy_(0, ctx.decode_tokens, result)
+            ctx.decode_block_tables, ctx.decode_window_block_tables, ctx.decode_context_lens,
+            ctx.decode_window_starts, ctx.window_size, ctx.block_size, ctx.max_decode_len, None,
+            ctx.kv_cache_dtype, k_scale, v_scale)
+    if not ctx.all_decode:
+        out.index_copy_(0, ctx.decode_tokens, result)
 
 
-def _first_full_position(ctx: ForwardContext, i: int, position: int) -> int:
-    """The oldest position whose full-precision K/V a query at `position` of seq i reads."""
-    return max(position - ctx.window_size + 1, ctx.window_floors[i], 0)
+def _prefill(ctx: ForwardContext, group: PrefillGroup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             out: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, k_scale: torch.Tensor,
+             v_scale: torch.Tensor, scaling: float,
+             earlier: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """earlier: float32 full-precision K/V [n * earlier, kv_heads, d] of the positions before each chunk that
+    its rows read (recent-token window; the chunk's own K/V follow them); None reads everything from the cache."""
+    n, q_len = len(group.seqs), group.query_len
+    heads, kv_heads, d = q.shape[1], k.shape[1], q.shape[2]
+    # 4-D operands: torch's CPU SDPA takes its fused (flash) path only for batched 4-D inputs.
+    qs = q.index_select(0, group.tokens).view(n, q_len, heads, d).transpose(1, 2).to(torch.float32)
+    keys, values = [], []
+    if group.cached_len:
+        cached = _read_cached(ctx, group, key_cache, value_cache, k_scale, v_scale)
+        keys.append(cached[0])
+        values.append(cached[1])
+    if earlier is not None:
+        for old, new, into in ((earlier[0], k, keys), (earlier[1], v, values)):
+            chunk = new.index_select(0, group.tokens).view(n, q_len, kv_heads, d).to(torch.float32)
+            old = old.view(n, old.shape[0] // n, kv_heads, d)
+            into.append(torch.cat([old, chunk], 1).transpose(1, 2))
+    ks = keys[0] if len(keys) == 1 else torch.cat(keys, 2)  # [n, kv_heads, keys, d]
+    vs = values[0] if len(values) == 1 else torch.cat(values, 2)
+    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=group.mask, is_causal=group.mask is None,
+                                       scale=scaling, enable_gqa=heads != kv_heads)
+    out.index_copy_(0, group.tokens, o.transpose(1, 2).reshape(n * q_len, heads, d).to(out.dtype))
 
 
-def _earlier_window_kv(ctx: ForwardContext, i: int,
-                       window: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Full-precision K/V of the positions before seq i's chunk that its first row still reads."""
-    prefix = ctx.context_lens[i] - ctx.query_lens[i]
-    return gather_window_kv(window[0], window[1], ctx.window_block_tables[i],
-                            _first_full_position(ctx, i, prefix), prefix, ctx.window_size)
-
-
-def _prefill(ctx: ForwardContext, i: int, q: torch.Tensor, out: torch.Tensor, key_cache: torch.Tensor,
-             value_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor, scaling: float,
-             recent: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-    """recent: float32 K/V of the positions [first full position of the chunk's first row, context_len)
-    in full precision (recent-token window); None reads everything from the cache."""
-    start, q_len, ctx_len = ctx.query_starts[i], ctx.query_lens[i], ctx.context_lens[i]
-    prefix = ctx_len - q_len
-    k, v = ctx.gather_kv(key_cache, value_cache, ctx.block_tables[i], ctx_len, ctx.kv_cache_dtype,
-                         k_scale, v_scale)  # float32 [ctx_len, kv_heads, d], read back from the cache
-    qs = q[start:start + q_len].transpose(0, 1).to(torch.float32)  # [heads, q_len, d]
-    rows = torch.arange(q_len, device=q.device)[:, None] + prefix  # query row r sits at position prefix + r
-    positions = torch.arange(ctx_len, device=q.device)[None, :]
-    mask = None if not prefix else positions <= rows
-    if recent is not None:
-        # Each row reads one key per position: from the window if within its last window_size positions
-        # (and computed by this sequence), else from the cache. Both sets go into one softmax.
-        first_recent = ctx_len - recent[0].shape[0]
-        full_from = torch.clamp(rows - ctx.window_size + 1, min=max(ctx.window_floors[i], 0))
-        recent_positions = positions[:, first_recent:]
-        mask = torch.cat([positions < full_from, (recent_positions >= full_from) & (recent_positions <= rows)], 1)
-        k, v = torch.cat([k, recent[0]]), torch.cat([v, recent[1]])
-    ks, vs = k.transpose(0, 1), v.transpose(0, 1)  # [kv_heads, keys, d]
-    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scaling,
-                                       enable_gqa=qs.shape[0] != ks.shape[0])
-    out[start:start + q_len] = o.transpose(0, 1).to(out.dtype)
+def _read_cached(ctx: ForwardContext, group: PrefillGroup, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 k_scale: torch.Tensor, v_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 K and V [n, kv_heads, cached_len, d] of the group's sequences, read back from the cache."""
+    if ctx.gather_kv is reference.gather_kv:  # the same values, one batched read for the whole group
+        return gather_kv_blocks(key_cache, value_cache, group.block_ids, group.cached_len, ctx.kv_cache_dtype,
+                                k_scale, v_scale)
+    per_seq = [ctx.gather_kv(key_cache, value_cache, ctx.block_tables[i], group.cached_len, ctx.kv_cache_dtype,
+                             k_scale, v_scale) for i in group.seqs]  # a compiled gather: one sequence a call
+    return tuple(torch.stack([kv[j] for kv in per_seq]).transpose(1, 2) for j in (0, 1))
 
 
 def register() -> None:

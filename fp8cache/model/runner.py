@@ -177,7 +177,12 @@ class ModelRunner:
             return f"auto:{self.dtype}"
         if self.scales is None:
             return f"{self.kv_cache_dtype}:pending"
-        return f"{self.kv_cache_dtype}:{self.scales.fingerprint()}:{self.scales.rotation}"
+        # The engine asks twice a step; hashing every scale each time is measurable. New scales are a new object.
+        key = (self.scales, self.scales.rotation)
+        memo = getattr(self, "_fingerprint_memo", None)
+        if memo is None or memo[0] is not key[0] or memo[1] != key[1]:
+            memo = self._fingerprint_memo = (*key, self.scales.fingerprint())
+        return f"{self.kv_cache_dtype}:{memo[2]}:{self.scales.rotation}"
 
     # ---- one step ----------------------------------------------------------------------------------
 
@@ -192,7 +197,7 @@ class ModelRunner:
             batch, ops=self._ops, gather_kv=self._gather_kv, kv_caches=self.kv_caches,
             k_scales=self._k_scales, v_scales=self._v_scales, kv_cache_dtype=self.kv_cache_dtype,
             block_size=self.block_size, device=self.device,
-            rotation=rotation_matrix(self.kv_rotation, self.head_size, self.device),
+            rotation=self.kv_rotation,
             window_size=self.kv_recent_window, window_caches=self.window_caches)
         calculating = self.scales is None and self.kv_cache_dtype != formats.AUTO
         amax: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -76,16 +76,30 @@ def gather_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: t
               seq_len: int, kv_cache_dtype: str, k_scale: torch.Tensor,
               v_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of positions [0, seq_len) of one sequence, dequantized to float32 [seq_len, heads, d]."""
-    num_blocks, num_kv_heads, _, block_size, _ = key_cache.shape
-    head_size = value_cache.shape[2]
+    num_blocks, block_size = key_cache.shape[0], key_cache.shape[3]
     n_blocks = (seq_len + block_size - 1) // block_size
     ids = block_table[:n_blocks].long()
     if n_blocks and (bool((ids < 0).any()) or bool((ids >= num_blocks).any())):
         raise IndexError(f"block table holds a block id outside [0, {num_blocks})")
-    k = key_cache[ids]  # [n, h, d/x, bs, x]
-    k = k.permute(0, 3, 1, 2, 4).reshape(n_blocks * block_size, num_kv_heads, head_size)[:seq_len]
-    v = value_cache[ids].permute(0, 3, 1, 2).reshape(n_blocks * block_size, num_kv_heads, head_size)
-    v = v[:seq_len]
+    k, v = gather_kv_blocks(key_cache, value_cache, ids[None], seq_len, kv_cache_dtype, k_scale, v_scale)
+    return k[0].transpose(0, 1), v[0].transpose(0, 1)
+
+
+def gather_kv_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int,
+                     kv_cache_dtype: str, k_scale: torch.Tensor,
+                     v_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gather_kv for n sequences at once, head-major: float32 [n, heads, seq_len, d], the same values.
+
+    block_ids: int64 [n, blocks], each row a sequence's first blocks (covering seq_len), all in the cache.
+    """
+    n, n_blocks = block_ids.shape
+    _, num_kv_heads, _, block_size, x = key_cache.shape
+    head_size = value_cache.shape[2]
+    ids = block_ids.reshape(-1)
+    k = key_cache[ids].view(n, n_blocks, num_kv_heads, head_size // x, block_size, x)
+    k = k.permute(0, 2, 1, 4, 3, 5).reshape(n, num_kv_heads, n_blocks * block_size, head_size)[:, :, :seq_len]
+    v = value_cache[ids].view(n, n_blocks, num_kv_heads, head_size, block_size)
+    v = v.permute(0, 2, 1, 4, 3).reshape(n, num_kv_heads, n_blocks * block_size, head_size)[:, :, :seq_len]
     fmt = formats.get_format(kv_cache_dtype, formats.backend_of(key_cache.device))
     if fmt is None:
         return k.to(torch.float32), v.to(torch.float32)
@@ -137,14 +151,27 @@ def gather_window_kv(window_key_cache: torch.Tensor, window_value_cache: torch.T
                      window_block_table: torch.Tensor, start: int, end: int,
                      window_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of positions [start, end) of one sequence from its window ring, float32 [n, heads, d]."""
+    index = window_index(window_block_table, start, end, window_size, window_key_cache.shape[0],
+                         window_key_cache.shape[3])
+    return gather_window_at(window_key_cache, window_value_cache, index)
+
+
+def window_index(window_block_table: torch.Tensor | list[int], start: int, end: int, window_size: int,
+                 num_blocks: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(blocks, offsets), int64, of positions [start, end) in a window cache of num_blocks blocks; checked."""
     if end - start > window_size:
         raise ValueError(f"positions [{start}, {end}) span more than window_size {window_size}")
-    num_blocks, num_kv_heads, _, block_size, _ = window_key_cache.shape
-    head_size = window_value_cache.shape[2]
     slots = window_slots(window_block_table, torch.arange(start, end), window_size, block_size)
     if slots.numel() and (bool((slots < 0).any()) or bool((slots >= num_blocks * block_size).any())):
         raise IndexError(f"window block table holds a block id outside [0, {num_blocks})")
-    blocks, offsets = slots // block_size, slots % block_size
+    return slots // block_size, slots % block_size
+
+
+def gather_window_at(window_key_cache: torch.Tensor, window_value_cache: torch.Tensor,
+                     index: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V at a window_index (blocks, offsets), float32 [n, heads, d]."""
+    num_kv_heads, head_size = window_key_cache.shape[1], window_value_cache.shape[2]
+    blocks, offsets = index
     k = window_key_cache[blocks, :, :, offsets, :].reshape(-1, num_kv_heads, head_size)
     v = window_value_cache[blocks, :, :, offsets]
     return k.to(torch.float32), v.to(torch.float32)
