@@ -41,13 +41,13 @@ def _dtype_list(values: tuple[str, ...]) -> list[str]:
         raise click.BadParameter(str(exc), param_hint="--kv-cache-dtype") from exc
 
 
-def _int_list(text: str, param: str) -> list[int]:
+def _int_list(text: str, param: str, minimum: int = 1, example: str = "512,4096") -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise click.BadParameter(f"{text!r} is not a comma list of integers, e.g. 512,4096", param_hint=param)
-    if not values or min(values) < 1:
-        raise click.BadParameter(f"{text!r}: give positive integers, e.g. 512,4096", param_hint=param)
+        raise click.BadParameter(f"{text!r} is not a comma list of integers, e.g. {example}", param_hint=param)
+    if not values or min(values) < minimum:
+        raise click.BadParameter(f"{text!r}: give integers >= {minimum}, e.g. {example}", param_hint=param)
     return values
 
 
@@ -189,7 +189,10 @@ _PLOT_OPT = click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
               type=click.IntRange(1),
               help="Tensor-parallel ranks for the fp8kv engines: this process is rank 0 and starts the others "
                    "(gloo on CPU). --threads then applies to every rank. The transformers peer stays whole.")
-@_WINDOW_OPT
+@click.option("--kv-recent-window", default=None,
+              help="Newest tokens per sequence kept in full precision beside an FP8 cache (0: plain FP8; "
+                   "default: the engine's, 32). A comma list, e.g. 0,32, runs each FP8 dtype once per window "
+                   "side by side and reports the windowed rows over window 0.")
 @_THREADS_OPT
 @_JSON_OPT
 @_PLOT_OPT
@@ -201,23 +204,26 @@ def throughput(model, num_prompts, input_len, output_len, kv_cache_dtypes, compa
     from fp8cache.bench import throughput as bench
 
     dtypes = _dtype_list(kv_cache_dtypes)
+    windows = None if kv_recent_window is None else _int_list(kv_recent_window, "--kv-recent-window", 0, "0,32")
     _check_plot(plot_path)
     _set_threads(threads)
     rows, interrupted = _collect(lambda bar: bench.iter_throughput(
         model, tuple(dtypes), num_prompts, input_len, output_len, tuple(compare), repeats, dtype,
         kv_cache_memory, max_num_seqs, max_num_batched_tokens, progress=bar, log=_log, num_shard=num_shard,
-        threads_per_rank=threads, kv_recent_window=kv_recent_window))
+        threads_per_rank=threads, kv_recent_window=windows))
     bench.add_ratios(rows)
     shards = f", fp8kv over {num_shard} tensor-parallel ranks" if num_shard > 1 else ""
     table = Table(title=f"offline throughput, {num_prompts} prompts, {input_len} in / {output_len} out"
                         f"{shards}\n{_machine_line(rows)}")
+    by_window = any("vs_window0" in r for r in rows)
     for col in ("engine", "kv cache", "req/s", "output tok/s", "total tok/s", "elapsed s", "vs auto",
-                "vs transformers"):
+                "vs transformers") + (("vs window 0",) if by_window else ()):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(r["engine"], r["kv_cache_dtype"], _fmt(r["requests_per_s"], ".3f"),
+        table.add_row(r["engine"], r["variant"], _fmt(r["requests_per_s"], ".3f"),
                       _fmt(r["output_tokens_per_s"]), _fmt(r["total_tokens_per_s"]), _fmt(r["elapsed_s"], ".2f"),
-                      _ratio(r.get("vs_auto")), _ratio(r.get("vs_transformers")))
+                      _ratio(r.get("vs_auto")), _ratio(r.get("vs_transformers")),
+                      *((_ratio(r.get("vs_window0")),) if by_window else ()))
     _finish(rows, as_json, table, plot_path, plot.plot_throughput, interrupted)
 
 

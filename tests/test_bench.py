@@ -150,6 +150,26 @@ def test_throughput_plot_is_a_png(throughput_run):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_throughput_compares_recent_windows_side_by_side(default_model_path):
+    """--kv-recent-window 0,32: each FP8 dtype runs once per window (auto once), windowed rows over window 0."""
+    args = [default_model_path, *SMALL, *THREADS, "--kv-cache-dtype", "auto,fp8_e4m3", "--kv-recent-window", "0,32",
+            "--kv-cache-memory", "32MiB", "--json"]
+    rows = _rows(_invoke(bench_commands.throughput, args))
+    assert [(r["variant"], r["kv_cache_dtype"], r["kv_recent_window"]) for r in rows] == [
+        ("auto", "auto", 0), ("fp8_e4m3 w0", "fp8_e4m3", 0), ("fp8_e4m3 w32", "fp8_e4m3", 32)]
+    for r in rows:
+        _assert_rates_consistent(r, 4, 32, 8)
+    assert rows[1]["window_bytes"] == 0 and rows[2]["window_bytes"] > 0
+    assert rows[2]["capacity_tokens"] < rows[1]["capacity_tokens"]  # the window's memory comes out of the budget
+    assert "vs_window0" not in rows[1]
+    assert rows[2]["vs_window0"] == pytest.approx(rows[2]["output_tokens_per_s"] / rows[1]["output_tokens_per_s"])
+
+
+def test_throughput_refuses_a_bad_window_list(default_model_path):
+    result = CliRunner().invoke(bench_commands.throughput, [default_model_path, "--kv-recent-window", "0,-1"])
+    assert result.exit_code != 0 and "--kv-recent-window" in result.output and ">= 0" in result.output
+
+
 def test_generation_matches_transformers_greedy(default_model_path, tokenizer):
     """The bench's engine run and its peer run generate the same tokens (both greedy, float32)."""
     from transformers import AutoModelForCausalLM

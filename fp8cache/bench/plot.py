@@ -30,7 +30,7 @@ def _pyplot():
 
 
 def _label(row: dict) -> str:
-    return row["kv_cache_dtype"] if row["engine"] == "fp8kv" else row["engine"]
+    return row.get("variant", row["kv_cache_dtype"]) if row["engine"] == "fp8kv" else row["engine"]
 
 
 def _bar_labels(ax, bars, texts: list[str]) -> None:

@@ -59,9 +59,20 @@ def check_kv_cache_dtypes(names: list[str]) -> list[str]:
     return list(dict.fromkeys(canonical))
 
 
+def cache_variants(kv_cache_dtypes: list[str], windows: list[int | None]) -> dict[str, dict]:
+    """Engine label -> config overrides: every dtype with every recent-token window (the auto cache, which
+    has no window, once). Labels are the dtype names, plus " w<N>" when several windows are compared."""
+    variants = {}
+    for kv_dtype in kv_cache_dtypes:
+        for window in windows[:1] if kv_dtype == "auto" else windows:
+            label = kv_dtype if len(windows) == 1 or kv_dtype == "auto" else f"{kv_dtype} w{window}"
+            variants[label] = {"kv_cache_dtype": kv_dtype, "kv_recent_window": window}
+    return variants
+
+
 def build_engines(model: str | None, kv_cache_dtypes: list[str], log: Callable[[str], None] = print,
-                  **config) -> dict[str, object]:
-    """One LLMEngine per kv-cache dtype, all on one loaded copy of the weights (as eval does)."""
+                  windows: list[int | None] | None = None, **config) -> dict[str, object]:
+    """One LLMEngine per cache variant (cache_variants), all on one loaded copy of the weights (as eval does)."""
     from fp8cache.config import EngineConfig
     from fp8cache.engine.llm_engine import LLMEngine
     from fp8cache.model.loader import load_model
@@ -70,30 +81,31 @@ def build_engines(model: str | None, kv_cache_dtypes: list[str], log: Callable[[
     base = EngineConfig(model=model, **config)
     loaded = load_model(base)
     engines = {}
-    for kv_dtype in kv_cache_dtypes:
-        cfg = dataclasses.replace(base, kv_cache_dtype=kv_dtype)
-        engines[kv_dtype] = LLMEngine(cfg, log=log, runner=ModelRunner(cfg, log=log, loaded=loaded))
+    for label, overrides in cache_variants(kv_cache_dtypes, windows or [base.kv_recent_window]).items():
+        cfg = dataclasses.replace(base, **overrides)
+        engines[label] = LLMEngine(cfg, log=log, runner=ModelRunner(cfg, log=log, loaded=loaded))
     return engines
 
 
 @contextlib.contextmanager
 def open_engines(model: str | None, kv_cache_dtypes: list[str], log: Callable[[str], None] = print,
-                 num_shard: int = 1, threads_per_rank: int | None = None,
+                 num_shard: int = 1, threads_per_rank: int | None = None, windows: list[int | None] | None = None,
                  **config) -> Iterator[dict[str, object]]:
     """build_engines, or with num_shard > 1 the same engines over a tensor-parallel group whose worker
     processes stop when the block ends (threads_per_rank: torch threads of each worker)."""
     if num_shard == 1:
-        yield build_engines(model, kv_cache_dtypes, log, **config)
+        yield build_engines(model, kv_cache_dtypes, log, windows, **config)
         return
     from fp8cache.config import EngineConfig
     from fp8cache.distributed.group import TensorParallelGroup
     from fp8cache.engine.llm_engine import LLMEngine
 
     base = EngineConfig(model=model, tensor_parallel_size=num_shard, **config)
-    configs = [dataclasses.replace(base, kv_cache_dtype=kv_dtype) for kv_dtype in kv_cache_dtypes]
+    variants = cache_variants(kv_cache_dtypes, windows or [base.kv_recent_window])
+    configs = [dataclasses.replace(base, **overrides) for overrides in variants.values()]
     with TensorParallelGroup.start(configs, log, threads_per_rank) as group:
-        yield {cfg.kv_cache_dtype: LLMEngine(cfg, log=log, runner=runner)
-               for cfg, runner in zip(configs, group.runners)}
+        yield {label: LLMEngine(cfg, log=log, runner=runner)
+               for label, cfg, runner in zip(variants, configs, group.runners)}
 
 
 def bench_params(output_len: int):
@@ -159,10 +171,11 @@ class _Contestant:
     kv_cache_dtype: str
     run: Callable[[list[list[int]], int, Callable[[int], None] | None], BatchResult]
     extra: dict
+    variant: str = ""  # the engine's cache variant label (cache_variants)
 
     @property
     def label(self) -> str:
-        return f"fp8kv {self.kv_cache_dtype}" if self.engine == "fp8kv" else "transformers generate"
+        return f"fp8kv {self.variant}" if self.engine == "fp8kv" else "transformers generate"
 
 
 def iter_throughput(model: str | None = None, kv_cache_dtypes: tuple[str, ...] = ("auto", "fp8_e4m3"),
@@ -172,11 +185,13 @@ def iter_throughput(model: str | None = None, kv_cache_dtypes: tuple[str, ...] =
                     max_num_batched_tokens: int = 2048, text_path: str | None = None,
                     progress: Progress | None = None, log: Callable[[str], None] = print,
                     num_shard: int = 1, threads_per_rank: int | None = None,
-                    kv_recent_window: int | None = None) -> Iterator[dict]:
+                    kv_recent_window: int | list[int] | None = None) -> Iterator[dict]:
     """Yield one row per fp8kv kv-cache dtype, then one per peer, each after its last timed run.
     num_shard: tensor-parallel ranks of the fp8kv engines (threads_per_rank: torch threads of each worker).
-    kv_recent_window: newest tokens kept in full precision beside FP8 (None: the engine's default)."""
+    kv_recent_window: newest tokens kept in full precision beside FP8 (None: the engine's default); a
+    list runs every FP8 dtype once per window, side by side (rows then say e.g. "fp8_e4m3 w32")."""
     _check_lengths(num_prompts, input_len, output_len, repeats)
+    windows = check_windows(kv_recent_window)
     if isinstance(num_shard, bool) or not isinstance(num_shard, int) or num_shard < 1:
         raise ValueError(f"num_shard={num_shard!r} must be an integer >= 1")
     dtypes = check_kv_cache_dtypes(list(kv_cache_dtypes))
@@ -185,7 +200,7 @@ def iter_throughput(model: str | None = None, kv_cache_dtypes: tuple[str, ...] =
         raise ValueError(f"unknown peer(s) {', '.join(unknown)} for --compare; valid: {', '.join(PEERS)}")
     with open_engines(model, dtypes, log, num_shard, threads_per_rank, dtype=dtype,
                       kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-                      max_num_batched_tokens=max_num_batched_tokens, kv_recent_window=kv_recent_window) as engines:
+                      max_num_batched_tokens=max_num_batched_tokens, windows=windows) as engines:
         yield from _race(engines, num_prompts, input_len, output_len, compare, repeats, text_path, progress,
                          num_shard)
 
@@ -195,7 +210,7 @@ def _race(engines: dict[str, object], num_prompts: int, input_len: int, output_l
           num_shard: int) -> Iterator[dict]:
     """Warm every contestant up, then time them taking turns; one row each after its last run."""
     runner = next(iter(engines.values())).runner
-    contestants = [_engine_contestant(dt, e, num_shard) for dt, e in engines.items()]
+    contestants = [_engine_contestant(label, e, num_shard) for label, e in engines.items()]
     if "hf" in compare:
         contestants.append(_transformers_contestant(runner.model_path, runner.dtype))
     sets = _prompt_sets(runner.tokenizer, text_path, num_prompts, input_len, repeats)
@@ -213,10 +228,21 @@ def _race(engines: dict[str, object], num_prompts: int, input_len: int, output_l
                 yield _row(c, results[c.label], num_prompts, input_len, output_len, info)
 
 
-def _engine_contestant(kv_dtype: str, engine, num_shard: int = 1) -> _Contestant:
+def check_windows(kv_recent_window: int | list[int] | tuple[int, ...] | None) -> list[int | None]:
+    """[None] (the engine's default), [N], or several distinct windows in order."""
+    windows = list(kv_recent_window) if isinstance(kv_recent_window, (list, tuple)) else [kv_recent_window]
+    if not windows:
+        raise ValueError("give at least one kv_recent_window (0: plain FP8)")
+    for w in windows:
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 0):
+            raise ValueError(f"kv_recent_window={w!r} must be a whole number of tokens >= 0 (0: plain FP8)")
+    return list(dict.fromkeys(windows))
+
+
+def _engine_contestant(label: str, engine, num_shard: int = 1) -> _Contestant:
     runner = engine.runner  # with num_shard > 1, rank 0's: capacity and bytes per token are per rank
-    return _Contestant("fp8kv", kv_dtype, lambda prompts, n, cb: run_batch(engine, prompts, n, cb),
-                       {"num_shard": num_shard, **cache_figures(runner)})
+    return _Contestant("fp8kv", runner.kv_cache_dtype, lambda prompts, n, cb: run_batch(engine, prompts, n, cb),
+                       {"num_shard": num_shard, **cache_figures(runner)}, label)
 
 
 def cache_figures(runner) -> dict:
@@ -255,7 +281,8 @@ def median_result(results: list[BatchResult]) -> BatchResult:
 def _row(c: _Contestant, results: list[BatchResult], num_prompts: int, input_len: int, output_len: int,
          info: dict) -> dict:
     median = median_result(results)  # every elapsed time is kept beside it
-    row = {"engine": c.engine, "kv_cache_dtype": c.kv_cache_dtype, "num_prompts": num_prompts,
+    row = {"engine": c.engine, "kv_cache_dtype": c.kv_cache_dtype, "variant": c.variant or c.kv_cache_dtype,
+           "num_prompts": num_prompts,
            "input_len": input_len, "output_len": output_len, **median.rates(),
            "input_tokens": median.input_tokens, "output_tokens": median.output_tokens,
            "num_preemptions": median.num_preemptions, "repeats": len(results),
@@ -266,16 +293,20 @@ def _row(c: _Contestant, results: list[BatchResult], num_prompts: int, input_len
 
 
 def add_ratios(rows: list[dict]) -> list[dict]:
-    """Add each fp8kv row's output tokens/s over the transformers row's and over fp8kv auto's, when present."""
+    """Add each fp8kv row's output tokens/s over the transformers row's and over fp8kv auto's, when present,
+    and a windowed FP8 row's over the same dtype's plain (window 0) row (vs_window0)."""
     peer = next((r for r in rows if r["engine"] == "transformers"), None)
-    auto = next((r for r in rows if r["engine"] == "fp8kv" and r["kv_cache_dtype"] == "auto"), None)
-    for r in rows:
-        if r["engine"] != "fp8kv":
-            continue
+    fp8kv = [r for r in rows if r["engine"] == "fp8kv"]
+    auto = next((r for r in fp8kv if r["kv_cache_dtype"] == "auto"), None)
+    plain = {r["kv_cache_dtype"]: r for r in fp8kv if r["kv_cache_dtype"] != "auto" and r["kv_recent_window"] == 0}
+    for r in fp8kv:
         if peer is not None:
             r["vs_transformers"] = r["output_tokens_per_s"] / peer["output_tokens_per_s"]
         if auto is not None:
             r["vs_auto"] = r["output_tokens_per_s"] / auto["output_tokens_per_s"]
+        base = plain.get(r["kv_cache_dtype"])
+        if base is not None and r["kv_recent_window"]:
+            r["vs_window0"] = r["output_tokens_per_s"] / base["output_tokens_per_s"]
     return rows
 
 
