@@ -29,4 +29,7 @@ class EngineConfig:
     # Newest tokens per sequence whose K/V are also kept in the model dtype (0: plain FP8 cache);
     # None: DEFAULT_KV_RECENT_WINDOW for FP8 caches, 0 for auto.
     kv_recent_window: int | None = None
+    # dtype of that window: auto = the model dtype (exactly the auto cache for the newest tokens);
+    # bfloat16 / float16 halve a float32 model's window memory.
+    kv_recent_window_dtype: str = "auto"
     tensor_parallel_size: int = 1  # ranks sharing the model; > 1 needs RANK/WORLD_SIZE/MASTER_* env

@@ -89,6 +89,7 @@ def evaluate(config: EngineConfig, text_path: str | None = None, windows: int = 
         "windows": windows,
         "scales_source": tested.scales_source,
         "kv_recent_window": tested.kv_recent_window,
+        "kv_recent_window_dtype": str(tested.window_dtype).removeprefix("torch."),
     }
 
 

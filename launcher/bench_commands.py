@@ -164,6 +164,9 @@ _THREADS_OPT = click.option("--threads", default=None, type=click.IntRange(1),
 _WINDOW_OPT = click.option("--kv-recent-window", type=click.IntRange(min=0), default=None,
                            help="Newest tokens per sequence kept in full precision beside an FP8 cache "
                                 "(0: plain FP8; default: the engine's, 32).")
+_WINDOW_DTYPE_OPT = click.option("--kv-recent-window-dtype", default="auto", show_default=True,
+                                 type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+                                 help="dtype of the recent-token window (auto: the model dtype).")
 _JSON_OPT = click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON on stdout.")
 _PLOT_OPT = click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
                          help="Write a PNG of the figures (needs `pip install fp8kv[plot]`).")
@@ -193,12 +196,13 @@ _PLOT_OPT = click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
               help="Newest tokens per sequence kept in full precision beside an FP8 cache (0: plain FP8; "
                    "default: the engine's, 32). A comma list, e.g. 0,32, runs each FP8 dtype once per window "
                    "side by side and reports the windowed rows over window 0.")
+@_WINDOW_DTYPE_OPT
 @_THREADS_OPT
 @_JSON_OPT
 @_PLOT_OPT
 def throughput(model, num_prompts, input_len, output_len, kv_cache_dtypes, compare, repeats, dtype,
-               kv_cache_memory, max_num_seqs, max_num_batched_tokens, num_shard, kv_recent_window, threads, as_json,
-               plot_path) -> None:
+               kv_cache_memory, max_num_seqs, max_num_batched_tokens, num_shard, kv_recent_window,
+               kv_recent_window_dtype, threads, as_json, plot_path) -> None:
     """Offline throughput per kv-cache dtype (and transformers with --compare hf), measured in one run."""
     from fp8cache.bench import plot
     from fp8cache.bench import throughput as bench
@@ -210,7 +214,7 @@ def throughput(model, num_prompts, input_len, output_len, kv_cache_dtypes, compa
     rows, interrupted = _collect(lambda bar: bench.iter_throughput(
         model, tuple(dtypes), num_prompts, input_len, output_len, tuple(compare), repeats, dtype,
         kv_cache_memory, max_num_seqs, max_num_batched_tokens, progress=bar, log=_log, num_shard=num_shard,
-        threads_per_rank=threads, kv_recent_window=windows))
+        threads_per_rank=threads, kv_recent_window=windows, kv_recent_window_dtype=kv_recent_window_dtype))
     bench.add_ratios(rows)
     shards = f", fp8kv over {num_shard} tensor-parallel ranks" if num_shard > 1 else ""
     table = Table(title=f"offline throughput, {num_prompts} prompts, {input_len} in / {output_len} out"
@@ -244,12 +248,13 @@ def throughput(model, num_prompts, input_len, output_len, kv_cache_dtypes, compa
               help="Timed runs per dtype and context, taking turns (fresh prompts each); the median is reported.")
 @_MODEL_DTYPE_OPT
 @_WINDOW_OPT
+@_WINDOW_DTYPE_OPT
 @_THREADS_OPT
 @_JSON_OPT
 @_PLOT_OPT
 def capacity(model, kv_cache_memory, contexts, output_len, kv_cache_dtypes, max_num_seqs,
-             max_num_batched_tokens, block_size, repeats, dtype, kv_recent_window, threads, as_json,
-             plot_path) -> None:
+             max_num_batched_tokens, block_size, repeats, dtype, kv_recent_window, kv_recent_window_dtype, threads,
+             as_json, plot_path) -> None:
     """Tokens that fit a KV-cache budget per dtype, the largest batch per context, and its throughput."""
     from fp8cache.bench import capacity as bench
     from fp8cache.bench import plot
@@ -261,7 +266,7 @@ def capacity(model, kv_cache_memory, contexts, output_len, kv_cache_dtypes, max_
     rows, interrupted = _collect(lambda bar: bench.iter_capacity(
         model, tuple(dtypes), kv_cache_memory, tuple(context_list), output_len, max_num_seqs,
         max_num_batched_tokens, int(block_size), dtype, repeats, progress=bar, log=_log,
-        kv_recent_window=kv_recent_window))
+        kv_recent_window=kv_recent_window, kv_recent_window_dtype=kv_recent_window_dtype))
     bench.add_ratios(rows)
     table = Table(title=f"capacity at a {kv_cache_memory} KV cache, {output_len} output tokens per sequence\n"
                         f"{_machine_line(rows)}")

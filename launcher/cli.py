@@ -103,12 +103,14 @@ def bench_kernels(shapes: str, num_heads: int, num_kv_heads: int, head_size: int
               help="Plain-text file to score (default: the WikiText-2 test text).")
 @click.option("--kv-recent-window", type=click.IntRange(min=0), default=None,
               help="Newest tokens per position read in full precision (0: plain FP8; default 32 for FP8).")
+@click.option("--kv-recent-window-dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+              default="auto", show_default=True, help="dtype of that window (auto: the model dtype).")
 @click.option("--windows", default=6, show_default=True, help="Number of consecutive windows.")
 @click.option("--window-len", default=1024, show_default=True, help="Tokens per window.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 def eval_command(model: str | None, kv_cache_dtype: str, quantization_param_path: str | None,
                  calculate_kv_scales: bool, dtype: str, text_path: str | None, kv_recent_window: int | None,
-                 windows: int, window_len: int, as_json: bool) -> None:
+                 kv_recent_window_dtype: str, windows: int, window_len: int, as_json: bool) -> None:
     """Measure what an FP8 cache costs in quality (decode-faithful perplexity, KL, top-1 agreement)."""
     from fp8cache.config import EngineConfig
     from fp8cache.eval import evaluate
@@ -116,7 +118,7 @@ def eval_command(model: str | None, kv_cache_dtype: str, quantization_param_path
     config = EngineConfig(model=model, kv_cache_dtype=kv_cache_dtype, dtype=dtype,
                           quantization_param_path=quantization_param_path,
                           calculate_kv_scales=calculate_kv_scales, enable_prefix_caching=False,
-                          kv_recent_window=kv_recent_window)
+                          kv_recent_window=kv_recent_window, kv_recent_window_dtype=kv_recent_window_dtype)
     try:
         result = evaluate(config, text_path=text_path, windows=windows, window_len=window_len,
                           progress=not as_json)
@@ -127,7 +129,8 @@ def eval_command(model: str | None, kv_cache_dtype: str, quantization_param_path
         return
     table = Table(title=f"{result['kv_cache_dtype']} vs auto float32, {result['tokens']} tokens "
                         f"({result['windows']} windows), scales: {result['scales_source']}, "
-                        f"recent window: {result['kv_recent_window']}")
+                        f"recent window: {result['kv_recent_window']}"
+                        + (f" ({result['kv_recent_window_dtype']})" if result["kv_recent_window"] else ""))
     for col in ("kv cache", "PPL", "baseline PPL", "KL", "top-1 agree"):
         table.add_column(col, justify="right")
     table.add_row(result["kv_cache_dtype"], f"{result['ppl']:.3f}", f"{result['baseline_ppl']:.3f}",

@@ -64,6 +64,9 @@ _ENGINE_OPTIONS = [
     option("--kv-recent-window", type=click.IntRange(min=0), default=None,
            help="Keep each sequence's newest N tokens' K/V in full precision too (0: plain FP8 cache; "
                 "default 32 with an FP8 cache)."),
+    option("--kv-recent-window-dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+           default="auto",
+           help="dtype of that window (auto: the model dtype; bfloat16 halves a float32 model's window memory)."),
     option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
            help="Weights and activations dtype (auto: float32 on CPU)."),
     option("--block-size", type=click.Choice(["8", "16", "32"]), default="16", help="Tokens per KV cache block."),
@@ -128,7 +131,7 @@ def engine_config(model: str | None, kw: dict):
         model=model, tokenizer=kw["tokenizer"], dtype=kw["dtype"], kv_cache_dtype=kw["kv_cache_dtype"],
         quantization_param_path=kw["quantization_param_path"], calculate_kv_scales=kw["calculate_kv_scales"],
         kv_scales_granularity=kw["kv_scales_granularity"], kv_recent_window=kw["kv_recent_window"],
-        block_size=int(kw["block_size"]),
+        kv_recent_window_dtype=kw["kv_recent_window_dtype"], block_size=int(kw["block_size"]),
         max_model_len=kw["max_model_len"], max_num_seqs=kw["max_num_seqs"],
         max_num_batched_tokens=kw["max_num_batched_tokens"], kv_cache_memory=_memory(kw["kv_cache_memory"]),
         enable_prefix_caching=kw["enable_prefix_caching"], seed=kw["seed"], device=kw["device"],

@@ -23,6 +23,7 @@ from fp8cache.model.kv_cache import plan_cache
 from fp8cache.model.loader import load_model
 from fp8cache.model.runner import ModelRunner
 from fp8cache.ops import reference
+from fp8cache.server.app import ModelInfo
 
 BLOCK = 8
 
@@ -127,10 +128,11 @@ def make_runner(loaded, kv_cache_dtype: str, window: int | None, monkeypatch=Non
                 **overrides) -> ModelRunner:
     if monkeypatch is not None:
         monkeypatch.setenv("FP8KV_REFERENCE_OPS", "1" if use_reference else "0")
+    log = overrides.pop("log_to", lambda msg: None)
     config = EngineConfig(model=loaded.model_path, kv_cache_dtype=kv_cache_dtype, block_size=BLOCK,
                           kv_cache_memory=overrides.pop("kv_cache_memory", "16MiB"), kv_recent_window=window,
                           max_num_seqs=overrides.pop("max_num_seqs", 4), **overrides)
-    return ModelRunner(config, log=lambda msg: None, loaded=loaded)
+    return ModelRunner(config, log=log, loaded=loaded)
 
 
 def prompt_ids(n: int, seed: int = 0) -> list[int]:
@@ -159,15 +161,20 @@ class RingSeq:
 
 
 @pytest.mark.parametrize("use_reference", [True, False], ids=["reference-ops", "compiled-ops"])
-@pytest.mark.parametrize("kv_cache_dtype,window", [("fp8_e4m3", 8), ("fp8_e5m2", 13), ("fp8_e4m3", 1)])
+@pytest.mark.parametrize("kv_cache_dtype,window,window_dtype", [
+    ("fp8_e4m3", 8, "auto"), ("fp8_e5m2", 13, "auto"), ("fp8_e4m3", 1, "auto"), ("fp8_e4m3", 8, "bfloat16"),
+    ("fp8_e5m2", 13, "float16")])
 def test_chunked_prefill_and_decode_read_the_window_like_one_prefill(loaded, monkeypatch, use_reference,
-                                                                     kv_cache_dtype, window):
+                                                                     kv_cache_dtype, window, window_dtype):
     """Feeding a sequence in chunks and then token by token (ring writes, ring reads, window decode op)
-    gives the logits of one prefill of the whole sequence, where row i reads i-N+1..i in full precision."""
+    gives the logits of one prefill of the whole sequence, where row i reads i-N+1..i in full precision
+    (in the window's dtype)."""
     ids = prompt_ids(60)
-    one_shot = make_runner(loaded, kv_cache_dtype, window, monkeypatch, use_reference=True)
+    one_shot = make_runner(loaded, kv_cache_dtype, window, monkeypatch, use_reference=True,
+                           kv_recent_window_dtype=window_dtype)
     want = one_shot.execute(runner_batch(ids, one_shot), all_logits=True)
-    runner = make_runner(loaded, kv_cache_dtype, window, monkeypatch, use_reference)
+    runner = make_runner(loaded, kv_cache_dtype, window, monkeypatch, use_reference,
+                         kv_recent_window_dtype=window_dtype)
     seq = RingSeq(runner, ids)
     got = [runner.execute(seq.chunk(0, 11), all_logits=True), runner.execute(seq.chunk(11, 40), all_logits=True)]
     got += [runner.execute(seq.chunk(p, p + 1)) for p in range(40, 60)]
@@ -187,6 +194,36 @@ def test_window_changes_logits_only_through_full_precision(loaded, monkeypatch):
     err_plain = (logits["plain"] - logits["auto"]).abs().mean()
     err_part = (logits["part"] - logits["auto"]).abs().mean()
     assert 0 < err_part < err_plain
+
+
+def test_bfloat16_window_halves_its_memory_and_rounds_only_the_newest_tokens(loaded, monkeypatch):
+    """A float32 model with a bfloat16 window: half the window bytes, and a window covering the whole text
+    reads every K/V rounded to bfloat16, i.e. close to the float32 auto cache, far closer than plain FP8."""
+    ids = prompt_ids(48, seed=2)
+    runners = {name: make_runner(loaded, dtype, window, monkeypatch, use_reference=True,
+                                 kv_recent_window_dtype=window_dtype)
+               for name, dtype, window, window_dtype in (
+                   ("auto", "auto", None, "auto"), ("plain", "fp8_e4m3", 0, "auto"),
+                   ("f32", "fp8_e4m3", 48, "auto"), ("bf16", "fp8_e4m3", 48, "bfloat16"))}
+    f32, bf16 = runners["f32"], runners["bf16"]
+    assert f32.window_caches[0][0].dtype == torch.float32 and bf16.window_caches[0][0].dtype == torch.bfloat16
+    assert bf16.cache_plan.window_seats == f32.cache_plan.window_seats
+    assert 2 * bf16.cache_plan.window_bytes == f32.cache_plan.window_bytes
+    assert bf16.num_blocks > f32.num_blocks  # the bytes saved go to the FP8 cache
+    assert ModelInfo.from_runner(bf16).window_dtype == "bfloat16"  # what /info and the startup line show
+    lines = []
+    make_runner(loaded, "fp8_e4m3", 8, kv_recent_window_dtype="bfloat16", log_to=lines.append)
+    assert any("newest 8 tokens of each sequence also in bfloat16" in line for line in lines)
+    logits = {name: r.execute(runner_batch(ids, r), all_logits=True) for name, r in runners.items()}
+    torch.testing.assert_close(logits["f32"], logits["auto"], atol=1e-5, rtol=1e-5)
+    err_bf16 = (logits["bf16"] - logits["auto"]).abs().mean()
+    err_plain = (logits["plain"] - logits["auto"]).abs().mean()
+    assert 0 < err_bf16 < err_plain / 4
+
+
+def test_bad_window_dtype_is_refused(loaded):
+    with pytest.raises(ValueError, match="kv_recent_window_dtype='int8'.*bfloat16"):
+        make_runner(loaded, "fp8_e4m3", 8, kv_recent_window_dtype="int8")
 
 
 def test_auto_cache_ignores_the_window(loaded):

@@ -185,7 +185,8 @@ def iter_throughput(model: str | None = None, kv_cache_dtypes: tuple[str, ...] =
                     max_num_batched_tokens: int = 2048, text_path: str | None = None,
                     progress: Progress | None = None, log: Callable[[str], None] = print,
                     num_shard: int = 1, threads_per_rank: int | None = None,
-                    kv_recent_window: int | list[int] | None = None) -> Iterator[dict]:
+                    kv_recent_window: int | list[int] | None = None,
+                    kv_recent_window_dtype: str = "auto") -> Iterator[dict]:
     """Yield one row per fp8kv kv-cache dtype, then one per peer, each after its last timed run.
     num_shard: tensor-parallel ranks of the fp8kv engines (threads_per_rank: torch threads of each worker).
     kv_recent_window: newest tokens kept in full precision beside FP8 (None: the engine's default); a
@@ -200,7 +201,8 @@ def iter_throughput(model: str | None = None, kv_cache_dtypes: tuple[str, ...] =
         raise ValueError(f"unknown peer(s) {', '.join(unknown)} for --compare; valid: {', '.join(PEERS)}")
     with open_engines(model, dtypes, log, num_shard, threads_per_rank, dtype=dtype,
                       kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-                      max_num_batched_tokens=max_num_batched_tokens, windows=windows) as engines:
+                      max_num_batched_tokens=max_num_batched_tokens, windows=windows,
+                      kv_recent_window_dtype=kv_recent_window_dtype) as engines:
         yield from _race(engines, num_prompts, input_len, output_len, compare, repeats, text_path, progress,
                          num_shard)
 
@@ -249,7 +251,8 @@ def cache_figures(runner) -> dict:
     """What the engine's cache holds, for a bench row (the recent-token window's memory included)."""
     plan = runner.cache_plan
     return {"capacity_tokens": runner.capacity_tokens, "bytes_per_token": runner.bytes_per_token,
-            "kv_recent_window": runner.kv_recent_window, "window_seats": plan.window_seats,
+            "kv_recent_window": runner.kv_recent_window,
+            "window_dtype": str(runner.window_dtype).removeprefix("torch."), "window_seats": plan.window_seats,
             "window_bytes": plan.window_bytes}
 
 

@@ -280,7 +280,9 @@ def _prefill(ctx: ForwardContext, group: PrefillGroup, q: torch.Tensor, k: torch
         values.append(cached[1])
     if earlier is not None:
         for old, new, into in ((earlier[0], k, keys), (earlier[1], v, values)):
-            chunk = new.index_select(0, group.tokens).view(n, q_len, kv_heads, d).to(torch.float32)
+            # The chunk's own K/V as decode would read them back from the window: rounded to its dtype.
+            chunk = new.index_select(0, group.tokens).view(n, q_len, kv_heads, d)
+            chunk = chunk.to(ctx.window_caches[0][0].dtype).to(torch.float32)
             old = old.view(n, old.shape[0] // n, kv_heads, d)
             into.append(torch.cat([old, chunk], 1).transpose(1, 2))
     ks = keys[0] if len(keys) == 1 else torch.cat(keys, 2)  # [n, kv_heads, keys, d]

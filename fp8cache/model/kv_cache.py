@@ -119,13 +119,14 @@ def allocate_caches(allocate: Callable, num_layers: int, num_blocks: int, block_
 
 
 def describe(plan: CachePlan, kv_cache_dtype: str, max_model_len: int, max_num_seqs: int = 1,
-             model_dtype: torch.dtype | None = None) -> list[str]:
+             model_dtype: torch.dtype | None = None, window_dtype: torch.dtype | None = None) -> list[str]:
     mib = plan.num_blocks * plan.block_size * plan.bytes_per_token / 2**20
     lines = [(f"KV cache: {kv_cache_dtype}, {plan.num_blocks} blocks of {plan.block_size} tokens = "
               f"{plan.capacity_tokens} tokens of capacity, {plan.bytes_per_token} bytes per token "
               f"({mib:.1f} MiB, {plan.budget_source})")]
     if plan.window_size:
-        dtype = str(model_dtype).replace("torch.", "") if model_dtype is not None else "the model dtype"
+        shown = window_dtype if window_dtype is not None else model_dtype
+        dtype = str(shown).replace("torch.", "") if shown is not None else "the model dtype"
         lines.append(f"Recent-token window: the newest {plan.window_size} tokens of each sequence also in {dtype},"
                      f" {plan.window_seats} seats ({plan.window_bytes / 2**20:.1f} MiB of the budget)")
         if plan.window_seats < max_num_seqs:

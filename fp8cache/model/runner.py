@@ -18,6 +18,9 @@ from fp8cache.model.batch import StepBatch
 from fp8cache.model.loader import LoadedModel, load_model, read_config_dict
 from fp8cache.rotation import rotation_matrix
 
+# kv_recent_window_dtype names other than auto (the model dtype)
+WINDOW_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 
 def select_ops(log: Callable[[str], None]) -> tuple[object, Callable]:
     """(ops namespace, gather_kv): the compiled ops, or the pure-torch reference if FP8KV_REFERENCE_OPS=1."""
@@ -58,6 +61,7 @@ class ModelRunner:
         self._ops, self._gather_kv = select_ops(log)
         self._init_scales(loaded)
         self.kv_recent_window = self._resolve_recent_window()
+        self.window_dtype = self._resolve_window_dtype()
         self._init_cache(backend)
 
     # ---- setup -------------------------------------------------------------------------------------
@@ -103,6 +107,14 @@ class ModelRunner:
             self.log(f"recent-token window: {recorded} tokens, as recorded in the KV scales ({self.scales.source})")
         window = wanted if wanted is not None else recorded if recorded is not None else DEFAULT_KV_RECENT_WINDOW
         return min(window, self.max_model_len)  # a longer ring could never fill
+
+    def _resolve_window_dtype(self) -> torch.dtype:
+        name = self.config.kv_recent_window_dtype
+        if name == "auto":
+            return self.dtype
+        if name not in WINDOW_DTYPES:
+            raise ValueError(f"kv_recent_window_dtype={name!r} is not known; valid: auto, {', '.join(WINDOW_DTYPES)}")
+        return WINDOW_DTYPES[name]
 
     def _eos_token_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -150,7 +162,7 @@ class ModelRunner:
         self.bytes_per_token = kv_cache.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_size,
                                                         self.kv_cache_dtype, self.dtype, backend)
         window_token_bytes = kv_cache.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_size,
-                                                      formats.AUTO, self.dtype, backend)
+                                                      formats.AUTO, self.window_dtype, backend)
         plan = kv_cache.plan_cache(self.config.kv_cache_memory, self.config.kv_cache_memory_fraction,
                                    self.block_size, self.bytes_per_token, self.kv_recent_window,
                                    window_token_bytes, self.config.max_num_seqs)
@@ -165,9 +177,9 @@ class ModelRunner:
             self.head_size, self.kv_cache_dtype, self.dtype, str(self.device))
         self.window_caches = kv_cache.allocate_caches(
             ops.allocate_kv_cache, self.num_layers, plan.window_num_blocks, self.block_size, self.num_kv_heads,
-            self.head_size, formats.AUTO, self.dtype, str(self.device)) if plan.window_seats else None
+            self.head_size, formats.AUTO, self.window_dtype, str(self.device)) if plan.window_seats else None
         for line in kv_cache.describe(plan, self.kv_cache_dtype, self.max_model_len, self.config.max_num_seqs,
-                                      self.dtype):
+                                      self.dtype, self.window_dtype):
             self.log(line)
 
     @property

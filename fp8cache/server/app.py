@@ -61,7 +61,8 @@ class ModelInfo:
     model_dtype: str = "float32"
     device: str = "cpu"
     special_ids: frozenset[int] = field(default_factory=frozenset)
-    kv_recent_window: int = 0  # newest tokens per sequence also kept in the model dtype
+    kv_recent_window: int = 0  # newest tokens per sequence also kept in full precision
+    window_dtype: str = "float32"  # the dtype of that window (the model dtype unless chosen)
 
     @classmethod
     def from_runner(cls, runner: Any) -> ModelInfo:
@@ -76,7 +77,8 @@ class ModelInfo:
             model_dtype=str(getattr(runner, "dtype", "float32")).removeprefix("torch."),
             device=str(getattr(runner, "device", "cpu")),
             special_ids=frozenset(getattr(tokenizer, "all_special_ids", ()) or ()),
-            kv_recent_window=int(getattr(runner, "kv_recent_window", 0)))
+            kv_recent_window=int(getattr(runner, "kv_recent_window", 0)),
+            window_dtype=str(getattr(runner, "window_dtype", getattr(runner, "dtype", "float32"))).removeprefix("torch."))
 
 
 @dataclass
@@ -573,7 +575,8 @@ async def info(request: Request) -> Response:
         "sha": None, "docker_label": None,
         "kv_cache": {"dtype": i.kv_cache_dtype, "scales_source": i.scales_source, "block_size": i.block_size,
                      "num_blocks": i.num_blocks, "capacity_tokens": i.capacity_tokens,
-                     "recent_window": i.kv_recent_window, "blocks_used": stats.get("blocks_used"), "blocks_free": stats.get("blocks_free")},
+                     "recent_window": i.kv_recent_window, "recent_window_dtype": i.window_dtype,
+                     "blocks_used": stats.get("blocks_used"), "blocks_free": stats.get("blocks_free")},
         "engine": stats,
     })
 

@@ -208,7 +208,7 @@ def _print_summary(name: str, model_path: str, info: Any, url: str, options: Ser
     lines = [f"fp8kv serving {name} at {url}",
              f"  model:          {model_path}",
              (f"  kv cache:       {info.kv_cache_dtype}, scales: {info.scales_source}, "
-             f"recent window: {info.kv_recent_window} tokens in {info.model_dtype}"),
+             f"recent window: {info.kv_recent_window} tokens in {info.window_dtype}"),
              f"  capacity:       {info.capacity_tokens} tokens ({info.num_blocks} blocks of {info.block_size})",
              f"  max model len:  {info.max_model_len}",
              f"  OpenAI API:     {url}/v1 (completions, chat/completions, models)",
