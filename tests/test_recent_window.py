@@ -18,6 +18,7 @@ from fp8cache.engine.scheduler import Scheduler
 from fp8cache.engine.sequence import Sequence
 from fp8cache.engine.window_pool import WindowPool
 from fp8cache.eval import runner_batch, window_batch
+from fp8cache.model import attention
 from fp8cache.model.batch import SeqChunk, StepBatch, window_slot
 from fp8cache.model.kv_cache import plan_cache
 from fp8cache.model.loader import load_model
@@ -150,13 +151,14 @@ class RingSeq:
         per_seat = runner.cache_plan.window_blocks_per_seat
         self.ring = list(range(seat * per_seat, (seat + 1) * per_seat))
 
-    def chunk(self, start: int, end: int) -> StepBatch:
+    def chunk(self, start: int, end: int, floor: int = 0) -> StepBatch:
         bs, window = self.runner.block_size, self.runner.kv_recent_window
         batch = StepBatch(token_ids=self.ids[start:end], positions=list(range(start, end)),
                           slot_mapping=[self.blocks[p // bs] * bs + p % bs for p in range(start, end)])
         batch.window_slot_mapping = [window_slot(self.ring, p, window, bs) if p >= end - window else -1
                                      for p in range(start, end)]
-        batch.seqs.append(SeqChunk(end - start, end, self.blocks[:-(-end // bs)], window_block_table=self.ring))
+        batch.seqs.append(SeqChunk(end - start, end, self.blocks[:-(-end // bs)], window_block_table=self.ring,
+                                   window_floor=floor))
         return batch
 
 
@@ -179,6 +181,26 @@ def test_chunked_prefill_and_decode_read_the_window_like_one_prefill(loaded, mon
     got = [runner.execute(seq.chunk(0, 11), all_logits=True), runner.execute(seq.chunk(11, 40), all_logits=True)]
     got += [runner.execute(seq.chunk(p, p + 1)) for p in range(40, 60)]
     torch.testing.assert_close(torch.cat(got), want, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("window", [1, 8, 13, 40])
+def test_split_window_prefill_equals_one_dense_softmax(loaded, monkeypatch, window):
+    """The CPU prefill's three-part window attention (merged by log-sum-exp) gives the logits of one SDPA
+    with a dense mask over [FP8 keys ; full-precision keys]: fresh prompts, later chunks, single tokens, and
+    a sequence whose first 32 positions came from another's blocks (window floor 32)."""
+    ids = prompt_ids(60, seed=3)
+    other = ids[:32] + prompt_ids(28, seed=4)
+    results = []
+    for split in (False, True):
+        monkeypatch.setattr(attention, "SPLIT_WINDOW_ATTENTION", split)
+        runner = make_runner(loaded, "fp8_e4m3", window, monkeypatch, use_reference=False)
+        first = RingSeq(runner, ids)
+        logits = [runner.execute(first.chunk(a, b), all_logits=True) for a, b in ((0, 23), (23, 24), (24, 60))]
+        shared = RingSeq(runner, other, first_block=len(first.blocks), seat=1)
+        shared.blocks[:32 // BLOCK] = first.blocks[:32 // BLOCK]  # a prefix-cache hit: FP8 only
+        logits += [runner.execute(shared.chunk(a, b, floor=32), all_logits=True) for a, b in ((32, 45), (45, 60))]
+        results.append(torch.cat(logits))
+    torch.testing.assert_close(results[1], results[0], atol=2e-5, rtol=1e-5)
 
 
 def test_window_changes_logits_only_through_full_precision(loaded, monkeypatch):

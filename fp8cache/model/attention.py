@@ -27,6 +27,8 @@ from fp8cache.ops.reference import gather_kv_blocks, gather_window_at, window_in
 from fp8cache.rotation import NONE, apply_rotation
 
 ATTENTION_NAME = "fp8kv_paged"
+# Windowed prefill on CPU as WindowSplit parts (False: one dense-mask SDPA, as on other devices; tests compare).
+SPLIT_WINDOW_ATTENTION = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
 
 # (layer, key [T, kv_heads, d], value [T, kv_heads, d]) -> (k_scale, v_scale) for that layer
 ScaleCalculator = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -46,6 +48,25 @@ class PrefillGroup:
     # Recent-token window: ring (blocks, offsets) [n * earlier] of the positions before each chunk whose
     # full-precision K/V its rows read; each chunk's own full-precision K/V follow them as keys.
     earlier_index: tuple[torch.Tensor, torch.Tensor] | None = None
+    split: WindowSplit | None = None  # the same window attention as three parts (see WindowSplit)
+
+
+@dataclass
+class WindowSplit:
+    """A windowed prefill chunk's attention as three parts of one softmax, merged by log-sum-exp, so that
+    nothing is computed for masked-out keys (one dense-mask SDPA over [FP8 keys ; full keys] costs about 4x
+    a causal one). Row r at position P_r reads FP8 keys [0, full_from_r) and full-precision keys
+    [full_from_r, P_r], full_from_r = max(P_r - N + 1, floor); s = full_from_0. The parts:
+      shared: FP8 keys [0, s), seen by every row;
+      causal: FP8 keys [s, cached_len), row r sees the first r - causal_from + 1 of them (a causal SDPA
+              over rows [causal_from, query_len));
+      band:   full-precision keys [s, context_len) through a sliding view of N keys per row, row r's
+              ending at index band_offset + r; band_valid [query_len, N] drops those before full_from_r."""
+
+    shared_len: int
+    causal_from: int
+    band_offset: int
+    band_valid: torch.Tensor
 
 
 @dataclass
@@ -171,7 +192,17 @@ def _prefill_group(ctx: ForwardContext, seqs: list[int], q_len: int, ctx_len: in
     num_blocks = ctx.kv_caches[0][0].shape[0]
     if block_ids.numel() and (bool((block_ids < 0).any()) or bool((block_ids >= num_blocks).any())):
         raise IndexError(f"block table holds a block id outside [0, {num_blocks})")
-    return PrefillGroup(seqs, tokens, q_len, cached_len, block_ids, mask, earlier)
+    split = _window_split(ctx.window_size, q_len, prefix, first_recent, full_from, device) if earlier else None
+    return PrefillGroup(seqs, tokens, q_len, cached_len, block_ids, mask, earlier, split)
+
+
+def _window_split(window: int, q_len: int, prefix: int, shared_len: int, full_from: torch.Tensor,
+                  device: torch.device) -> WindowSplit:
+    # Row r has full_from_r - s causal FP8 keys = max(0, r - lag): rows past `lag` have some.
+    lag = shared_len - (prefix - window + 1)
+    ends = torch.arange(q_len, device=device)[:, None] + prefix  # position of each row's last band key
+    band_positions = ends - window + 1 + torch.arange(window, device=device)[None, :]
+    return WindowSplit(shared_len, lag + 1, prefix - shared_len, band_positions >= full_from)
 
 
 _current: ForwardContext | None = None
@@ -285,11 +316,60 @@ def _prefill(ctx: ForwardContext, group: PrefillGroup, q: torch.Tensor, k: torch
             chunk = chunk.to(ctx.window_caches[0][0].dtype).to(torch.float32)
             old = old.view(n, old.shape[0] // n, kv_heads, d)
             into.append(torch.cat([old, chunk], 1).transpose(1, 2))
-    ks = keys[0] if len(keys) == 1 else torch.cat(keys, 2)  # [n, kv_heads, keys, d]
-    vs = values[0] if len(values) == 1 else torch.cat(values, 2)
-    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=group.mask, is_causal=group.mask is None,
-                                       scale=scaling, enable_gqa=heads != kv_heads)
+    if group.split is not None and qs.device.type == "cpu" and SPLIT_WINDOW_ATTENTION:
+        cached = (keys[0], values[0]) if len(keys) == 2 else None
+        o = _split_window_attention(qs, cached, keys[-1], values[-1], group.split, scaling)
+    else:
+        ks = keys[0] if len(keys) == 1 else torch.cat(keys, 2)  # [n, kv_heads, keys, d]
+        vs = values[0] if len(values) == 1 else torch.cat(values, 2)
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=group.mask, is_causal=group.mask is None,
+                                           scale=scaling, enable_gqa=heads != kv_heads)
     out.index_copy_(0, group.tokens, o.transpose(1, 2).reshape(n * q_len, heads, d).to(out.dtype))
+
+
+def _split_window_attention(qs: torch.Tensor, cached: tuple[torch.Tensor, torch.Tensor] | None,
+                            full_k: torch.Tensor, full_v: torch.Tensor, split: WindowSplit,
+                            scaling: float) -> torch.Tensor:
+    """[n, heads, q_len, d] float32: the WindowSplit parts, merged. cached: FP8 K/V [n, kv_heads, cached_len,
+    d] read back from the cache; full_k/full_v: full-precision K/V [n, kv_heads, context_len - s, d]."""
+    parts = [_band_attention(qs, full_k, full_v, split, scaling)]
+    if cached is not None:
+        group = qs.shape[1] // cached[0].shape[1]
+        ck, cv = (t.repeat_interleave(group, 1) if group > 1 else t for t in cached)
+        s, first = split.shared_len, split.causal_from
+        if s:
+            parts.append(_flash(qs, ck[:, :, :s], cv[:, :, :s], False, scaling))
+        if ck.shape[2] > s:
+            o, lse = _flash(qs[:, :, first:], ck[:, :, s:], cv[:, :, s:], True, scaling)
+            # Rows before `first` have no causal keys: they add nothing to the softmax.
+            parts.append((F.pad(o, (0, 0, first, 0)), F.pad(lse, (first, 0), value=-torch.inf)))
+    lses = torch.stack([lse for _, lse in parts])
+    total = torch.logsumexp(lses, 0)
+    return sum(o * torch.exp(lse - total).unsqueeze(-1) for o, lse in parts)
+
+
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+           scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch's CPU flash attention, which also returns each row's log-sum-exp (top-left causal alignment)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q.contiguous(), k.contiguous(), v.contiguous(),
+                                                                      0.0, causal, scale=scaling)
+
+
+def _band_attention(qs: torch.Tensor, full_k: torch.Tensor, full_v: torch.Tensor, split: WindowSplit,
+                    scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row against its own N full-precision keys, through a sliding view (no copy of the keys)."""
+    n, heads, q_len, d = qs.shape
+    kv_heads, window = full_k.shape[1], split.band_valid.shape[1]
+    rows = slice(split.band_offset, split.band_offset + q_len)
+    # Padding N - 1 keys in front makes view index i the keys [i - N + 1, i]; band_valid masks the padding.
+    k_win = F.pad(full_k, (0, 0, window - 1, 0)).unfold(2, window, 1)[:, :, rows]  # [n, kv, q_len, d, N]
+    v_win = F.pad(full_v, (0, 0, window - 1, 0)).unfold(2, window, 1)[:, :, rows]
+    q = qs.view(n, kv_heads, heads // kv_heads, q_len, d)
+    scores = torch.einsum("bhgld,bhldn->bhgln", q, k_win) * scaling
+    scores = scores.masked_fill(~split.band_valid, -torch.inf)
+    lse = torch.logsumexp(scores, -1)
+    out = torch.einsum("bhgln,bhldn->bhgld", torch.exp(scores - lse.unsqueeze(-1)), v_win)
+    return out.reshape(n, heads, q_len, d), lse.reshape(n, heads, q_len)
 
 
 def _read_cached(ctx: ForwardContext, group: PrefillGroup, key_cache: torch.Tensor, value_cache: torch.Tensor,
