@@ -60,13 +60,14 @@ class WindowSplit:
       shared: FP8 keys [0, s), seen by every row;
       causal: FP8 keys [s, cached_len), row r sees the first r - causal_from + 1 of them (a causal SDPA
               over rows [causal_from, query_len));
-      band:   full-precision keys [s, context_len) through a sliding view of N keys per row, row r's
-              ending at index band_offset + r; band_valid [query_len, N] drops those before full_from_r."""
+      band:   full-precision keys [s, context_len), N per row: rows in blocks of B share a tile of
+              B + N - 1 keys starting at index band_offset + first row (with N - 1 padding keys in front);
+              band_mask [blocks, B, B + N - 1] keeps each row's keys at or past full_from_r."""
 
     shared_len: int
     causal_from: int
     band_offset: int
-    band_valid: torch.Tensor
+    band_mask: torch.Tensor
 
 
 @dataclass
@@ -200,9 +201,18 @@ def _window_split(window: int, q_len: int, prefix: int, shared_len: int, full_fr
                   device: torch.device) -> WindowSplit:
     # Row r has full_from_r - s causal FP8 keys = max(0, r - lag): rows past `lag` have some.
     lag = shared_len - (prefix - window + 1)
-    ends = torch.arange(q_len, device=device)[:, None] + prefix  # position of each row's last band key
-    band_positions = ends - window + 1 + torch.arange(window, device=device)[None, :]
-    return WindowSplit(shared_len, lag + 1, prefix - shared_len, band_positions >= full_from)
+    rows = min(max(window, 16), 128)
+    num_blocks = -(-q_len // rows)
+    row = torch.arange(num_blocks * rows, device=device).view(num_blocks, rows, 1)
+    tile = torch.arange(rows + window - 1, device=device).view(1, 1, -1)
+    # Tile entry w of row r (local row i) is position P_r - N + 1 + (w - i); row r reads it from full
+    # precision when w - i is in [0, N) and the position is at or past full_from_r. Padding rows read one key.
+    position = row + prefix - window + 1 + (tile - row % rows)
+    in_band = (tile >= row % rows) & (tile < row % rows + window)
+    full_from_rows = F.pad(full_from.view(-1), (0, num_blocks * rows - q_len), value=0).view(num_blocks, rows, 1)
+    valid = in_band & (position >= full_from_rows)
+    valid |= (row >= q_len) & (tile == row % rows)
+    return WindowSplit(shared_len, lag + 1, prefix - shared_len, valid)
 
 
 _current: ForwardContext | None = None
@@ -357,19 +367,26 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
 
 def _band_attention(qs: torch.Tensor, full_k: torch.Tensor, full_v: torch.Tensor, split: WindowSplit,
                     scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row against its own N full-precision keys, through a sliding view (no copy of the keys)."""
+    """Each row against its own N full-precision keys. Rows go in blocks of B: block b's rows share the
+    B + N - 1 keys that cover all their bands (a strided view of the keys), so the work is a batched matmul
+    over small dense tiles, and band_mask keeps each row's N."""
     n, heads, q_len, d = qs.shape
-    kv_heads, window = full_k.shape[1], split.band_valid.shape[1]
-    rows = slice(split.band_offset, split.band_offset + q_len)
-    # Padding N - 1 keys in front makes view index i the keys [i - N + 1, i]; band_valid masks the padding.
-    k_win = F.pad(full_k, (0, 0, window - 1, 0)).unfold(2, window, 1)[:, :, rows]  # [n, kv, q_len, d, N]
-    v_win = F.pad(full_v, (0, 0, window - 1, 0)).unfold(2, window, 1)[:, :, rows]
-    q = qs.view(n, kv_heads, heads // kv_heads, q_len, d)
-    scores = torch.einsum("bhgld,bhldn->bhgln", q, k_win) * scaling
-    scores = scores.masked_fill(~split.band_valid, -torch.inf)
+    kv_heads, group = full_k.shape[1], heads // full_k.shape[1]
+    num_blocks, rows, width = split.band_mask.shape
+    # Padding N - 1 keys in front puts row r's band at [band_offset + r, + N); the back padding lets the
+    # last (partial) block's tile exist.
+    front, back = width - rows, num_blocks * rows - q_len
+    tiles = [F.pad(t, (0, 0, front, back))[:, :, split.band_offset:].unfold(2, width, rows)[:, :, :num_blocks]
+             for t in (full_k, full_v)]  # [n, kv, blocks, d, B + N - 1]
+    q = F.pad(qs, (0, 0, 0, back)).view(n, kv_heads, group, num_blocks, rows, d).transpose(2, 3)
+    scores = q.reshape(n, kv_heads, num_blocks, group * rows, d) @ tiles[0] * scaling
+    scores = scores.view(n, kv_heads, num_blocks, group, rows, width).masked_fill(~split.band_mask[:, None],
+                                                                                    -torch.inf)
     lse = torch.logsumexp(scores, -1)
-    out = torch.einsum("bhgln,bhldn->bhgld", torch.exp(scores - lse.unsqueeze(-1)), v_win)
-    return out.reshape(n, heads, q_len, d), lse.reshape(n, heads, q_len)
+    probs = torch.exp(scores - lse.unsqueeze(-1)).view(n, kv_heads, num_blocks, group * rows, width)
+    out = (probs @ tiles[1].transpose(-1, -2)).view(n, kv_heads, num_blocks, group, rows, d).transpose(2, 3)
+    out = out.reshape(n, heads, num_blocks * rows, d)[:, :, :q_len]
+    return out, lse.transpose(2, 3).reshape(n, heads, num_blocks * rows)[:, :, :q_len]
 
 
 def _read_cached(ctx: ForwardContext, group: PrefillGroup, key_cache: torch.Tensor, value_cache: torch.Tensor,
