@@ -3,12 +3,15 @@
 //
 // FP8 (qk_fp8 / pv_fp8): two VBMI byte-table lookups give each code's float bits exactly (NaN, inf and
 //   subnormals included), byte/word unpacks spread them into floats with 4-lane partial sums, and
-//   reduce4 finishes four accumulators at once. P.V runs 16 head-dimension rows per pass with the
-//   accumulators in registers for the whole partition.
+//   reduce4 finishes four runs at once. Q.K runs one 4-token quad through all head dims, P.V one
+//   4-row quad through all tiles, each with a few accumulators per head so nothing spills; operands
+//   sit at constant offsets from one pointer. The next head's K goes to L2 during Q.K and its V
+//   during P.V (SlabPrefetcher), so memory is busy in both passes.
 // auto caches (qk_heads / pv_heads): natural-order widening of bf16/fp16/fp32, 16 accumulators of
-//   (head, token) or (head, row) pairs, summed by one transpose-and-add tree (reduce16).
-// V is prefetched into L2 while Q.K runs; K is prefetched a few tiles ahead (blocks are scattered, so
-// the hardware prefetchers cannot guess them).
+//   (head, token) or (head, row) pairs, summed by one transpose-and-add tree (reduce16). V is
+//   prefetched into L2 while Q.K runs (L2Prefetcher).
+// K is also prefetched into L1 a few tiles ahead (blocks are scattered, so the hardware prefetchers
+// cannot guess them).
 #pragma once
 
 #include <immintrin.h>
@@ -444,79 +447,128 @@ FP8KV_INLINE void lanes4(const float* src, float* dst, int n) {
   for (int j = 0; j < n; ++j) _mm512_store_ps(dst + 16 * j, _mm512_broadcast_f32x4(_mm_loadu_ps(src + 4 * j)));
 }
 
-// acc + a * b with b read from memory by the FMA itself: with 16 accumulators live, operands that the
-// compiler would otherwise hoist into registers make it spill accumulators.
-FP8KV_INLINE __m512 fma_mem(__m512 a, const float* b, __m512 acc) {
-  __asm__("vfmadd231ps %1, %2, %0" : "+v"(acc) : "m"(*reinterpret_cast<const __m512*>(b)), "v"(a));
-  return acc;
-}
+// Walks the slabs of KV heads [kv_head + from, kv_head + from + heads) of the partition's blocks in
+// one FP8 cache (K or V), a few cache lines per call, prefetching them into L2: blocks are scattered,
+// so the hardware prefetchers cannot guess them, and the heads of one block are contiguous. Called
+// with `heads` lines per line the kernel itself reads, it finishes with the pass that drives it.
+struct SlabPrefetcher {
+  const uint8_t* cache;
+  const int32_t* table;
+  int64_t block_bytes;
+  int block, last_block;
+  int offset = 0;  // bytes into the current block's run of slabs
+  int run_bytes, skip_bytes;
+  int heads;
 
-// qb: [kG][head_size / 4][16], q[h][4m .. 4m+3] in all four lane groups (lanes4).
+  SlabPrefetcher(const PartitionWork& w, const View<uint8_t>& view, bool values, int from, int n_heads)
+      : cache(values ? view.vcache : view.kcache), table(view.table), block_bytes(view.block_elems),
+        block(w.start / w.block_size), last_block(n_heads > 0 ? (w.end - 1) / w.block_size : -1),
+        run_bytes(n_heads * view.block_elems_head), skip_bytes(from * view.block_elems_head),
+        heads(std::max(0, n_heads)) {}
+
+  FP8KV_INLINE void lines(int n) {
+    while (n > 0 && block <= last_block) {
+      const char* p = reinterpret_cast<const char*>(cache + table[block] * block_bytes) + skip_bytes + offset;
+      const int m = std::min(n, (run_bytes - offset) >> 6);
+      for (int i = 0; i < m; ++i) _mm_prefetch(p + 64 * i, _MM_HINT_T1);
+      n -= m;
+      if ((offset += 64 * m) >= run_bytes) {
+        offset = 0;
+        ++block;
+      }
+    }
+  }
+};
+
+// Accumulators per head in the FP8 kernels: each quad of codes feeds its four z vectors into kSets
+// independent chains, so that few heads still keep both FMA ports busy.
+template <int kG>
+constexpr int kFp8Sets = kG <= 2 ? 4 : 2;
+
+// qb: [head_size / 16][kG][4][16]: the operand of z[j] of group g for head h is
+// q[h][16g + 4j .. 16g + 4j + 3] in all four lane groups (lanes4), at constant offsets from group g's row.
+// One quad (4 tokens) runs through all its head dims with kG * kSets accumulators, few enough to stay
+// in registers; four quads' sums then finish together in reduce4.
 template <KVFormat kFormat, int kG>
 void qk_fp8(const PartitionWork& w, const View<uint8_t>& view, const float* qb, const float* alibi,
-            float* logits, int logit_stride, int prefetch_from, int prefetch_heads) {
+            float* logits, int logit_stride, SlabPrefetcher k_ahead, SlabPrefetcher v_ahead) {
   const Fp8Lanes<kFormat> codec;
-  constexpr int kQuads = kG == 1 ? 16 : kG == 2 ? 8 : 4;  // 4 tokens per quad, one accumulator per head
-  constexpr int kT = 4 * kQuads;
-  constexpr int kAhead = 32;
-  const int D = w.head_size, bs = w.block_size;
+  constexpr int kSets = kFp8Sets<kG>;
+  constexpr int kAhead = 32;  // tokens between a K prefetch and its use
+  const int D = w.head_size, bs = w.block_size, groups = D / 16;
   const int bs_shift = __builtin_ctz(bs);
   const int64_t group_stride = 16 * static_cast<int64_t>(bs);
-  const int last_block = (w.end - 1) >> bs_shift;
-  L2Prefetcher<uint8_t> l2pf(view, w.start >> bs_shift, last_block, prefetch_from, prefetch_heads);
-  const int l2_lines = kT / 2 * prefetch_heads;  // K+V lines of those heads per K group of this tile
   auto token_ptr = [&](int t) { return view.k_block(t >> bs_shift) + (t & (bs - 1)) * 16; };
   const __m512 lane = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  for (int ts = w.start; ts < w.end; ts += kT) {
-    const uint8_t* quad[kQuads];
-    const uint8_t* ahead[kQuads];
-    for (int i = 0; i < kQuads; ++i) {
-      const int t = ts + 4 * i < w.end ? ts + 4 * i : ts;  // quads past the end re-read a valid one
-      quad[i] = token_ptr(t);
-      ahead[i] = t + kAhead < w.end ? token_ptr(t + kAhead) : quad[i];
-    }
-    __m512 acc[kG * kQuads];
-    for (int i = 0; i < kG * kQuads; ++i) acc[i] = _mm512_setzero_ps();
-    for (int g = 0; g < D / 16; ++g) {
-#pragma GCC unroll 16
-      for (int i = 0; i < kQuads; ++i) {
-        _mm_prefetch(reinterpret_cast<const char*>(ahead[i] + g * group_stride), _MM_HINT_T0);
+  alignas(64) float quad_sums[kG][4][16] = {};  // [head][quad of the tile]: 4-lane partial sums
+  for (int ts = w.start; ts < w.end; ts += 16) {
+    for (int qi = 0; qi < 4 && ts + 4 * qi < w.end; ++qi) {
+      const int t = ts + 4 * qi;
+      const uint8_t* p = token_ptr(t);
+      const uint8_t* ahead = t + kAhead < w.end ? token_ptr(t + kAhead) : p;
+      __m512 acc[kG][kSets];
+      for (int h = 0; h < kG; ++h) {
+        for (int s = 0; s < kSets; ++s) acc[h][s] = _mm512_setzero_ps();
+      }
+      const float* qg = qb;
+      auto step = [&] {  // one group of 16 head dims
+        _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
         __m512 z[4];
-        codec.decode_lanes(_mm512_loadu_si512(quad[i] + g * group_stride), z);
+        codec.decode_lanes(_mm512_loadu_si512(p), z);
 #pragma GCC unroll 4
         for (int h = 0; h < kG; ++h) {
-          const float* qg = qb + (h * D + g * 16) * 4;
 #pragma GCC unroll 4
-          for (int j = 0; j < 4; ++j) acc[h * kQuads + i] = fma_mem(z[j], qg + 16 * j, acc[h * kQuads + i]);
+          for (int j = 0; j < 4; ++j) {
+            acc[h][j % kSets] = _mm512_fmadd_ps(z[j], _mm512_load_ps(qg + h * 64 + 16 * j), acc[h][j % kSets]);
+          }
         }
+        p += group_stride;
+        ahead += group_stride;
+        qg += kG * 64;
+      };
+      int g = 0;
+      for (; g + 2 <= groups; g += 2) {
+        step();
+        step();
+        k_ahead.lines(2 * k_ahead.heads);  // as many lines per head as these steps read
+        v_ahead.lines(2 * v_ahead.heads);
       }
-      for (int i = 0; i < l2_lines; ++i) l2pf.step();
+      if (g < groups) {
+        step();
+        k_ahead.lines(k_ahead.heads);
+        v_ahead.lines(v_ahead.heads);
+      }
+      for (int h = 0; h < kG; ++h) {
+        __m512 sum = acc[h][0];
+        for (int s = 1; s < kSets; ++s) sum = _mm512_add_ps(sum, acc[h][s]);
+        _mm512_store_ps(quad_sums[h][qi], sum);
+      }
     }
+    const int n = std::min(16, w.end - ts);
     for (int h = 0; h < kG; ++h) {
-      for (int n = 0; n < kQuads / 4; ++n) {
-        const __m512* a = acc + h * kQuads + 4 * n;
-        __m512 out = runs_in_order(reduce4(a[0], a[1], a[2], a[3]));  // tokens ts + 16n + 0..15
-        const int t0 = ts + 16 * n;
-        if (t0 >= w.end) break;
-        if (alibi) {
-          const __m512 pos = _mm512_add_ps(lane, _mm512_set1_ps(static_cast<float>(t0 - w.last_pos)));
-          out = _mm512_fmadd_ps(_mm512_set1_ps(alibi[h]), pos, out);
-        }
-        _mm512_mask_storeu_ps(logits + h * logit_stride + (t0 - w.start), first_lanes(w.end - t0), out);
+      const __m512* a = reinterpret_cast<const __m512*>(quad_sums[h]);
+      __m512 out = runs_in_order(reduce4(a[0], a[1], a[2], a[3]));  // tokens ts + 0..15
+      if (alibi) {
+        const __m512 pos = _mm512_add_ps(lane, _mm512_set1_ps(static_cast<float>(ts - w.last_pos)));
+        out = _mm512_fmadd_ps(_mm512_set1_ps(alibi[h]), pos, out);
       }
+      _mm512_mask_storeu_ps(logits + h * logit_stride + (ts - w.start), first_lanes(n), out);
     }
   }
 }
 
-// out[h][d] = norm[h] * sum over the partition of probs[h][t] * V[t][d]; 16 rows per pass, tiles of
-// 16 tokens gathered into 64 bytes = rows d..d+3 x 16 tokens.
+// out[h][d] = norm[h] * sum over the partition of probs[h][t] * V[t][d]. Tiles of 16 tokens gathered
+// into 64 bytes = rows r..r+3 x 16 tokens; one such row quad runs through all tiles with kG * kSets
+// accumulators, and four row quads (16 rows) finish together in reduce4.
 template <KVFormat kFormat, int kG, int kBs>
 void pv_fp8(const PartitionWork& w, const View<uint8_t>& view, const float* probs, int prob_stride,
-            const float* norm, float* out, float* prob_lanes) {
+            const float* norm, float* out, float* prob_lanes, SlabPrefetcher v_ahead) {
   const Fp8Lanes<kFormat> codec;
+  constexpr int kSets = kFp8Sets<kG>;
   const int D = w.head_size, P = w.end - w.start;
   const int tiles = (P + 15) / 16;
   const int tail = P - 16 * (tiles - 1);
+  const int full_tiles = tail < 16 ? tiles - 1 : tiles;
   __mmask16 tail_mask[4];  // z[j] lane (k, e) holds token 4j + e
   for (int j = 0; j < 4; ++j) {
     const int valid = std::clamp(tail - 4 * j, 0, 4);
@@ -546,28 +598,46 @@ void pv_fp8(const PartitionWork& w, const View<uint8_t>& view, const float* prob
   for (int i = 0; i < tiles; ++i) {  // [tile][kG][4][16]: each tile's probs in lanes4 form
     for (int h = 0; h < kG; ++h) lanes4(probs + h * prob_stride + 16 * i, prob_lanes + (i * kG + h) * 64, 4);
   }
+  alignas(64) float row_sums[kG][4][16];  // [head][row quad]: 4-lane partial sums
   for (int d0 = 0; d0 < D; d0 += 16) {
-    __m512 acc[kG * 4];
-    for (int i = 0; i < kG * 4; ++i) acc[i] = _mm512_setzero_ps();
-    for (int i = 0; i < tiles; ++i) {
-      const bool partial = i == tiles - 1 && tail < 16;
-#pragma GCC unroll 4
-      for (int rq = 0; rq < 4; ++rq) {
-        __m512 z[4];
-        codec.decode_lanes(gather(i, d0 + 4 * rq), z);
-        if (partial) {  // stale slots past the sequence may hold anything, even NaN: zero them
-          for (int j = 0; j < 4; ++j) z[j] = _mm512_maskz_mov_ps(tail_mask[j], z[j]);
-        }
+    for (int rq = 0; rq < 4; ++rq) {
+      const int r = d0 + 4 * rq;
+      __m512 acc[kG][kSets];
+      for (int h = 0; h < kG; ++h) {
+        for (int s = 0; s < kSets; ++s) acc[h][s] = _mm512_setzero_ps();
+      }
+      auto add = [&](const __m512* z, const float* ph) {
 #pragma GCC unroll 4
         for (int h = 0; h < kG; ++h) {
-          const float* ph = prob_lanes + (i * kG + h) * 64;
 #pragma GCC unroll 4
-          for (int j = 0; j < 4; ++j) acc[h * 4 + rq] = fma_mem(z[j], ph + 16 * j, acc[h * 4 + rq]);
+          for (int j = 0; j < 4; ++j) {
+            acc[h][j % kSets] = _mm512_fmadd_ps(z[j], _mm512_load_ps(ph + h * 64 + 16 * j), acc[h][j % kSets]);
+          }
         }
+      };
+      const float* ph = prob_lanes;
+      for (int i = 0; i < full_tiles; ++i, ph += kG * 64) {
+        __m512 z[4];
+        codec.decode_lanes(gather(i, r), z);
+        add(z, ph);
+        if (i % 4 == 3) v_ahead.lines(4 * v_ahead.heads);  // as many lines per head as these tiles read
+      }
+      v_ahead.lines((tiles - full_tiles / 4 * 4) * v_ahead.heads);
+      if (full_tiles < tiles) {  // stale slots past the sequence may hold anything, even NaN: zero them
+        __m512 z[4];
+        codec.decode_lanes(gather(full_tiles, r), z);
+        for (int j = 0; j < 4; ++j) z[j] = _mm512_maskz_mov_ps(tail_mask[j], z[j]);
+        add(z, ph);
+      }
+      for (int h = 0; h < kG; ++h) {
+        __m512 sum = acc[h][0];
+        for (int s = 1; s < kSets; ++s) sum = _mm512_add_ps(sum, acc[h][s]);
+        _mm512_store_ps(row_sums[h][rq], sum);
       }
     }
     for (int h = 0; h < kG; ++h) {
-      const __m512 rows = runs_in_order(reduce4(acc[h * 4], acc[h * 4 + 1], acc[h * 4 + 2], acc[h * 4 + 3]));
+      const __m512* a = reinterpret_cast<const __m512*>(row_sums[h]);
+      const __m512 rows = runs_in_order(reduce4(a[0], a[1], a[2], a[3]));
       _mm512_storeu_ps(out + h * D + d0, _mm512_mul_ps(rows, _mm512_set1_ps(norm[h])));
     }
   }
@@ -637,9 +707,45 @@ void pv_all_heads(const PartitionWork& w, const View<cache_t>& view, const float
   });
 }
 
+// The FP8 half of run_partition. The first subgroup's Q.K pass takes the prefetched heads' K to L2 and
+// their V too, except the V of a head after this one, which its P.V pass takes: so memory stays busy
+// during both passes.
+template <KVFormat kFormat>
+void run_fp8_partition(const PartitionWork& w, const View<uint8_t>& view, const float* q, float* logits,
+                       int stride, float* norm, float* lanes) {
+  const int G = w.group, D = w.head_size, P = w.end - w.start;
+  const int pf_from = w.prefetch_from, pf_heads = w.prefetch_heads;
+  const bool last_is_next = pf_heads > 0 && pf_from + pf_heads - 1 > 0;
+  SlabPrefetcher k_ahead(w, view, false, pf_from, pf_heads);
+  SlabPrefetcher v_ahead_qk(w, view, true, pf_from, pf_heads - (last_is_next ? 1 : 0));
+  SlabPrefetcher v_ahead_pv(w, view, true, pf_from + pf_heads - 1, last_is_next ? 1 : 0);
+  SlabPrefetcher idle(w, view, false, 0, 0);
+  for_head_quads(G, [&](auto kG, int h0) {
+    constexpr int g = decltype(kG)::value;
+    for (int d = 0; d < D; d += 16) {  // [D / 16][g][4][16] (see qk_fp8)
+      for (int h = 0; h < g; ++h) lanes4(q + (h0 + h) * D + d, lanes + (d / 16 * g + h) * 64, 4);
+    }
+    qk_fp8<kFormat, g>(w, view, lanes, w.alibi ? w.alibi + h0 : nullptr, logits + h0 * stride, stride,
+                       h0 == 0 ? k_ahead : idle, h0 == 0 ? v_ahead_qk : idle);
+  });
+  for (int h = 0; h < G; ++h) {
+    softmax_numerators(logits + h * stride, P, stride, w.max_logit + h, w.exp_sum + h);
+    norm[h] = w.v_scale / w.exp_sum[h];
+  }
+  for_head_quads(G, [&](auto kG, int h0) {
+    constexpr int g = decltype(kG)::value;
+    const float* p = logits + h0 * stride;
+    SlabPrefetcher& pf = h0 == 0 ? v_ahead_pv : idle;
+    switch (w.block_size) {
+      case 8: pv_fp8<kFormat, g, 8>(w, view, p, stride, norm + h0, w.out + h0 * D, lanes, pf); break;
+      case 16: pv_fp8<kFormat, g, 16>(w, view, p, stride, norm + h0, w.out + h0 * D, lanes, pf); break;
+      default: pv_fp8<kFormat, g, 32>(w, view, p, stride, norm + h0, w.out + h0 * D, lanes, pf); break;
+    }
+  });
+}
+
 template <typename cache_t, KVFormat kFormat>
 void run_partition(const PartitionWork& w) {
-  constexpr bool kFp8 = kFormat != KVFormat::AUTO;
   const int G = w.group, D = w.head_size, P = w.end - w.start;
   const int stride = (P + 31) / 32 * 32;          // tiles of up to 32 read whole rows of zero-padded probs
   float* logits = w.scratch;                      // [G][stride]
@@ -648,35 +754,18 @@ void run_partition(const PartitionWork& w) {
   const __m512 qs = _mm512_set1_ps(w.qk_scale);
   for (int i = 0; i < G * D; i += 16) _mm512_storeu_ps(q + i, _mm512_mul_ps(_mm512_loadu_ps(w.query + i), qs));
   const View<cache_t> view(w);
-
-  float* lanes = norm + (G + 15) / 16 * 16;  // FP8 operands in lanes4 form (64-byte aligned)
-  if constexpr (kFp8) {
-    for_head_quads(G, [&](auto kG, int h0) {  // K/V go to L2 during the first subgroup's pass
-      lanes4(q + h0 * D, lanes, decltype(kG)::value * D / 4);
-      qk_fp8<kFormat, decltype(kG)::value>(w, view, lanes, w.alibi ? w.alibi + h0 : nullptr,
-                                           logits + h0 * stride, stride, w.prefetch_from, h0 == 0 ? w.prefetch_heads : 0);
-    });
+  if constexpr (kFormat != KVFormat::AUTO) {
+    float* lanes = norm + (G + 15) / 16 * 16;  // FP8 operands in lanes4 form (64-byte aligned)
+    run_fp8_partition<kFormat>(w, view, q, logits, stride, norm, lanes);
   } else {
     for_head_subgroups(G, [&](auto kG, int h0) {  // K/V go to L2 during the first subgroup's pass
       qk_heads<cache_t, kFormat, decltype(kG)::value>(w, view, q + h0 * D, w.alibi ? w.alibi + h0 : nullptr,
                                                       logits + h0 * stride, stride, w.prefetch_from, h0 == 0 ? w.prefetch_heads : 0);
     });
-  }
-  for (int h = 0; h < G; ++h) {
-    softmax_numerators(logits + h * stride, P, stride, w.max_logit + h, w.exp_sum + h);
-    norm[h] = w.v_scale / w.exp_sum[h];
-  }
-  if constexpr (kFp8) {
-    for_head_quads(G, [&](auto kG, int h0) {
-      constexpr int g = decltype(kG)::value;
-      const float* p = logits + h0 * stride;
-      switch (w.block_size) {
-        case 8: pv_fp8<kFormat, g, 8>(w, view, p, stride, norm + h0, w.out + h0 * D, lanes); break;
-        case 16: pv_fp8<kFormat, g, 16>(w, view, p, stride, norm + h0, w.out + h0 * D, lanes); break;
-        default: pv_fp8<kFormat, g, 32>(w, view, p, stride, norm + h0, w.out + h0 * D, lanes); break;
-      }
-    });
-  } else {
+    for (int h = 0; h < G; ++h) {
+      softmax_numerators(logits + h * stride, P, stride, w.max_logit + h, w.exp_sum + h);
+      norm[h] = w.v_scale / w.exp_sum[h];
+    }
     switch (w.block_size) {
       case 8: pv_all_heads<cache_t, kFormat, 8>(w, view, logits, stride, norm); break;
       case 16: pv_all_heads<cache_t, kFormat, 16>(w, view, logits, stride, norm); break;
