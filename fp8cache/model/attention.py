@@ -201,7 +201,7 @@ def _window_split(window: int, q_len: int, prefix: int, shared_len: int, full_fr
                   device: torch.device) -> WindowSplit:
     # Row r has full_from_r - s causal FP8 keys = max(0, r - lag): rows past `lag` have some.
     lag = shared_len - (prefix - window + 1)
-    rows = min(max(window, 16), 128)
+    rows = min(max(window // 2, 16), 128)
     num_blocks = -(-q_len // rows)
     row = torch.arange(num_blocks * rows, device=device).view(num_blocks, rows, 1)
     tile = torch.arange(rows + window - 1, device=device).view(1, 1, -1)
@@ -342,20 +342,26 @@ def _split_window_attention(qs: torch.Tensor, cached: tuple[torch.Tensor, torch.
                             scaling: float) -> torch.Tensor:
     """[n, heads, q_len, d] float32: the WindowSplit parts, merged. cached: FP8 K/V [n, kv_heads, cached_len,
     d] read back from the cache; full_k/full_v: full-precision K/V [n, kv_heads, context_len - s, d]."""
-    parts = [_band_attention(qs, full_k, full_v, split, scaling)]
+    out, lse = _band_attention(qs, full_k, full_v, split, scaling)
     if cached is not None:
         group = qs.shape[1] // cached[0].shape[1]
         ck, cv = (t.repeat_interleave(group, 1) if group > 1 else t for t in cached)
         s, first = split.shared_len, split.causal_from
         if s:
-            parts.append(_flash(qs, ck[:, :, :s], cv[:, :, :s], False, scaling))
-        if ck.shape[2] > s:
-            o, lse = _flash(qs[:, :, first:], ck[:, :, s:], cv[:, :, s:], True, scaling)
-            # Rows before `first` have no causal keys: they add nothing to the softmax.
-            parts.append((F.pad(o, (0, 0, first, 0)), F.pad(lse, (first, 0), value=-torch.inf)))
-    lses = torch.stack([lse for _, lse in parts])
-    total = torch.logsumexp(lses, 0)
-    return sum(o * torch.exp(lse - total).unsqueeze(-1) for o, lse in parts)
+            _merge_into(out, lse, *_flash(qs, ck[:, :, :s], cv[:, :, :s], False, scaling), first_row=0)
+        if ck.shape[2] > s:  # rows before `first` have no causal keys
+            _merge_into(out, lse, *_flash(qs[:, :, first:], ck[:, :, s:], cv[:, :, s:], True, scaling), first)
+    return out
+
+
+def _merge_into(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor,
+                first_row: int) -> None:
+    """Fold a softmax part over more keys into rows [first_row, ...) of (out, lse), in place."""
+    rows_out, rows_lse = out[:, :, first_row:], lse[:, :, first_row:]
+    total = torch.logaddexp(rows_lse, part_lse)
+    rows_out.mul_(torch.exp(rows_lse - total).unsqueeze(-1))
+    rows_out.add_(part_out * torch.exp(part_lse - total).unsqueeze(-1))
+    rows_lse.copy_(total)
 
 
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -378,12 +384,16 @@ def _band_attention(qs: torch.Tensor, full_k: torch.Tensor, full_v: torch.Tensor
     front, back = width - rows, num_blocks * rows - q_len
     tiles = [F.pad(t, (0, 0, front, back))[:, :, split.band_offset:].unfold(2, width, rows)[:, :, :num_blocks]
              for t in (full_k, full_v)]  # [n, kv, blocks, d, B + N - 1]
-    q = F.pad(qs, (0, 0, 0, back)).view(n, kv_heads, group, num_blocks, rows, d).transpose(2, 3)
+    q = (F.pad(qs, (0, 0, 0, back)) if back else qs).view(n, kv_heads, group, num_blocks, rows, d).transpose(2, 3)
     scores = q.reshape(n, kv_heads, num_blocks, group * rows, d) @ tiles[0] * scaling
     scores = scores.view(n, kv_heads, num_blocks, group, rows, width).masked_fill(~split.band_mask[:, None],
                                                                                     -torch.inf)
-    lse = torch.logsumexp(scores, -1)
-    probs = torch.exp(scores - lse.unsqueeze(-1)).view(n, kv_heads, num_blocks, group * rows, width)
+    # One exp for both the probabilities and the log-sum-exp (every row keeps at least one key).
+    top = scores.amax(-1, keepdim=True)
+    probs = torch.exp_(scores - top)
+    total = probs.sum(-1, keepdim=True)
+    lse = (top + torch.log(total)).squeeze(-1)
+    probs = probs.div_(total).view(n, kv_heads, num_blocks, group * rows, width)
     out = (probs @ tiles[1].transpose(-1, -2)).view(n, kv_heads, num_blocks, group, rows, d).transpose(2, 3)
     out = out.reshape(n, heads, num_blocks * rows, d)[:, :, :q_len]
     return out, lse.transpose(2, 3).reshape(n, heads, num_blocks * rows)[:, :, :q_len]
