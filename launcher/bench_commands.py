@@ -224,7 +224,7 @@ def throughput(model, num_prompts, input_len, output_len, kv_cache_dtypes, compa
                 "vs transformers") + (("vs window 0",) if by_window else ()):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(r["engine"], r["variant"], _fmt(r["requests_per_s"], ".3f"),
+        table.add_row(r["engine"], r.get("variant", r["kv_cache_dtype"]), _fmt(r["requests_per_s"], ".3f"),
                       _fmt(r["output_tokens_per_s"]), _fmt(r["total_tokens_per_s"]), _fmt(r["elapsed_s"], ".2f"),
                       _ratio(r.get("vs_auto")), _ratio(r.get("vs_transformers")),
                       *((_ratio(r.get("vs_window0")),) if by_window else ()))

@@ -301,14 +301,15 @@ def add_ratios(rows: list[dict]) -> list[dict]:
     peer = next((r for r in rows if r["engine"] == "transformers"), None)
     fp8kv = [r for r in rows if r["engine"] == "fp8kv"]
     auto = next((r for r in fp8kv if r["kv_cache_dtype"] == "auto"), None)
-    plain = {r["kv_cache_dtype"]: r for r in fp8kv if r["kv_cache_dtype"] != "auto" and r["kv_recent_window"] == 0}
+    plain = {r["kv_cache_dtype"]: r for r in fp8kv
+             if r["kv_cache_dtype"] != "auto" and r.get("kv_recent_window") == 0}
     for r in fp8kv:
         if peer is not None:
             r["vs_transformers"] = r["output_tokens_per_s"] / peer["output_tokens_per_s"]
         if auto is not None:
             r["vs_auto"] = r["output_tokens_per_s"] / auto["output_tokens_per_s"]
         base = plain.get(r["kv_cache_dtype"])
-        if base is not None and r["kv_recent_window"]:
+        if base is not None and r.get("kv_recent_window"):
             r["vs_window0"] = r["output_tokens_per_s"] / base["output_tokens_per_s"]
     return rows
 
