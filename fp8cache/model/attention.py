@@ -44,7 +44,7 @@ class PrefillGroup:
     query_len: int
     cached_len: int  # keys [0, cached_len) of each chunk's sequence are read back from the cache
     block_ids: torch.Tensor  # int64 [n, blocks covering cached_len], checked against the cache
-    mask: torch.Tensor | None  # bool [query_len, keys]; None: plain causal over [0, context_len)
+    mask: torch.Tensor | None  # bool [query_len, keys]; None: plain causal over [0, context_len) (or split)
     # Recent-token window: ring (blocks, offsets) [n * earlier] of the positions before each chunk whose
     # full-precision K/V its rows read; each chunk's own full-precision K/V follow them as keys.
     earlier_index: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -174,7 +174,7 @@ def _prefill_group(ctx: ForwardContext, seqs: list[int], q_len: int, ctx_len: in
     tokens = (starts[:, None] + torch.arange(q_len, device=device)).reshape(-1)
     rows = torch.arange(q_len, device=device)[:, None] + prefix  # query row r sits at position prefix + r
     positions = torch.arange(ctx_len, device=device)[None, :]
-    mask, earlier, cached_len = None if not prefix else positions <= rows, None, ctx_len
+    mask, earlier, cached_len, split = None if not prefix else positions <= rows, None, ctx_len, None
     if ctx.window_size:
         # Each row reads one key per position: from the window if within its last window_size positions (and
         # computed by this sequence), else from the cache. Both sets go into one softmax. No row reads a
@@ -186,14 +186,16 @@ def _prefill_group(ctx: ForwardContext, seqs: list[int], q_len: int, ctx_len: in
                               window_cache.shape[0], window_cache.shape[3]) for i in seqs]
         earlier = (torch.cat([b for b, _ in index]), torch.cat([o for _, o in index]))
         full_from = torch.clamp(rows - ctx.window_size + 1, min=floor)
-        recent_positions = positions[:, first_recent:]
-        mask = torch.cat([positions[:, :cached_len] < full_from,
-                          (recent_positions >= full_from) & (recent_positions <= rows)], 1)
+        if SPLIT_WINDOW_ATTENTION and device.type == "cpu":  # the split parts need no dense mask
+            split = _window_split(ctx.window_size, q_len, prefix, first_recent, full_from, device)
+        else:
+            recent_positions = positions[:, first_recent:]
+            mask = torch.cat([positions[:, :cached_len] < full_from,
+                              (recent_positions >= full_from) & (recent_positions <= rows)], 1)
     block_ids = ctx.block_tables[seqs, :-(-cached_len // ctx.block_size)].long()
     num_blocks = ctx.kv_caches[0][0].shape[0]
     if block_ids.numel() and (bool((block_ids < 0).any()) or bool((block_ids >= num_blocks).any())):
         raise IndexError(f"block table holds a block id outside [0, {num_blocks})")
-    split = _window_split(ctx.window_size, q_len, prefix, first_recent, full_from, device) if earlier else None
     return PrefillGroup(seqs, tokens, q_len, cached_len, block_ids, mask, earlier, split)
 
 
@@ -326,7 +328,7 @@ def _prefill(ctx: ForwardContext, group: PrefillGroup, q: torch.Tensor, k: torch
             chunk = chunk.to(ctx.window_caches[0][0].dtype).to(torch.float32)
             old = old.view(n, old.shape[0] // n, kv_heads, d)
             into.append(torch.cat([old, chunk], 1).transpose(1, 2))
-    if group.split is not None and qs.device.type == "cpu" and SPLIT_WINDOW_ATTENTION:
+    if group.split is not None:
         cached = (keys[0], values[0]) if len(keys) == 2 else None
         o = _split_window_attention(qs, cached, keys[-1], values[-1], group.split, scaling)
     else:
