@@ -14,7 +14,7 @@ from fp8cache.config import EngineConfig
 # Tensor names that carry KV cache scales (DESIGN section 3); transformers drops these as unknown weights.
 SCALE_TENSOR_SUFFIXES = ("self_attn.kv_scale", "self_attn.k_scale", "self_attn.v_scale",
                          "k_proj.output_scale", "v_proj.output_scale")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _CPU_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -74,9 +74,9 @@ def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
     """Model dtype for config.dtype: auto is float32 on CPU."""
     if name == "auto":
         return torch.float32
-    if name not in _DTYPES:
-        raise ValueError(f"dtype {name!r} is not known; valid: auto, {', '.join(_DTYPES)}")
-    dtype = _DTYPES[name]
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} is not known; valid: auto, {', '.join(DTYPES)}")
+    dtype = DTYPES[name]
     if torch.device(device).type == "cpu" and dtype not in _CPU_DTYPES:
         raise ValueError(f"dtype {name!r} is not supported on CPU; use auto, float32 or bfloat16")
     return dtype

@@ -15,11 +15,8 @@ from fp8cache.distributed import parallel_state, sharding
 from fp8cache.distributed import worker as tp_worker
 from fp8cache.model import attention, kv_cache
 from fp8cache.model.batch import StepBatch
-from fp8cache.model.loader import LoadedModel, load_model, read_config_dict
+from fp8cache.model.loader import DTYPES, LoadedModel, load_model, read_config_dict
 from fp8cache.rotation import rotation_matrix
-
-# kv_recent_window_dtype names other than auto (the model dtype)
-WINDOW_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def select_ops(log: Callable[[str], None]) -> tuple[object, Callable]:
@@ -112,9 +109,9 @@ class ModelRunner:
         name = self.config.kv_recent_window_dtype
         if name == "auto":
             return self.dtype
-        if name not in WINDOW_DTYPES:
-            raise ValueError(f"kv_recent_window_dtype={name!r} is not known; valid: auto, {', '.join(WINDOW_DTYPES)}")
-        return WINDOW_DTYPES[name]
+        if name not in DTYPES:
+            raise ValueError(f"kv_recent_window_dtype={name!r} is not known; valid: auto, {', '.join(DTYPES)}")
+        return DTYPES[name]
 
     def _eos_token_ids(self) -> set[int]:
         ids: set[int] = set()
