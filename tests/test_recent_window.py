@@ -18,9 +18,9 @@ from fp8cache.engine.scheduler import Scheduler
 from fp8cache.engine.sequence import Sequence
 from fp8cache.engine.window_pool import WindowPool
 from fp8cache.eval import runner_batch, window_batch
-from fp8cache.model import attention
+from fp8cache.model import attention, kv_cache
 from fp8cache.model.batch import SeqChunk, StepBatch, window_slot
-from fp8cache.model.kv_cache import plan_cache
+from fp8cache.model.kv_cache import WINDOW_BUDGET_SHARE, plan_cache
 from fp8cache.model.loader import load_model
 from fp8cache.model.runner import ModelRunner
 from fp8cache.ops import reference
@@ -106,16 +106,44 @@ def test_scheduler_maps_only_the_newest_tokens_to_the_ring():
 
 
 def test_plan_counts_the_window_in_the_budget():
-    plain = plan_cache(1 << 20, 0.3, 16, 1000)
-    windowed = plan_cache(1 << 20, 0.3, 16, 1000, window_size=20, window_token_bytes=4000, max_num_seqs=64)
+    plain = plan_cache(1 << 23, 0.3, 16, 1000)
+    windowed = plan_cache(1 << 23, 0.3, 16, 1000, window_size=20, window_token_bytes=4000, max_num_seqs=64)
     seat = 2 * 16 * 4000  # 20 tokens round up to 2 blocks
     assert windowed.window_blocks_per_seat == 2 and windowed.window_bytes == windowed.window_seats * seat
-    assert windowed.window_seats == (1 << 20) // 2 // seat  # capped at half the budget
-    assert plan_cache(1 << 20, 0.3, 16, 1000, window_size=20, window_token_bytes=4000,
+    assert windowed.window_seats == (1 << 23) // WINDOW_BUDGET_SHARE // seat == 4  # capped at a share of the budget
+    assert plan_cache(1 << 23, 0.3, 16, 1000, window_size=20, window_token_bytes=4000,
                       max_num_seqs=2).window_seats == 2
-    assert windowed.num_blocks == ((1 << 20) - windowed.window_bytes) // (16 * 1000) < plain.num_blocks
+    assert windowed.num_blocks == ((1 << 23) - windowed.window_bytes) // (16 * 1000) < plain.num_blocks
     with pytest.raises(ValueError, match="kv_recent_window"):
         plan_cache(seat + 100, 0.3, 16, 1000, window_size=20, window_token_bytes=4000)
+
+
+def _full_length_batch(plan, max_model_len: int) -> int:
+    """Sequences of max_model_len tokens that run at once under `plan`: each needs its blocks and a seat."""
+    return min(plan.window_seats, plan.num_blocks // -(-max_model_len // plan.block_size))
+
+
+@pytest.mark.parametrize("budget,max_model_len,token_bytes,window_token_bytes", [
+    (256 << 20, 4096, 11520, 46080),  # the default model: FP8 cache, float32 window, 4k context
+    (256 << 20, 4096, 11520, 23040),  # bfloat16 window
+    (64 << 20, 8192, 11520, 46080),
+    (1 << 30, 512, 11520, 46080),
+    (3 << 20, 100, 1000, 4000),
+])
+def test_window_seats_never_lower_the_full_length_batch(budget, max_model_len, token_bytes, window_token_bytes):
+    # Brute force over every seat count: the plan runs as many max_model_len sequences at once as the best.
+    seat = 2 * 16 * window_token_bytes
+    best = 0
+    for seats in range(1, 257):
+        blocks = (budget - seats * seat) // (16 * token_bytes)
+        if blocks >= 1:
+            best = max(best, min(seats, blocks // -(-max_model_len // 16)))
+    plan = plan_cache(budget, 0.3, 16, token_bytes, window_size=32, window_token_bytes=window_token_bytes,
+                      max_num_seqs=256, max_model_len=max_model_len)
+    assert _full_length_batch(plan, max_model_len) == best
+    # ... and shorter sequences still get seats beyond those, while they cost a small share of the budget.
+    spare = (budget - best * -(-max_model_len // 16) * 16 * token_bytes) // seat
+    assert plan.window_seats >= min(256, budget // WINDOW_BUDGET_SHARE // seat, spare)
 
 
 # ---- the model -----------------------------------------------------------------------------------------
@@ -306,9 +334,11 @@ def test_window_longer_than_every_sequence_equals_auto_and_transformers(loaded, 
         assert out == gen[0, len(prompt):].tolist()
 
 
-def test_preemption_recomputes_the_window_and_gives_the_same_tokens(loaded, shared_prompts):
+def test_preemption_recomputes_the_window_and_gives_the_same_tokens(loaded, shared_prompts, monkeypatch):
     """A cache too small for all sequences preempts and recomputes (refilling the ring); the tokens equal
     those of a cache big enough for all, and nothing leaks."""
+    # Seats for all 4 sequences beside only 16 blocks: more seats than the default share of so small a budget.
+    monkeypatch.setattr(kv_cache, "WINDOW_BUDGET_SHARE", 2)
     kw = {"kv_cache_dtype": "fp8_e4m3", "kv_recent_window": 8, "enable_prefix_caching": False, "max_num_seqs": 4}
     _, roomy = run_engine(loaded, shared_prompts, 10, **kw)
     block = 2 * 2 * 2 * 64 * BLOCK  # layers * K/V * kv heads * head size * tokens, 1 byte each

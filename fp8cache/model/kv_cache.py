@@ -74,21 +74,22 @@ class CachePlan:
         return self.window_seats * self.window_blocks_per_seat
 
 
-# Every sequence that may run (max_num_seqs) gets a window seat, unless that would take more than this
-# share of the budget: then fewer sequences run at once rather than the FP8 cache shrinking to nothing.
-WINDOW_BUDGET_SHARE = 2
+# Window seats: first enough for as many max_model_len sequences as the budget holds with their seats (so
+# the window never lowers how many full-length sequences run at once), then more for shorter sequences, up to
+# max_num_seqs, while they take at most this share of the budget and leave the full-length ones their blocks.
+WINDOW_BUDGET_SHARE = 16
 
 
 def plan_cache(kv_cache_memory: int | str | None, kv_cache_memory_fraction: float, block_size: int,
                token_bytes: int, window_size: int = 0, window_token_bytes: int = 0,
-               max_num_seqs: int = 1) -> CachePlan:
+               max_num_seqs: int = 1, max_model_len: int = 0) -> CachePlan:
     """Blocks of the FP8 (or auto) cache, and window seats, that fit the budget together."""
     budget, source = _budget(kv_cache_memory, kv_cache_memory_fraction)
     seats = blocks_per_seat = window_bytes = 0
     if window_size > 0:
         blocks_per_seat = -(-window_size // block_size)
         seat_bytes = blocks_per_seat * block_size * window_token_bytes
-        seats = max(1, min(max_num_seqs, budget // WINDOW_BUDGET_SHARE // seat_bytes))
+        seats = max(1, min(max_num_seqs, window_seats(budget, block_size, token_bytes, seat_bytes, max_model_len)))
         window_bytes = seats * seat_bytes
     num_blocks = (budget - window_bytes) // (block_size * token_bytes)
     if num_blocks < 1:
@@ -99,6 +100,14 @@ def plan_cache(kv_cache_memory: int | str | None, kv_cache_memory_fraction: floa
             + (" or lower kv_recent_window" if window_bytes else ""))
     return CachePlan(num_blocks, block_size, token_bytes, budget, source, window_size, seats, blocks_per_seat,
                      window_bytes)
+
+
+def window_seats(budget: int, block_size: int, token_bytes: int, seat_bytes: int, max_model_len: int) -> int:
+    """Seats before the max_num_seqs cap (see WINDOW_BUDGET_SHARE); max_model_len 0: unknown."""
+    sequence_bytes = -(-max_model_len // block_size) * block_size * token_bytes if max_model_len > 0 else 0
+    full = budget // (sequence_bytes + seat_bytes) if sequence_bytes else 0
+    spare = (budget - full * sequence_bytes) // seat_bytes  # seats that leave the full-length ones their blocks
+    return max(full, min(budget // WINDOW_BUDGET_SHARE // seat_bytes, spare))
 
 
 def _budget(kv_cache_memory: int | str | None, kv_cache_memory_fraction: float) -> tuple[int, str]:

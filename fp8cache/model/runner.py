@@ -162,7 +162,7 @@ class ModelRunner:
                                                       formats.AUTO, self.window_dtype, backend)
         plan = kv_cache.plan_cache(self.config.kv_cache_memory, self.config.kv_cache_memory_fraction,
                                    self.block_size, self.bytes_per_token, self.kv_recent_window,
-                                   window_token_bytes, self.config.max_num_seqs)
+                                   window_token_bytes, self.config.max_num_seqs, self.max_model_len)
         # Rank 0 hands out block ids, so every rank needs at least as many blocks as rank 0 plans.
         plan.num_blocks = parallel_state.all_reduce_min_int(plan.num_blocks)
         if plan.window_seats:
