@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from numerics import assert_logits_close
 from safetensors.torch import load_file, save_file
 
 from fp8cache import formats, ops
@@ -74,14 +75,6 @@ def raw_cache(runner: ModelRunner, layer: int, seq: Seq, n: int) -> tuple[torch.
     return k, v
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float | None = None) -> None:
-    """float32 agreement: by default 1e-4 plus 1e-5 of the largest |logit| (different matmul splits)."""
-    if atol is None:
-        atol = 1e-4 + 1e-5 * expected.abs().max().item()
-    diff = (actual - expected).abs().max().item()
-    assert diff <= atol, f"max abs difference {diff:.3g} > {atol:.3g}"
-
-
 # ---- fixtures ----------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -113,13 +106,13 @@ def test_prefill_then_decode_matches_transformers(loaded, hf_model, text_ids):
     seq = Seq(text_ids[:9], [3, 7])
     logits = runner.execute(step([(seq, 0, 9)]), all_logits=True)
     assert logits.dtype == torch.float32 and logits.shape == (9, runner.hf_config.vocab_size)
-    assert_close(logits, hf_logits(hf_model, seq.ids))
+    assert_logits_close(logits, hf_logits(hf_model, seq.ids))
     for _ in range(4):
         seq.ids.append(int(logits[-1].argmax()))
         n = len(seq.ids)
         logits = runner.execute(step([(seq, n - 1, n)]))
         assert logits.shape == (1, runner.hf_config.vocab_size)
-        assert_close(logits[0], hf_logits(hf_model, seq.ids)[-1])
+        assert_logits_close(logits[0], hf_logits(hf_model, seq.ids)[-1])
 
 
 def test_packed_sequences_of_different_lengths_match_transformers(loaded, hf_model, text_ids):
@@ -129,16 +122,16 @@ def test_packed_sequences_of_different_lengths_match_transformers(loaded, hf_mod
     logits = runner.execute(step([(seqs[0], 0, 5), (seqs[1], 0, 19)]))
     assert logits.shape[0] == 2
     for row, seq in zip(logits, seqs[:2]):
-        assert_close(row, hf_logits(hf_model, seq.ids)[-1])
+        assert_logits_close(row, hf_logits(hf_model, seq.ids)[-1])
     for row, seq in zip(logits, seqs[:2]):
         seq.ids.append(int(row.argmax()))
     logits = runner.execute(step([(seqs[0], 5, 6), (seqs[2], 0, 30), (seqs[1], 19, 20)]))
     for row, seq in zip(logits, [seqs[0], seqs[2], seqs[1]]):
-        assert_close(row, hf_logits(hf_model, seq.ids)[-1])
+        assert_logits_close(row, hf_logits(hf_model, seq.ids)[-1])
         seq.ids.append(int(row.argmax()))
     logits = runner.execute(step([(s, len(s.ids) - 1, len(s.ids)) for s in seqs]))
     for row, seq in zip(logits, seqs):
-        assert_close(row, hf_logits(hf_model, seq.ids)[-1])
+        assert_logits_close(row, hf_logits(hf_model, seq.ids)[-1])
 
 
 def test_want_logits_false_rows_are_left_out(loaded, text_ids):
@@ -148,7 +141,7 @@ def test_want_logits_false_rows_are_left_out(loaded, text_ids):
     batch.seqs[0].want_logits = False  # a prefill chunk that does not reach its prompt's end
     logits = runner.execute(batch)
     assert logits.shape[0] == 1
-    assert_close(logits[0], make_runner(loaded).execute(step([(b, 0, 7)]))[0])
+    assert_logits_close(logits[0], make_runner(loaded).execute(step([(b, 0, 7)]))[0])
 
 
 def assert_same_step(actual: torch.Tensor, expected: torch.Tensor, kv_cache_dtype: str) -> None:
@@ -160,7 +153,7 @@ def assert_same_step(actual: torch.Tensor, expected: torch.Tensor, kv_cache_dtyp
     prefix gives 4.8. Exact chunk/prefix semantics in FP8 are checked on the attention alone.
     """
     if kv_cache_dtype == "auto":
-        assert_close(actual, expected)
+        assert_logits_close(actual, expected)
         return
     mean_diff = (actual - expected).abs().mean().item()
     assert mean_diff < 0.25, f"mean abs difference {mean_diff:.3g}"
@@ -226,7 +219,7 @@ def test_attention_reads_prefix_and_chunks_from_the_cache(kv_cache_dtype, use_co
             reference.paged_attention(want, q[row][None], *caches[0], kv_heads, scale, table,
                                       torch.tensor([pos + 1], dtype=torch.int32), BLOCK, pos + 1, None,
                                       kv_cache_dtype, k_scale, v_scale)
-            assert_close(out[0, row], want[0], atol=1e-5)
+            assert_logits_close(out[0, row], want[0], atol=1e-5)
             row += 1
 
 
@@ -277,9 +270,9 @@ def test_tiny_llama_folder_matches_transformers(tiny_loaded, tiny_llama_path):
     runner = make_runner(tiny_loaded)
     seq = Seq(tiny_ids(tiny_loaded)[:20], [1, 2])
     logits = runner.execute(step([(seq, 0, 20)]), all_logits=True)
-    assert_close(logits, hf_logits(hf, seq.ids))
+    assert_logits_close(logits, hf_logits(hf, seq.ids))
     seq.ids.append(int(logits[-1].argmax()))
-    assert_close(runner.execute(step([(seq, 20, 21)]))[0], hf_logits(hf, seq.ids)[-1])
+    assert_logits_close(runner.execute(step([(seq, 20, 21)]))[0], hf_logits(hf, seq.ids)[-1])
 
 
 @pytest.mark.parametrize("model_type", ["qwen2", "mistral"])
@@ -291,9 +284,9 @@ def test_other_architectures_match_transformers(make_tiny_model, model_type):
     hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
     runner = make_runner(loaded, max_model_len=64)
     seq = Seq([(7 * i) % 50 + 3 for i in range(20)], [3, 1])
-    assert_close(runner.execute(step([(seq, 0, 20)]), all_logits=True), hf_logits(hf, seq.ids))
+    assert_logits_close(runner.execute(step([(seq, 0, 20)]), all_logits=True), hf_logits(hf, seq.ids))
     seq.ids.append(5)
-    assert_close(runner.execute(step([(seq, 20, 21)]))[0], hf_logits(hf, seq.ids)[-1])
+    assert_logits_close(runner.execute(step([(seq, 20, 21)]))[0], hf_logits(hf, seq.ids)[-1])
 
 
 def test_bfloat16_model_runs_close_to_float32(tiny_llama_path, tiny_loaded):
@@ -304,7 +297,7 @@ def test_bfloat16_model_runs_close_to_float32(tiny_llama_path, tiny_loaded):
     got = runner.execute(step([(seq, 0, 20)]), all_logits=True)
     want = make_runner(tiny_loaded).execute(step([(seq, 0, 20)]), all_logits=True)
     assert got.dtype == torch.float32
-    assert_close(got, want, atol=0.1 * want.abs().max().item())
+    assert_logits_close(got, want, atol=0.1 * want.abs().max().item())
 
 
 def layer0_auto_kv(tiny_loaded, seq: Seq, n: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from numerics import assert_logits_close
 from scipy.linalg import hadamard as scipy_hadamard
 
 from fp8cache import LLM, SamplingParams, formats
@@ -34,12 +35,6 @@ def make_runner(loaded, kv_cache_dtype: str = "auto", **overrides) -> ModelRunne
     config = EngineConfig(model=loaded.model_path, kv_cache_dtype=kv_cache_dtype, kv_cache_memory="32MiB",
                           **overrides)
     return ModelRunner(config, log=lambda msg: None, loaded=loaded)
-
-
-def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    atol = 1e-4 + 1e-5 * expected.abs().max().item()
-    diff = (actual - expected).abs().max().item()
-    assert diff <= atol, f"max abs difference {diff:.3g} > {atol:.3g}"
 
 
 @pytest.fixture(scope="module")
@@ -82,13 +77,13 @@ def test_runner_logits_with_rotation_equal_without_on_auto_cache(loaded, text_id
     rotated.kv_rotation = "hadamard"
     n = len(text_ids)
     prefill = window_batch(text_ids[:n - 2], plain.block_size)
-    assert_close(rotated.execute(prefill, all_logits=True), plain.execute(prefill, all_logits=True))
+    assert_logits_close(rotated.execute(prefill, all_logits=True), plain.execute(prefill, all_logits=True))
     for pos in (n - 2, n - 1):  # decode steps read the rotated prefix from the cache
         decode = window_batch(text_ids[:pos + 1], plain.block_size)
         decode.token_ids, decode.positions = decode.token_ids[-1:], decode.positions[-1:]
         decode.slot_mapping = decode.slot_mapping[-1:]
         decode.seqs[0].query_len = 1
-        assert_close(rotated.execute(decode), plain.execute(decode))
+        assert_logits_close(rotated.execute(decode), plain.execute(decode))
 
 
 def test_block_diagonal_rotation_is_exact_for_head_size_80(make_tiny_model):
@@ -98,7 +93,7 @@ def test_block_diagonal_rotation_is_exact_for_head_size_80(make_tiny_model):
     plain, rotated = make_runner(tiny), make_runner(tiny)
     rotated.kv_rotation = "hadamard"
     batch = window_batch(ids, plain.block_size)
-    assert_close(rotated.execute(batch, all_logits=True), plain.execute(batch, all_logits=True))
+    assert_logits_close(rotated.execute(batch, all_logits=True), plain.execute(batch, all_logits=True))
 
 
 def test_llm_greedy_tokens_with_rotation_equal_without(default_model_path):
