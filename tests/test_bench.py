@@ -1,4 +1,4 @@
-"""`fp8kv bench throughput | capacity | serve`: small real runs whose figures must add up.
+"""`fp8kv bench kernels | throughput | capacity | serve`: small real runs whose figures must add up.
 
 The references are independent of the bench code: the token counts the requests asked for, the cache
 sizes computed from the model's config and torch's element sizes, the WikiText-2 text itself, and for
@@ -447,3 +447,52 @@ def test_ctrl_c_prints_the_rows_measured_so_far(monkeypatch):
     assert json.loads(result.stdout) == [dict(row, vs_auto=1.0)]
     result = CliRunner().invoke(bench_commands.throughput, [])
     assert result.exit_code == bench_commands.EXIT_INTERRUPTED and "5.0" in result.stdout
+
+
+# ---- bench kernels ----------------------------------------------------------------------------------
+
+def test_interleaved_ms_takes_turns_and_reports_each_ones_median(monkeypatch):
+    from fp8cache.bench import machine
+
+    clock, calls = [0.0], []
+    monkeypatch.setattr(machine.time, "perf_counter", lambda: clock[0])
+
+    def fn(name: str, seconds: list[float]):
+        def run() -> None:
+            calls.append(name)
+            clock[0] += seconds.pop(0) if seconds else 0.0
+        return run
+
+    # After one warm-up call each, rounds of (a, b): a takes 1, 5, 2 ms and b 3, 3, 9 ms.
+    a, b = fn("a", [0.1, 0.001, 0.005, 0.002]), fn("b", [0.1, 0.003, 0.003, 0.009])
+    assert machine.interleaved_ms([a, b], warmup=1, repeats=3) == pytest.approx([2.0, 3.0])
+    assert calls == ["a", "b"] * 4
+
+
+def test_bench_kernels_rows_cover_every_case_and_add_up():
+    from launcher.cli import main
+
+    args = ["bench", "kernels", "--shapes", "1x48,2x40", "--num-heads", "4", "--num-kv-heads", "2",
+            "--head-size", "64", "--repeats", "1", "--json"]
+    rows = _rows(_invoke(main, args))
+    cases = {(r["impl"], r["kv_cache_dtype"], r["dtype"]) for r in rows}
+    assert cases == {("fp8kv", "fp8_e4m3", "bfloat16"), ("fp8kv", "fp8_e5m2", "bfloat16"),
+                     ("fp8kv", "fp8_e4m3fnuz", "bfloat16"), ("fp8kv", "auto", "bfloat16"),
+                     ("fp8kv", "auto", "float32"), ("torch_sdpa", "auto", "float32")}
+    assert len(rows) == 2 * len(cases) and {(r["batch"], r["context"]) for r in rows} == {(1, 48), (2, 40)}
+    for r in rows:
+        assert (r["num_heads"], r["num_kv_heads"], r["head_size"]) == (4, 2, 64)
+        assert r["ms"] > 0 and r["read_bw_gbps"] > 0
+        fp8 = r["kv_cache_dtype"].startswith("fp8")
+        element = 1 if fp8 else torch.empty((), dtype=getattr(torch, r["dtype"])).element_size()
+        kv_bytes = 2 * r["batch"] * r["context"] * r["num_kv_heads"] * r["head_size"] * element
+        assert r["kv_gbps"] == pytest.approx(kv_bytes / r["ms"] / 1e6)
+
+
+def test_bench_kernels_refuses_a_bad_shape_and_heads():
+    from launcher.cli import main
+
+    result = CliRunner().invoke(main, ["bench", "kernels", "--shapes", "8by512"])
+    assert result.exit_code != 0 and "--shapes" in result.output and "8x8192" in result.output
+    result = CliRunner().invoke(main, ["bench", "kernels", "--num-heads", "6", "--num-kv-heads", "4"])
+    assert result.exit_code != 0 and "--num-kv-heads" in result.output

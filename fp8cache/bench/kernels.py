@@ -1,7 +1,8 @@
 """`fp8kv bench kernels`: decode attention over paged caches of each dtype, against torch SDPA.
 
-Every row is measured in the same process right after the others, together with the machine's read
-bandwidth, so ratios between rows hold even though absolute times drift on shared machines.
+All cases of one shape are set up first and then take turns, one call each per round (the median round
+is reported), in the same process as the machine's read bandwidth: a clock that drifts during the run
+(shared VMs, turbo) then slows every case alike, and ratios between rows hold.
 """
 
 from __future__ import annotations
@@ -85,13 +86,15 @@ def run_kernel_bench(shapes=DEFAULT_SHAPES, cases=None, num_heads: int = 32, num
     gen = torch.Generator().manual_seed(0)
     rows = []
     for batch, context in shapes:
+        runs = []
         for case in cases:
             if case.impl == "torch_sdpa":
-                run, kv_bytes = _sdpa_case(case, batch, context, num_heads, num_kv_heads, head_size, gen)
+                runs.append(_sdpa_case(case, batch, context, num_heads, num_kv_heads, head_size, gen))
             else:
-                run, kv_bytes = _paged_case(case, batch, context, num_heads, num_kv_heads, head_size,
-                                            block_size, gen)
-            ms = machine.median_ms(run, repeats=repeats)
+                runs.append(_paged_case(case, batch, context, num_heads, num_kv_heads, head_size, block_size,
+                                        gen))
+        times = machine.interleaved_ms([run for run, _ in runs], repeats=repeats)
+        for case, (_, kv_bytes), ms in zip(cases, runs, times):
             row = {"impl": case.impl, "kv_cache_dtype": case.kv_cache_dtype,
                    "dtype": str(case.dtype).removeprefix("torch."), "batch": batch, "context": context,
                    "num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_size": head_size,
@@ -100,5 +103,5 @@ def run_kernel_bench(shapes=DEFAULT_SHAPES, cases=None, num_heads: int = 32, num
             rows.append(row)
             if on_row:
                 on_row(row)
-            del run
+        del runs
     return rows

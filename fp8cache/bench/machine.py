@@ -36,12 +36,15 @@ def read_bandwidth_gbps(num_bytes: int = 512 * 1024 * 1024, repeats: int = 5) ->
     return num_bytes / statistics.median(times) / 1e9
 
 
-def median_ms(fn, warmup: int = 2, repeats: int = 5) -> float:
+def interleaved_ms(fns: list, warmup: int = 2, repeats: int = 5) -> list[float]:
+    """Median milliseconds of each fn over `repeats` rounds in which every fn runs once, in turn."""
     for _ in range(warmup):
-        fn()
-    times = []
+        for fn in fns:
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+        for fn, spent in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            spent.append(time.perf_counter() - start)
+    return [statistics.median(spent) * 1e3 for spent in times]
