@@ -129,9 +129,10 @@ def _full_length_batch(plan, max_model_len: int) -> int:
     (64 << 20, 8192, 11520, 46080),
     (1 << 30, 512, 11520, 46080),
     (3 << 20, 100, 1000, 4000),
+    (6900 << 20, 8192, 11520, 46080),  # `fp8kv run`'s default: max_model_len 8192, a few GB
 ])
-def test_window_seats_never_lower_the_full_length_batch(budget, max_model_len, token_bytes, window_token_bytes):
-    # Brute force over every seat count: the plan runs as many max_model_len sequences at once as the best.
+def test_window_seats_cover_full_length_sequences_and_cost_a_small_share(budget, max_model_len, token_bytes, window_token_bytes):
+    # Brute force over every seat count: the most max_model_len sequences that can run at once.
     seat = 2 * 16 * window_token_bytes
     best = 0
     for seats in range(1, 257):
@@ -140,10 +141,13 @@ def test_window_seats_never_lower_the_full_length_batch(budget, max_model_len, t
             best = max(best, min(seats, blocks // -(-max_model_len // 16)))
     plan = plan_cache(budget, 0.3, 16, token_bytes, window_size=32, window_token_bytes=window_token_bytes,
                       max_num_seqs=256, max_model_len=max_model_len)
-    assert _full_length_batch(plan, max_model_len) == best
-    # ... and shorter sequences still get seats beyond those, while they cost a small share of the budget.
-    spare = (budget - best * -(-max_model_len // 16) * 16 * token_bytes) // seat
-    assert plan.window_seats >= min(256, budget // WINDOW_BUDGET_SHARE // seat, spare)
+    # Every full-length sequence that can run has a seat; seats for more (shorter) sequences cost at most
+    # 1/WINDOW_BUDGET_SHARE of the budget, so the full-length batch stays within that share of the best.
+    assert plan.window_seats >= min(256, best, budget // WINDOW_BUDGET_SHARE // seat)
+    assert plan.window_bytes <= max(best * seat, budget // WINDOW_BUDGET_SHARE)
+    assert _full_length_batch(plan, max_model_len) >= best * (WINDOW_BUDGET_SHARE - 1) // WINDOW_BUDGET_SHARE
+    if plan.window_seats == best:
+        assert _full_length_batch(plan, max_model_len) == best
 
 
 # ---- the model -----------------------------------------------------------------------------------------

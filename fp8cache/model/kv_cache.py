@@ -74,9 +74,9 @@ class CachePlan:
         return self.window_seats * self.window_blocks_per_seat
 
 
-# Window seats: first enough for as many max_model_len sequences as the budget holds with their seats (so
-# the window never lowers how many full-length sequences run at once), then more for shorter sequences, up to
-# max_num_seqs, while they take at most this share of the budget and leave the full-length ones their blocks.
+# Window seats: enough for as many max_model_len sequences as the budget holds with their seats, or, when
+# more, as many as fit in this share of the budget (for shorter sequences: at most 1/16 less FP8 cache); never
+# more than max_num_seqs.
 WINDOW_BUDGET_SHARE = 16
 
 
@@ -106,8 +106,7 @@ def window_seats(budget: int, block_size: int, token_bytes: int, seat_bytes: int
     """Seats before the max_num_seqs cap (see WINDOW_BUDGET_SHARE); max_model_len 0: unknown."""
     sequence_bytes = -(-max_model_len // block_size) * block_size * token_bytes if max_model_len > 0 else 0
     full = budget // (sequence_bytes + seat_bytes) if sequence_bytes else 0
-    spare = (budget - full * sequence_bytes) // seat_bytes  # seats that leave the full-length ones their blocks
-    return max(full, min(budget // WINDOW_BUDGET_SHARE // seat_bytes, spare))
+    return max(full, budget // WINDOW_BUDGET_SHARE // seat_bytes)
 
 
 def _budget(kv_cache_memory: int | str | None, kv_cache_memory_fraction: float) -> tuple[int, str]:
