@@ -20,7 +20,7 @@ from dataclasses import replace
 import torch
 
 from fp8cache import formats
-from fp8cache.config import DEFAULT_KV_RECENT_WINDOW, EngineConfig
+from fp8cache.config import EngineConfig
 from fp8cache.model import kv_cache
 from fp8cache.model.batch import SeqChunk, StepBatch, window_slot
 from fp8cache.model.loader import load_model, resolve_dtype
@@ -102,10 +102,10 @@ def _window_config(config: EngineConfig, hf_config: object, window_len: int, kv_
              getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads)
     dtype = resolve_dtype(config.dtype, config.device)
     memory = blocks * config.block_size * kv_cache.bytes_per_token(*shape, kv_cache_dtype, dtype, backend)
-    recent = config.kv_recent_window
-    if kv_cache_dtype != formats.AUTO and recent != 0:  # one seat of the recent-token ring
-        ring_blocks = -(-min(recent or DEFAULT_KV_RECENT_WINDOW, window_len) // config.block_size)
-        memory += ring_blocks * config.block_size * kv_cache.bytes_per_token(*shape, formats.AUTO, dtype, backend)
+    if kv_cache_dtype != formats.AUTO and config.kv_recent_window != 0:
+        # Room for one seat of the recent-token ring at its largest: the runner caps the window (given, or
+        # recorded in the scales file) at max_model_len = window_len, and its dtype is at most 4 bytes.
+        memory += blocks * config.block_size * kv_cache.bytes_per_token(*shape, formats.AUTO, torch.float32, backend)
     return replace(config, kv_cache_dtype=kv_cache_dtype, max_model_len=window_len, max_num_seqs=1,
                    kv_cache_memory=memory)
 

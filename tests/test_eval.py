@@ -55,6 +55,21 @@ def test_recent_window_as_long_as_the_text_has_no_divergence(default_model_path)
     assert 0 < part["kl"] < plain["kl"]
 
 
+def test_eval_sizes_the_window_a_scales_file_records(tmp_path, default_model_path):
+    """A scales file made for a window wider than the default: eval uses it, and the cache has room for it."""
+    from fp8cache.scales import KVScales, write_scales_file
+
+    ones = [torch.ones(3) for _ in range(30)]  # the default model: 30 layers, 3 KV heads
+    path = tmp_path / "scales.json"
+    write_scales_file(path, KVScales(ones, ones, "fp8_e4m3", "test", recent_window=48), "llama", 3)
+    config = EngineConfig(model=default_model_path, kv_cache_dtype="fp8_e4m3", quantization_param_path=str(path))
+    recorded = evaluate(config, windows=1, window_len=64, progress=False)
+    given = evaluate(EngineConfig(model=default_model_path, kv_cache_dtype="fp8_e4m3", kv_recent_window=48),
+                     windows=1, window_len=64, progress=False)
+    assert recorded["kv_recent_window"] == 48 and recorded["scales_source"] == f"file {path}"
+    assert recorded["kl"] == pytest.approx(given["kl"], rel=1e-6, abs=1e-9)
+
+
 def test_auto_against_auto_has_no_divergence(default_model_path):
     result = evaluate(EngineConfig(model=default_model_path), windows=1, window_len=64, progress=False)
     assert result["kv_cache_dtype"] == "auto"
