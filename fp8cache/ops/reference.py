@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from fp8cache import formats
+from fp8cache.ops import huge_pages
 
 
 def cache_x(cache_dtype: torch.dtype) -> int:
@@ -23,11 +24,12 @@ def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_
     x = cache_x(storage)
     if head_size % x:
         raise ValueError(f"head_size {head_size} must be a multiple of {x} for this cache dtype")
-    key_cache = torch.zeros(num_blocks, num_kv_heads, head_size // x, block_size, x, dtype=storage,
-                            device=device)
-    value_cache = torch.zeros(num_blocks, num_kv_heads, head_size, block_size, dtype=storage,
-                              device=device)
-    return key_cache, value_cache
+    key_shape = (num_blocks, num_kv_heads, head_size // x, block_size, x)
+    value_shape = (num_blocks, num_kv_heads, head_size, block_size)
+    if torch.device(device).type == "cpu":  # blocks are read scattered: huge pages spare the TLB
+        return huge_pages.zeros(key_shape, storage), huge_pages.zeros(value_shape, storage)
+    return (torch.zeros(key_shape, dtype=storage, device=device),
+            torch.zeros(value_shape, dtype=storage, device=device))
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, fmt: formats.Fp8Format) -> torch.Tensor:

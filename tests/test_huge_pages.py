@@ -1,0 +1,48 @@
+"""CPU caches on transparent huge pages: what /proc/self/smaps says the kernel gave us."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp8cache import ops
+from fp8cache.ops import huge_pages
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def _huge_kib(start: int, end: int) -> int:
+    """AnonHugePages (KiB) of this process's mappings that overlap [start, end)."""
+    total = 0
+    for entry in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", Path("/proc/self/smaps").read_text()):
+        lo, hi = (int(x, 16) for x in entry.split()[0].split("-"))
+        if lo < end and hi > start:
+            total += sum(int(line.split()[1]) for line in entry.splitlines() if line.startswith("AnonHugePages:"))
+    return total
+
+
+def _thp_mode() -> str:
+    if not sys.platform.startswith("linux") or not THP.exists():
+        return "none"
+    return re.search(r"\[(\w+)\]", THP.read_text()).group(1)
+
+
+@pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="transparent huge pages are off here")
+def test_a_large_cpu_cache_lies_on_huge_pages():
+    key_cache, value_cache = ops.allocate_kv_cache(4096, 16, 8, 128, "fp8_e4m3", torch.bfloat16)
+    for cache in (key_cache, value_cache):
+        assert cache.dtype == torch.uint8 and cache.is_contiguous() and not cache.any()
+        start, end = cache.data_ptr(), cache.data_ptr() + cache.numel()
+        whole = end // huge_pages.HUGE_PAGE - -(-start // huge_pages.HUGE_PAGE)  # 2 MiB pages inside it
+        # Most of them (the kernel may find no free 2 MiB page for a few).
+        assert _huge_kib(start, end) >= whole * huge_pages.HUGE_PAGE // 1024 // 2
+
+
+def test_advice_needs_a_whole_huge_page():
+    assert not huge_pages.advise(torch.empty(1000, dtype=torch.uint8))
+    zeros = huge_pages.zeros((3, 5), torch.float32)
+    assert zeros.shape == (3, 5) and zeros.dtype == torch.float32 and not zeros.any()
