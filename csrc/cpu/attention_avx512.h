@@ -456,26 +456,47 @@ struct SlabPrefetcher {
   const int32_t* table;
   int64_t block_bytes;
   int block, last_block;
-  int offset = 0;  // bytes into the current block's run of slabs
   int run_bytes, skip_bytes;
   int heads;
+  const char* next = nullptr;     // the next line to prefetch; nullptr when done (or idle)
+  const char* run_end = nullptr;  // end of the current block's run of slabs
 
   SlabPrefetcher(const PartitionWork& w, const View<uint8_t>& view, bool values, int from, int n_heads)
       : cache(values ? view.vcache : view.kcache), table(view.table), block_bytes(view.block_elems),
-        block(w.start / w.block_size), last_block(n_heads > 0 ? (w.end - 1) / w.block_size : -1),
+        block(w.start / w.block_size - 1), last_block(n_heads > 0 ? (w.end - 1) / w.block_size : -1),
         run_bytes(n_heads * view.block_elems_head), skip_bytes(from * view.block_elems_head),
-        heads(std::max(0, n_heads)) {}
+        heads(std::max(0, n_heads)) {
+    next_block();
+  }
 
+  // The common call stays inside one block's run: a compare, the prefetches and a pointer bump (the
+  // block-walking version of this, called as often, cost about a tenth of the FP8 kernel's time).
   FP8KV_INLINE void lines(int n) {
-    while (n > 0 && block <= last_block) {
-      const char* p = reinterpret_cast<const char*>(cache + table[block] * block_bytes) + skip_bytes + offset;
-      const int m = std::min(n, (run_bytes - offset) >> 6);
-      for (int i = 0; i < m; ++i) _mm_prefetch(p + 64 * i, _MM_HINT_T1);
+    if (next == nullptr) return;
+    if (next + 64 * n < run_end) {
+      for (int i = 0; i < n; ++i) _mm_prefetch(next + 64 * i, _MM_HINT_T1);
+      next += 64 * n;
+      return;
+    }
+    lines_across(n);
+  }
+
+ private:
+  void next_block() {
+    ++block;
+    next = block <= last_block ? reinterpret_cast<const char*>(cache + table[block] * block_bytes) + skip_bytes
+                               : nullptr;
+    run_end = next != nullptr ? next + run_bytes : nullptr;
+  }
+
+  // Lines that reach the end of the current block's run: finish it, then go on in the next blocks.
+  void lines_across(int n) {
+    while (n > 0 && next != nullptr) {
+      const int m = static_cast<int>(std::min<int64_t>(n, (run_end - next) >> 6));
+      for (int i = 0; i < m; ++i) _mm_prefetch(next + 64 * i, _MM_HINT_T1);
       n -= m;
-      if ((offset += 64 * m) >= run_bytes) {
-        offset = 0;
-        ++block;
-      }
+      next += 64 * m;
+      if (next >= run_end) next_block();
     }
   }
 };
