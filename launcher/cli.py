@@ -62,19 +62,27 @@ def _parse_shapes(text: str) -> list[tuple[int, int]]:
 @click.option("--block-size", default=16, show_default=True)
 @click.option("--repeats", default=5, show_default=True, help="Timed repeats per row (median).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON list of rows on stdout.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="Where the caches live and the kernels run (cuda: the GPU build of the ops).")
 def bench_kernels(shapes: str, num_heads: int, num_kv_heads: int, head_size: int, block_size: int,
-                  repeats: int, as_json: bool) -> None:
+                  repeats: int, as_json: bool, device: str) -> None:
     """Decode attention per kv-cache dtype vs torch SDPA on a dense float32 cache."""
+    import torch
+
     from fp8cache.bench import kernels, machine
 
     if num_heads % num_kv_heads:
         raise click.BadParameter("must divide --num-heads", param_hint="--num-kv-heads")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise click.BadParameter("torch sees no GPU here (a CPU build of torch, or no driver); use --device cpu",
+                                 param_hint="--device")
     info = machine.describe()
-    console.print(f"machine: {info['cpu']}, {info['threads']} threads, torch {info['torch']}")
+    where = torch.cuda.get_device_name() if device == "cuda" else f"{info['threads']} threads"
+    console.print(f"machine: {info['cpu']}, {where}, torch {info['torch']}")
     with console.status("measuring...") as status:
         rows = kernels.run_kernel_bench(
             _parse_shapes(shapes), num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
-            block_size=block_size, repeats=repeats,
+            block_size=block_size, repeats=repeats, device=device,
             on_row=lambda r: status.update(f"measured {r['impl']} {r['kv_cache_dtype']} "
                                            f"b{r['batch']} ctx{r['context']}: {r['ms']:.2f} ms"))
     if as_json:

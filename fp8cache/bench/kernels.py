@@ -16,6 +16,7 @@ from fp8cache import formats, ops
 from fp8cache.bench import machine
 
 DEFAULT_SHAPES = ((1, 512), (1, 16384), (8, 2048), (8, 8192), (32, 512), (32, 4096))
+GPU_CALLS_PER_TIMING = 50
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ def default_cases() -> list[KernelCase]:
 
 
 def _fill_cache(cache: torch.Tensor, kv_cache_dtype: str, gen: torch.Generator) -> None:
-    values = torch.randn(cache.shape, generator=gen)
+    values = torch.randn(cache.shape, generator=gen).to(cache.device)
     fmt = formats.get_format(kv_cache_dtype)
     if fmt is None:
         cache.copy_(values)
@@ -42,18 +43,19 @@ def _fill_cache(cache: torch.Tensor, kv_cache_dtype: str, gen: torch.Generator) 
 
 
 def _paged_case(case: KernelCase, batch: int, context: int, num_heads: int, num_kv_heads: int,
-                head_size: int, block_size: int, gen: torch.Generator):
+                head_size: int, block_size: int, gen: torch.Generator, device: torch.device):
     blocks_per_seq = -(-context // block_size)
     num_blocks = batch * blocks_per_seq
     key_cache, value_cache = ops.allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_size,
-                                                   case.kv_cache_dtype, case.dtype)
+                                                   case.kv_cache_dtype, case.dtype, device)
     _fill_cache(key_cache, case.kv_cache_dtype, gen)
     _fill_cache(value_cache, case.kv_cache_dtype, gen)
     block_tables = torch.randperm(num_blocks, generator=gen).to(torch.int32).view(batch, blocks_per_seq)
-    seq_lens = torch.full((batch,), context, dtype=torch.int32)
-    query = torch.randn(batch, num_heads, head_size, generator=gen).to(case.dtype)
+    block_tables = block_tables.to(device)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    query = torch.randn(batch, num_heads, head_size, generator=gen).to(device, case.dtype)
     out = torch.empty_like(query)
-    scale = torch.ones(1, dtype=torch.float32)
+    scale = torch.ones(1, dtype=torch.float32, device=device)
 
     def run() -> None:
         ops.paged_attention(out, query, key_cache, value_cache, num_kv_heads, head_size ** -0.5,
@@ -65,10 +67,10 @@ def _paged_case(case: KernelCase, batch: int, context: int, num_heads: int, num_
 
 
 def _sdpa_case(case: KernelCase, batch: int, context: int, num_heads: int, num_kv_heads: int,
-               head_size: int, gen: torch.Generator):
-    query = torch.randn(batch, num_heads, 1, head_size, generator=gen, dtype=case.dtype)
-    key = torch.randn(batch, num_kv_heads, context, head_size, generator=gen, dtype=case.dtype)
-    value = torch.randn(batch, num_kv_heads, context, head_size, generator=gen, dtype=case.dtype)
+               head_size: int, gen: torch.Generator, device: torch.device):
+    query = torch.randn(batch, num_heads, 1, head_size, generator=gen, dtype=case.dtype).to(device)
+    key = torch.randn(batch, num_kv_heads, context, head_size, generator=gen, dtype=case.dtype).to(device)
+    value = torch.randn(batch, num_kv_heads, context, head_size, generator=gen, dtype=case.dtype).to(device)
 
     def run() -> None:
         F.scaled_dot_product_attention(query, key, value, enable_gqa=True)
@@ -76,29 +78,43 @@ def _sdpa_case(case: KernelCase, batch: int, context: int, num_heads: int, num_k
     return run, 2 * key.numel() * key.element_size()
 
 
+def _calls_until_done(run, device: torch.device, calls: int):
+    """`calls` back-to-back calls, then a wait for the device: GPU launches are asynchronous, and one call
+    is too short for a host clock."""
+    def run_many() -> None:
+        for _ in range(calls):
+            run()
+        machine.synchronize(device)
+
+    return run_many
+
+
 def run_kernel_bench(shapes=DEFAULT_SHAPES, cases=None, num_heads: int = 32, num_kv_heads: int = 8,
                      head_size: int = 128, block_size: int = 16, repeats: int = 5,
-                     on_row=None) -> list[dict]:
+                     on_row=None, device: torch.device | str = "cpu") -> list[dict]:
     """One row per (case, batch, context); each row carries the read bandwidth measured in this run."""
     cases = cases or default_cases()
+    device = torch.device(device)
+    calls = 1 if device.type == "cpu" else GPU_CALLS_PER_TIMING
     ops.load()
-    read_bw = machine.read_bandwidth_gbps()
+    read_bw = machine.read_bandwidth_gbps(device=device)
     gen = torch.Generator().manual_seed(0)
     rows = []
     for batch, context in shapes:
         runs = []
         for case in cases:
             if case.impl == "torch_sdpa":
-                runs.append(_sdpa_case(case, batch, context, num_heads, num_kv_heads, head_size, gen))
+                runs.append(_sdpa_case(case, batch, context, num_heads, num_kv_heads, head_size, gen, device))
             else:
                 runs.append(_paged_case(case, batch, context, num_heads, num_kv_heads, head_size, block_size,
-                                        gen))
-        times = machine.interleaved_ms([run for run, _ in runs], repeats=repeats)
-        for case, (_, kv_bytes), ms in zip(cases, runs, times):
+                                        gen, device))
+        times = machine.interleaved_ms([_calls_until_done(run, device, calls) for run, _ in runs],
+                                       repeats=repeats)
+        for case, (_, kv_bytes), ms in zip(cases, runs, (t / calls for t in times)):
             row = {"impl": case.impl, "kv_cache_dtype": case.kv_cache_dtype,
                    "dtype": str(case.dtype).removeprefix("torch."), "batch": batch, "context": context,
                    "num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_size": head_size,
-                   "block_size": block_size, "ms": ms, "kv_gbps": kv_bytes / ms / 1e6,
+                   "block_size": block_size, "device": device.type, "ms": ms, "kv_gbps": kv_bytes / ms / 1e6,
                    "read_bw_gbps": read_bw}
             rows.append(row)
             if on_row:

@@ -24,14 +24,26 @@ def describe() -> dict:
     return {"cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__}
 
 
-def read_bandwidth_gbps(num_bytes: int = 512 * 1024 * 1024, repeats: int = 5) -> float:
-    """Read bandwidth of main memory with all threads: a reduction over a buffer far larger than cache."""
-    buf = torch.ones(num_bytes // 4, dtype=torch.float32)
+def synchronize(device: torch.device | str = "cpu") -> None:
+    """Wait for the device's queued work (a no-op on the CPU), so host clocks time what ran."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def read_bandwidth_gbps(num_bytes: int = 512 * 1024 * 1024, repeats: int = 5,
+                        device: torch.device | str = "cpu") -> float:
+    """Read bandwidth of the device's main memory (all CPU threads on a CPU): a reduction over a buffer far
+    larger than its caches."""
+    if torch.device(device).type != "cpu":
+        num_bytes *= 8  # GPU L2 caches run to tens of MB
+    buf = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
     buf.sum()  # fault the pages in
     times = []
     for _ in range(repeats):
+        synchronize(device)
         start = time.perf_counter()
         buf.sum()
+        synchronize(device)
         times.append(time.perf_counter() - start)
     return num_bytes / statistics.median(times) / 1e9
 

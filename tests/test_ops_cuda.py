@@ -1,0 +1,140 @@
+"""The CUDA ops (csrc/cuda/) on a GPU against the same pure-torch reference as the CPU tests.
+
+Each case is built on the CPU exactly as in test_ops_cpu.py / test_window_ops.py / test_hadamard_op.py, the
+reference runs there, and the op runs on copies of the inputs on the GPU with the same strides (so strided
+inputs stay strided). Skipped where torch sees no GPU, which is every CI machine: these tests are for a
+machine with one (`scripts/gpu_check.sh`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import test_hadamard_op as hadamard_tests
+import test_ops_cpu as paged_tests
+import test_window_ops as window_tests
+import torch
+
+from fp8cache.ops import reference as ref
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU visible to torch (CUDA or ROCm)")
+
+GPU = "cuda"
+
+
+@pytest.fixture(scope="module")
+def ops():
+    from fp8cache.ops import _build, load
+
+    ops = load()
+    assert _build.last_build().with_cuda, "the op library was built without its CUDA sources"
+    return ops
+
+
+def on_gpu(value):
+    """The same tensor on the GPU with the same sizes and strides; tuples mapped, anything else kept."""
+    if isinstance(value, tuple):
+        return tuple(on_gpu(v) for v in value)
+    if not isinstance(value, torch.Tensor):
+        return value
+    copy = torch.empty_strided(value.size(), value.stride(), dtype=value.dtype, device=GPU)
+    copy.copy_(value)
+    return copy
+
+
+def gpu_inputs(b: dict) -> dict:
+    return {name: on_gpu(value) for name, value in b.items()}
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    ok = ~torch.isnan(want)
+    scale = want[ok].float().abs().max().clamp(min=1e-3)
+    return float((got[ok].float() - want[ok].float()).abs().max() / scale)
+
+
+# ---- reshape_and_cache + paged_attention ---------------------------------------------------------------
+
+@pytest.mark.parametrize("case", paged_tests.CASES, ids=paged_tests.Case.id)
+def test_paged_ops_match_reference(ops, case):
+    b = paged_tests.build(case)
+    g = gpu_inputs(b)
+    ops.reshape_and_cache(g["key"], g["value"], *g["op_caches"], g["slot_mapping"], case.kv, g["k_scale"],
+                          g["v_scale"])
+    for mine, theirs in zip(g["op_caches"], b["ref_caches"]):
+        assert torch.equal(mine.cpu().view(torch.uint8), theirs.view(torch.uint8)), "cache bytes differ"
+    want = paged_tests.attention(ref, case, b["ref_caches"], b)
+    got = paged_tests.attention(ops, case, g["op_caches"], g).cpu()
+    assert got.dtype == case.dtype
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    err = relative_error(got, want)
+    print(f"{case.id()}: max error {err:.2e} of the output scale")
+    assert err <= paged_tests.tolerance(case.dtype), f"max error {err:.2e} of the output scale"
+
+
+def test_out_of_range_slot_raises_and_skips_that_token(ops):
+    """The GPU kernel cannot see the whole batch before writing: it skips the bad slot, writes the rest, and
+    the op raises afterwards (csrc/cuda/torch_bindings_cuda.cu)."""
+    case = paged_tests.Case("fp8_e4m3", 64, 16, 4, 2, seq_lens=(20,))
+    b = paged_tests.build(case)
+    g = gpu_inputs(b)
+    g["slot_mapping"][-1] = g["op_caches"][0].shape[0] * case.block_size
+    with pytest.raises(RuntimeError, match="slot_mapping holds a slot"):
+        ops.reshape_and_cache(g["key"], g["value"], *g["op_caches"], g["slot_mapping"], case.kv, g["k_scale"],
+                              g["v_scale"])
+    skipped = b["slot_mapping"].clone()
+    skipped[-1] = -1
+    ref.reshape_and_cache(b["key"], b["value"], *b["op_caches"], skipped, case.kv, b["k_scale"], b["v_scale"])
+    for mine, theirs in zip(g["op_caches"], b["op_caches"]):
+        assert torch.equal(mine.cpu(), theirs)
+
+
+@pytest.mark.parametrize("bad_id", [-1, 10_000])
+def test_out_of_range_block_id_raises(ops, bad_id):
+    case = paged_tests.Case("fp8_e5m2", 64, 16, 4, 2, seq_lens=(40,))
+    g = gpu_inputs(paged_tests.build(case))
+    g["table"][0, 1] = bad_id
+    with pytest.raises(RuntimeError, match="outside the cache's blocks"):
+        paged_tests.attention(ops, case, g["ref_caches"], g)
+
+
+def test_inputs_on_the_wrong_device_raise(ops):
+    case = paged_tests.Case("fp8_e4m3", 64, 16, 4, 2, seq_lens=(10,))
+    b = paged_tests.build(case)
+    g = gpu_inputs(b)
+    with pytest.raises(RuntimeError, match="is on cpu but the caches are on cuda"):
+        ops.reshape_and_cache(b["key"], b["value"], *g["op_caches"], g["slot_mapping"], case.kv, g["k_scale"],
+                              g["v_scale"])
+
+
+# ---- paged_attention_window -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", window_tests.CASES, ids=window_tests.WindowCase.id)
+def test_window_attention_matches_reference(ops, case):
+    b = window_tests.build(case)
+    want = window_tests.attention(ref, case, b)
+    got = window_tests.attention(ops, case, gpu_inputs(b)).cpu()
+    print(f"{case.id()}: max error {relative_error(got, want):.2e} of the output scale")
+    window_tests.assert_close(got, want, case.dtype)
+
+
+def test_window_start_out_of_range_raises(ops):
+    g = gpu_inputs(window_tests.build(window_tests.SMALL))
+    g["window_starts"][0] = 41
+    with pytest.raises(RuntimeError, match="window_starts"):
+        window_tests.attention(ops, window_tests.SMALL, g)
+
+
+# ---- hadamard_transform ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", hadamard_tests.DTYPES, ids=str)
+@pytest.mark.parametrize("head_size", hadamard_tests.HEAD_SIZES + [8, 24, 512, 1024])
+def test_hadamard_matches_reference(ops, head_size, dtype):
+    x = hadamard_tests.activations(37, 4, head_size, dtype=dtype, seed=head_size)
+    y = ops.hadamard_transform(on_gpu(x))
+    assert y.is_cuda
+    hadamard_tests.assert_matches_reference(y.cpu(), x)
+
+
+@pytest.mark.parametrize("name", list(hadamard_tests.strided_views()))
+def test_hadamard_non_contiguous_input(ops, name):
+    x = hadamard_tests.strided_views()[name]
+    hadamard_tests.assert_matches_reference(ops.hadamard_transform(on_gpu(x)).cpu(), x)
