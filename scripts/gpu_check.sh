@@ -6,6 +6,9 @@
 #
 # Logs and figures go to $OUT (default ./gpu-check): build.log, tests.log, kernels.json, kernels.txt.
 # Needs only what torch needs plus click, rich and pytest: the package is used from this checkout.
+# If the build stops because the library "does not survive an op's argument error", the compiler in CXX links
+# its own libstdc++; run with CXX=/usr/bin/g++ CC=/usr/bin/gcc (seen on an H100 image whose CXX was a
+# relocated g++ under /opt/gcc).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what="${1:-all}"

@@ -94,6 +94,7 @@ def test_compile_holds_the_lock(monkeypatch, tmp_path: Path):
                 seen["locked"] = True
 
     monkeypatch.setattr(_build, "_compile", fake_compile)
+    monkeypatch.setattr(_build, "check_errors_raise", lambda *args: None)  # nothing was compiled
     result = _build.load_library()
     assert seen == {"locked": True}
     assert result.compiled
@@ -123,3 +124,22 @@ def test_load_is_idempotent():
     assert load() is first
     assert _build.library_path() == path
     assert _build.build() == path
+
+
+def test_error_probe_passes_on_the_built_library():
+    from fp8cache.ops import load
+
+    load()
+    library = Path(_build.library_path())
+    _build.check_errors_raise(library, "c++")
+    assert library.is_file()
+
+
+def test_library_that_crashes_on_an_error_is_removed_and_the_fix_named(monkeypatch, tmp_path: Path):
+    """What a relocated g++ linking its own libstdc++ produced on a GPU machine: the child dies of SIGSEGV."""
+    library = tmp_path / "fp8kv_ops_x.so"
+    library.write_bytes(b"not really a library")
+    monkeypatch.setattr(_build, "_ERROR_PROBE", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    with pytest.raises(RuntimeError, match=r"built with /opt/gcc/bin/g\+\+ .*signal 11.*CXX=/usr/bin/g\+\+"):
+        _build.check_errors_raise(library, "/opt/gcc/bin/g++")
+    assert not library.exists()

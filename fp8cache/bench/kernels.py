@@ -78,15 +78,27 @@ def _sdpa_case(case: KernelCase, batch: int, context: int, num_heads: int, num_k
     return run, 2 * key.numel() * key.element_size()
 
 
-def _calls_until_done(run, device: torch.device, calls: int):
-    """`calls` back-to-back calls, then a wait for the device: GPU launches are asynchronous, and one call
-    is too short for a host clock."""
-    def run_many() -> None:
+def _timed_calls(run, device: torch.device, calls: int):
+    """What one timing runs. On the CPU: one call. On a GPU: `calls` back-to-back calls captured once in a
+    CUDA graph (as a GPU decode loop runs them), replayed, then a wait for the device: one call is too short
+    for a host clock, and without the graph the host's launch work would be timed too."""
+    if device.type == "cpu":
+        return run
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        run()  # lazy initialisation stays out of the graph
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
         for _ in range(calls):
             run()
+
+    def replay() -> None:
+        graph.replay()
         machine.synchronize(device)
 
-    return run_many
+    return replay
 
 
 def run_kernel_bench(shapes=DEFAULT_SHAPES, cases=None, num_heads: int = 32, num_kv_heads: int = 8,
@@ -108,7 +120,7 @@ def run_kernel_bench(shapes=DEFAULT_SHAPES, cases=None, num_heads: int = 32, num
             else:
                 runs.append(_paged_case(case, batch, context, num_heads, num_kv_heads, head_size, block_size,
                                         gen, device))
-        times = machine.interleaved_ms([_calls_until_done(run, device, calls) for run, _ in runs],
+        times = machine.interleaved_ms([_timed_calls(run, device, calls) for run, _ in runs],
                                        repeats=repeats)
         for case, (_, kv_bytes), ms in zip(cases, runs, (t / calls for t in times)):
             row = {"impl": case.impl, "kv_cache_dtype": case.kv_cache_dtype,

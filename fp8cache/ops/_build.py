@@ -21,6 +21,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -195,6 +196,7 @@ def load_library(verbose: bool = False,
             fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be compiling this very key
             if not library.is_file():
                 _compile(name, root, build_dir, cflags, cuda, cuda_cflags, cxx, verbose, progress_callback)
+                check_errors_raise(library, cxx)
                 compiled = True
     if not compiled:
         torch.ops.load_library(str(library))
@@ -203,6 +205,40 @@ def load_library(verbose: bool = False,
     _notify(progress_callback, f"{verb} fp8kv op library ({_compiled_isa(isa)} CPU path"
             f"{', CUDA' if cuda else ''}) in {_loaded.seconds:.1f}s: {library}")
     return _loaded
+
+
+# An op that fails with a message holding numbers: the C++ exception and its string formatting must reach
+# Python as a RuntimeError.
+_ERROR_PROBE = """
+import sys, torch
+torch.ops.load_library(sys.argv[1])
+try:
+    torch.ops.fp8kv.hadamard_transform(torch.zeros(1, 100))
+except RuntimeError as exc:
+    sys.exit(0 if "100" in str(exc) else 3)
+sys.exit(4)
+"""
+
+
+def check_errors_raise(library: Path, cxx: str) -> None:
+    """Run one failing op in a child process; if that crashes, remove the library and say which compiler
+    built it. Seen on a GPU machine whose CXX was a relocated g++ (/opt/gcc, its own libstdc++ beside it):
+    every argument error of every op killed the process (a segfault formatting the message) instead of
+    raising; the system g++ of the same version built a library that raised."""
+    try:
+        result = subprocess.run([sys.executable, "-c", _ERROR_PROBE, str(library)], capture_output=True,
+                                text=True, timeout=300, check=False)
+    except subprocess.TimeoutExpired:
+        return  # a slow machine is not a broken build
+    if result.returncode == 0:
+        return
+    library.unlink(missing_ok=True)
+    how = f"signal {-result.returncode}" if result.returncode < 0 else f"exit status {result.returncode}"
+    raise RuntimeError(
+        f"the op library built with {cxx} does not survive an op's argument error ({how}; "
+        f"{result.stderr.strip()[-300:] or 'no output'}). Seen when the compiler links a libstdc++ other "
+        "than the one Python loads. Point CXX and CC at the system compiler (e.g. CXX=/usr/bin/g++ "
+        "CC=/usr/bin/gcc) and run `fp8kv build` again.")
 
 
 def _compiled_isa(requested: str) -> str:
