@@ -28,7 +28,7 @@ namespace fp8kv::gpu {
 constexpr int kAttentionThreads = 128;
 constexpr int kMaxWarps = kAttentionThreads / 32;  // room for warps of 32 (CUDA) or 64 (AMD) lanes
 
-struct AttentionShared {
+struct alignas(16) AttentionShared {
   float q[kMaxHeadSize];
   float probs[kPartitionSize];  // logits, then exp(logit - max)
   float partial[kAttentionThreads + kMaxHeadSize];  // P.V partial sums [split][head dim]
@@ -204,9 +204,14 @@ FP8KV_DEVICE void attend(const View& view, const Task& task, AttentionShared& sm
       const cache_t* k = view.key(block, coord % BLOCK_SIZE);
       float dot = 0.0f;
       for (int c = 0; c < head_size / X; ++c) {
-        const Vec<cache_t, X> chunk = load_vec<cache_t, X>(k + c * BLOCK_SIZE * X);
+        float kv[X];
+        Codec::template decode_vec<X>(load_vec<cache_t, X>(k + c * BLOCK_SIZE * X), kv);
         FP8KV_UNROLL
-        for (int j = 0; j < X; ++j) dot += sm.q[c * X + j] * Codec::decode(chunk.e[j]);
+        for (int j = 0; j < X; j += 4) {  // 16-byte shared-memory loads: waits on shared memory bound the kernel
+          const Vec<float, 4> qv = load_vec<float, 4>(sm.q + c * X + j);
+          FP8KV_UNROLL
+          for (int e = 0; e < 4; ++e) dot += qv.e[e] * kv[j + e];
+        }
       }
       logit = dot * logit_scale + slope * static_cast<float>(i - newest);
     } else {
@@ -236,12 +241,24 @@ FP8KV_DEVICE void attend(const View& view, const Task& task, AttentionShared& sm
     for (int b = first_entry + split; b <= last_entry; b += splits) {
       const int block = table[b];
       if (block < 0 || block >= view.num_blocks()) continue;  // reported by Q.K
-      const Vec<cache_t, BLOCK_SIZE> values = load_vec<cache_t, BLOCK_SIZE>(view.value_row(block, d));
+      float values[BLOCK_SIZE];
+      Codec::template decode_vec<BLOCK_SIZE>(load_vec<cache_t, BLOCK_SIZE>(view.value_row(block, d)), values);
       const int t0 = b * BLOCK_SIZE - view.first;  // token at offset 0 of the block
-      FP8KV_UNROLL
-      for (int j = 0; j < BLOCK_SIZE; ++j) {
-        const int t = t0 + j;
-        if ((View::kBlockAligned || t >= 0) && t < n) acc += sm.probs[t] * Codec::decode(values.e[j]);
+      if constexpr (View::kBlockAligned) {  // t0 is a multiple of BLOCK_SIZE: 16-byte loads of probs
+        FP8KV_UNROLL
+        for (int j = 0; j < BLOCK_SIZE; j += 4) {
+          const Vec<float, 4> p = load_vec<float, 4>(sm.probs + t0 + j);
+          FP8KV_UNROLL
+          for (int e = 0; e < 4; ++e) {
+            if (t0 + j + e < n) acc += p.e[e] * values[j + e];
+          }
+        }
+      } else {
+        FP8KV_UNROLL
+        for (int j = 0; j < BLOCK_SIZE; ++j) {
+          const int t = t0 + j;
+          if (t >= 0 && t < n) acc += sm.probs[t] * values[j];
+        }
       }
     }
     sm.partial[split * head_size + d] = acc;

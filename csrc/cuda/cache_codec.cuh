@@ -33,6 +33,17 @@ struct CacheCodec {
     }
   }
 
+  // decode of N consecutive stored elements.
+  template <int N>
+  FP8KV_DEVICE static void decode_vec(const Vec<cache_t, N>& v, float* out) {
+    if constexpr (kQuantized && N % 2 == 0) {
+      fp8_decode_pairs<kFormat, N>(v.e, out);
+    } else {
+      FP8KV_UNROLL
+      for (int j = 0; j < N; ++j) out[j] = decode(v.e[j]);
+    }
+  }
+
   FP8KV_DEVICE static float scale_of(const float* scales, bool per_head, int kv_head) {
     if constexpr (kQuantized) {
       return scales[per_head ? kv_head : 0];
