@@ -1,7 +1,8 @@
 // Paged decode attention over an FP8 (or auto) cache, dequantizing inside the kernel, and its window variant
 // (the newest tokens read from a full-precision ring instead).
 //
-// One thread block per (head, sequence, partition of at most kPartitionSize positions). With one partition
+// One thread block per (group of query heads of one KV head, sequence, partition of at most kPartitionSize
+// positions): the group's heads share every K/V load and decode (with_heads_per_block). With one partition
 // the block writes the output directly (vLLM's v1); with more, each block writes its unnormalized partial
 // output, its max logit and its sum of exponentials, and a reduce kernel merges them (v2). The window
 // variant always has more: its window partitions come after the paged ones and the merge is one softmax
@@ -28,10 +29,12 @@ namespace fp8kv::gpu {
 constexpr int kAttentionThreads = 128;
 constexpr int kMaxWarps = kAttentionThreads / 32;  // room for warps of 32 (CUDA) or 64 (AMD) lanes
 
+// kHeads query heads of one KV head per thread block (see with_heads_per_block).
+template <int kHeads>
 struct alignas(16) AttentionShared {
-  float q[kMaxHeadSize];
-  float probs[kPartitionSize];  // logits, then exp(logit - max)
-  float partial[kAttentionThreads + kMaxHeadSize];  // P.V partial sums [split][head dim]
+  float q[kHeads][kMaxHeadSize];
+  float probs[kHeads][kPartitionSize];  // logits, then exp(logit - max)
+  float partial[kHeads][kAttentionThreads + kMaxHeadSize];  // P.V partial sums [split][head dim]
   float reduce[kMaxWarps];
 };
 
@@ -137,40 +140,44 @@ struct RingView {
 
 // ---- one thread block's work ---------------------------------------------------------------------------
 
-// One (sequence, head, partition): the query, what the softmax needs, and where the result goes. Output
-// addresses are computed where they are written, from the kernel parameters: kept in registers across the
-// kernel, ptxas would spill them.
-template <typename scalar_t, typename cache_t>
+// One (sequence, kHeads heads of one KV head, partition): the queries, what the softmax needs, and where the
+// results go. Output addresses are computed where they are written, from the kernel parameters: kept in
+// registers across the kernel, ptxas would spill them.
+template <typename scalar_t, typename cache_t, int kHeadsPerTask>
 struct HeadTask {
+  static constexpr int kHeads = kHeadsPerTask;
   const PagedAttentionArgs<scalar_t, cache_t>& a;
-  int head, seq, part;
+  int head0, seq, part;
   int seq_len;  // ALiBi biases position p by slope * (p - (seq_len - 1))
 
-  FP8KV_DEVICE int64_t row() const { return int64_t(seq) * a.num_heads + head; }
-  FP8KV_DEVICE int64_t part_row() const { return row() * a.num_partitions + part; }
-  FP8KV_DEVICE const scalar_t* query() const {
-    return a.query + seq * a.query_seq_stride + head * a.query_head_stride;
+  FP8KV_DEVICE int64_t row(int h) const { return int64_t(seq) * a.num_heads + head0 + h; }
+  FP8KV_DEVICE int64_t part_row(int h) const { return row(h) * a.num_partitions + part; }
+  FP8KV_DEVICE const scalar_t* query(int h) const {
+    return a.query + seq * a.query_seq_stride + (head0 + h) * a.query_head_stride;
   }
-  FP8KV_DEVICE float alibi_slope() const { return a.alibi_slopes ? a.alibi_slopes[head] : 0.0f; }
+  FP8KV_DEVICE float alibi_slope(int h) const { return a.alibi_slopes ? a.alibi_slopes[head0 + h] : 0.0f; }
   // With one partition the block writes the normalized output; with more, partials for the reduce kernel.
   FP8KV_DEVICE bool writes_output() const { return a.num_partitions == 1; }
-  FP8KV_DEVICE void write_output(int d, float v) const {
-    a.out[row() * a.head_size + d] = from_float<scalar_t>(v);
+  FP8KV_DEVICE void write_output(int h, int d, float v) const {
+    a.out[row(h) * a.head_size + d] = from_float<scalar_t>(v);
   }
-  FP8KV_DEVICE void write_partial(int d, float acc) const {
-    a.partial_out[part_row() * a.head_size + d] = acc;
+  FP8KV_DEVICE void write_partial(int h, int d, float acc) const {
+    a.partial_out[part_row(h) * a.head_size + d] = acc;
   }
-  FP8KV_DEVICE void write_stats(float max_logit, float sum) const {
-    a.partial_max[part_row()] = max_logit;
-    a.partial_sum[part_row()] = sum;
+  FP8KV_DEVICE void write_stats(int h, float max_logit, float sum) const {
+    a.partial_max[part_row(h)] = max_logit;
+    a.partial_sum[part_row(h)] = sum;
   }
 };
 
-// Softmax-weighted sum of V over the view's span for one head.
+// Softmax-weighted sum of V over the view's span for the task's heads. Each K/V element is loaded and
+// decoded once for all of them.
 template <class View, class Task, class Thread>
-FP8KV_DEVICE void attend(const View& view, const Task& task, AttentionShared& sm, const Thread& th) {
+FP8KV_DEVICE void attend(const View& view, const Task& task, AttentionShared<Task::kHeads>& sm,
+                         const Thread& th) {
   using Codec = typename View::Codec;
   using cache_t = typename View::Cache;
+  constexpr int H = Task::kHeads;
   constexpr int X = Codec::kX;
   constexpr int BLOCK_SIZE = View::kBlockSize;
   constexpr int NT = kAttentionThreads;
@@ -178,57 +185,72 @@ FP8KV_DEVICE void attend(const View& view, const Task& task, AttentionShared& sm
   const int head_size = task.a.head_size;
   const int n = view.span.size();
   if (n == 0) {  // nothing to attend to: an empty sequence, or a partition past its end
-    if (task.writes_output()) {
-      for (int d = tid; d < head_size; d += NT) task.write_output(d, 0.0f);
-    } else if (tid == 0) {
-      task.write_stats(-INFINITY, 0.0f);
+    for (int h = 0; h < H; ++h) {
+      if (task.writes_output()) {
+        for (int d = tid; d < head_size; d += NT) task.write_output(h, d, 0.0f);
+      } else if (tid == 0) {
+        task.write_stats(h, -INFINITY, 0.0f);
+      }
     }
     return;
   }
 
-  const auto* q = task.query();
-  for (int d = tid; d < head_size; d += NT) sm.q[d] = to_float(q[d]);
+  for (int i = tid; i < H * head_size; i += NT) sm.q[i / head_size][i % head_size] = to_float(task.query(i / head_size)[i % head_size]);
   th.sync();
 
   // Q.K, one token per thread.
   const int* table = view.table();
   const float logit_scale = task.a.scale * view.k_scale();
-  const float slope = task.alibi_slope();
   const int newest = task.seq_len - 1 - view.span.start;  // token index of position seq_len - 1 (ALiBi)
-  float local_max = -INFINITY;
+  float local_max[H];
+  FP8KV_UNROLL
+  for (int h = 0; h < H; ++h) local_max[h] = -INFINITY;
   for (int i = tid; i < n; i += NT) {
     const int coord = view.first + i;
     const int block = table[coord / BLOCK_SIZE];
-    float logit = -INFINITY;
-    if (block >= 0 && block < view.num_blocks()) {
+    const bool valid = block >= 0 && block < view.num_blocks();
+    float dot[H] = {};
+    if (valid) {
       const cache_t* k = view.key(block, coord % BLOCK_SIZE);
-      float dot = 0.0f;
       for (int c = 0; c < head_size / X; ++c) {
         float kv[X];
         Codec::template decode_vec<X>(load_vec<cache_t, X>(k + c * BLOCK_SIZE * X), kv);
         FP8KV_UNROLL
-        for (int j = 0; j < X; j += 4) {  // 16-byte shared-memory loads: waits on shared memory bound the kernel
-          const Vec<float, 4> qv = load_vec<float, 4>(sm.q + c * X + j);
+        for (int h = 0; h < H; ++h) {
           FP8KV_UNROLL
-          for (int e = 0; e < 4; ++e) dot += qv.e[e] * kv[j + e];
+          for (int j = 0; j < X; j += 4) {  // 16-byte shared-memory loads: waits on them bound the kernel
+            const Vec<float, 4> qv = load_vec<float, 4>(sm.q[h] + c * X + j);
+            FP8KV_UNROLL
+            for (int e = 0; e < 4; ++e) dot[h] += qv.e[e] * kv[j + e];
+          }
         }
       }
-      logit = dot * logit_scale + slope * static_cast<float>(i - newest);
     } else {
       report_error(task.a.error_flag, View::kErrorBit);
     }
-    sm.probs[i] = logit;
-    local_max = fmaxf(local_max, logit);
+    FP8KV_UNROLL
+    for (int h = 0; h < H; ++h) {
+      const float logit = valid ? dot[h] * logit_scale + task.alibi_slope(h) * static_cast<float>(i - newest)
+                                : -INFINITY;
+      sm.probs[h][i] = logit;
+      local_max[h] = fmaxf(local_max[h], logit);
+    }
   }
-  const float max_logit = block_reduce<true>(local_max, sm.reduce, th);
+  float max_logit[H], sum[H];
+  FP8KV_UNROLL
+  for (int h = 0; h < H; ++h) max_logit[h] = block_reduce<true>(local_max[h], sm.reduce, th);
 
-  float local_sum = 0.0f;
+  float local_sum[H] = {};
   for (int i = tid; i < n; i += NT) {
-    const float p = softmax_weight(sm.probs[i], max_logit);
-    sm.probs[i] = p;
-    local_sum += p;
+    FP8KV_UNROLL
+    for (int h = 0; h < H; ++h) {
+      const float p = softmax_weight(sm.probs[h][i], max_logit[h]);
+      sm.probs[h][i] = p;
+      local_sum[h] += p;
+    }
   }
-  const float sum = block_reduce<false>(local_sum, sm.reduce, th);  // its barrier also publishes probs
+  FP8KV_UNROLL
+  for (int h = 0; h < H; ++h) sum[h] = block_reduce<false>(local_sum[h], sm.reduce, th);  // publishes probs
 
   // P.V: thread (d, split) sums table entries first_entry + split, + 2 * split, ... for head dim d.
   const int splits = NT / head_size > 1 ? NT / head_size : 1;
@@ -237,45 +259,54 @@ FP8KV_DEVICE void attend(const View& view, const Task& task, AttentionShared& sm
   for (int item = tid; item < head_size * splits; item += NT) {
     const int d = item % head_size;
     const int split = item / head_size;
-    float acc = 0.0f;
+    float acc[H] = {};
     for (int b = first_entry + split; b <= last_entry; b += splits) {
       const int block = table[b];
       if (block < 0 || block >= view.num_blocks()) continue;  // reported by Q.K
       float values[BLOCK_SIZE];
       Codec::template decode_vec<BLOCK_SIZE>(load_vec<cache_t, BLOCK_SIZE>(view.value_row(block, d)), values);
       const int t0 = b * BLOCK_SIZE - view.first;  // token at offset 0 of the block
-      if constexpr (View::kBlockAligned) {  // t0 is a multiple of BLOCK_SIZE: 16-byte loads of probs
-        FP8KV_UNROLL
-        for (int j = 0; j < BLOCK_SIZE; j += 4) {
-          const Vec<float, 4> p = load_vec<float, 4>(sm.probs + t0 + j);
+      FP8KV_UNROLL
+      for (int h = 0; h < H; ++h) {
+        if constexpr (View::kBlockAligned) {  // t0 is a multiple of BLOCK_SIZE: 16-byte loads of probs
           FP8KV_UNROLL
-          for (int e = 0; e < 4; ++e) {
-            if (t0 + j + e < n) acc += p.e[e] * values[j + e];
+          for (int j = 0; j < BLOCK_SIZE; j += 4) {
+            const Vec<float, 4> p = load_vec<float, 4>(sm.probs[h] + t0 + j);
+            FP8KV_UNROLL
+            for (int e = 0; e < 4; ++e) {
+              if (t0 + j + e < n) acc[h] += p.e[e] * values[j + e];
+            }
           }
-        }
-      } else {
-        FP8KV_UNROLL
-        for (int j = 0; j < BLOCK_SIZE; ++j) {
-          const int t = t0 + j;
-          if (t >= 0 && t < n) acc += sm.probs[t] * values[j];
+        } else {
+          FP8KV_UNROLL
+          for (int j = 0; j < BLOCK_SIZE; ++j) {
+            const int t = t0 + j;
+            if (t >= 0 && t < n) acc[h] += sm.probs[h][t] * values[j];
+          }
         }
       }
     }
-    sm.partial[split * head_size + d] = acc;
+    FP8KV_UNROLL
+    for (int h = 0; h < H; ++h) sm.partial[h][split * head_size + d] = acc[h];
   }
   th.sync();
 
-  for (int d = tid; d < head_size; d += NT) {
-    float acc = 0.0f;
-    for (int s = 0; s < splits; ++s) acc += sm.partial[s * head_size + d];
-    acc *= view.v_scale();
-    if (task.writes_output()) {
-      task.write_output(d, sum != 0.0f ? acc / sum : 0.0f);
-    } else {
-      task.write_partial(d, acc);
+  FP8KV_UNROLL
+  for (int h = 0; h < H; ++h) {  // h a constant: sum[h] stays in a register
+    for (int d = tid; d < head_size; d += NT) {
+      float acc = 0.0f;
+      for (int s = 0; s < splits; ++s) acc += sm.partial[h][s * head_size + d];
+      acc *= view.v_scale();
+      if (task.writes_output()) {
+        task.write_output(h, d, sum[h] != 0.0f ? acc / sum[h] : 0.0f);
+      } else {
+        task.write_partial(h, d, acc);
+      }
     }
   }
-  if (!task.writes_output() && tid == 0) task.write_stats(max_logit, sum);
+  if (!task.writes_output() && tid == 0) {
+    for (int h = 0; h < H; ++h) task.write_stats(h, max_logit[h], sum[h]);
+  }
 }
 
 // Merge the partitions of one (head, sequence) that cover positions (span_of(p) non-empty):
@@ -319,15 +350,15 @@ FP8KV_DEVICE int checked_seq_len(const PagedAttentionArgs<scalar_t, cache_t>& a,
   return checked_in(a.seq_lens[seq], 0, capacity, a.error_flag, kErrorSeqLenOutOfRange, report);
 }
 
-template <typename scalar_t, typename cache_t, Fp8Format kFormat, int BLOCK_SIZE, class Thread>
-FP8KV_DEVICE void paged_attention_body(const PagedAttentionArgs<scalar_t, cache_t>& a, AttentionShared& sm,
-                                       const Thread& th) {
-  const int head = th.block_x(), seq = th.block_y(), part = th.block_z();
+template <typename scalar_t, typename cache_t, Fp8Format kFormat, int BLOCK_SIZE, int kHeads, class Thread>
+FP8KV_DEVICE void paged_attention_body(const PagedAttentionArgs<scalar_t, cache_t>& a,
+                                       AttentionShared<kHeads>& sm, const Thread& th) {
+  const int head = th.block_x() * kHeads, seq = th.block_y(), part = th.block_z();
   const int kv_head = head / (a.num_heads / a.num_kv_heads);
   const int seq_len = checked_seq_len(a, seq, th.index() == 0 && part == 0);
   const Span span = partition_span(part, seq_len);
   const PagedView<scalar_t, cache_t, kFormat, BLOCK_SIZE> view{a, seq, kv_head, span, span.start};
-  attend(view, HeadTask<scalar_t, cache_t>{a, head, seq, part, seq_len}, sm, th);
+  attend(view, HeadTask<scalar_t, cache_t, kHeads>{a, head, seq, part, seq_len}, sm, th);
 }
 
 template <typename scalar_t, typename cache_t, class Thread>
@@ -385,28 +416,30 @@ FP8KV_DEVICE RingSpan window_ring_span(const WindowSplit& s, int k, int window_s
 }
 
 // Grid z of the first kernel: paged partition `part`. Only the first partition reports bad arguments.
-template <typename scalar_t, typename cache_t, Fp8Format kFormat, int BLOCK_SIZE, class Thread>
+template <typename scalar_t, typename cache_t, Fp8Format kFormat, int BLOCK_SIZE, int kHeads, class Thread>
 FP8KV_DEVICE void window_paged_part_body(const PagedAttentionArgs<scalar_t, cache_t>& a,
-                                         const WindowPositions& w, AttentionShared& sm, const Thread& th) {
-  const int head = th.block_x(), seq = th.block_y(), part = th.block_z();
+                                         const WindowPositions& w, AttentionShared<kHeads>& sm,
+                                         const Thread& th) {
+  const int head = th.block_x() * kHeads, seq = th.block_y(), part = th.block_z();
   const int kv_head = head / (a.num_heads / a.num_kv_heads);
   const WindowSplit split = checked_window_split(a, w, seq, th.index() == 0 && part == 0);
   const Span span = partition_span(part, split.paged_end);
   const PagedView<scalar_t, cache_t, kFormat, BLOCK_SIZE> view{a, seq, kv_head, span, span.start};
-  attend(view, HeadTask<scalar_t, cache_t>{a, head, seq, part, split.seq_len}, sm, th);
+  attend(view, HeadTask<scalar_t, cache_t, kHeads>{a, head, seq, part, split.seq_len}, sm, th);
 }
 
 // Grid z of the second kernel: window partition k, partition num_fp8_partitions + k of the merge.
-template <typename scalar_t, typename cache_t, typename window_t, int BLOCK_SIZE, class Thread>
+template <typename scalar_t, typename cache_t, typename window_t, int BLOCK_SIZE, int kHeads, class Thread>
 FP8KV_DEVICE void window_ring_part_body(const PagedAttentionArgs<scalar_t, cache_t>& a,
                                         const WindowPositions& w, const WindowCache<window_t>& ring,
-                                        AttentionShared& sm, const Thread& th) {
-  const int head = th.block_x(), seq = th.block_y(), k = th.block_z();
+                                        AttentionShared<kHeads>& sm, const Thread& th) {
+  const int head = th.block_x() * kHeads, seq = th.block_y(), k = th.block_z();
   const int kv_head = head / (a.num_heads / a.num_kv_heads);
   const WindowSplit split = checked_window_split(a, w, seq, false);
   const RingSpan r = window_ring_span(split, k, w.window_size);
   const RingView<window_t, BLOCK_SIZE> view{ring, seq, kv_head, r.span, r.span.start - r.lap};
-  attend(view, HeadTask<scalar_t, cache_t>{a, head, seq, w.num_fp8_partitions + k, split.seq_len}, sm, th);
+  attend(view, HeadTask<scalar_t, cache_t, kHeads>{a, head, seq, w.num_fp8_partitions + k, split.seq_len}, sm,
+         th);
 }
 
 template <typename scalar_t, typename cache_t, class Thread>
@@ -433,11 +466,11 @@ FP8KV_DEVICE void paged_attention_window_reduce_body(const PagedAttentionArgs<sc
 #define FP8KV_ATTENTION_LAUNCH_BOUNDS __launch_bounds__(kAttentionThreads)
 #endif
 
-template <typename scalar_t, typename cache_t, Fp8Format kFormat, int BLOCK_SIZE>
+template <typename scalar_t, typename cache_t, Fp8Format kFormat, int BLOCK_SIZE, int kHeads>
 __global__ void FP8KV_ATTENTION_LAUNCH_BOUNDS
     paged_attention_kernel(const PagedAttentionArgs<scalar_t, cache_t> args) {
-  __shared__ AttentionShared smem;
-  paged_attention_body<scalar_t, cache_t, kFormat, BLOCK_SIZE>(args, smem, GpuThread{});
+  __shared__ AttentionShared<kHeads> smem;
+  paged_attention_body<scalar_t, cache_t, kFormat, BLOCK_SIZE, kHeads>(args, smem, GpuThread{});
 }
 
 template <typename scalar_t, typename cache_t>
@@ -447,19 +480,19 @@ __global__ void FP8KV_ATTENTION_LAUNCH_BOUNDS
 }
 
 
-template <typename scalar_t, typename cache_t, Fp8Format kFormat, int BLOCK_SIZE>
+template <typename scalar_t, typename cache_t, Fp8Format kFormat, int BLOCK_SIZE, int kHeads>
 __global__ void FP8KV_ATTENTION_LAUNCH_BOUNDS
     window_paged_part_kernel(const PagedAttentionArgs<scalar_t, cache_t> args, const WindowPositions window) {
-  __shared__ AttentionShared smem;
-  window_paged_part_body<scalar_t, cache_t, kFormat, BLOCK_SIZE>(args, window, smem, GpuThread{});
+  __shared__ AttentionShared<kHeads> smem;
+  window_paged_part_body<scalar_t, cache_t, kFormat, BLOCK_SIZE, kHeads>(args, window, smem, GpuThread{});
 }
 
-template <typename scalar_t, typename cache_t, typename window_t, int BLOCK_SIZE>
+template <typename scalar_t, typename cache_t, typename window_t, int BLOCK_SIZE, int kHeads>
 __global__ void FP8KV_ATTENTION_LAUNCH_BOUNDS
     window_ring_part_kernel(const PagedAttentionArgs<scalar_t, cache_t> args, const WindowPositions window,
                             const WindowCache<window_t> ring) {
-  __shared__ AttentionShared smem;
-  window_ring_part_body<scalar_t, cache_t, window_t, BLOCK_SIZE>(args, window, ring, smem, GpuThread{});
+  __shared__ AttentionShared<kHeads> smem;
+  window_ring_part_body<scalar_t, cache_t, window_t, BLOCK_SIZE, kHeads>(args, window, ring, smem, GpuThread{});
 }
 
 template <typename scalar_t, typename cache_t>

@@ -84,8 +84,9 @@ void run_grid(int gx, int gy, int gz, int threads, const Body& body) {
 
 // A block's shared memory as a GPU hands it over: not zeroed, whatever the previous block left. NaN here, so
 // that a block reading shared memory it did not write shows it in its output.
-void fill_with_nan(AttentionShared& sm) {
-  static_assert(sizeof(AttentionShared) % sizeof(float) == 0);
+template <int kHeads>
+void fill_with_nan(AttentionShared<kHeads>& sm) {
+  static_assert(sizeof(AttentionShared<kHeads>) % sizeof(float) == 0);
   std::fill_n(reinterpret_cast<float*>(&sm), sizeof(sm) / sizeof(float), NAN);
 }
 
@@ -176,13 +177,17 @@ struct PagedAttentionCall {
 // grid, then merge(th) over (head, seq) when there are partitions. Blocks run one at a time, so they can
 // share one AttentionShared as consecutive blocks on one GPU core would.
 template <class Body, class Merge>
-int run_attention(int num_heads, int num_seqs, int num_partitions, int block_size, const Body& body,
-                  const Merge& merge) {
-  AttentionShared shared;
-  const bool supported = with_block_size(block_size, [&](auto bs) {
-    run_grid(
-        num_heads, num_seqs, num_partitions, kAttentionThreads,
-        [&](const HostThread& th) { body(th, shared, bs); }, [&] { fill_with_nan(shared); });
+int run_attention(int num_heads, int num_kv_heads, int num_seqs, int num_partitions, int block_size,
+                  const Body& body, const Merge& merge) {
+  bool supported = false;
+  with_heads_per_block(num_heads, num_kv_heads, [&](auto heads) {
+    constexpr int kHeads = decltype(heads)::value;
+    AttentionShared<kHeads> shared;
+    supported = with_block_size(block_size, [&](auto bs) {
+      run_grid(
+          num_heads / kHeads, num_seqs, num_partitions, kAttentionThreads,
+          [&](const HostThread& th) { body(th, shared, bs); }, [&] { fill_with_nan(shared); });
+    });
   });
   if (!supported) return -1;
   if (num_partitions > 1) run_grid(num_heads, num_seqs, 1, kAttentionThreads, merge);
@@ -202,8 +207,8 @@ int paged_attention(void* out, const void* query, const void* key_cache, const v
                                              num_partitions_for(max_seq_len));
   const auto& a = call.args;
   const int status = run_attention(
-      num_heads, num_seqs, a.num_partitions, block_size,
-      [&](const HostThread& th, AttentionShared& shared, auto bs) {
+      num_heads, num_kv_heads, num_seqs, a.num_partitions, block_size,
+      [&](const HostThread& th, auto& shared, auto bs) {
         paged_attention_body<scalar_t, cache_t, kFormat, decltype(bs)::value>(a, shared, th);
       },
       [&](const HostThread& th) { paged_attention_reduce_body(a, th); });
@@ -241,22 +246,26 @@ int paged_attention_window(void* out, const void* query, const void* key_cache, 
   const auto& a = call.args;
 
   // As launch_paged_attention_window: the paged part, the window part, then the merge.
-  AttentionShared shared;
-  const bool supported = with_block_size(block_size, [&](auto bs) {
-    constexpr int kBlockSize = decltype(bs)::value;
-    const auto poison = [&] { fill_with_nan(shared); };
-    run_grid(
-        num_heads, num_seqs, w.num_fp8_partitions, kAttentionThreads,
-        [&](const HostThread& th) {
-          window_paged_part_body<scalar_t, cache_t, kFormat, kBlockSize>(a, w, shared, th);
-        },
-        poison);
-    run_grid(
-        num_heads, num_seqs, w.num_window_partitions, kAttentionThreads,
-        [&](const HostThread& th) {
-          window_ring_part_body<scalar_t, cache_t, window_t, kBlockSize>(a, w, ring, shared, th);
-        },
-        poison);
+  bool supported = false;
+  with_heads_per_block(num_heads, num_kv_heads, [&](auto heads) {
+    constexpr int kHeads = decltype(heads)::value;
+    AttentionShared<kHeads> shared;
+    supported = with_block_size(block_size, [&](auto bs) {
+      constexpr int kBlockSize = decltype(bs)::value;
+      const auto poison = [&] { fill_with_nan(shared); };
+      run_grid(
+          num_heads / kHeads, num_seqs, w.num_fp8_partitions, kAttentionThreads,
+          [&](const HostThread& th) {
+            window_paged_part_body<scalar_t, cache_t, kFormat, kBlockSize>(a, w, shared, th);
+          },
+          poison);
+      run_grid(
+          num_heads / kHeads, num_seqs, w.num_window_partitions, kAttentionThreads,
+          [&](const HostThread& th) {
+            window_ring_part_body<scalar_t, cache_t, window_t, kBlockSize>(a, w, ring, shared, th);
+          },
+          poison);
+    });
   });
   if (!supported) return -1;
   run_grid(num_heads, num_seqs, 1, kAttentionThreads,

@@ -18,11 +18,15 @@ Error launch_reshape_and_cache(const ReshapeAndCacheArgs<scalar_t, cache_t>& arg
 template <typename scalar_t, typename cache_t, Fp8Format kFormat>
 Error launch_paged_attention(const PagedAttentionArgs<scalar_t, cache_t>& args, Stream stream) {
   if (args.num_seqs == 0 || args.num_heads == 0) return kSuccess;
-  const dim3 grid(args.num_heads, args.num_seqs, args.num_partitions);
   const dim3 block(kAttentionThreads);
-  const bool launched = with_block_size(args.block_size, [&](auto block_size) {
-    paged_attention_kernel<scalar_t, cache_t, kFormat, decltype(block_size)::value>
-        <<<grid, block, 0, stream>>>(args);
+  bool launched = false;
+  with_heads_per_block(args.num_heads, args.num_kv_heads, [&](auto heads) {
+    constexpr int kHeads = decltype(heads)::value;
+    const dim3 grid(args.num_heads / kHeads, args.num_seqs, args.num_partitions);
+    launched = with_block_size(args.block_size, [&](auto block_size) {
+      paged_attention_kernel<scalar_t, cache_t, kFormat, decltype(block_size)::value, kHeads>
+          <<<grid, block, 0, stream>>>(args);
+    });
   });
   if (!launched) return kInvalidValue;
   const Error error = last_launch_error();
@@ -44,15 +48,20 @@ Error launch_paged_attention_window(const PagedAttentionWindowArgs<scalar_t, cac
   }
   const dim3 block(kAttentionThreads);
   Error error = kSuccess;
-  const bool launched = with_block_size(a.block_size, [&](auto block_size) {
-    constexpr int kBlockSize = decltype(block_size)::value;
-    window_paged_part_kernel<scalar_t, cache_t, kFormat, kBlockSize>
-        <<<dim3(a.num_heads, a.num_seqs, w.num_fp8_partitions), block, 0, stream>>>(a, w);
-    error = last_launch_error();
-    if (error != kSuccess) return;
-    window_ring_part_kernel<scalar_t, cache_t, window_t, kBlockSize>
-        <<<dim3(a.num_heads, a.num_seqs, w.num_window_partitions), block, 0, stream>>>(a, w, args.window);
-    error = last_launch_error();
+  bool launched = false;
+  with_heads_per_block(a.num_heads, a.num_kv_heads, [&](auto heads) {
+    constexpr int kHeads = decltype(heads)::value;
+    const unsigned head_blocks = static_cast<unsigned>(a.num_heads / kHeads);
+    launched = with_block_size(a.block_size, [&](auto block_size) {
+      constexpr int kBlockSize = decltype(block_size)::value;
+      window_paged_part_kernel<scalar_t, cache_t, kFormat, kBlockSize, kHeads>
+          <<<dim3(head_blocks, a.num_seqs, w.num_fp8_partitions), block, 0, stream>>>(a, w);
+      error = last_launch_error();
+      if (error != kSuccess) return;
+      window_ring_part_kernel<scalar_t, cache_t, window_t, kBlockSize, kHeads>
+          <<<dim3(head_blocks, a.num_seqs, w.num_window_partitions), block, 0, stream>>>(a, w, args.window);
+      error = last_launch_error();
+    });
   });
   if (!launched) return kInvalidValue;
   if (error != kSuccess) return error;

@@ -139,6 +139,19 @@ bool with_block_size(int block_size, const Fn& fn) {
 }
 
 // Every (scalar_t, cache_t, kFormat) the kernels are built for; X is a macro taking the three.
+// Query heads per attention thread block: 4 where the GQA group is a multiple of 4, so that four heads read
+// and decode each K/V element of their KV head once; otherwise 1.
+constexpr int kGroupedHeads = 4;
+
+template <class Fn>
+void with_heads_per_block(int num_heads, int num_kv_heads, const Fn& fn) {
+  if ((num_heads / num_kv_heads) % kGroupedHeads == 0) {
+    fn(std::integral_constant<int, kGroupedHeads>{});
+  } else {
+    fn(std::integral_constant<int, 1>{});
+  }
+}
+
 #define FP8KV_FOR_EACH_CACHE_TYPE_OF(X, scalar_t)                  \
   X(scalar_t, scalar_t, ::fp8kv::Fp8Format::E4M3FN)               \
   X(scalar_t, uint8_t, ::fp8kv::Fp8Format::E4M3FN)                \
