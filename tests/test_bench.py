@@ -496,3 +496,11 @@ def test_bench_kernels_refuses_a_bad_shape_and_heads():
     assert result.exit_code != 0 and "--shapes" in result.output and "8x8192" in result.output
     result = CliRunner().invoke(main, ["bench", "kernels", "--num-heads", "6", "--num-kv-heads", "4"])
     assert result.exit_code != 0 and "--num-kv-heads" in result.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_bench_kernels_on_cuda_without_a_gpu_names_the_fix():
+    from launcher.cli import main
+
+    result = CliRunner().invoke(main, ["bench", "kernels", "--device", "cuda", "--shapes", "1x16"])
+    assert result.exit_code != 0 and "--device" in result.output and "use --device cpu" in result.output
