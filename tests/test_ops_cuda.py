@@ -13,6 +13,7 @@ import test_hadamard_op as hadamard_tests
 import test_ops_cpu as paged_tests
 import test_window_ops as window_tests
 import torch
+from numerics import attention_error
 
 from fp8cache.ops import reference as ref
 
@@ -45,12 +46,6 @@ def gpu_inputs(b: dict) -> dict:
     return {name: on_gpu(value) for name, value in b.items()}
 
 
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    ok = ~torch.isnan(want)
-    scale = want[ok].float().abs().max().clamp(min=1e-3)
-    return float((got[ok].float() - want[ok].float()).abs().max() / scale)
-
-
 # ---- reshape_and_cache + paged_attention ---------------------------------------------------------------
 
 @pytest.mark.parametrize("case", paged_tests.CASES, ids=paged_tests.Case.id)
@@ -65,7 +60,7 @@ def test_paged_ops_match_reference(ops, case):
     got = paged_tests.attention(ops, case, g["op_caches"], g).cpu()
     assert got.dtype == case.dtype
     assert torch.equal(torch.isnan(got), torch.isnan(want))
-    err = relative_error(got, want)
+    err = attention_error(got, want)
     print(f"{case.id()}: max error {err:.2e} of the output scale")
     assert err <= paged_tests.tolerance(case.dtype), f"max error {err:.2e} of the output scale"
 
@@ -112,7 +107,7 @@ def test_window_attention_matches_reference(ops, case):
     b = window_tests.build(case)
     want = window_tests.attention(ref, case, b)
     got = window_tests.attention(ops, case, gpu_inputs(b)).cpu()
-    print(f"{case.id()}: max error {relative_error(got, want):.2e} of the output scale")
+    print(f"{case.id()}: max error {attention_error(got, want):.2e} of the output scale")
     window_tests.assert_close(got, want, case.dtype)
 
 

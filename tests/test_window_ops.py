@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from numerics import attention_error
 from test_ops_cpu import REPO, _cpu_has, tolerance
 
 from fp8cache.ops import reference as ref
@@ -159,8 +160,7 @@ def attention(impl, case: WindowCase, b, window_size: int | None = None) -> torc
 def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
     assert got.dtype == dtype
     assert not torch.isnan(want).any() and not torch.isnan(got).any()
-    scale = want.float().abs().max().clamp(min=1e-3)
-    err = (got.float() - want.float()).abs().max() / scale
+    err = attention_error(got, want)
     assert err <= tolerance(dtype), f"max error {err:.2e} of the output scale"
 
 

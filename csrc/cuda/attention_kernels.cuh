@@ -202,9 +202,12 @@ FP8KV_DEVICE void attend(const View& view, const Task& task, AttentionShared<Tas
   const int* table = view.table();
   const float logit_scale = task.a.scale * view.k_scale();
   const int newest = task.seq_len - 1 - view.span.start;  // token index of position seq_len - 1 (ALiBi)
-  float local_max[H];
+  float local_max[H], slope[H];  // slopes read once, not per token (a global load each with ALiBi)
   FP8KV_UNROLL
-  for (int h = 0; h < H; ++h) local_max[h] = -INFINITY;
+  for (int h = 0; h < H; ++h) {
+    local_max[h] = -INFINITY;
+    slope[h] = task.alibi_slope(h);
+  }
   for (int i = tid; i < n; i += NT) {
     const int coord = view.first + i;
     const int block = table[coord / BLOCK_SIZE];
@@ -230,7 +233,7 @@ FP8KV_DEVICE void attend(const View& view, const Task& task, AttentionShared<Tas
     }
     FP8KV_UNROLL
     for (int h = 0; h < H; ++h) {
-      const float logit = valid ? dot[h] * logit_scale + task.alibi_slope(h) * static_cast<float>(i - newest)
+      const float logit = valid ? dot[h] * logit_scale + slope[h] * static_cast<float>(i - newest)
                                 : -INFINITY;
       sm.probs[h][i] = logit;
       local_max[h] = fmaxf(local_max[h], logit);

@@ -78,11 +78,17 @@ def _sdpa_case(case: KernelCase, batch: int, context: int, num_heads: int, num_k
     return run, 2 * key.numel() * key.element_size()
 
 
-def _timed_calls(run, device: torch.device, calls: int):
-    """What one timing runs. On the CPU: one call. On a GPU: `calls` back-to-back calls captured once in a
-    CUDA graph (as a GPU decode loop runs them), replayed, then a wait for the device: one call is too short
-    for a host clock, and without the graph the host's launch work would be timed too."""
-    if device.type == "cpu":
+def _calls_per_timing(device: torch.device) -> int:
+    return 1 if device.type == "cpu" else GPU_CALLS_PER_TIMING
+
+
+def _timed_calls(run, device: torch.device):
+    """What one timing runs: _calls_per_timing(device) calls. On the CPU: one call. On a GPU: back-to-back
+    calls captured once in a CUDA graph (as a GPU decode loop runs them), replayed, then a wait for the
+    device: one call is too short for a host clock, and without the graph the host's launch work would be
+    timed too."""
+    calls = _calls_per_timing(device)
+    if calls == 1:
         return run
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
@@ -107,7 +113,7 @@ def run_kernel_bench(shapes=DEFAULT_SHAPES, cases=None, num_heads: int = 32, num
     """One row per (case, batch, context); each row carries the read bandwidth measured in this run."""
     cases = cases or default_cases()
     device = torch.device(device)
-    calls = 1 if device.type == "cpu" else GPU_CALLS_PER_TIMING
+    calls = _calls_per_timing(device)
     ops.load()
     read_bw = machine.read_bandwidth_gbps(device=device)
     gen = torch.Generator().manual_seed(0)
@@ -120,7 +126,7 @@ def run_kernel_bench(shapes=DEFAULT_SHAPES, cases=None, num_heads: int = 32, num
             else:
                 runs.append(_paged_case(case, batch, context, num_heads, num_kv_heads, head_size, block_size,
                                         gen, device))
-        times = machine.interleaved_ms([_timed_calls(run, device, calls) for run, _ in runs],
+        times = machine.interleaved_ms([_timed_calls(run, device) for run, _ in runs],
                                        repeats=repeats)
         for case, (_, kv_bytes), ms in zip(cases, runs, (t / calls for t in times)):
             row = {"impl": case.impl, "kv_cache_dtype": case.kv_cache_dtype,
