@@ -202,6 +202,21 @@ def test_mismatched_arguments_raise(ops):
                               b["k_scale"], b["v_scale"])
 
 
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "auto"])
+def test_wide_logits_match_reference_and_leave_denormals_on(ops, kv):
+    """Logits hundreds apart: most softmax weights (and their products with V) fall below float32's normal
+    range, which the kernel flushes to zero for speed. The output must still match the reference, and the
+    calling thread must get its own floating-point mode back (denormals still computed after the call)."""
+    case = Case(kv, 64, 16, 9, 3, torch.float32, seq_lens=(300, 700, 33))
+    b = build(case)
+    b["query"] = b["query"] * 400.0
+    want = attention(ref, case, b["ref_caches"], b)
+    got = attention(ops, case, b["ref_caches"], b)
+    assert attention_error(got, want) <= tolerance(case.dtype)
+    tiny = torch.tensor([1e-39], dtype=torch.float32)  # a float32 denormal
+    assert (tiny * 3.0).item() == pytest.approx(3e-39, rel=1e-3, abs=0.0)
+
+
 SMOKE = [CASES[0], CASES[1], CASES[2], CASES[5], CASES[13]]
 
 

@@ -119,6 +119,7 @@ void run_spans(const Problem& p) {
   const int64_t n_units = static_cast<int64_t>(units.size());
 #pragma omp parallel num_threads(std::max(1, std::min<int>(at::get_num_threads(), static_cast<int>(n_units))))
   {
+    const FlushDenormals flush;
     std::vector<float> scratch(static_cast<size_t>(scratch_size) + 16);
     float* aligned = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t(63));
 #pragma omp for schedule(dynamic, 1)
