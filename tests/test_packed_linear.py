@@ -1,0 +1,58 @@
+"""bfloat16 linear layers packed for oneDNN (fp8cache.model.packed_linear) against F.linear in float32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fp8cache.config import EngineConfig
+from fp8cache.model import packed_linear
+from fp8cache.model.loader import load_model
+
+pytestmark = pytest.mark.skipif(not packed_linear.packing_works(torch.bfloat16),
+                                reason="this torch build cannot pack bfloat16 weights for oneDNN")
+
+
+@pytest.mark.parametrize("rows", [1, 16, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_float32_linear(rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    linear = nn.Linear(576, 192, bias=bias).to(torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(192, 576, generator=g) * 0.05)
+        if bias:
+            linear.bias.copy_(torch.randn(192, generator=g))
+    x = torch.randn(1, rows, 576, generator=g).to(torch.bfloat16)
+    want = F.linear(x.float(), linear.weight.float(), linear.bias.float() if bias else None)
+    with torch.no_grad():
+        got = packed_linear.PackedLinear(linear)(x)
+    assert got.shape == (1, rows, 192) and got.dtype == torch.bfloat16
+    # bfloat16 output: within two of its ulps of the float32 result
+    assert ((got.float() - want).abs() <= 2 ** -7 * want.abs() + 1e-2).all()
+
+
+def test_pack_linears_keeps_the_model_output(tiny_llama_path):
+    config = EngineConfig(model=tiny_llama_path, dtype="bfloat16")
+    plain, packed = (load_model(config, progress=False).model for _ in range(2))
+    linears = sum(type(m) is nn.Linear for m in packed.modules())
+    assert packed_linear.pack_linears(packed, torch.device("cpu")) == linears > 0
+    assert not any(type(m) is nn.Linear for m in packed.modules())
+    assert packed_linear.pack_linears(packed, torch.device("cpu")) == 0  # a second runner on the same model
+    ids = torch.tensor([[5, 9, 14, 3, 22, 7, 40, 11]])
+    with torch.no_grad():
+        want, got = plain(input_ids=ids).logits.float(), packed(input_ids=ids).logits.float()
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()
+    q_proj = packed.model.layers[0].self_attn.q_proj
+    assert q_proj.weight.shape == plain.model.layers[0].self_attn.q_proj.weight.shape
+    assert q_proj.weight.dtype == torch.bfloat16
+
+
+def test_float32_models_and_the_switch_leave_linears_alone(tiny_llama_path, monkeypatch):
+    fp32 = load_model(EngineConfig(model=tiny_llama_path, dtype="float32"), progress=False).model
+    assert packed_linear.pack_linears(fp32, torch.device("cpu")) == 0
+    bf16 = load_model(EngineConfig(model=tiny_llama_path, dtype="bfloat16"), progress=False).model
+    monkeypatch.setenv("FP8KV_PACK_LINEARS", "0")
+    assert packed_linear.pack_linears(bf16, torch.device("cpu")) == 0
+    assert any(type(m) is nn.Linear for m in bf16.modules())
