@@ -185,6 +185,9 @@ _PLOT_OPT = click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
 @click.option("--repeats", default=1, show_default=True, type=click.IntRange(1),
               help="Timed runs per engine, taking turns (fresh prompts each); the median is reported.")
 @_MODEL_DTYPE_OPT
+@click.option("--peer-dtype", default="same", show_default=True, type=click.Choice(["same", "float32", "bfloat16"]),
+              help="Model dtype of the --compare peer: the same as fp8kv's, or another (e.g. float32, what "
+                   "transformers loads a float32 checkpoint as, beside fp8kv in bfloat16). Rows show each dtype.")
 @click.option("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB (default: the engine's).")
 @click.option("--max-num-seqs", default=256, show_default=True, type=click.IntRange(1))
 @click.option("--max-num-batched-tokens", default=2048, show_default=True, type=click.IntRange(1))
@@ -200,7 +203,7 @@ _PLOT_OPT = click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
 @_THREADS_OPT
 @_JSON_OPT
 @_PLOT_OPT
-def throughput(model, num_prompts, input_len, output_len, kv_cache_dtypes, compare, repeats, dtype,
+def throughput(model, num_prompts, input_len, output_len, kv_cache_dtypes, compare, repeats, dtype, peer_dtype,
                kv_cache_memory, max_num_seqs, max_num_batched_tokens, num_shard, kv_recent_window,
                kv_recent_window_dtype, threads, as_json, plot_path) -> None:
     """Offline throughput per kv-cache dtype (and transformers with --compare hf), measured in one run."""
@@ -214,17 +217,18 @@ def throughput(model, num_prompts, input_len, output_len, kv_cache_dtypes, compa
     rows, interrupted = _collect(lambda bar: bench.iter_throughput(
         model, tuple(dtypes), num_prompts, input_len, output_len, tuple(compare), repeats, dtype,
         kv_cache_memory, max_num_seqs, max_num_batched_tokens, progress=bar, log=_log, num_shard=num_shard,
-        threads_per_rank=threads, kv_recent_window=windows, kv_recent_window_dtype=kv_recent_window_dtype))
+        threads_per_rank=threads, kv_recent_window=windows, kv_recent_window_dtype=kv_recent_window_dtype,
+        peer_dtype=peer_dtype))
     bench.add_ratios(rows)
     shards = f", fp8kv over {num_shard} tensor-parallel ranks" if num_shard > 1 else ""
     table = Table(title=f"offline throughput, {num_prompts} prompts, {input_len} in / {output_len} out"
                         f"{shards}\n{_machine_line(rows)}")
     by_window = any("vs_window0" in r for r in rows)
-    for col in ("engine", "kv cache", "req/s", "output tok/s", "total tok/s", "elapsed s", "vs auto",
+    for col in ("engine", "dtype", "kv cache", "req/s", "output tok/s", "total tok/s", "elapsed s", "vs auto",
                 "vs transformers") + (("vs window 0",) if by_window else ()):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(r["engine"], r.get("variant", r["kv_cache_dtype"]), _fmt(r["requests_per_s"], ".3f"),
+        table.add_row(r["engine"], r["dtype"], r.get("variant", r["kv_cache_dtype"]), _fmt(r["requests_per_s"], ".3f"),
                       _fmt(r["output_tokens_per_s"]), _fmt(r["total_tokens_per_s"]), _fmt(r["elapsed_s"], ".2f"),
                       _ratio(r.get("vs_auto")), _ratio(r.get("vs_transformers")),
                       *((_ratio(r.get("vs_window0")),) if by_window else ()))

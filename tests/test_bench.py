@@ -123,10 +123,20 @@ def test_throughput_rows_add_up(throughput_run):
         _assert_rates_consistent(r, 4, 32, 8)
         assert r["repeats"] == 2 and r["elapsed_s"] == min(r["elapsed_all_s"])  # median of two: the lower
         assert r["machine"]["threads"] == 1
+        assert r["dtype"] == "float32"  # --dtype auto on CPU, and the peer the same (--peer-dtype same)
     for r in rows[:2]:
         assert r["finish_reasons"] == {"length": 4} and r["num_preemptions"] == 0
         assert r["vs_transformers"] == pytest.approx(r["output_tokens_per_s"] / rows[2]["output_tokens_per_s"])
         assert r["vs_auto"] == pytest.approx(r["output_tokens_per_s"] / rows[0]["output_tokens_per_s"])
+
+
+def test_throughput_peer_may_run_another_model_dtype(default_model_path):
+    rows = _rows(_invoke(bench_commands.throughput, [
+        default_model_path, *SMALL, *THREADS, "--kv-cache-dtype", "fp8_e4m3", "--dtype", "bfloat16",
+        "--compare", "hf", "--peer-dtype", "float32", "--kv-cache-memory", "32MiB", "--json"]))
+    assert [(r["engine"], r["dtype"]) for r in rows] == [("fp8kv", "bfloat16"), ("transformers", "float32")]
+    _assert_rates_consistent(rows[1], 4, 32, 8)
+    assert rows[0]["vs_transformers"] == pytest.approx(rows[0]["output_tokens_per_s"] / rows[1]["output_tokens_per_s"])
 
 
 def test_throughput_cache_sizes_follow_the_model_config(throughput_run, default_model_path):
@@ -414,6 +424,8 @@ def test_serve_against_fp8kv_run(default_model_path, tmp_path):
 def test_bad_flags_fail_before_loading_anything():
     result = CliRunner().invoke(bench_commands.throughput, ["--kv-cache-dtype", "auto,fp9"])
     assert result.exit_code == 2 and "fp8_e4m3" in result.output and "fp9" in result.output
+    result = CliRunner().invoke(bench_commands.throughput, ["--compare", "hf", "--peer-dtype", "float16"])
+    assert result.exit_code == 2 and "--peer-dtype" in result.output
     result = CliRunner().invoke(bench_commands.capacity, ["--context", "4k"])
     assert result.exit_code == 2 and "--context" in result.output
     result = CliRunner().invoke(bench_commands.serve, ["--request-rate", "0"])
@@ -429,7 +441,7 @@ def test_plot_without_matplotlib_names_the_extra(monkeypatch):
 def test_ctrl_c_prints_the_rows_measured_so_far(monkeypatch):
     from fp8cache.bench import throughput
 
-    row = {"engine": "fp8kv", "kv_cache_dtype": "auto", "output_tokens_per_s": 5.0, "requests_per_s": 1.0,
+    row = {"engine": "fp8kv", "kv_cache_dtype": "auto", "dtype": "float32", "output_tokens_per_s": 5.0, "requests_per_s": 1.0,
            "total_tokens_per_s": 9.0, "elapsed_s": 2.0, "machine": {"cpu": "x", "threads": 1, "torch": "t"}}
 
     calls = []

@@ -31,6 +31,8 @@ from fp8cache.bench.prompts import PromptSource
 # progress(label, done, total): called as output tokens are generated
 Progress = Callable[[str, int, int], None]
 PEERS = ("hf",)
+# A peer may run another model dtype than fp8kv, e.g. transformers' own default for a float32 checkpoint.
+PEER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 WARMUP_OUTPUT_LEN = 2  # a prefill and a decode step run every code path
 _request_ids = itertools.count()
 
@@ -169,6 +171,7 @@ def run_transformers(model, prompts: list[list[int]], output_len: int, pad_token
 class _Contestant:
     engine: str  # "fp8kv" | "transformers"
     kv_cache_dtype: str
+    dtype: torch.dtype  # the model's weights and activations
     run: Callable[[list[list[int]], int, Callable[[int], None] | None], BatchResult]
     extra: dict
     variant: str = ""  # the engine's cache variant label (cache_variants)
@@ -186,8 +189,9 @@ def iter_throughput(model: str | None = None, kv_cache_dtypes: tuple[str, ...] =
                     progress: Progress | None = None, log: Callable[[str], None] = print,
                     num_shard: int = 1, threads_per_rank: int | None = None,
                     kv_recent_window: int | list[int] | None = None,
-                    kv_recent_window_dtype: str = "auto") -> Iterator[dict]:
+                    kv_recent_window_dtype: str = "auto", peer_dtype: str = "same") -> Iterator[dict]:
     """Yield one row per fp8kv kv-cache dtype, then one per peer, each after its last timed run.
+    peer_dtype: the transformers peer's model dtype, "same" as the fp8kv engines' or a dtype name.
     num_shard: tensor-parallel ranks of the fp8kv engines (threads_per_rank: torch threads of each worker).
     kv_recent_window: newest tokens kept in full precision beside FP8 (None: the engine's default); a
     list runs every FP8 dtype once per window, side by side (rows then say e.g. "fp8_e4m3 w32")."""
@@ -199,22 +203,25 @@ def iter_throughput(model: str | None = None, kv_cache_dtypes: tuple[str, ...] =
     unknown = [p for p in compare if p not in PEERS]
     if unknown:
         raise ValueError(f"unknown peer(s) {', '.join(unknown)} for --compare; valid: {', '.join(PEERS)}")
+    if peer_dtype != "same" and peer_dtype not in PEER_DTYPES:
+        raise ValueError(f"peer_dtype={peer_dtype!r} is not known; valid: same, {', '.join(PEER_DTYPES)}")
     with open_engines(model, dtypes, log, num_shard, threads_per_rank, dtype=dtype,
                       kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                       max_num_batched_tokens=max_num_batched_tokens, windows=windows,
                       kv_recent_window_dtype=kv_recent_window_dtype) as engines:
         yield from _race(engines, num_prompts, input_len, output_len, compare, repeats, text_path, progress,
-                         num_shard)
+                         num_shard, peer_dtype)
 
 
 def _race(engines: dict[str, object], num_prompts: int, input_len: int, output_len: int,
           compare: tuple[str, ...], repeats: int, text_path: str | None, progress: Progress | None,
-          num_shard: int) -> Iterator[dict]:
+          num_shard: int, peer_dtype: str = "same") -> Iterator[dict]:
     """Warm every contestant up, then time them taking turns; one row each after its last run."""
     runner = next(iter(engines.values())).runner
     contestants = [_engine_contestant(label, e, num_shard) for label, e in engines.items()]
     if "hf" in compare:
-        contestants.append(_transformers_contestant(runner.model_path, runner.dtype))
+        contestants.append(_transformers_contestant(
+            runner.model_path, runner.dtype if peer_dtype == "same" else PEER_DTYPES[peer_dtype]))
     sets = _prompt_sets(runner.tokenizer, text_path, num_prompts, input_len, repeats)
     for c in contestants:
         c.run(sets[0], WARMUP_OUTPUT_LEN, None)
@@ -243,7 +250,8 @@ def check_windows(kv_recent_window: int | list[int] | tuple[int, ...] | None) ->
 
 def _engine_contestant(label: str, engine, num_shard: int = 1) -> _Contestant:
     runner = engine.runner  # with num_shard > 1, rank 0's: capacity and bytes per token are per rank
-    return _Contestant("fp8kv", runner.kv_cache_dtype, lambda prompts, n, cb: run_batch(engine, prompts, n, cb),
+    return _Contestant("fp8kv", runner.kv_cache_dtype, runner.dtype,
+                       lambda prompts, n, cb: run_batch(engine, prompts, n, cb),
                        {"num_shard": num_shard, **cache_figures(runner)}, label)
 
 
@@ -271,7 +279,7 @@ def _transformers_contestant(model_path: str, model_dtype: torch.dtype) -> _Cont
             on_tokens(result.output_tokens)
         return result
 
-    return _Contestant("transformers", "auto", run,
+    return _Contestant("transformers", "auto", next(hf_model.parameters()).dtype, run,
                        {"num_shard": 1, "cache": "DynamicCache",
                         "attn_implementation": hf_model.config._attn_implementation})
 
@@ -285,6 +293,7 @@ def _row(c: _Contestant, results: list[BatchResult], num_prompts: int, input_len
          info: dict) -> dict:
     median = median_result(results)  # every elapsed time is kept beside it
     row = {"engine": c.engine, "kv_cache_dtype": c.kv_cache_dtype, "variant": c.variant or c.kv_cache_dtype,
+           "dtype": str(c.dtype).removeprefix("torch."),
            "num_prompts": num_prompts,
            "input_len": input_len, "output_len": output_len, **median.rates(),
            "input_tokens": median.input_tokens, "output_tokens": median.output_tokens,
