@@ -8,23 +8,10 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include "torch_types.cuh"
+
 namespace fp8kv::gpu {
 namespace {
-
-template <typename T>
-struct KernelTypeOf {
-  using type = T;
-};
-template <>
-struct KernelTypeOf<c10::Half> {
-  using type = half_t;
-};
-template <>
-struct KernelTypeOf<c10::BFloat16> {
-  using type = bf16_t;
-};
-
-static_assert(sizeof(half_t) == sizeof(c10::Half) && sizeof(bf16_t) == sizeof(c10::BFloat16));
 
 // The kernel loads 8 values at a time: 16-byte aligned for 16-bit types, and the row starts must keep it so.
 bool rows_are_aligned(const at::Tensor& t, const HadamardRows& rows) {
@@ -34,7 +21,7 @@ bool rows_are_aligned(const at::Tensor& t, const HadamardRows& rows) {
 
 template <typename scalar_t>
 void run(const at::Tensor& src, const at::Tensor& out, const HadamardRows& rows, int64_t d) {
-  using S = typename KernelTypeOf<scalar_t>::type;
+  using S = kernel_t<scalar_t>;
   const int block = static_cast<int>(hadamard_block_size(d));
   const HadamardArgs<S> args{reinterpret_cast<const S*>(src.data_ptr()), reinterpret_cast<S*>(out.data_ptr()),
                              rows, d, block, hadamard_norm(block)};

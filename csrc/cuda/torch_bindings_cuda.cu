@@ -20,27 +20,10 @@
 #include <torch/library.h>
 
 #include "../dispatch.h"
+#include "torch_types.cuh"
 
 namespace fp8kv::gpu {
 namespace {
-
-// torch's element types -> the kernels' (same size and bits).
-template <typename T>
-struct KernelTypeOf {
-  using type = T;
-};
-template <>
-struct KernelTypeOf<c10::Half> {
-  using type = half_t;
-};
-template <>
-struct KernelTypeOf<c10::BFloat16> {
-  using type = bf16_t;
-};
-template <typename T>
-using kernel_t = typename KernelTypeOf<T>::type;
-
-static_assert(sizeof(half_t) == sizeof(c10::Half) && sizeof(bf16_t) == sizeof(c10::BFloat16));
 
 void check_model_dtype(const at::Tensor& t, const char* name) {
   const auto d = t.scalar_type();
