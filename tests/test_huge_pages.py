@@ -42,6 +42,21 @@ def test_a_large_cpu_cache_lies_on_huge_pages():
         assert _huge_kib(start, end) >= whole * huge_pages.HUGE_PAGE // 1024 // 2
 
 
+@pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="transparent huge pages are off here")
+def test_a_cache_allocated_after_freed_heap_memory_still_lies_on_huge_pages():
+    """Freed, already-touched heap memory below a live allocation (as a model load leaves behind) must not
+    become the cache: its 4 KiB pages would stay 4 KiB whatever the advice."""
+    torch.ones(3 << 18)  # freeing a 3 MiB mapping raises glibc's mmap threshold past 3 MiB
+    chunks = [torch.ones(3 << 18) for _ in range(40)]  # 120 MiB of touched heap ...
+    pin = torch.ones(3 << 18)  # ... kept from the top of the heap by a live allocation
+    del chunks
+    key_cache, _ = ops.allocate_kv_cache(2048, 16, 8, 128, "fp8_e4m3", torch.bfloat16)
+    start, end = key_cache.data_ptr(), key_cache.data_ptr() + key_cache.numel()
+    whole = end // huge_pages.HUGE_PAGE - -(-start // huge_pages.HUGE_PAGE)
+    assert whole > 0 and _huge_kib(start, end) >= whole * huge_pages.HUGE_PAGE // 1024 // 2
+    del pin
+
+
 def test_advice_needs_a_whole_huge_page():
     assert not huge_pages.advise(torch.empty(1000, dtype=torch.uint8))
     zeros = huge_pages.zeros((3, 5), torch.float32)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import math
+import mmap
 import sys
 
 import torch
@@ -23,10 +25,24 @@ MADV_HUGEPAGE = 14  # linux/mman.h
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """torch.zeros on the CPU, advised onto huge pages first when it spans some."""
-    tensor = torch.empty(shape, dtype=dtype)
+    """torch.zeros on the CPU, on huge pages when it spans some.
+
+    A large tensor gets its own anonymous mapping, 2 MiB-aligned: torch's allocator may hand out freed heap
+    memory whose pages are already touched (4 KiB pages, which the advice no longer changes); seen after a
+    model's temporaries were freed."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes < HUGE_PAGE or _madvise() is None:
+        return torch.zeros(shape, dtype=dtype)
+    # Private (a shared anonymous mapping is shmem, outside THP's madvise mode) and untouched: the kernel
+    # zero-fills each page on first touch.
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    pointer = ctypes.c_char.from_buffer(region)
+    offset = -ctypes.addressof(pointer) % HUGE_PAGE
+    del pointer  # a live export would keep the mapping from ever being unmapped
+    # The tensor holds the mapping (a buffer export) and unmaps it when the tensor is freed.
+    tensor = torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=offset)
     advise(tensor)
-    return tensor.zero_()
+    return tensor.view(dtype).view(shape).zero_()  # fault the pages in now, as torch.zeros would
 
 
 def advise(tensor: torch.Tensor) -> bool:
