@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -53,6 +54,23 @@ def test_key_follows_flags_and_isa(source_copy: Path):
     base = _build._build_key(source_copy, ["-O3"], [], "native", "c++", False)
     assert _build._build_key(source_copy, ["-O2"], [], "native", "c++", False) != base
     assert _build._build_key(source_copy, ["-O3"], [], "scalar", "c++", False) != base
+
+
+def test_native_builds_are_keyed_by_the_cpu(source_copy: Path, monkeypatch):
+    """-march=native output differs per CPU: another CPU must not reuse the cached library."""
+    native = ["-O3", "-march=native"]
+    base = _build._build_key(source_copy, native, [], "native", "c++", False)
+    portable = _build._build_key(source_copy, ["-O3", "-DFP8KV_FORCE_SCALAR"], [], "scalar", "c++", False)
+    monkeypatch.setattr(_build, "_cpu_identity", lambda: "model name : another CPU\nflags : sse2")
+    assert _build._build_key(source_copy, native, [], "native", "c++", False) != base
+    assert _build._build_key(source_copy, ["-O3", "-DFP8KV_FORCE_SCALAR"], [], "scalar", "c++", False) == portable
+
+
+def test_cpu_identity_names_this_cpu():
+    identity = _build._cpu_identity()
+    if Path("/proc/cpuinfo").is_file() and platform.machine() in ("x86_64", "AMD64"):
+        assert "flags" in identity and "model name" in identity
+    assert identity == _build._cpu_identity()
 
 
 def test_cache_dir_precedence(monkeypatch, tmp_path: Path):

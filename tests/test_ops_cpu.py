@@ -217,6 +217,35 @@ def test_wide_logits_match_reference_and_leave_denormals_on(ops, kv):
     assert (tiny * 3.0).item() == pytest.approx(3e-39, rel=1e-3, abs=0.0)
 
 
+# bfloat16 queries over FP8 caches take their own kernel path where the CPU has AVX512-BF16 (bfloat16
+# dot products; probabilities rounded to bfloat16 for P.V): every head size, block size and GQA width.
+BF16_CASES = [
+    Case("fp8_e4m3", 64, 8, 2, 2, torch.bfloat16, seq_lens=(3, 100, 515)),
+    Case("fp8_e5m2", 80, 16, 6, 2, torch.bfloat16, seq_lens=(17, 1100), per_head_scale=True),
+    Case("fp8_e4m3fnuz", 96, 32, 9, 3, torch.bfloat16, alibi=True),
+    Case("fp8_e4m3", 112, 16, 5, 1, torch.bfloat16, seq_lens=(31, 529), strided=True),
+    Case("fp8_e5m2", 128, 16, 32, 8, torch.bfloat16, seq_lens=(1, 16, 700)),
+    Case("fp8_e4m3", 256, 32, 16, 2, torch.bfloat16, seq_lens=(45, 66)),
+    Case("fp8_e4m3fnuz", 64, 16, 8, 2, torch.bfloat16, seq_lens=(40, 50), nan_token="value"),
+    Case("fp8_e4m3", 64, 16, 8, 2, torch.bfloat16, seq_lens=(40, 50), nan_token="key"),
+]
+
+
+@pytest.mark.parametrize("case", BF16_CASES, ids=Case.id)
+def test_bfloat16_queries_match_reference_and_the_float32_query_path(ops, case):
+    """The same query values as bfloat16 and as float32 (the float path): both near the reference, and
+    within the bfloat16 output's rounding of each other."""
+    test_ops_match_reference(ops, case)
+    b = build(case)
+    ops.reshape_and_cache(b["key"], b["value"], *b["op_caches"], b["slot_mapping"], case.kv,
+                          b["k_scale"], b["v_scale"])
+    got_bf16 = attention(ops, case, b["op_caches"], b)
+    b["query"] = b["query"].float()
+    got_f32 = attention(ops, Case(**{**case.__dict__, "dtype": torch.float32}), b["op_caches"], b)
+    assert torch.equal(torch.isnan(got_bf16), torch.isnan(got_f32))
+    assert attention_error(got_bf16, got_f32) <= 8e-3
+
+
 SMOKE = [CASES[0], CASES[1], CASES[2], CASES[5], CASES[13]]
 
 

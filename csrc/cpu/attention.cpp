@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <ATen/Parallel.h>
@@ -28,10 +29,10 @@
 namespace fp8kv::cpu {
 namespace {
 
-template <typename cache_t, KVFormat kFormat>
+template <typename cache_t, KVFormat kFormat, bool kBf16Query = false>
 void run_partition(const PartitionWork& w) {
 #if defined(FP8KV_ISA_AVX512)
-  if (avx512::supports(w)) return avx512::run_partition<cache_t, kFormat>(w);
+  if (avx512::supports(w)) return avx512::run_partition<cache_t, kFormat, kBf16Query>(w);
 #endif
   generic::run_partition<cache_t, kFormat>(w);
 }
@@ -271,7 +272,8 @@ class Launch {
     src.elem_bytes = static_cast<int64_t>(key_cache.element_size());
     // Auto caches are dispatched on their own dtype: the query is float32 here whatever it was.
     const at::ScalarType dtype = format == KVFormat::AUTO ? key_cache.scalar_type() : query.scalar_type();
-#define FP8KV_PICK(scalar_t, cache_t, kFormat) src.run = &run_partition<cache_t, kFormat>
+#define FP8KV_PICK(scalar_t, cache_t, kFormat) \
+  src.run = &run_partition<cache_t, kFormat, std::is_same_v<scalar_t, c10::BFloat16> && kFormat != KVFormat::AUTO>
     FP8KV_DISPATCH_BY_KV_CACHE_DTYPE_CPU(dtype, kv_cache_dtype, FP8KV_PICK);
 #undef FP8KV_PICK
     p.first_span.assign(1, 0);

@@ -5,7 +5,9 @@
 //   subnormals included), byte/word unpacks spread them into floats with 4-lane partial sums, and
 //   reduce4 finishes four runs at once. Q.K runs one 4-token quad through all head dims, P.V one
 //   4-row quad through all tiles, each with a few accumulators per head so nothing spills; operands
-//   sit at constant offsets from one pointer. The next head's K goes to L2 during Q.K and its V
+//   sit at constant offsets from one pointer. With a bfloat16 query and AVX512-BF16, the decoded
+//   bfloat16 words go straight into dot-product instructions (Bf16Dot): half the multiply
+//   instructions and operand loads of the float path, and no widening. The next head's K goes to L2 during Q.K and its V
 //   during P.V (SlabPrefetcher), so memory is busy in both passes.
 // auto caches (qk_heads / pv_heads): natural-order widening of bf16/fp16/fp32, 16 accumulators of
 //   (head, token) or (head, row) pairs, summed by one transpose-and-add tree (reduce16). V is
@@ -412,7 +414,8 @@ struct Fp8Lanes {
     lo1 = _mm512_load_si512(t.lo + 64);
   }
 
-  FP8KV_INLINE void decode_lanes(__m512i codes, __m512* z) const {
+  // 64 codes as bfloat16 words: w0 lane group k = codes 16k .. 16k + 7, w1 = codes 16k + 8 .. 16k + 15.
+  FP8KV_INLINE void decode_words(__m512i codes, __m512i& w0, __m512i& w1) const {
     __m512i hi = _mm512_permutex2var_epi8(hi0, codes, hi1);
     __m512i lo = _mm512_permutex2var_epi8(lo0, codes, lo1);
     hi = _mm512_ternarylogic_epi32(hi, codes, _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);  // | sign
@@ -421,7 +424,13 @@ struct Fp8Lanes {
       hi = _mm512_mask_mov_epi8(hi, nan, _mm512_set1_epi8(0x7F));
       lo = _mm512_mask_mov_epi8(lo, nan, _mm512_set1_epi8(static_cast<char>(0xC0)));
     }
-    const __m512i w0 = _mm512_unpacklo_epi8(lo, hi), w1 = _mm512_unpackhi_epi8(lo, hi);  // bf16 words
+    w0 = _mm512_unpacklo_epi8(lo, hi);
+    w1 = _mm512_unpackhi_epi8(lo, hi);
+  }
+
+  FP8KV_INLINE void decode_lanes(__m512i codes, __m512* z) const {
+    __m512i w0, w1;
+    decode_words(codes, w0, w1);
     const __m512i zero = _mm512_setzero_si512();
     z[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, w0));
     z[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, w0));
@@ -501,74 +510,130 @@ struct SlabPrefetcher {
   }
 };
 
-// Accumulators per head in the FP8 kernels: each quad of codes feeds its four z vectors into kSets
-// independent chains, so that few heads still keep both FMA ports busy.
-template <int kG>
-constexpr int kFp8Sets = kG <= 2 ? 4 : 2;
+// How 64 decoded codes meet their operands (16 values of q or of the probabilities, per head):
+// FloatDot: four float vectors z[j] (lane group k = codes 16k + 4j .. + 3), float FMAs; any query.
+// Bf16Dot: two vectors of bfloat16 pairs (lane group k = codes 16k + 8j .. + 7) and AVX512-BF16 dot
+//   products, which do twice the multiply-adds per instruction. Only for bfloat16 queries: their values
+//   and the FP8 values are bfloat16, so each product is exact in float32 and Q.K loses nothing; the
+//   probabilities are rounded to bfloat16 for P.V, as vLLM's GPU kernels round them to the model dtype.
+// Operand layout: kParts vectors of 16 floats' width, part j is the operand of z[j].
+template <KVFormat kFormat>
+struct FloatDot {
+  static constexpr int kParts = 4;
+  using Part = __m512;
+  static FP8KV_INLINE void decode(const Fp8Lanes<kFormat>& c, __m512i codes, Part* z) { c.decode_lanes(codes, z); }
+  static FP8KV_INLINE __m512 madd(Part z, const float* operand, __m512 acc) {
+    return _mm512_fmadd_ps(z, _mm512_load_ps(operand), acc);
+  }
+  static FP8KV_INLINE void operands(const float* src, float* dst) { lanes4(src, dst, 4); }
+  // Zeroes the codes of tokens >= valid in z[j] of a V tile (lane (k, e) holds token 4j + e).
+  static FP8KV_INLINE Part keep_tokens(Part z, int j, int valid) {
+    const int n = std::clamp(valid - 4 * j, 0, 4);
+    return _mm512_maskz_mov_ps(static_cast<__mmask16>(0x1111u * ((1u << n) - 1u)), z);
+  }
+};
 
-// qb: [head_size / 16][kG][4][16]: the operand of z[j] of group g for head h is
-// q[h][16g + 4j .. 16g + 4j + 3] in all four lane groups (lanes4), at constant offsets from group g's row.
-// One quad (4 tokens) runs through all its head dims with kG * kSets accumulators, few enough to stay
-// in registers; four quads' sums then finish together in reduce4.
-template <KVFormat kFormat, int kG>
+#if defined(__AVX512BF16__)
+template <KVFormat kFormat>
+struct Bf16Dot {
+  static constexpr int kParts = 2;
+  using Part = __m512i;
+  static FP8KV_INLINE void decode(const Fp8Lanes<kFormat>& c, __m512i codes, Part* z) {
+    c.decode_words(codes, z[0], z[1]);
+  }
+  static FP8KV_INLINE __m512 madd(Part z, const float* operand, __m512 acc) {
+    return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(z), reinterpret_cast<__m512bh>(_mm512_load_si512(operand)));
+  }
+  static FP8KV_INLINE void operands(const float* src, float* dst) {
+    const __m256i words = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(src)));  // round to nearest even
+    _mm512_store_si512(dst, _mm512_broadcast_i32x4(_mm256_castsi256_si128(words)));
+    _mm512_store_si512(dst + 16, _mm512_broadcast_i32x4(_mm256_extracti128_si256(words, 1)));
+  }
+  static FP8KV_INLINE Part keep_tokens(Part z, int j, int valid) {  // lane group k words e: token 8j + e
+    const int n = std::clamp(valid - 8 * j, 0, 8);
+    return _mm512_maskz_mov_epi16(static_cast<__mmask32>(0x01010101u * ((1u << n) - 1u)), z);
+  }
+};
+constexpr bool kHaveBf16Dot = true;
+#else
+template <KVFormat kFormat>
+using Bf16Dot = FloatDot<kFormat>;
+constexpr bool kHaveBf16Dot = false;
+#endif
+
+// Accumulators per head in the FP8 kernels: two consecutive steps (groups or tiles) feed their z
+// vectors into four independent chains, enough to hide the FMA / dot-product latency with one head.
+constexpr int kFp8Sets = 4;
+
+template <typename Dot>
+constexpr int fp8_set(int parity, int j) {
+  return (parity * Dot::kParts + j) % kFp8Sets;
+}
+
+// qb: [head_size / 16][kG][kParts][16]: the operands of group g for head h (Dot::operands of
+// q[h][16g .. 16g + 15]), at constant offsets from group g's row. Logits are the sums times qk_scale.
+// One quad (4 tokens) runs through all its head dims with kG * kFp8Sets accumulators, few enough to
+// stay in registers; four quads' sums then finish together in reduce4.
+template <typename Dot, KVFormat kFormat, int kG>
 void qk_fp8(const PartitionWork& w, const View<uint8_t>& view, const float* qb, const float* alibi,
             float* logits, int logit_stride, SlabPrefetcher k_ahead, SlabPrefetcher v_ahead) {
   const Fp8Lanes<kFormat> codec;
-  constexpr int kSets = kFp8Sets<kG>;
   constexpr int kAhead = 32;  // tokens between a K prefetch and its use
+  constexpr int kOps = Dot::kParts * 16;  // floats of one head's operands per group
   const int D = w.head_size, bs = w.block_size, groups = D / 16;
   const int bs_shift = __builtin_ctz(bs);
   const int64_t group_stride = 16 * static_cast<int64_t>(bs);
   auto token_ptr = [&](int t) { return view.k_block(t >> bs_shift) + (t & (bs - 1)) * 16; };
   const __m512 lane = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 qk_scale = _mm512_set1_ps(w.qk_scale);
   alignas(64) float quad_sums[kG][4][16] = {};  // [head][quad of the tile]: 4-lane partial sums
   for (int ts = w.start; ts < w.end; ts += 16) {
     for (int qi = 0; qi < 4 && ts + 4 * qi < w.end; ++qi) {
       const int t = ts + 4 * qi;
       const uint8_t* p = token_ptr(t);
       const uint8_t* ahead = t + kAhead < w.end ? token_ptr(t + kAhead) : p;
-      __m512 acc[kG][kSets];
+      __m512 acc[kG][kFp8Sets];
       for (int h = 0; h < kG; ++h) {
-        for (int s = 0; s < kSets; ++s) acc[h][s] = _mm512_setzero_ps();
+        for (int s = 0; s < kFp8Sets; ++s) acc[h][s] = _mm512_setzero_ps();
       }
       const float* qg = qb;
-      auto step = [&] {  // one group of 16 head dims
+      auto step = [&](auto parity) {  // one group of 16 head dims
         _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
-        __m512 z[4];
-        codec.decode_lanes(_mm512_loadu_si512(p), z);
+        typename Dot::Part z[Dot::kParts];
+        Dot::decode(codec, _mm512_loadu_si512(p), z);
 #pragma GCC unroll 4
         for (int h = 0; h < kG; ++h) {
 #pragma GCC unroll 4
-          for (int j = 0; j < 4; ++j) {
-            acc[h][j % kSets] = _mm512_fmadd_ps(z[j], _mm512_load_ps(qg + h * 64 + 16 * j), acc[h][j % kSets]);
+          for (int j = 0; j < Dot::kParts; ++j) {
+            __m512& a = acc[h][fp8_set<Dot>(decltype(parity)::value, j)];
+            a = Dot::madd(z[j], qg + h * kOps + 16 * j, a);
           }
         }
         p += group_stride;
         ahead += group_stride;
-        qg += kG * 64;
+        qg += kG * kOps;
       };
       int g = 0;
       for (; g + 2 <= groups; g += 2) {
-        step();
-        step();
+        step(std::integral_constant<int, 0>{});
+        step(std::integral_constant<int, 1>{});
         k_ahead.lines(2 * k_ahead.heads);  // as many lines per head as these steps read
         v_ahead.lines(2 * v_ahead.heads);
       }
       if (g < groups) {
-        step();
+        step(std::integral_constant<int, 0>{});
         k_ahead.lines(k_ahead.heads);
         v_ahead.lines(v_ahead.heads);
       }
       for (int h = 0; h < kG; ++h) {
-        __m512 sum = acc[h][0];
-        for (int s = 1; s < kSets; ++s) sum = _mm512_add_ps(sum, acc[h][s]);
+        const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[h][0], acc[h][1]), _mm512_add_ps(acc[h][2], acc[h][3]));
         _mm512_store_ps(quad_sums[h][qi], sum);
       }
     }
     const int n = std::min(16, w.end - ts);
     for (int h = 0; h < kG; ++h) {
       const __m512* a = reinterpret_cast<const __m512*>(quad_sums[h]);
-      __m512 out = runs_in_order(reduce4(a[0], a[1], a[2], a[3]));  // tokens ts + 0..15
+      __m512 out = _mm512_mul_ps(runs_in_order(reduce4(a[0], a[1], a[2], a[3])), qk_scale);  // tokens ts + 0..15
       if (alibi) {
         const __m512 pos = _mm512_add_ps(lane, _mm512_set1_ps(static_cast<float>(ts - w.last_pos)));
         out = _mm512_fmadd_ps(_mm512_set1_ps(alibi[h]), pos, out);
@@ -579,22 +644,17 @@ void qk_fp8(const PartitionWork& w, const View<uint8_t>& view, const float* qb, 
 }
 
 // out[h][d] = norm[h] * sum over the partition of probs[h][t] * V[t][d]. Tiles of 16 tokens gathered
-// into 64 bytes = rows r..r+3 x 16 tokens; one such row quad runs through all tiles with kG * kSets
-// accumulators, and four row quads (16 rows) finish together in reduce4.
-template <KVFormat kFormat, int kG, int kBs>
+// into 64 bytes = rows r..r+3 x 16 tokens; one such row quad runs through all tiles with
+// kG * kFp8Sets accumulators, and four row quads (16 rows) finish together in reduce4.
+template <typename Dot, KVFormat kFormat, int kG, int kBs>
 void pv_fp8(const PartitionWork& w, const View<uint8_t>& view, const float* probs, int prob_stride,
-            const float* norm, float* out, float* prob_lanes, SlabPrefetcher v_ahead) {
+            const float* norm, float* out, float* prob_ops, SlabPrefetcher v_ahead) {
   const Fp8Lanes<kFormat> codec;
-  constexpr int kSets = kFp8Sets<kG>;
+  constexpr int kOps = Dot::kParts * 16;  // floats of one head's operands per tile
   const int D = w.head_size, P = w.end - w.start;
   const int tiles = (P + 15) / 16;
   const int tail = P - 16 * (tiles - 1);
   const int full_tiles = tail < 16 ? tiles - 1 : tiles;
-  __mmask16 tail_mask[4];  // z[j] lane (k, e) holds token 4j + e
-  for (int j = 0; j < 4; ++j) {
-    const int valid = std::clamp(tail - 4 * j, 0, 4);
-    tail_mask[j] = static_cast<__mmask16>(0x1111u * ((1u << valid) - 1u));
-  }
   const uint8_t* pa[kPartitionSize / 16];  // the tile's block (block size 8: its first block)
   const uint8_t* pb[kPartitionSize / 16];  // block size 8: the tile's second block
   for (int i = 0; i < tiles; ++i) {
@@ -616,43 +676,50 @@ void pv_fp8(const PartitionWork& w, const View<uint8_t>& view, const float* prob
       return _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 4, 1, 5, 2, 6, 3, 7), ab);
     }
   };
-  for (int i = 0; i < tiles; ++i) {  // [tile][kG][4][16]: each tile's probs in lanes4 form
-    for (int h = 0; h < kG; ++h) lanes4(probs + h * prob_stride + 16 * i, prob_lanes + (i * kG + h) * 64, 4);
+  for (int i = 0; i < tiles; ++i) {  // [tile][kG][kOps]: each tile's probs as operands
+    for (int h = 0; h < kG; ++h) Dot::operands(probs + h * prob_stride + 16 * i, prob_ops + (i * kG + h) * kOps);
   }
   alignas(64) float row_sums[kG][4][16];  // [head][row quad]: 4-lane partial sums
   for (int d0 = 0; d0 < D; d0 += 16) {
     for (int rq = 0; rq < 4; ++rq) {
       const int r = d0 + 4 * rq;
-      __m512 acc[kG][kSets];
+      __m512 acc[kG][kFp8Sets];
       for (int h = 0; h < kG; ++h) {
-        for (int s = 0; s < kSets; ++s) acc[h][s] = _mm512_setzero_ps();
+        for (int s = 0; s < kFp8Sets; ++s) acc[h][s] = _mm512_setzero_ps();
       }
-      auto add = [&](const __m512* z, const float* ph) {
+      auto add = [&](auto parity, const typename Dot::Part* z, const float* ph) {
 #pragma GCC unroll 4
         for (int h = 0; h < kG; ++h) {
 #pragma GCC unroll 4
-          for (int j = 0; j < 4; ++j) {
-            acc[h][j % kSets] = _mm512_fmadd_ps(z[j], _mm512_load_ps(ph + h * 64 + 16 * j), acc[h][j % kSets]);
+          for (int j = 0; j < Dot::kParts; ++j) {
+            __m512& a = acc[h][fp8_set<Dot>(decltype(parity)::value, j)];
+            a = Dot::madd(z[j], ph + h * kOps + 16 * j, a);
           }
         }
       };
-      const float* ph = prob_lanes;
-      for (int i = 0; i < full_tiles; ++i, ph += kG * 64) {
-        __m512 z[4];
-        codec.decode_lanes(gather(i, r), z);
-        add(z, ph);
-        if (i % 4 == 3) v_ahead.lines(4 * v_ahead.heads);  // as many lines per head as these tiles read
+      auto tile = [&](auto parity, int i) {
+        typename Dot::Part z[Dot::kParts];
+        Dot::decode(codec, gather(i, r), z);
+        add(parity, z, prob_ops + i * kG * kOps);
+      };
+      int i = 0;
+      for (; i + 4 <= full_tiles; i += 4) {
+        tile(std::integral_constant<int, 0>{}, i);
+        tile(std::integral_constant<int, 1>{}, i + 1);
+        tile(std::integral_constant<int, 0>{}, i + 2);
+        tile(std::integral_constant<int, 1>{}, i + 3);
+        v_ahead.lines(4 * v_ahead.heads);  // as many lines per head as these tiles read
       }
+      for (; i < full_tiles; ++i) tile(std::integral_constant<int, 0>{}, i);
       v_ahead.lines((tiles - full_tiles / 4 * 4) * v_ahead.heads);
       if (full_tiles < tiles) {  // stale slots past the sequence may hold anything, even NaN: zero them
-        __m512 z[4];
-        codec.decode_lanes(gather(full_tiles, r), z);
-        for (int j = 0; j < 4; ++j) z[j] = _mm512_maskz_mov_ps(tail_mask[j], z[j]);
-        add(z, ph);
+        typename Dot::Part z[Dot::kParts];
+        Dot::decode(codec, gather(full_tiles, r), z);
+        for (int j = 0; j < Dot::kParts; ++j) z[j] = Dot::keep_tokens(z[j], j, tail);
+        add(std::integral_constant<int, 1>{}, z, prob_ops + full_tiles * kG * kOps);
       }
       for (int h = 0; h < kG; ++h) {
-        __m512 sum = acc[h][0];
-        for (int s = 1; s < kSets; ++s) sum = _mm512_add_ps(sum, acc[h][s]);
+        const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[h][0], acc[h][1]), _mm512_add_ps(acc[h][2], acc[h][3]));
         _mm512_store_ps(row_sums[h][rq], sum);
       }
     }
@@ -730,10 +797,10 @@ void pv_all_heads(const PartitionWork& w, const View<cache_t>& view, const float
 
 // The FP8 half of run_partition. The first subgroup's Q.K pass takes the prefetched heads' K to L2 and
 // their V too, except the V of a head after this one, which its P.V pass takes: so memory stays busy
-// during both passes.
-template <KVFormat kFormat>
+// during both passes. q is the unscaled query (qk_fp8 scales the logits).
+template <typename Dot, KVFormat kFormat>
 void run_fp8_partition(const PartitionWork& w, const View<uint8_t>& view, const float* q, float* logits,
-                       int stride, float* norm, float* lanes) {
+                       int stride, float* norm, float* ops) {
   const int G = w.group, D = w.head_size, P = w.end - w.start;
   const int pf_from = w.prefetch_from, pf_heads = w.prefetch_heads;
   const bool last_is_next = pf_heads > 0 && pf_from + pf_heads - 1 > 0;
@@ -741,13 +808,14 @@ void run_fp8_partition(const PartitionWork& w, const View<uint8_t>& view, const 
   SlabPrefetcher v_ahead_qk(w, view, true, pf_from, pf_heads - (last_is_next ? 1 : 0));
   SlabPrefetcher v_ahead_pv(w, view, true, pf_from + pf_heads - 1, last_is_next ? 1 : 0);
   SlabPrefetcher idle(w, view, false, 0, 0);
+  constexpr int kOps = Dot::kParts * 16;
   for_head_quads(G, [&](auto kG, int h0) {
     constexpr int g = decltype(kG)::value;
-    for (int d = 0; d < D; d += 16) {  // [D / 16][g][4][16] (see qk_fp8)
-      for (int h = 0; h < g; ++h) lanes4(q + (h0 + h) * D + d, lanes + (d / 16 * g + h) * 64, 4);
+    for (int d = 0; d < D; d += 16) {  // [D / 16][g][kOps] (see qk_fp8)
+      for (int h = 0; h < g; ++h) Dot::operands(q + (h0 + h) * D + d, ops + (d / 16 * g + h) * kOps);
     }
-    qk_fp8<kFormat, g>(w, view, lanes, w.alibi ? w.alibi + h0 : nullptr, logits + h0 * stride, stride,
-                       h0 == 0 ? k_ahead : idle, h0 == 0 ? v_ahead_qk : idle);
+    qk_fp8<Dot, kFormat, g>(w, view, ops, w.alibi ? w.alibi + h0 : nullptr, logits + h0 * stride, stride,
+                            h0 == 0 ? k_ahead : idle, h0 == 0 ? v_ahead_qk : idle);
   });
   for (int h = 0; h < G; ++h) {
     softmax_numerators(logits + h * stride, P, stride, w.max_logit + h, w.exp_sum + h);
@@ -758,27 +826,29 @@ void run_fp8_partition(const PartitionWork& w, const View<uint8_t>& view, const 
     const float* p = logits + h0 * stride;
     SlabPrefetcher& pf = h0 == 0 ? v_ahead_pv : idle;
     switch (w.block_size) {
-      case 8: pv_fp8<kFormat, g, 8>(w, view, p, stride, norm + h0, w.out + h0 * D, lanes, pf); break;
-      case 16: pv_fp8<kFormat, g, 16>(w, view, p, stride, norm + h0, w.out + h0 * D, lanes, pf); break;
-      default: pv_fp8<kFormat, g, 32>(w, view, p, stride, norm + h0, w.out + h0 * D, lanes, pf); break;
+      case 8: pv_fp8<Dot, kFormat, g, 8>(w, view, p, stride, norm + h0, w.out + h0 * D, ops, pf); break;
+      case 16: pv_fp8<Dot, kFormat, g, 16>(w, view, p, stride, norm + h0, w.out + h0 * D, ops, pf); break;
+      default: pv_fp8<Dot, kFormat, g, 32>(w, view, p, stride, norm + h0, w.out + h0 * D, ops, pf); break;
     }
   });
 }
 
-template <typename cache_t, KVFormat kFormat>
+// kBf16Query: the query was bfloat16 (w.query holds its exact values), so FP8 caches may use Bf16Dot.
+template <typename cache_t, KVFormat kFormat, bool kBf16Query>
 void run_partition(const PartitionWork& w) {
   const int G = w.group, D = w.head_size, P = w.end - w.start;
   const int stride = (P + 31) / 32 * 32;          // tiles of up to 32 read whole rows of zero-padded probs
   float* logits = w.scratch;                      // [G][stride]
   float* q = logits + G * (kPartitionSize + 32);  // [G][D]
-  float* norm = q + G * D;                        // [G], then 64-byte aligned scratch (see lanes)
-  const __m512 qs = _mm512_set1_ps(w.qk_scale);
-  for (int i = 0; i < G * D; i += 16) _mm512_storeu_ps(q + i, _mm512_mul_ps(_mm512_loadu_ps(w.query + i), qs));
+  float* norm = q + G * D;                        // [G], then 64-byte aligned scratch (see ops)
   const View<cache_t> view(w);
   if constexpr (kFormat != KVFormat::AUTO) {
-    float* lanes = norm + (G + 15) / 16 * 16;  // FP8 operands in lanes4 form (64-byte aligned)
-    run_fp8_partition<kFormat>(w, view, q, logits, stride, norm, lanes);
+    float* ops = norm + (G + 15) / 16 * 16;  // FP8 operands (64-byte aligned)
+    using Dot = std::conditional_t<kBf16Query, Bf16Dot<kFormat>, FloatDot<kFormat>>;
+    run_fp8_partition<Dot, kFormat>(w, view, w.query, logits, stride, norm, ops);
   } else {
+    const __m512 qs = _mm512_set1_ps(w.qk_scale);
+    for (int i = 0; i < G * D; i += 16) _mm512_storeu_ps(q + i, _mm512_mul_ps(_mm512_loadu_ps(w.query + i), qs));
     for_head_subgroups(G, [&](auto kG, int h0) {  // K/V go to L2 during the first subgroup's pass
       qk_heads<cache_t, kFormat, decltype(kG)::value>(w, view, q + h0 * D, w.alibi ? w.alibi + h0 : nullptr,
                                                       logits + h0 * stride, stride, w.prefetch_from, h0 == 0 ? w.prefetch_heads : 0);

@@ -84,6 +84,30 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+_CPU_IDENTITY_KEYS = ("vendor_id", "cpu family", "model", "model name", "flags", "CPU implementer",
+                      "CPU architecture", "CPU variant", "CPU part", "Features")
+
+
+def _cpu_identity() -> str:
+    """What -march=native / -mcpu=native compile for: the first CPU's model and feature lines. A cache
+    directory that moves to another machine (a shared home, a copied image) must not hand it a library
+    built with instructions it lacks."""
+    lines = []
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    if lines:
+                        break
+                    continue
+                key = line.split(":", 1)[0].strip()
+                if key in _CPU_IDENTITY_KEYS:
+                    lines.append(line.strip())
+    except OSError:
+        pass
+    return "\n".join(lines) or platform.processor()
+
+
 def _isa_cflags(isa: str) -> list[str]:
     x86 = platform.machine().lower() in ("x86_64", "amd64", "i686")
     if isa == "scalar":
@@ -151,7 +175,8 @@ def _build_key(root: Path, cflags: list[str], cuda_cflags: list[str], isa: str, 
     h = hashlib.sha256()
     for part in (torch.__version__, str(torch.version.cuda), str(getattr(torch.version, "hip", None)),
                  platform.python_version(), platform.machine(), isa, " ".join(cflags), cxx,
-                 _compiler_version(cxx), str(with_cuda), " ".join(cuda_cflags if with_cuda else [])):
+                 _compiler_version(cxx), str(with_cuda), " ".join(cuda_cflags if with_cuda else []),
+                 _cpu_identity() if any("native" in flag for flag in cflags) else ""):
         h.update(part.encode())
         h.update(b"\0")
     for path in _all_source_files(root, with_cuda):
