@@ -246,6 +246,25 @@ def test_bfloat16_queries_match_reference_and_the_float32_query_path(ops, case):
     assert attention_error(got_bf16, got_f32) <= 8e-3
 
 
+def test_bf16_dot_switch(ops, monkeypatch):
+    """FP8KV_CPU_BF16_DOT=0 puts bfloat16 queries on the float path: bit for bit the float32 query's result,
+    rounded. Left on, a CPU with AVX512-BF16 takes the dot-product path, whose bfloat16 probabilities
+    change some outputs."""
+    case = BF16_CASES[4]
+    b = build(case)
+    ops.reshape_and_cache(b["key"], b["value"], *b["op_caches"], b["slot_mapping"], case.kv,
+                          b["k_scale"], b["v_scale"])
+    f32 = Case(**{**case.__dict__, "dtype": torch.float32})
+    want = attention(ops, f32, b["op_caches"], {**b, "query": b["query"].float()}).to(torch.bfloat16)
+    monkeypatch.setenv("FP8KV_CPU_BF16_DOT", "0")
+    assert torch.equal(attention(ops, case, b["op_caches"], b), want)
+    monkeypatch.delenv("FP8KV_CPU_BF16_DOT")
+    got = attention(ops, case, b["op_caches"], b)
+    assert attention_error(got, want) <= 8e-3
+    if ops.cpu_isa() == "avx512" and _cpu_has("avx512_bf16"):
+        assert not torch.equal(got, want)
+
+
 SMOKE = [CASES[0], CASES[1], CASES[2], CASES[5], CASES[13]]
 
 

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -38,6 +39,13 @@ void run_partition(const PartitionWork& w) {
 }
 
 using PartitionFn = void (*)(const PartitionWork&);
+
+// FP8KV_CPU_BF16_DOT=0 keeps bfloat16 queries on the float FMA path (probabilities stay float32 in P.V);
+// read per call so that one process can compare both.
+bool bf16_dot_allowed() {
+  const char* v = std::getenv("FP8KV_CPU_BF16_DOT");
+  return v == nullptr || std::string(v) != "0";
+}
 
 // A cache attention reads: the paged cache (FP8 or auto) or the window ring (model dtype).
 struct CacheSource {
@@ -272,8 +280,11 @@ class Launch {
     src.elem_bytes = static_cast<int64_t>(key_cache.element_size());
     // Auto caches are dispatched on their own dtype: the query is float32 here whatever it was.
     const at::ScalarType dtype = format == KVFormat::AUTO ? key_cache.scalar_type() : query.scalar_type();
-#define FP8KV_PICK(scalar_t, cache_t, kFormat) \
-  src.run = &run_partition<cache_t, kFormat, std::is_same_v<scalar_t, c10::BFloat16> && kFormat != KVFormat::AUTO>
+    const bool bf16_dot = bf16_dot_allowed();
+#define FP8KV_PICK(scalar_t, cache_t, kFormat)                                                            \
+  src.run = bf16_dot ? &run_partition<cache_t, kFormat, std::is_same_v<scalar_t, c10::BFloat16> &&        \
+                                                         kFormat != KVFormat::AUTO>                       \
+                     : &run_partition<cache_t, kFormat>
     FP8KV_DISPATCH_BY_KV_CACHE_DTYPE_CPU(dtype, kv_cache_dtype, FP8KV_PICK);
 #undef FP8KV_PICK
     p.first_span.assign(1, 0);
