@@ -51,7 +51,8 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=7, help="calls per path per round (median taken)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    shape = dict(batch=args.batch, context=args.context, heads=32, kv_heads=8, head_size=128, block_size=16)
+    shape = {"batch": args.batch, "context": args.context, "heads": 32, "kv_heads": 8, "head_size": 128,
+             "block_size": 16}
     fp8 = build_case("fp8_e4m3", **shape)
     bf16_cache = build_case("auto", **shape)
     evict = torch.empty(64 << 20, dtype=torch.uint8)  # larger than the last-level cache
