@@ -13,7 +13,7 @@ from fp8cache import scales as kv_scales
 from fp8cache.config import DEFAULT_KV_RECENT_WINDOW, EngineConfig
 from fp8cache.distributed import parallel_state, sharding
 from fp8cache.distributed import worker as tp_worker
-from fp8cache.model import attention, kv_cache, packed_linear
+from fp8cache.model import attention, kv_cache, malloc_tuning, packed_linear
 from fp8cache.model.batch import StepBatch
 from fp8cache.model.loader import DTYPES, LoadedModel, load_model, read_config_dict
 from fp8cache.rotation import rotation_matrix
@@ -52,6 +52,8 @@ class ModelRunner:
         packed = packed_linear.pack_linears(self.model, self.device)
         if packed:
             log(f"{packed} bfloat16 linear layers packed for oneDNN (FP8KV_PACK_LINEARS=0 keeps them plain)")
+        if self.device.type == "cpu":
+            malloc_tuning.keep_freed_memory_mapped()
         attention.install(self.model)
         # Projecting only the positions we need onto the vocabulary saves most of a prefill's lm_head work.
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
