@@ -20,6 +20,7 @@
 
 #include "common/hadamard.h"
 #include "cpu/isa.h"
+#include "hadamard_checks.h"
 
 namespace fp8kv::cpu {
 namespace {
@@ -230,15 +231,8 @@ void transform_rows(const scalar_t* in, scalar_t* out, const HadamardRows& rows,
 }
 
 at::Tensor hadamard_transform(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() >= 1, "hadamard_transform needs x of shape [..., head_size], got a 0-dim tensor");
+  const int64_t d = check_hadamard_input(x);
   const auto dtype = x.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
-              "hadamard_transform needs a float32, bfloat16 or float16 x, got ", dtype,
-              "; convert it first, e.g. x.float()");
-  const int64_t d = x.size(-1);
-  TORCH_CHECK(hadamard_supports(d), "hadamard_transform: head size ", d, " allows Hadamard blocks of ",
-              hadamard_block_size(d), " only (the largest power of two dividing it) and blocks need at least ",
-              kHadamardMinBlock, ": use kv rotation 'none' for this model");
   at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
   if (x.numel() == 0) return out;
   at::Tensor src = x.stride(-1) == 1 ? x : x.contiguous();

@@ -8,6 +8,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include "../hadamard_checks.h"
 #include "torch_types.cuh"
 
 namespace fp8kv::gpu {
@@ -29,15 +30,8 @@ void run(const at::Tensor& src, const at::Tensor& out, const HadamardRows& rows,
 }
 
 at::Tensor hadamard_transform(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() >= 1, "hadamard_transform needs x of shape [..., head_size], got a 0-dim tensor");
+  const int64_t d = check_hadamard_input(x);
   const auto dtype = x.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
-              "hadamard_transform needs a float32, bfloat16 or float16 x, got ", dtype,
-              "; convert it first, e.g. x.float()");
-  const int64_t d = x.size(-1);
-  TORCH_CHECK(hadamard_supports(d), "hadamard_transform: head size ", d, " allows Hadamard blocks of ",
-              hadamard_block_size(d), " only (the largest power of two dividing it) and blocks need at least ",
-              kHadamardMinBlock, ": use kv rotation 'none' for this model");
   TORCH_CHECK(hadamard_block_size(d) <= kHadamardMaxBlock, "hadamard_transform on the GPU handles Hadamard blocks "
               "of at most ", kHadamardMaxBlock, " values; head size ", d, " has blocks of ",
               hadamard_block_size(d), ": use kv rotation 'none' for this model");
