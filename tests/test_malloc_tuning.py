@@ -45,17 +45,9 @@ def faults_per_norm(mode: str, **env: str) -> tuple[bool, float]:
 def test_tuned_process_reuses_freed_activation_memory():
     applied, tuned = faults_per_norm("tune")
     assert applied
-    # 5 MB of intermediates is ~1,300 pages: glibc's defaults fault most of them in again on every call.
+    # 5 MB of intermediates is ~1,300 pages. glibc's defaults faulted 2,200-2,600 of them in per call when
+    # measured alone and 227 in a full test run (its thresholds adapt to what was freed before).
     assert tuned < 100, f"{tuned} page faults per norm with the tuning"
-
-
-def test_untuned_glibc_faults_activation_memory_in_again():
-    """The problem the tuning solves, seen with glibc's defaults (so the test above can tell them apart)."""
-    if os.environ.get("LD_PRELOAD"):
-        pytest.skip("another allocator may be preloaded")
-    applied, plain = faults_per_norm("plain")
-    assert not applied
-    assert plain > 500, f"only {plain} page faults per norm with glibc's defaults"
 
 
 @pytest.mark.parametrize("env", [{"FP8KV_TUNE_MALLOC": "0"}, {"MALLOC_TRIM_THRESHOLD_": "1000000"}])
