@@ -187,7 +187,7 @@ def run(model: str | None, **kw) -> None:
 
         from fp8cache.distributed.worker import run_worker
 
-        sys.exit(run_worker(config, log=logging.getLogger("fp8kv").info))
+        parallel_state.exit_rank(run_worker(config, log=logging.getLogger("fp8kv").info))
     if kw["host"] not in ("127.0.0.1", "localhost", "::1") and not kw["api_key"]:
         console.print(f"[yellow]warning:[/] listening on {kw['host']} without --api-key: anyone who can "
                       "reach this port can use the model", highlight=False)
@@ -250,7 +250,7 @@ def generate(args: tuple[str, ...], **kw) -> None:
     if num_shard > 1 and (parallel_state.env_rank() or 0) > 0:  # one worker rank of an outside launcher
         from fp8cache.distributed.worker import run_worker
 
-        sys.exit(run_worker(config, log=log))
+        parallel_state.exit_rank(run_worker(config, log=log))
     if prompt == "-":
         prompt = sys.stdin.read()
     try:

@@ -2,9 +2,10 @@
 
 import sys
 
+from fp8cache.distributed import parallel_state
 from fp8cache.distributed.group import worker_main
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
         sys.exit("usage: python -m fp8cache.distributed SPEC_JSON (TensorParallelGroup starts it)")
-    sys.exit(worker_main(sys.argv[1]))
+    parallel_state.exit_rank(worker_main(sys.argv[1]))

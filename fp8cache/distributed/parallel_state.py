@@ -8,10 +8,14 @@ workers waiting for the next step far longer than a collective's usual timeout.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -142,6 +146,18 @@ def all_reduce_min_int(value: int) -> int:
     t = torch.tensor([value], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_state.control_group)
     return int(t.item())
+
+
+def exit_rank(code: int) -> NoReturn:
+    """End a worker rank's process once its work is done, without interpreter teardown: there torch's gloo
+    threads can abort the process (SIGABRT, "terminate called without an active exception") even after
+    destroy(); seen in 1 to 5 of 20 two-rank runs (torch 2.13), which turned a clean stop into a crash."""
+    destroy()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def destroy() -> None:
