@@ -231,17 +231,27 @@ BF16_CASES = [
 ]
 
 
+def float32_query_attention(ops, case: Case, b) -> torch.Tensor:
+    """The op's output for the same query values given as float32 (the float path)."""
+    f32 = Case(**{**case.__dict__, "dtype": torch.float32})
+    return attention(ops, f32, b["op_caches"], {**b, "query": b["query"].float()})
+
+
+def filled_by_ops(ops, case: Case):
+    b = build(case)
+    ops.reshape_and_cache(b["key"], b["value"], *b["op_caches"], b["slot_mapping"], case.kv,
+                          b["k_scale"], b["v_scale"])
+    return b
+
+
 @pytest.mark.parametrize("case", BF16_CASES, ids=Case.id)
 def test_bfloat16_queries_match_reference_and_the_float32_query_path(ops, case):
     """The same query values as bfloat16 and as float32 (the float path): both near the reference, and
     within the bfloat16 output's rounding of each other."""
     test_ops_match_reference(ops, case)
-    b = build(case)
-    ops.reshape_and_cache(b["key"], b["value"], *b["op_caches"], b["slot_mapping"], case.kv,
-                          b["k_scale"], b["v_scale"])
+    b = filled_by_ops(ops, case)
     got_bf16 = attention(ops, case, b["op_caches"], b)
-    b["query"] = b["query"].float()
-    got_f32 = attention(ops, Case(**{**case.__dict__, "dtype": torch.float32}), b["op_caches"], b)
+    got_f32 = float32_query_attention(ops, case, b)
     assert torch.equal(torch.isnan(got_bf16), torch.isnan(got_f32))
     assert attention_error(got_bf16, got_f32) <= 8e-3
 
@@ -251,11 +261,8 @@ def test_bf16_dot_switch(ops, monkeypatch):
     rounded. Left on, a CPU with AVX512-BF16 takes the dot-product path, whose bfloat16 probabilities
     change some outputs."""
     case = BF16_CASES[4]
-    b = build(case)
-    ops.reshape_and_cache(b["key"], b["value"], *b["op_caches"], b["slot_mapping"], case.kv,
-                          b["k_scale"], b["v_scale"])
-    f32 = Case(**{**case.__dict__, "dtype": torch.float32})
-    want = attention(ops, f32, b["op_caches"], {**b, "query": b["query"].float()}).to(torch.bfloat16)
+    b = filled_by_ops(ops, case)
+    want = float32_query_attention(ops, case, b).to(torch.bfloat16)
     monkeypatch.setenv("FP8KV_CPU_BF16_DOT", "0")
     assert torch.equal(attention(ops, case, b["op_caches"], b), want)
     monkeypatch.delenv("FP8KV_CPU_BF16_DOT")

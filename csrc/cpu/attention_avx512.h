@@ -7,8 +7,8 @@
 //   4-row quad through all tiles, each with a few accumulators per head so nothing spills; operands
 //   sit at constant offsets from one pointer. With a bfloat16 query and AVX512-BF16, the decoded
 //   bfloat16 words go straight into dot-product instructions (Bf16Dot): half the multiply
-//   instructions and operand loads of the float path, and no widening. The next head's K goes to L2 during Q.K and its V
-//   during P.V (SlabPrefetcher), so memory is busy in both passes.
+//   instructions and operand loads of the float path, and no widening. The next head's K goes to
+//   L2 during Q.K and its V during P.V (SlabPrefetcher), so memory is busy in both passes.
 // auto caches (qk_heads / pv_heads): natural-order widening of bf16/fp16/fp32, 16 accumulators of
 //   (head, token) or (head, row) pairs, summed by one transpose-and-add tree (reduce16). V is
 //   prefetched into L2 while Q.K runs (L2Prefetcher).
@@ -554,11 +554,9 @@ struct Bf16Dot {
     return _mm512_maskz_mov_epi16(static_cast<__mmask32>(0x01010101u * ((1u << n) - 1u)), z);
   }
 };
-constexpr bool kHaveBf16Dot = true;
 #else
 template <KVFormat kFormat>
 using Bf16Dot = FloatDot<kFormat>;
-constexpr bool kHaveBf16Dot = false;
 #endif
 
 // Accumulators per head in the FP8 kernels: two consecutive steps (groups or tiles) feed their z

@@ -73,38 +73,37 @@ def requested_isa() -> str:
     return isa
 
 
-def _cpu_flags() -> set[str]:
+_CPU_IDENTITY_KEYS = ("vendor_id", "cpu family", "model", "model name", "flags", "CPU implementer",
+                      "CPU architecture", "CPU variant", "CPU part", "Features")
+
+
+def _first_cpu_lines() -> dict[str, str]:
+    """The first processor's `key : value` lines of /proc/cpuinfo (empty where there is none)."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                if not line.strip():
+                    if fields:
+                        break
+                    continue
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return set()
+    return fields
 
 
-_CPU_IDENTITY_KEYS = ("vendor_id", "cpu family", "model", "model name", "flags", "CPU implementer",
-                      "CPU architecture", "CPU variant", "CPU part", "Features")
+def _cpu_flags() -> set[str]:
+    return set(_first_cpu_lines().get("flags", "").split())
 
 
 def _cpu_identity() -> str:
     """What -march=native / -mcpu=native compile for: the first CPU's model and feature lines. A cache
     directory that moves to another machine (a shared home, a copied image) must not hand it a library
     built with instructions it lacks."""
-    lines = []
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if not line.strip():
-                    if lines:
-                        break
-                    continue
-                key = line.split(":", 1)[0].strip()
-                if key in _CPU_IDENTITY_KEYS:
-                    lines.append(line.strip())
-    except OSError:
-        pass
+    fields = _first_cpu_lines()
+    lines = [f"{key} : {fields[key]}" for key in _CPU_IDENTITY_KEYS if key in fields]
     return "\n".join(lines) or platform.processor()
 
 
