@@ -1,6 +1,9 @@
-"""bfloat16 linear layers packed for oneDNN (fp8cache.model.packed_linear) against F.linear in float32."""
+"""Linear layers packed for oneDNN (fp8cache.model.packed_linear) against F.linear in float32."""
 
 from __future__ import annotations
+
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -49,10 +52,46 @@ def test_pack_linears_keeps_the_model_output(tiny_llama_path):
     assert q_proj.weight.dtype == torch.bfloat16
 
 
-def test_float32_models_and_the_switch_leave_linears_alone(tiny_llama_path, monkeypatch):
+@pytest.mark.parametrize("pays", [False, True])
+def test_float32_models_are_packed_where_the_probe_finds_it_faster(tiny_llama_path, monkeypatch, pays):
+    plain, fp32 = (load_model(EngineConfig(model=tiny_llama_path, dtype="float32"), progress=False).model
+                   for _ in range(2))
+    probed = []
+    monkeypatch.setattr(packed_linear, "packing_pays", lambda shapes: probed.append(shapes) or pays)
+    linears = sum(type(m) is nn.Linear for m in fp32.modules())
+    assert packed_linear.pack_linears(fp32, torch.device("cpu")) == (linears if pays else 0)
+    q_proj = fp32.model.layers[0].self_attn.q_proj
+    assert probed and (tuple(q_proj.weight.shape) in probed[0])
+    ids = torch.tensor([[5, 9, 14, 3, 22, 7, 40, 11]])
+    with torch.no_grad():
+        want, got = plain(input_ids=ids).logits, fp32(input_ids=ids).logits
+    assert got.dtype == torch.float32
+    # float32 sums in another order: rounding-level differences only
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+def test_the_switch_forces_or_stops_packing(tiny_llama_path, monkeypatch):
+    monkeypatch.setattr(packed_linear, "packing_pays", lambda shapes: pytest.fail("the switch skips the probe"))
+    monkeypatch.setenv("FP8KV_PACK_LINEARS", "1")
     fp32 = load_model(EngineConfig(model=tiny_llama_path, dtype="float32"), progress=False).model
-    assert packed_linear.pack_linears(fp32, torch.device("cpu")) == 0
-    bf16 = load_model(EngineConfig(model=tiny_llama_path, dtype="bfloat16"), progress=False).model
+    assert packed_linear.pack_linears(fp32, torch.device("cpu")) > 0
     monkeypatch.setenv("FP8KV_PACK_LINEARS", "0")
-    assert packed_linear.pack_linears(bf16, torch.device("cpu")) == 0
-    assert any(type(m) is nn.Linear for m in bf16.modules())
+    for dtype in ("float32", "bfloat16"):
+        model = load_model(EngineConfig(model=tiny_llama_path, dtype=dtype), progress=False).model
+        assert packed_linear.pack_linears(model, torch.device("cpu")) == 0
+        assert any(type(m) is nn.Linear for m in model.modules())
+
+
+def test_packing_pays_follows_the_measured_times(monkeypatch):
+    def slowed(call):
+        def slow(*args):
+            time.sleep(0.002)
+            return call(*args)
+        return slow
+
+    shapes = {(64, 48), (48, 64)}
+    monkeypatch.setattr(packed_linear.PackedLinear, "forward", slowed(packed_linear.PackedLinear.forward))
+    assert not packed_linear.packing_pays(shapes)
+    monkeypatch.undo()
+    monkeypatch.setattr(packed_linear, "F", SimpleNamespace(linear=slowed(F.linear)))
+    assert packed_linear.packing_pays(shapes)

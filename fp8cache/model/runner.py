@@ -51,7 +51,7 @@ class ModelRunner:
         self.dtype = next(self.model.parameters()).dtype
         packed = packed_linear.pack_linears(self.model, self.device)
         if packed:
-            log(f"{packed} bfloat16 linear layers packed for oneDNN (FP8KV_PACK_LINEARS=0 keeps them plain)")
+            log(f"{packed} linear layers packed for oneDNN (FP8KV_PACK_LINEARS=0 keeps them plain)")
         if self.device.type == "cpu":
             malloc_tuning.keep_freed_memory_mapped()
         attention.install(self.model)
