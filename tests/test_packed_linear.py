@@ -95,3 +95,61 @@ def test_packing_pays_follows_the_measured_times(monkeypatch):
     monkeypatch.undo()
     monkeypatch.setattr(packed_linear, "F", SimpleNamespace(linear=slowed(F.linear)))
     assert packed_linear.packing_pays(shapes)
+
+
+def _siblings(bias: bool, dtype: torch.dtype) -> list[nn.Linear]:
+    g = torch.Generator().manual_seed(7)
+    linears = [nn.Linear(64, out, bias=bias).to(dtype) for out in (48, 16, 16)]
+    with torch.no_grad():
+        for linear in linears:
+            linear.weight.copy_(torch.randn(linear.weight.shape, generator=g) * 0.1)
+            if bias:
+                linear.bias.copy_(torch.randn(linear.out_features, generator=g))
+    return linears
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_merged_siblings_give_each_its_own_output(bias):
+    linears = _siblings(bias, torch.float32)
+    merged = packed_linear.MergedLinear(linears)
+    slices = [packed_linear.LinearSlice(merged, i, linear) for i, linear in enumerate(linears)]
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(1, 5, 64, generator=g), torch.randn(1, 5, 64, generator=g)
+    with torch.no_grad():
+        want = {id(t): [F.linear(t, linear.weight, linear.bias) for linear in linears] for t in (x, y)}
+        # siblings in order, a sibling called twice, siblings interleaved over two inputs
+        calls = [(x, 0), (x, 1), (x, 2), (x, 0), (x, 0), (y, 1), (x, 2), (y, 2), (y, 0)]
+        for t, i in calls:
+            got = slices[i](t)
+            assert got.shape == (1, 5, linears[i].out_features)
+            torch.testing.assert_close(got, want[id(t)][i], rtol=1e-5, atol=1e-5)
+        # the same tensor changed in place and asked again: computed again, not served stale
+        slices[0](x)
+        x.add_(1.0)
+        torch.testing.assert_close(slices[0](x), F.linear(x, linears[0].weight, linears[0].bias), rtol=1e-5, atol=1e-5)
+        for i in range(1, 3):
+            slices[i](x)
+    assert merged._output is None and merged._input is None  # nothing held once every sibling had its part
+    assert slices[1].weight.shape == linears[1].weight.shape and slices[1].out_features == 16
+
+
+def test_pack_linears_merges_attention_and_mlp_projections(tiny_llama_path, monkeypatch):
+    monkeypatch.setenv("FP8KV_PACK_LINEARS", "1")
+    config = EngineConfig(model=tiny_llama_path, dtype="float32")
+    plain, merged, separate = (load_model(config, progress=False).model for _ in range(3))
+    linears = sum(type(m) is nn.Linear for m in merged.modules())
+    assert packed_linear.pack_linears(merged, torch.device("cpu")) == linears
+    layer = merged.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, packed_linear.MergedLinear)
+    assert isinstance(layer.mlp.gate_up_proj, packed_linear.MergedLinear)
+    assert all(isinstance(getattr(layer.self_attn, n), packed_linear.LinearSlice) for n in ("q_proj", "k_proj", "v_proj"))
+    assert isinstance(layer.self_attn.o_proj, packed_linear.PackedLinear)
+    monkeypatch.setenv("FP8KV_MERGE_PROJECTIONS", "0")
+    assert packed_linear.pack_linears(separate, torch.device("cpu")) == linears
+    assert not any(isinstance(m, packed_linear.MergedLinear) for m in separate.modules())
+    ids = torch.tensor([[5, 9, 14, 3, 22, 7, 40, 11]])
+    with torch.no_grad():
+        want = plain(input_ids=ids).logits
+        for model in (merged, separate):
+            torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=1e-4,
+                                       atol=1e-4 * want.abs().max().item())

@@ -12,6 +12,11 @@ than F.linear (MKL's sgemm) for the model's own shapes: on an Intel Xeon with AM
 but up to 20% slower at prefill; on an AMD EPYC (Zen 5), where MKL's sgemm runs at ~200 GFLOP/s, oneDNN
 was 2.4x faster at prefill and 2.5-3x at decode. FP8KV_PACK_LINEARS=0 keeps every nn.Linear as it is;
 FP8KV_PACK_LINEARS=1 packs float32 models without the probe.
+
+Sibling projections that read one input in one forward (q/k/v, gate/up) are packed as one weight
+(MergedLinear): one oneDNN call and one pass over the input instead of three or two. Decode-sized batches
+gain, prefill does not change (the default model's layer matmuls, 30 layers streamed from memory, 16 rows:
+float32 18.7 -> 16.0 ms, bfloat16 11.1 -> 9.2 ms). FP8KV_MERGE_PROJECTIONS=0 packs them one by one.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from torch import nn
 
 # oneDNN picks its blocking for this many rows; decode batches are what the packing is for.
 _BATCH_HINT = 16
+# (merged module name, sibling projections that every forward calls on the same input)
+MERGED_GROUPS = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj")))
 
 
 class PackedLinear(nn.Module):
@@ -47,6 +54,50 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class MergedLinear(nn.Module):
+    """Sibling projections packed as one weight. Each sibling becomes a LinearSlice: the first slice called
+    on an input computes every sibling's output at once, the others take their columns of it."""
+
+    def __init__(self, linears: list[nn.Linear]) -> None:
+        super().__init__()
+        weight = torch.cat([linear.weight.detach() for linear in linears])
+        whole = nn.Linear(weight.shape[1], weight.shape[0], bias=linears[0].bias is not None, device="meta")
+        whole.weight = nn.Parameter(weight, requires_grad=False)
+        if whole.bias is not None:
+            whole.bias = nn.Parameter(torch.cat([linear.bias.detach() for linear in linears]), requires_grad=False)
+        self.packed = PackedLinear(whole)
+        ends = torch.tensor([linear.out_features for linear in linears]).cumsum(0).tolist()
+        self.bounds = list(zip([0, *ends[:-1]], ends))
+        self._input: torch.Tensor | None = None
+        self._output: torch.Tensor | None = None
+        self._taken: set[int] = set()
+
+    def part(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        if x is not self._input or index in self._taken:  # a new input, or this sibling called again
+            self._input, self._output, self._taken = x, self.packed(x), set()
+        self._taken.add(index)
+        start, stop = self.bounds[index]
+        out = self._output[..., start:stop]
+        if len(self._taken) == len(self.bounds):  # every sibling served: hold no activation between steps
+            self._input = self._output = None
+        return out
+
+
+class LinearSlice(nn.Module):
+    """One sibling's columns of a MergedLinear, where its nn.Linear was."""
+
+    def __init__(self, merged: MergedLinear, index: int, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.index = index
+        self._merged = (merged,)  # a tuple: the parent module owns (and registers) the MergedLinear
+        self.register_buffer("weight", torch.empty(linear.weight.shape, dtype=linear.weight.dtype, device="meta"),
+                             persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._merged[0].part(self.index, x)
 
 
 def packing_works(dtype: torch.dtype) -> bool:
@@ -78,11 +129,32 @@ def pack_linears(model: nn.Module, device: torch.device) -> int:
         shapes = {tuple(getattr(parent, name).weight.shape) for parent, name in targets}
         if not packing_pays(shapes):
             return 0
+    count = len(targets)
     with torch.no_grad():
+        if os.environ.get("FP8KV_MERGE_PROJECTIONS") != "0":
+            targets = _merge_siblings(targets)
         for parent, name in targets:
             setattr(parent, name, PackedLinear(getattr(parent, name)))
     _return_freed_memory()
-    return len(targets)
+    return count
+
+
+def _merge_siblings(targets: list[tuple[nn.Module, str]]) -> list[tuple[nn.Module, str]]:
+    """Pack every MERGED_GROUPS group of `targets` as a MergedLinear; returns the targets left."""
+    left = set(targets)
+    for parent in dict.fromkeys(parent for parent, _ in targets):
+        for merged_name, names in MERGED_GROUPS:
+            linears = [getattr(parent, name, None) for name in names]
+            if not all((parent, name) in left for name in names) or hasattr(parent, merged_name):
+                continue
+            if len({(x.in_features, x.weight.dtype, x.bias is None) for x in linears}) != 1:
+                continue
+            merged = MergedLinear(linears)
+            parent.add_module(merged_name, merged)
+            for index, (name, linear) in enumerate(zip(names, linears)):
+                setattr(parent, name, LinearSlice(merged, index, linear))
+                left.discard((parent, name))
+    return [target for target in targets if target in left]
 
 
 # Rows of the probe's prefill-like call; its time is counted per _BATCH_HINT rows, so decode and prefill
