@@ -89,12 +89,20 @@ def test_packing_pays_follows_the_measured_times(monkeypatch):
             return call(*args)
         return slow
 
-    shapes = {(64, 48), (48, 64)}
+    shapes = frozenset({(64, 48), (48, 64)})
+    measure = packed_linear.packing_pays.__wrapped__  # the measurement itself, not its per-process memo
     monkeypatch.setattr(packed_linear.PackedLinear, "forward", slowed(packed_linear.PackedLinear.forward))
-    assert not packed_linear.packing_pays(shapes)
+    assert not measure(shapes)
     monkeypatch.undo()
     monkeypatch.setattr(packed_linear, "F", SimpleNamespace(linear=slowed(F.linear)))
-    assert packed_linear.packing_pays(shapes)
+    assert measure(shapes)
+
+
+def test_packing_pays_is_measured_once_per_process(monkeypatch):
+    shapes = frozenset({(40, 24)})
+    first = packed_linear.packing_pays(shapes)
+    monkeypatch.setattr(packed_linear, "_best_time", lambda *a, **k: pytest.fail("measured twice"))
+    assert packed_linear.packing_pays(shapes) is first
 
 
 def _siblings(bias: bool, dtype: torch.dtype) -> list[nn.Linear]:

@@ -215,15 +215,24 @@ def test_chunked_prefill_and_decode_read_the_window_like_one_prefill(loaded, mon
     torch.testing.assert_close(torch.cat(got), want, atol=2e-4, rtol=1e-4)
 
 
+@pytest.fixture(scope="module")
+def one_layer(make_tiny_model):
+    return load_model(EngineConfig(model=make_tiny_model(num_hidden_layers=1)), progress=False)
+
+
 @pytest.mark.parametrize("window", [1, 8, 13, 40])
-def test_split_window_prefill_equals_one_dense_softmax(loaded, monkeypatch, window):
-    """The CPU prefill's three-part window attention (merged by log-sum-exp) gives the logits of one SDPA
-    with a dense mask over [FP8 keys ; full-precision keys]: fresh prompts, later chunks, single tokens, and
-    a sequence whose first 32 positions came from another's blocks (window floor 32)."""
+def test_cpu_window_prefills_equal_one_dense_softmax(one_layer, monkeypatch, window):
+    """The CPU prefill's window attention, as three parts merged by log-sum-exp (WindowSplit) and as rows of
+    the compiled decode op (RowQueries), gives the logits of one SDPA with a dense mask over [FP8 keys ;
+    full-precision keys]: fresh prompts, later chunks, single tokens, and a sequence whose first 32
+    positions came from another's blocks (window floor 32). One layer: with two, the first layer's
+    rounding-level differences can flip an FP8 code of the second's keys (a 1e-4 change in the logits)."""
+    loaded = one_layer
     ids = prompt_ids(60, seed=3)
     other = ids[:32] + prompt_ids(28, seed=4)
     results = []
-    for split in (False, True):
+    for rows, split in ((False, False), (False, True), (True, False)):
+        monkeypatch.setattr(attention, "ROW_PREFILL", rows)
         monkeypatch.setattr(attention, "SPLIT_WINDOW_ATTENTION", split)
         runner = make_runner(loaded, "fp8_e4m3", window, monkeypatch, use_reference=False)
         first = RingSeq(runner, ids)
@@ -232,7 +241,28 @@ def test_split_window_prefill_equals_one_dense_softmax(loaded, monkeypatch, wind
         shared.blocks[:32 // BLOCK] = first.blocks[:32 // BLOCK]  # a prefix-cache hit: FP8 only
         logits += [runner.execute(shared.chunk(a, b, floor=32), all_logits=True) for a, b in ((32, 45), (45, 60))]
         results.append(torch.cat(logits))
-    torch.testing.assert_close(results[1], results[0], atol=2e-5, rtol=1e-5)
+    for got in results[1:]:
+        torch.testing.assert_close(got, results[0], atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2", "auto"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_row_prefill_without_window_equals_sdpa_over_the_cache(one_layer, monkeypatch, kv_cache_dtype, dtype):
+    """No window: prefill rows through the decode op give the logits of SDPA over the K/V read back from
+    the cache, for a fresh prompt, a later chunk and a single token (bfloat16: the decode op rounds the
+    probabilities to bfloat16, so within bfloat16 rounding)."""
+    loaded_dtype = one_layer if dtype == "float32" else load_model(
+        EngineConfig(model=one_layer.model_path, dtype=dtype), progress=False)
+    ids = prompt_ids(50, seed=5)
+    results = []
+    for rows in (False, True):
+        monkeypatch.setattr(attention, "ROW_PREFILL", rows)
+        runner = make_runner(loaded_dtype, kv_cache_dtype, 0, monkeypatch, use_reference=False, dtype=dtype)
+        seq = RingSeq(runner, ids)
+        results.append(torch.cat([runner.execute(seq.chunk(a, b), all_logits=True).float()
+                                  for a, b in ((0, 30), (30, 31), (31, 50))]))
+    tolerance = {"atol": 2e-5, "rtol": 1e-5} if dtype == "float32" else {"atol": 0.1, "rtol": 0.02}
+    torch.testing.assert_close(results[1], results[0], **tolerance)
 
 
 def test_window_changes_logits_only_through_full_precision(loaded, monkeypatch):

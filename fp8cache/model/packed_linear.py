@@ -22,6 +22,7 @@ float32 18.7 -> 16.0 ms, bfloat16 11.1 -> 9.2 ms). FP8KV_MERGE_PROJECTIONS=0 pac
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import time
 
@@ -126,7 +127,7 @@ def pack_linears(model: nn.Module, device: torch.device) -> int:
     if len(dtypes) != 1 or not packing_works(*dtypes):
         return 0
     if dtypes == {torch.float32} and switch != "1":
-        shapes = {tuple(getattr(parent, name).weight.shape) for parent, name in targets}
+        shapes = frozenset(tuple(getattr(parent, name).weight.shape) for parent, name in targets)
         if not packing_pays(shapes):
             return 0
     count = len(targets)
@@ -164,9 +165,11 @@ _PROBE_ROWS = 256
 _PROBE_MAX_WEIGHT = 1 << 22
 
 
-def packing_pays(shapes: set[tuple[int, int]]) -> bool:
+@functools.cache
+def packing_pays(shapes: frozenset[tuple[int, int]]) -> bool:
     """Whether packed float32 weights multiply faster than F.linear on this machine, summed over the given
-    (out_features, in_features) shapes at a decode-sized and a prefill-sized batch (best of three each)."""
+    (out_features, in_features) shapes at a decode-sized and a prefill-sized batch (best of three each).
+    Measured once per process and set of shapes: runners of one model must not differ by a close call."""
     probe = sorted(s for s in shapes if s[0] * s[1] <= _PROBE_MAX_WEIGHT)[:6] or [(512, 512)]
     generator = torch.Generator().manual_seed(0)
     plain = packed = 0.0
