@@ -182,8 +182,10 @@ def _prefill_group(ctx: ForwardContext, seqs: list[int], q_len: int, ctx_len: in
     tokens = (starts[:, None] + torch.arange(q_len, device=device)).reshape(-1)
     rows = torch.arange(q_len, device=device)[:, None] + prefix  # query row r sits at position prefix + r
     positions = torch.arange(ctx_len, device=device)[None, :]
-    mask, earlier, cached_len, split = None if not prefix else positions <= rows, None, ctx_len, None
     use_rows = ROW_PREFILL and device.type == "cpu" and ctx.ops is not reference
+    # The rows need no mask: each is a decode query over its own positions.
+    mask = positions <= rows if prefix and not use_rows else None
+    earlier, cached_len, split, row_queries = None, ctx_len, None, None
     if ctx.window_size:
         # Each row reads one key per position: from the window if within its last window_size positions (and
         # computed by this sequence), else from the cache. Both sets go into one softmax. No row reads a
@@ -196,7 +198,6 @@ def _prefill_group(ctx: ForwardContext, seqs: list[int], q_len: int, ctx_len: in
         earlier = (torch.cat([b for b, _ in index]), torch.cat([o for _, o in index]))
         full_from = torch.clamp(rows - ctx.window_size + 1, min=floor)
         if use_rows:
-            mask = None
             row_queries = _row_queries(ctx, seqs, q_len, ctx_len, first_recent, full_from)
         elif SPLIT_WINDOW_ATTENTION and device.type == "cpu":  # the split parts need no dense mask
             split = window_split(ctx.window_size, q_len, prefix, first_recent, full_from, device)
@@ -205,13 +206,12 @@ def _prefill_group(ctx: ForwardContext, seqs: list[int], q_len: int, ctx_len: in
             mask = torch.cat([positions[:, :cached_len] < full_from,
                               (recent_positions >= full_from) & (recent_positions <= rows)], 1)
     elif use_rows:
-        mask, row_queries = None, _row_queries(ctx, seqs, q_len, ctx_len)
+        row_queries = _row_queries(ctx, seqs, q_len, ctx_len)
     block_ids = ctx.block_tables[seqs, :-(-cached_len // ctx.block_size)].long()
     num_blocks = ctx.kv_caches[0][0].shape[0]
     if block_ids.numel() and (bool((block_ids < 0).any()) or bool((block_ids >= num_blocks).any())):
         raise IndexError(f"block table holds a block id outside [0, {num_blocks})")
-    return PrefillGroup(seqs, tokens, q_len, cached_len, block_ids, mask, earlier, split,
-                        row_queries if use_rows else None)
+    return PrefillGroup(seqs, tokens, q_len, cached_len, block_ids, mask, earlier, split, row_queries)
 
 
 def _row_queries(ctx: ForwardContext, seqs: list[int], q_len: int, ctx_len: int, first_recent: int = 0,
