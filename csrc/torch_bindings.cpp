@@ -29,5 +29,10 @@ TORCH_LIBRARY(fp8kv, m) {
       "Tensor k_scale, Tensor v_scale) -> ()");
   m.def("quantize_fp8(Tensor x, str kv_cache_dtype, Tensor scale) -> Tensor");
   m.def("dequantize_fp8(Tensor codes, str kv_cache_dtype, Tensor scale, ScalarType out_dtype) -> Tensor");
+  // Decoder-layer elementwise ops of the CPU fast path (fp8cache/model/fused_layer.py); CPU kernels only.
+  m.def("rms_norm(Tensor(a!) out, Tensor input, Tensor weight, float epsilon) -> ()");
+  m.def("fused_add_rms_norm(Tensor(a!) input, Tensor(b!) residual, Tensor weight, float epsilon) -> ()");
+  m.def("rotary_embedding_cos_sin(Tensor(a!) query, Tensor(b!) key, Tensor cos, Tensor sin) -> ()");
+  m.def("silu_and_mul(Tensor(a!) out, Tensor gate, Tensor up) -> ()");
   m.def("cpu_isa() -> str", &cpu_isa);
 }

@@ -36,4 +36,10 @@ at::Tensor quantize_fp8(const at::Tensor& x, const std::string& kv_cache_dtype, 
 at::Tensor dequantize_fp8(const at::Tensor& codes, const std::string& kv_cache_dtype,
                           const at::Tensor& scale, at::ScalarType out_dtype);
 
+// Decoder-layer elementwise ops (layer_ops.cpp), rounding where transformers' formulas do.
+void rms_norm(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight, double epsilon);
+void fused_add_rms_norm(at::Tensor& input, at::Tensor& residual, const at::Tensor& weight, double epsilon);
+void rotary_embedding_cos_sin(at::Tensor& query, at::Tensor& key, const at::Tensor& cos, const at::Tensor& sin);
+void silu_and_mul(at::Tensor& out, const at::Tensor& gate, const at::Tensor& up);
+
 }  // namespace fp8kv::cpu

@@ -9,4 +9,8 @@ TORCH_LIBRARY_IMPL(fp8kv, CPU, m) {
   m.impl("paged_attention_window", &fp8kv::cpu::paged_attention_window);
   m.impl("quantize_fp8", &fp8kv::cpu::quantize_fp8);
   m.impl("dequantize_fp8", &fp8kv::cpu::dequantize_fp8);
+  m.impl("rms_norm", &fp8kv::cpu::rms_norm);
+  m.impl("fused_add_rms_norm", &fp8kv::cpu::fused_add_rms_norm);
+  m.impl("rotary_embedding_cos_sin", &fp8kv::cpu::rotary_embedding_cos_sin);
+  m.impl("silu_and_mul", &fp8kv::cpu::silu_and_mul);
 }

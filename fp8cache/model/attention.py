@@ -260,13 +260,17 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                             dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
     """query [1, heads, T, d], key/value [1, kv_heads, T, d] -> output [1, T, heads, d], no weights."""
     _refuse_unsupported(kwargs)
-    ctx = get_forward_context()
-    layer = module.layer_idx
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    q = query[0].transpose(0, 1)  # [T, heads, d]
-    k = key[0].transpose(0, 1).contiguous()  # [T, kv_heads, d]
-    v = value[0].transpose(0, 1).contiguous()
+    out = attend(module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1).contiguous(),
+                 value[0].transpose(0, 1).contiguous(), scaling)
+    return out.unsqueeze(0), None
+
+
+def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
+    """One layer's attention for the step: q [T, heads, d], k/v [T, kv_heads, d] (any strides) -> [T, heads, d].
+    Writes the step's K/V into the caches first."""
+    ctx = get_forward_context()
     if ctx.rotation != NONE:
         # q.k and softmax(qk)V are unchanged: Q meets K in the same rotated basis and the output rotates back
         # below (H is its own inverse). apply_rotation runs the compiled O(d log d) transform when it can.
@@ -292,7 +296,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                  earlier[n] if window else None)
     if ctx.rotation != NONE:
         out = apply_rotation(out, ctx.rotation)
-    return out.unsqueeze(0), None
+    return out
 
 
 def _refuse_unsupported(kwargs: dict) -> None:

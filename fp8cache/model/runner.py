@@ -13,7 +13,7 @@ from fp8cache import scales as kv_scales
 from fp8cache.config import DEFAULT_KV_RECENT_WINDOW, EngineConfig
 from fp8cache.distributed import parallel_state, sharding
 from fp8cache.distributed import worker as tp_worker
-from fp8cache.model import attention, kv_cache, malloc_tuning, packed_linear
+from fp8cache.model import attention, fused_layer, kv_cache, malloc_tuning, packed_linear
 from fp8cache.model.batch import StepBatch
 from fp8cache.model.loader import DTYPES, LoadedModel, load_model, read_config_dict
 from fp8cache.rotation import rotation_matrix
@@ -61,6 +61,10 @@ class ModelRunner:
         self.max_model_len = self._resolve_max_model_len()
         self.eos_token_ids = self._eos_token_ids()
         self._ops, self._gather_kv = select_ops(log)
+        if self.device.type == "cpu":
+            fused = fused_layer.install(self.model, compiled=self._ops is ops)
+            if fused:
+                log(f"{fused} decoder layers run fp8kv's fused forward (FP8KV_FUSED_LAYERS=0 keeps transformers')")
         self._init_scales(loaded)
         self.kv_recent_window = self._resolve_recent_window()
         self.window_dtype = self._resolve_window_dtype()

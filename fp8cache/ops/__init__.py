@@ -10,8 +10,9 @@ import torch
 from fp8cache.ops import reference
 from fp8cache.ops.reference import allocate_kv_cache
 
-__all__ = ["allocate_kv_cache", "build", "dequantize_fp8", "load", "paged_attention", "paged_attention_window",
-           "quantize_fp8", "reference", "reshape_and_cache"]
+__all__ = ["allocate_kv_cache", "build", "dequantize_fp8", "fused_add_rms_norm", "load", "paged_attention",
+           "paged_attention_window", "quantize_fp8", "reference", "reshape_and_cache", "rms_norm",
+           "rotary_embedding_cos_sin", "silu_and_mul"]
 
 
 def load() -> object:
@@ -70,3 +71,25 @@ def paged_attention_window(out: torch.Tensor, query: torch.Tensor, key_cache: to
                                   num_kv_heads, scale, block_tables, window_block_tables, seq_lens,
                                   window_starts, window_size, block_size, max_seq_len, alibi_slopes,
                                   kv_cache_dtype, k_scale, v_scale)
+
+
+# Decoder-layer elementwise ops (CPU kernels only; fp8cache.model.fused_layer binds torch.ops.fp8kv directly).
+
+def rms_norm(out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, epsilon: float) -> None:
+    """out = LlamaRMSNorm(input) for [tokens, n] or [tokens, heads, n] (last dim contiguous)."""
+    load().rms_norm(out, input, weight, epsilon)
+
+
+def fused_add_rms_norm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, epsilon: float) -> None:
+    """residual += input (rounded to the dtype); input = RMSNorm(residual). Both in place."""
+    load().fused_add_rms_norm(input, residual, weight, epsilon)
+
+
+def rotary_embedding_cos_sin(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """transformers' apply_rotary_pos_emb in place on [tokens, heads, d] query and key; cos/sin [tokens, d]."""
+    load().rotary_embedding_cos_sin(query, key, cos, sin)
+
+
+def silu_and_mul(out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> None:
+    """out = silu(gate) * up for [tokens, n] operands (views of one gate/up output are fine)."""
+    load().silu_and_mul(out, gate, up)

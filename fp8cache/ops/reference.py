@@ -212,3 +212,33 @@ def paged_attention_window(out: torch.Tensor, query: torch.Tensor, key_cache: to
             logits = logits + alibi_slopes.to(torch.float32)[:, None] * (pos - (seq_len - 1))[None]
         probs = torch.softmax(logits, dim=-1)
         out[i] = torch.einsum("ht,thd->hd", probs, v).to(out.dtype)
+
+
+# ---- decoder-layer elementwise ops: transformers' own formulas (Llama's RMSNorm, rotary, MLP) ----------
+
+def rms_norm(out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, epsilon: float) -> None:
+    """out = weight * (x * rsqrt(mean(x^2) + eps)).to(dtype), x in float32 (LlamaRMSNorm)."""
+    x = input.to(torch.float32)
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + epsilon)
+    out.copy_(weight * normed.to(input.dtype))
+
+
+def fused_add_rms_norm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, epsilon: float) -> None:
+    """residual += input (in the dtype); input = rms_norm(residual)."""
+    residual.add_(input)
+    rms_norm(input, residual, weight, epsilon)
+
+
+def rotary_embedding_cos_sin(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """In place on [tokens, heads, d] query and key: x * cos + rotate_half(x) * sin, cos/sin [tokens, d]
+    (transformers' apply_rotary_pos_emb, rotate_half(x) = [-x2, x1])."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    for x in (query, key):
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        x.copy_(x * cos + rotated * sin)
+
+
+def silu_and_mul(out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> None:
+    """out = silu(gate) * up, each rounded to the dtype (LlamaMLP's act_fn(gate_proj(x)) * up_proj(x))."""
+    out.copy_(torch.nn.functional.silu(gate) * up)

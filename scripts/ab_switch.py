@@ -1,8 +1,10 @@
-"""Output tokens/s of a bfloat16 model with and without packed linear weights, in one process, taking turns.
+"""Output tokens/s with one of fp8kv's FP8KV_* switches off and at its default, in one process, taking turns.
 
-Two engines on the same model (FP8KV_PACK_LINEARS=0 for the first), fresh WikiText-2 prompts each round,
-so that a shared machine's drift hits both alike.
-Usage: python scripts/ab_packed_linears.py [MODEL] [--rounds 3] [--prompts 16] [--input-len 256] [--output-len 128]
+Two engines on the same model (SWITCH=0 for the first, SWITCH unset for the second), fresh WikiText-2
+prompts each round, so that a shared machine's drift hits both alike. Switches read when an engine starts:
+FP8KV_FUSED_LAYERS, FP8KV_PACK_LINEARS, FP8KV_MERGE_PROJECTIONS, FP8KV_TUNE_MALLOC.
+Usage: python scripts/ab_switch.py SWITCH [MODEL] [--dtype float32] [--rounds 3] [--prompts 16]
+       [--input-len 256] [--output-len 128] [--threads 2]
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from fp8cache.bench.prompts import PromptSource
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("switch", help="environment variable, e.g. FP8KV_FUSED_LAYERS")
     parser.add_argument("model", nargs="?", default=None)
+    parser.add_argument("--dtype", default="float32")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--input-len", type=int, default=256)
@@ -27,13 +31,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    settings = {"model": args.model, "kv_cache_dtype": "fp8_e4m3", "dtype": "bfloat16", "kv_cache_memory": "1GiB",
+    settings = {"model": args.model, "kv_cache_dtype": "fp8_e4m3", "dtype": args.dtype, "kv_cache_memory": "1GiB",
                 "log": lambda *a: None}
-    os.environ["FP8KV_PACK_LINEARS"] = "0"
-    engines = {"plain": LLM(**settings)}
-    del os.environ["FP8KV_PACK_LINEARS"]
-    engines["packed"] = LLM(**settings)
-    source = PromptSource(engines["plain"].get_tokenizer())
+    os.environ[args.switch] = "0"
+    engines = {"off": LLM(**settings)}
+    del os.environ[args.switch]
+    engines["default"] = LLM(**settings)
+    source = PromptSource(engines["off"].get_tokenizer())
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     for llm in engines.values():  # warm-up
         llm.generate([{"prompt_token_ids": p} for p in source.take(2, args.input_len)],
@@ -47,7 +51,7 @@ def main() -> None:
             rates[name].append(args.prompts * args.output_len / (time.perf_counter() - start))
     for name, values in rates.items():
         print(f"{name}: " + ", ".join(f"{v:.1f}" for v in values) + " output tok/s")
-    print("packed / plain: " + ", ".join(f"{b / a:.3f}" for a, b in zip(rates["plain"], rates["packed"])))
+    print(f"default / {args.switch}=0: " + ", ".join(f"{b / a:.3f}" for a, b in zip(rates["off"], rates["default"])))
 
 
 if __name__ == "__main__":

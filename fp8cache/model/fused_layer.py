@@ -1,0 +1,127 @@
+"""A lean forward for Llama-family decoder layers (Llama, Mistral, Qwen2) on CPU.
+
+transformers' decoder layer runs about 60 torch ops and a dozen module calls per layer (RMSNorm alone is
+seven ops, rotary ten); in a decode step of a small model that dispatch costs more than the arithmetic.
+This forward computes the same thing in about a dozen calls: one op for each norm (the second one fused
+with the residual add), for rotary and for SiLU-and-mul, q/k/v and gate/up as one matmul each where they
+are packed together (packed_linear.MergedLinear), and our attention called directly. The ops round where
+transformers' formulas round (bitwise equal in bfloat16 and float16, float32 differs in summation order).
+The residual stream is updated in place, so a layer's output is its input tensor.
+
+The model's own forward still runs the layers, the rotary embedding and the final norm; only each
+decoder layer's `forward` is replaced (FP8KV_FUSED_LAYERS=0 keeps transformers' layers).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fp8cache.model import attention
+from fp8cache.model.packed_linear import LinearSlice
+from fp8cache.ops import reference
+
+# Decoder layers whose forward is exactly: pre-norm, q/k/v with rotate_half rotary, attention, o_proj,
+# residual, post-norm, SiLU-gated MLP, residual.
+SUPPORTED_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer")
+
+
+@dataclass(frozen=True)
+class LayerOps:
+    rms_norm: Callable
+    fused_add_rms_norm: Callable
+    rotary: Callable
+    silu_and_mul: Callable
+
+
+def layer_ops(compiled: bool) -> LayerOps:
+    """The compiled CPU kernels (bound to their overloads: the cheapest call), or the pure-torch reference."""
+    if compiled:
+        lib = torch.ops.fp8kv
+        return LayerOps(lib.rms_norm.default, lib.fused_add_rms_norm.default, lib.rotary_embedding_cos_sin.default,
+                        lib.silu_and_mul.default)
+    return LayerOps(reference.rms_norm, reference.fused_add_rms_norm, reference.rotary_embedding_cos_sin,
+                    reference.silu_and_mul)
+
+
+class FusedDecoderLayer:
+    """Replaces one decoder layer's forward; falls back to the original for inputs it was not built for."""
+
+    def __init__(self, layer: nn.Module, ops: LayerOps) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        installed = layer.__dict__.get("forward")  # a runner sharing this model installed one already
+        self.original = installed.original if isinstance(installed, FusedDecoderLayer) else layer.forward
+        self.ops = ops
+        self.layer_idx, self.scaling, self.head_dim = attn.layer_idx, attn.scaling, attn.head_dim
+        self.input_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
+        self.o_proj, self.down_proj = attn.o_proj, mlp.down_proj
+        self.qkv = _projections(attn.q_proj, attn.k_proj, attn.v_proj)
+        self.gate_up = _projections(mlp.gate_proj, mlp.up_proj)
+
+    def __call__(self, hidden_states: torch.Tensor, *args, position_embeddings=None, **kwargs) -> torch.Tensor:
+        if (position_embeddings is None or hidden_states.dim() != 3 or hidden_states.shape[0] != 1
+                or position_embeddings[0].shape[-1] != self.head_dim):
+            return self.original(hidden_states, *args, position_embeddings=position_embeddings, **kwargs)
+        ops, x = self.ops, hidden_states[0]  # [T, hidden]: the residual stream, updated in place
+        tokens = x.shape[0]
+        h = torch.empty_like(x)
+        ops.rms_norm(h, x, self.input_norm.weight, self.input_norm.variance_epsilon)
+        q, k, v = (t.view(tokens, -1, self.head_dim) for t in self.qkv(h))
+        cos, sin = position_embeddings
+        ops.rotary(q, k, cos[0], sin[0])
+        out = attention.attend(self.layer_idx, q, k, v, self.scaling)
+        h = self.o_proj(out.view(tokens, -1))
+        ops.fused_add_rms_norm(h, x, self.post_norm.weight, self.post_norm.variance_epsilon)
+        gate, up = self.gate_up(h)
+        act = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+        ops.silu_and_mul(act, gate, up)
+        x.add_(self.down_proj(act))
+        return hidden_states
+
+
+def _projections(*linears: nn.Module) -> Callable[[torch.Tensor], list[torch.Tensor]]:
+    """x -> each linear's output: column views of one matmul when they are the siblings of one MergedLinear
+    in order, else one call each."""
+    if all(isinstance(m, LinearSlice) for m in linears):
+        merged = linears[0]._merged[0]
+        if all(m._merged[0] is merged and m.index == i for i, m in enumerate(linears)) and \
+                len(merged.bounds) == len(linears):
+            bounds = merged.bounds
+            packed = merged.packed
+            return lambda x: [y[:, start:stop] for y in (packed(x),) for start, stop in bounds]
+    return lambda x: [m(x) for m in linears]
+
+
+def supports(layer: nn.Module) -> bool:
+    if type(layer).__name__ not in SUPPORTED_LAYERS:
+        return False
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
+    return (attn is not None and mlp is not None
+            and all(hasattr(attn, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj", "layer_idx",
+                                                     "scaling", "head_dim"))
+            and all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj"))
+            and getattr(getattr(mlp, "config", None), "hidden_act", None) == "silu"
+            and all(type(n).__name__.endswith("RMSNorm") and hasattr(n, "variance_epsilon") for n in norms))
+
+
+def install(model: nn.Module, compiled: bool) -> int:
+    """Give every supported decoder layer of a CPU `model` the lean forward (or, with FP8KV_FUSED_LAYERS=0,
+    give back transformers' forward); returns how many layers run the lean one. Runners sharing a model
+    share its layers: the last one installed decides which ops they call."""
+    enabled = os.environ.get("FP8KV_FUSED_LAYERS", "1").strip() != "0"
+    ops = layer_ops(compiled) if enabled else None
+    count = 0
+    for layer in model.modules():
+        if not supports(layer):
+            continue
+        if enabled:
+            layer.forward = FusedDecoderLayer(layer, ops)
+            count += 1
+        elif isinstance(layer.__dict__.get("forward"), FusedDecoderLayer):
+            del layer.forward  # the class's forward again
+    return count
