@@ -34,5 +34,8 @@ TORCH_LIBRARY(fp8kv, m) {
   m.def("fused_add_rms_norm(Tensor(a!) input, Tensor(b!) residual, Tensor weight, float epsilon) -> ()");
   m.def("rotary_embedding_cos_sin(Tensor(a!) query, Tensor(b!) key, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor gate, Tensor up) -> ()");
+  // float32 linear over 16-column weight panels (fp8cache/model/packed_linear.py); CPU kernels only.
+  m.def("linear_f32_pack(Tensor weight) -> Tensor");
+  m.def("linear_f32(Tensor input, Tensor packed_weight, int out_features, Tensor? bias) -> Tensor");
   m.def("cpu_isa() -> str", &cpu_isa);
 }

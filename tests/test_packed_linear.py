@@ -1,4 +1,4 @@
-"""Linear layers packed for oneDNN (fp8cache.model.packed_linear) against F.linear in float32."""
+"""Linear layers packed for oneDNN or fp8kv's float32 panels (fp8cache.model.packed_linear) against F.linear."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fp8cache import ops
 from fp8cache.config import EngineConfig
 from fp8cache.model import packed_linear
 from fp8cache.model.loader import load_model
@@ -52,16 +53,22 @@ def test_pack_linears_keeps_the_model_output(tiny_llama_path):
     assert q_proj.weight.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("compiled_ops", [False, True], ids=["onednn", "panels"])
 @pytest.mark.parametrize("pays", [False, True])
-def test_float32_models_are_packed_where_the_probe_finds_it_faster(tiny_llama_path, monkeypatch, pays):
+def test_float32_models_are_packed_where_the_probe_finds_it_faster(tiny_llama_path, monkeypatch, pays, compiled_ops):
     plain, fp32 = (load_model(EngineConfig(model=tiny_llama_path, dtype="float32"), progress=False).model
                    for _ in range(2))
     probed = []
-    monkeypatch.setattr(packed_linear, "packing_pays", lambda shapes: probed.append(shapes) or pays)
+    monkeypatch.setattr(packed_linear, "packing_pays", lambda shapes, panels: probed.append((shapes, panels)) or pays)
+    if compiled_ops:
+        ops.load()
     linears = sum(type(m) is nn.Linear for m in fp32.modules())
-    assert packed_linear.pack_linears(fp32, torch.device("cpu")) == (linears if pays else 0)
+    assert packed_linear.pack_linears(fp32, torch.device("cpu"), compiled_ops) == (linears if pays else 0)
+    panels = compiled_ops and torch.ops.fp8kv.cpu_isa() == "avx512"
     q_proj = fp32.model.layers[0].self_attn.q_proj
-    assert probed and (tuple(q_proj.weight.shape) in probed[0])
+    assert probed and (tuple(q_proj.weight.shape) in probed[0][0]) and probed[0][1] == panels
+    packed = [m for m in fp32.modules() if isinstance(m, packed_linear.PackedLinear)]
+    assert all(m.panels == panels for m in packed) and bool(packed) == pays
     ids = torch.tensor([[5, 9, 14, 3, 22, 7, 40, 11]])
     with torch.no_grad():
         want, got = plain(input_ids=ids).logits, fp32(input_ids=ids).logits
@@ -71,7 +78,7 @@ def test_float32_models_are_packed_where_the_probe_finds_it_faster(tiny_llama_pa
 
 
 def test_the_switch_forces_or_stops_packing(tiny_llama_path, monkeypatch):
-    monkeypatch.setattr(packed_linear, "packing_pays", lambda shapes: pytest.fail("the switch skips the probe"))
+    monkeypatch.setattr(packed_linear, "packing_pays", lambda *a: pytest.fail("the switch skips the probe"))
     monkeypatch.setenv("FP8KV_PACK_LINEARS", "1")
     fp32 = load_model(EngineConfig(model=tiny_llama_path, dtype="float32"), progress=False).model
     assert packed_linear.pack_linears(fp32, torch.device("cpu")) > 0
@@ -91,11 +98,14 @@ def test_packing_pays_follows_the_measured_times(monkeypatch):
 
     shapes = frozenset({(64, 48), (48, 64)})
     measure = packed_linear.packing_pays.__wrapped__  # the measurement itself, not its per-process memo
-    monkeypatch.setattr(packed_linear.PackedLinear, "forward", slowed(packed_linear.PackedLinear.forward))
-    assert not measure(shapes)
-    monkeypatch.undo()
-    monkeypatch.setattr(packed_linear, "F", SimpleNamespace(linear=slowed(F.linear)))
-    assert measure(shapes)
+    ops.load()
+    for panels in (False, True):
+        monkeypatch.setattr(packed_linear.PackedLinear, "forward", slowed(packed_linear.PackedLinear.forward))
+        assert not measure(shapes, panels)
+        monkeypatch.undo()
+        monkeypatch.setattr(packed_linear, "F", SimpleNamespace(linear=slowed(F.linear)))
+        assert measure(shapes, panels)
+        monkeypatch.undo()
 
 
 def test_packing_pays_is_measured_once_per_process(monkeypatch):
@@ -161,3 +171,46 @@ def test_pack_linears_merges_attention_and_mlp_projections(tiny_llama_path, monk
         for model in (merged, separate):
             torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=1e-4,
                                        atol=1e-4 * want.abs().max().item())
+
+
+# ---- fp8kv's float32 panel kernel (torch.ops.fp8kv.linear_f32) ------------------------------------------
+
+@pytest.mark.parametrize("rows", [0, 1, 7, 8, 16, 29, 300])
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (17, 33), (48, 5), (100, 40)])
+def test_linear_f32_matches_float32_linear(rows, out_features, in_features):
+    """Every micro-kernel shape: full and partial 8-row tiles, groups of 3/2/1 panels, a partial last panel."""
+    lib = ops.load()
+    g = torch.Generator().manual_seed(rows * 1000 + out_features)
+    weight = torch.randn(out_features, in_features, generator=g)
+    bias = torch.randn(out_features, generator=g)
+    x = torch.randn(1, rows, in_features, generator=g)
+    packed = lib.linear_f32_pack(weight)
+    assert packed.shape == (-(-out_features // 16), in_features, 16)
+    for b in (None, bias):
+        got = lib.linear_f32(x, packed, out_features, b)
+        assert got.shape == (1, rows, out_features)
+        torch.testing.assert_close(got, F.linear(x, weight, b), rtol=1e-5, atol=1e-4)
+
+
+def test_linear_f32_refuses_bad_inputs():
+    lib = ops.load()
+    packed = lib.linear_f32_pack(torch.randn(20, 8))
+    with pytest.raises(RuntimeError, match="input has 9 features; the weight takes 8"):
+        lib.linear_f32(torch.randn(2, 9), packed, 20, None)
+    with pytest.raises(RuntimeError, match="does not match 2 panels"):
+        lib.linear_f32(torch.randn(2, 8), packed, 40, None)
+    with pytest.raises(RuntimeError, match="bias must be float32"):
+        lib.linear_f32(torch.randn(2, 8), packed, 20, torch.randn(19))
+    with pytest.raises(RuntimeError, match="input must be a float32"):
+        lib.linear_f32(torch.randn(2, 8).bfloat16(), packed, 20, None)
+    with pytest.raises(RuntimeError, match="weight must be a float32"):
+        lib.linear_f32_pack(torch.randn(20, 8).bfloat16())
+
+
+def test_float32_panels_switch_back_to_onednn(tiny_llama_path, monkeypatch):
+    ops.load()
+    monkeypatch.setenv("FP8KV_PACK_LINEARS", "1")
+    monkeypatch.setenv("FP8KV_LINEAR_F32", "0")
+    model = load_model(EngineConfig(model=tiny_llama_path, dtype="float32"), progress=False).model
+    assert packed_linear.pack_linears(model, torch.device("cpu"), compiled_ops=True) > 0
+    assert not any(m.panels for m in model.modules() if isinstance(m, packed_linear.PackedLinear))

@@ -42,4 +42,9 @@ void fused_add_rms_norm(at::Tensor& input, at::Tensor& residual, const at::Tenso
 void rotary_embedding_cos_sin(at::Tensor& query, at::Tensor& key, const at::Tensor& cos, const at::Tensor& sin);
 void silu_and_mul(at::Tensor& out, const at::Tensor& gate, const at::Tensor& up);
 
+// float32 linear over a weight packed into 16-column panels (linear_f32.cpp).
+at::Tensor linear_f32_pack(const at::Tensor& weight);
+at::Tensor linear_f32(const at::Tensor& input, const at::Tensor& packed_weight, int64_t out_features,
+                      const std::optional<at::Tensor>& bias);
+
 }  // namespace fp8kv::cpu

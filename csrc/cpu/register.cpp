@@ -13,4 +13,6 @@ TORCH_LIBRARY_IMPL(fp8kv, CPU, m) {
   m.impl("fused_add_rms_norm", &fp8kv::cpu::fused_add_rms_norm);
   m.impl("rotary_embedding_cos_sin", &fp8kv::cpu::rotary_embedding_cos_sin);
   m.impl("silu_and_mul", &fp8kv::cpu::silu_and_mul);
+  m.impl("linear_f32_pack", &fp8kv::cpu::linear_f32_pack);
+  m.impl("linear_f32", &fp8kv::cpu::linear_f32);
 }

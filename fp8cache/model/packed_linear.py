@@ -1,4 +1,4 @@
-"""Linear layers with their weights stored once in oneDNN's blocked layout (CPU).
+"""Linear layers with their weights stored once in a blocked layout a CPU kernel streams well.
 
 A decode step multiplies a few rows by every weight of the model. `F.linear` hands oneDNN a plain
 [out, in] weight on every call; a weight packed once at load, in the blocked layout its AMX /
@@ -7,11 +7,14 @@ bfloat16, 16 rows: all 210 layer matmuls 35 -> 27 ms, lm_head 7.1 -> 5.2 ms). La
 The packed copy replaces the module's weight (the plain one is freed), except for an output projection
 that shares its weight with the input embeddings (both are kept).
 
-bfloat16 models are always packed. float32 models are packed where a probe at load finds oneDNN faster
-than F.linear (MKL's sgemm) for the model's own shapes: on an Intel Xeon with AMX, oneDNN was faster at decode
-but up to 20% slower at prefill; on an AMD EPYC (Zen 5), where MKL's sgemm runs at ~200 GFLOP/s, oneDNN
-was 2.4x faster at prefill and 2.5-3x at decode. FP8KV_PACK_LINEARS=0 keeps every nn.Linear as it is;
-FP8KV_PACK_LINEARS=1 packs float32 models without the probe.
+bfloat16 weights are packed for oneDNN. float32 weights go to fp8kv's own kernel (torch.ops.fp8kv.linear_f32
+over 16-column panels, csrc/cpu/linear_f32.cpp) on AVX-512 machines with the compiled ops, else to oneDNN;
+either way only where a probe at load finds it faster than F.linear (MKL's sgemm) for the model's own
+shapes. On an AMD EPYC (Zen 5), MKL's sgemm runs at ~200 GFLOP/s and oneDNN's packed float32 at ~450;
+fp8kv's kernel matches oneDNN at prefill and keeps memory busier at decode (default model's 30 layers, 16
+rows: 12.2 vs 15.2 ms). On an Intel Xeon with AMX, oneDNN was faster than F.linear at decode but up to 20%
+slower at prefill. FP8KV_PACK_LINEARS=0 keeps every nn.Linear as it is; FP8KV_PACK_LINEARS=1 packs float32
+models without the probe; FP8KV_LINEAR_F32=0 packs float32 for oneDNN instead of fp8kv's kernel.
 
 Sibling projections that read one input in one forward (q/k/v, gate/up) are packed as one weight
 (MergedLinear): one oneDNN call and one pass over the input instead of three or two. Decode-sized batches
@@ -37,38 +40,43 @@ MERGED_GROUPS = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", 
 
 
 class PackedLinear(nn.Module):
-    """nn.Linear's forward over a weight packed by torch.ops.mkldnn._reorder_linear_weight."""
+    """nn.Linear's forward over a packed weight: fp8kv's float32 panels (`panels`) or oneDNN's layout."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, panels: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
-        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, _BATCH_HINT),
-                             persistent=False)
+        self.panels = panels
+        packed = (torch.ops.fp8kv.linear_f32_pack(weight) if panels
+                  else torch.ops.mkldnn._reorder_linear_weight(weight, _BATCH_HINT))
+        self.register_buffer("packed_weight", packed, persistent=False)
         self.bias = linear.bias
         # Shape and dtype for code that inspects `weight`; it holds no values (the packed copy does).
         self.register_buffer("weight", torch.empty(weight.shape, dtype=weight.dtype, device="meta"),
                              persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panels:
+            return torch.ops.fp8kv.linear_f32.default(x, self.packed_weight, self.out_features, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"layout={'fp8kv panels' if self.panels else 'oneDNN'}")
 
 
 class MergedLinear(nn.Module):
     """Sibling projections packed as one weight. Each sibling becomes a LinearSlice: the first slice called
     on an input computes every sibling's output at once, the others take their columns of it."""
 
-    def __init__(self, linears: list[nn.Linear]) -> None:
+    def __init__(self, linears: list[nn.Linear], panels: bool = False) -> None:
         super().__init__()
         weight = torch.cat([linear.weight.detach() for linear in linears])
         whole = nn.Linear(weight.shape[1], weight.shape[0], bias=linears[0].bias is not None, device="meta")
         whole.weight = nn.Parameter(weight, requires_grad=False)
         if whole.bias is not None:
             whole.bias = nn.Parameter(torch.cat([linear.bias.detach() for linear in linears]), requires_grad=False)
-        self.packed = PackedLinear(whole)
+        self.packed = PackedLinear(whole, panels)
         ends = torch.tensor([linear.out_features for linear in linears]).cumsum(0).tolist()
         self.bounds = list(zip([0, *ends[:-1]], ends))
         self._input: torch.Tensor | None = None
@@ -115,32 +123,44 @@ def packing_works(dtype: torch.dtype) -> bool:
     return got.shape == want.shape and torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
-def pack_linears(model: nn.Module, device: torch.device) -> int:
+def pack_linears(model: nn.Module, device: torch.device, compiled_ops: bool = False) -> int:
     """Replace the nn.Linear modules of a bfloat16 or float32 CPU model by PackedLinear (float32 only where
-    packing_pays); returns how many were."""
+    packing_pays); returns how many were. compiled_ops: fp8kv's op library is loaded (its float32 kernel
+    may be used)."""
     switch = os.environ.get("FP8KV_PACK_LINEARS")
     if device.type != "cpu" or switch == "0":
         return 0
     targets = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
                if type(child) is nn.Linear and child.weight.dtype in (torch.bfloat16, torch.float32)]
     dtypes = {getattr(parent, name).weight.dtype for parent, name in targets}
-    if len(dtypes) != 1 or not packing_works(*dtypes):
+    if len(dtypes) != 1:
+        return 0
+    panels = dtypes == {torch.float32} and compiled_ops and panels_available()
+    if not panels and not packing_works(*dtypes):
         return 0
     if dtypes == {torch.float32} and switch != "1":
         shapes = frozenset(tuple(getattr(parent, name).weight.shape) for parent, name in targets)
-        if not packing_pays(shapes):
+        if not packing_pays(shapes, panels):
             return 0
     count = len(targets)
     with torch.no_grad():
         if os.environ.get("FP8KV_MERGE_PROJECTIONS") != "0":
-            targets = _merge_siblings(targets)
+            targets = _merge_siblings(targets, panels)
         for parent, name in targets:
-            setattr(parent, name, PackedLinear(getattr(parent, name)))
+            setattr(parent, name, PackedLinear(getattr(parent, name), panels))
     _return_freed_memory()
     return count
 
 
-def _merge_siblings(targets: list[tuple[nn.Module, str]]) -> list[tuple[nn.Module, str]]:
+def panels_available() -> bool:
+    """fp8kv's float32 panel kernel is compiled with AVX-512 here (its portable path is for correctness, not
+    speed) and not switched off with FP8KV_LINEAR_F32=0."""
+    if os.environ.get("FP8KV_LINEAR_F32", "1").strip() == "0":
+        return False
+    return hasattr(torch.ops.fp8kv, "linear_f32") and torch.ops.fp8kv.cpu_isa() == "avx512"
+
+
+def _merge_siblings(targets: list[tuple[nn.Module, str]], panels: bool) -> list[tuple[nn.Module, str]]:
     """Pack every MERGED_GROUPS group of `targets` as a MergedLinear; returns the targets left."""
     left = set(targets)
     for parent in dict.fromkeys(parent for parent, _ in targets):
@@ -150,7 +170,7 @@ def _merge_siblings(targets: list[tuple[nn.Module, str]]) -> list[tuple[nn.Modul
                 continue
             if len({(x.in_features, x.weight.dtype, x.bias is None) for x in linears}) != 1:
                 continue
-            merged = MergedLinear(linears)
+            merged = MergedLinear(linears, panels)
             parent.add_module(merged_name, merged)
             for index, (name, linear) in enumerate(zip(names, linears)):
                 setattr(parent, name, LinearSlice(merged, index, linear))
@@ -166,8 +186,9 @@ _PROBE_MAX_WEIGHT = 1 << 22
 
 
 @functools.cache
-def packing_pays(shapes: frozenset[tuple[int, int]]) -> bool:
-    """Whether packed float32 weights multiply faster than F.linear on this machine, summed over the given
+def packing_pays(shapes: frozenset[tuple[int, int]], panels: bool = False) -> bool:
+    """Whether packed float32 weights (fp8kv's panels or oneDNN's layout) multiply faster than F.linear on this
+    machine, summed over the given
     (out_features, in_features) shapes at a decode-sized and a prefill-sized batch (best of three each).
     Measured once per process and set of shapes: runners of one model must not differ by a close call."""
     probe = sorted(s for s in shapes if s[0] * s[1] <= _PROBE_MAX_WEIGHT)[:6] or [(512, 512)]
@@ -176,7 +197,7 @@ def packing_pays(shapes: frozenset[tuple[int, int]]) -> bool:
     with torch.no_grad():
         for out_features, in_features in probe:
             linear = nn.Linear(in_features, out_features, bias=False)
-            candidate = PackedLinear(linear)
+            candidate = PackedLinear(linear, panels)
             for rows, weight in ((_BATCH_HINT, 1.0), (_PROBE_ROWS, _BATCH_HINT / _PROBE_ROWS)):
                 x = torch.randn(rows, in_features, generator=generator)
                 plain += weight * _best_time(F.linear, x, linear.weight)

@@ -49,9 +49,12 @@ class ModelRunner:
             if self.tp.is_driver:
                 tp_worker.register_driver()
         self.dtype = next(self.model.parameters()).dtype
-        packed = packed_linear.pack_linears(self.model, self.device)
+        self._ops, self._gather_kv = select_ops(log)
+        packed = packed_linear.pack_linears(self.model, self.device, compiled_ops=self._ops is ops)
         if packed:
-            log(f"{packed} linear layers packed for oneDNN (FP8KV_PACK_LINEARS=0 keeps them plain)")
+            panels = any(getattr(m, "panels", False) for m in self.model.modules())
+            log(f"{packed} linear layers packed for {'fp8kv float32 panels' if panels else 'oneDNN'} "
+                "(FP8KV_PACK_LINEARS=0 keeps them plain)")
         if self.device.type == "cpu":
             malloc_tuning.keep_freed_memory_mapped()
         attention.install(self.model)
@@ -60,7 +63,6 @@ class ModelRunner:
         self._read_shapes()
         self.max_model_len = self._resolve_max_model_len()
         self.eos_token_ids = self._eos_token_ids()
-        self._ops, self._gather_kv = select_ops(log)
         if self.device.type == "cpu":
             fused = fused_layer.install(self.model, compiled=self._ops is ops)
             if fused:

@@ -1,0 +1,169 @@
+// float32 linear layer over a weight packed once into column panels: [ceil(N / 16), K, 16], panel p holding
+// output columns 16p .. 16p + 15 for every input feature k (zero columns pad the last panel).
+//
+// Why not oneDNN's packed float32 matmul: at decode batches (a few to a few dozen rows) a layer's weights
+// stream from memory once per step and the multiply is short, so what counts is keeping memory busy
+// during the FMAs. Here each thread walks its own panels front to back with a software prefetch 16 KB
+// ahead on every panel stream. Default model's 30 layers, 16 rows, cold weights: 12.2 ms vs 15.2 ms for
+// oneDNN (AMD EPYC Zen 5, 2 threads); at prefill sizes both run at ~450 GFLOP/s.
+//
+// The AVX-512 micro-kernel holds an MR x NR tile of 16-float accumulators (8 rows x 3 panels: 24 zmm),
+// so each weight vector feeds MR FMAs and each broadcast input NR: the loads stay under the FMA rate.
+#include <algorithm>
+#include <cstdint>
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+
+#include "cpu/cpu_ops.h"
+#include "cpu/isa.h"
+
+namespace fp8kv::cpu {
+namespace {
+
+constexpr int kPanel = 16;
+
+#if defined(FP8KV_ISA_AVX512)
+constexpr int64_t kAhead = 256;  // panel rows (64 bytes each) between a prefetch and its use: 16 KB
+
+// y[m, 16j + c] = sum_k x[m, k] * panel_j[k, c] for an MR x NR tile; the last panel stores `last` columns.
+template <int MR, int NR>
+void tile(const float* x, int64_t ldx, const float* panels, int64_t K, float* y, int64_t ldy, const float* bias,
+          int last) {
+  __m512 acc[MR][NR];
+  for (int j = 0; j < NR; ++j) {
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(j == NR - 1 ? __mmask16((1u << last) - 1u) : 0xFFFF, bias + j * 16)
+                          : _mm512_setzero_ps();
+    for (int m = 0; m < MR; ++m) acc[m][j] = b;
+  }
+  const int64_t stride = K * kPanel;
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 w[NR];
+    for (int j = 0; j < NR; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(panels + j * stride + (k + kAhead) * kPanel), _MM_HINT_T0);
+      w[j] = _mm512_loadu_ps(panels + j * stride + k * kPanel);
+    }
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xb = _mm512_set1_ps(x[m * ldx + k]);
+      for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_fmadd_ps(w[j], xb, acc[m][j]);
+    }
+  }
+  const __mmask16 last_mask = last >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << last) - 1u);
+  for (int m = 0; m < MR; ++m) {
+    for (int j = 0; j < NR; ++j) _mm512_mask_storeu_ps(y + m * ldy + j * 16, j == NR - 1 ? last_mask : 0xFFFF, acc[m][j]);
+  }
+}
+
+// All rows against NR panels: full MR-row tiles, then one tile of the remaining rows.
+template <int NR>
+void panel_group(const float* x, int64_t M, int64_t K, const float* panels, float* y, int64_t N, const float* bias,
+                 int last) {
+  constexpr int MR = NR == 3 ? 8 : NR == 2 ? 12 : 16;
+  int64_t m = 0;
+  for (; m + MR <= M; m += MR) tile<MR, NR>(x + m * K, K, panels, K, y + m * N, N, bias, last);
+  x += m * K;
+  y += m * N;
+  switch (M - m) {
+#define FP8KV_REST(R) \
+  case R:             \
+    if constexpr (R < MR) tile<R, NR>(x, K, panels, K, y, N, bias, last); \
+    break;
+    FP8KV_REST(1) FP8KV_REST(2) FP8KV_REST(3) FP8KV_REST(4) FP8KV_REST(5) FP8KV_REST(6) FP8KV_REST(7)
+    FP8KV_REST(8) FP8KV_REST(9) FP8KV_REST(10) FP8KV_REST(11) FP8KV_REST(12) FP8KV_REST(13) FP8KV_REST(14)
+    FP8KV_REST(15)
+#undef FP8KV_REST
+    default:
+      break;
+  }
+}
+#endif
+
+// Portable path: the same panels, one output element at a time.
+void panel_group_scalar(const float* x, int64_t M, int64_t K, const float* panels, int num_panels, float* y,
+                        int64_t N, const float* bias, int last) {
+  for (int64_t m = 0; m < M; ++m) {
+    for (int j = 0; j < num_panels; ++j) {
+      const int cols = j == num_panels - 1 ? last : kPanel;
+      for (int c = 0; c < cols; ++c) {
+        float sum = bias ? bias[j * kPanel + c] : 0.f;
+        for (int64_t k = 0; k < K; ++k) sum += x[m * K + k] * panels[(j * K + k) * kPanel + c];
+        y[m * N + j * kPanel + c] = sum;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+at::Tensor linear_f32_pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.device().is_cpu(),
+              "weight must be a float32 CPU tensor [out_features, in_features], got ", weight.scalar_type(), " ",
+              weight.sizes());
+  const int64_t N = weight.size(0), K = weight.size(1), P = (N + kPanel - 1) / kPanel;
+  at::Tensor packed = at::zeros({P, K, kPanel}, weight.options());
+  const at::Tensor w = weight.contiguous();
+  const float* src = w.data_ptr<float>();
+  float* dst = packed.data_ptr<float>();
+  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      for (int64_t n = p * kPanel; n < std::min(N, (p + 1) * kPanel); ++n) {
+        for (int64_t k = 0; k < K; ++k) dst[(p * K + k) * kPanel + n % kPanel] = src[n * K + k];
+      }
+    }
+  });
+  return packed;
+}
+
+at::Tensor linear_f32(const at::Tensor& input, const at::Tensor& packed_weight, int64_t out_features,
+                      const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(input.scalar_type() == at::kFloat && input.device().is_cpu() && input.dim() >= 1,
+              "input must be a float32 CPU tensor [..., in_features], got ", input.scalar_type(), " ", input.sizes());
+  TORCH_CHECK(packed_weight.dim() == 3 && packed_weight.size(2) == kPanel && packed_weight.is_contiguous() &&
+                  packed_weight.scalar_type() == at::kFloat,
+              "packed_weight must come from linear_f32_pack ([panels, in_features, 16] float32), got ",
+              packed_weight.sizes());
+  const int64_t K = packed_weight.size(1), N = out_features, P = packed_weight.size(0);
+  TORCH_CHECK(input.size(-1) == K, "input has ", input.size(-1), " features; the weight takes ", K);
+  TORCH_CHECK(N > (P - 1) * kPanel && N <= P * kPanel, "out_features ", N, " does not match ", P, " panels of 16");
+  const float* b = nullptr;
+  at::Tensor bias_c;
+  if (bias.has_value()) {
+    bias_c = bias->contiguous();
+    TORCH_CHECK(bias_c.scalar_type() == at::kFloat && bias_c.numel() == N, "bias must be float32 [", N, "], got ",
+                bias_c.scalar_type(), " ", bias_c.sizes());
+    b = bias_c.data_ptr<float>();
+  }
+  const at::Tensor x = input.reshape({-1, K}).contiguous();
+  const int64_t M = x.size(0);
+  std::vector<int64_t> out_shape(input.sizes().begin(), input.sizes().end());
+  out_shape.back() = N;
+  at::Tensor out = at::empty(out_shape, input.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = packed_weight.data_ptr<float>();
+  float* yp = out.data_ptr<float>();
+  if (M == 0) return out;
+  constexpr int64_t kGroup = 3;  // panels per micro-kernel tile (NR)
+  const int64_t groups = (P + kGroup - 1) / kGroup;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t p0 = g * kGroup;
+      const int np = static_cast<int>(std::min<int64_t>(kGroup, P - p0));
+      const int last = static_cast<int>(std::min<int64_t>(kPanel, N - (p0 + np - 1) * kPanel));  // columns of its last panel
+      const float* panels = wp + p0 * K * kPanel;
+      float* y = yp + p0 * kPanel;
+      const float* bg = b ? b + p0 * kPanel : nullptr;
+#if defined(FP8KV_ISA_AVX512)
+      if (np == 3) panel_group<3>(xp, M, K, panels, y, N, bg, last);
+      else if (np == 2) panel_group<2>(xp, M, K, panels, y, N, bg, last);
+      else panel_group<1>(xp, M, K, panels, y, N, bg, last);
+#else
+      panel_group_scalar(xp, M, K, panels, np, y, N, bg, last);
+#endif
+    }
+  });
+  return out;
+}
+
+}  // namespace fp8kv::cpu
