@@ -84,16 +84,15 @@ struct Problem {
   int spans_of(int seq) const { return first_span[seq + 1] - first_span[seq]; }
 };
 
-// Tokens [start, end) of one cache as spans of at most kPartitionSize. An unaligned start gets a span of
-// its own up to the next block boundary, because the AVX-512 kernels' tiles start at block boundaries.
+// Tokens [start, end) of one cache as spans that cover at most kPartitionSize tokens counted from the block
+// boundary at or before their start: the AVX-512 kernels' tiles start at block boundaries (an unaligned
+// first span masks the tokens before its start), and both kernels' scratch holds kPartitionSize logits.
 void add_spans(Problem& p, int seq, Source source, int start, int end, int last_pos) {
-  int t = start;
-  if (t < end && t % p.block_size != 0) {
-    const int next = std::min(end, (t / p.block_size + 1) * p.block_size);
-    p.spans.push_back({seq, source, t, next, last_pos});
-    t = next;
+  for (int t = start; t < end;) {
+    const int stop = std::min(end, t / p.block_size * p.block_size + kPartitionSize);
+    p.spans.push_back({seq, source, t, stop, last_pos});
+    t = stop;
   }
-  for (; t < end; t += kPartitionSize) p.spans.push_back({seq, source, t, std::min(end, t + kPartitionSize), last_pos});
 }
 
 // KV heads per unit of work: one thread runs a partition's heads in turn, prefetching the next head's

@@ -33,10 +33,11 @@
 
 namespace fp8kv::cpu::avx512 {
 
-// Tiles of 16 or 32 tokens start at block boundaries, so a partition must start at one.
+// Tiles of 16 or 32 tokens start at block boundaries: a partition that starts inside a block runs from the
+// block's start with the tokens before its own start masked out of the softmax (run_partition).
 inline bool supports(const PartitionWork& w) {
   return w.head_size % 16 == 0 && (w.block_size == 8 || w.block_size == 16 || w.block_size == 32) &&
-         w.start % w.block_size == 0;
+         w.end - w.start / w.block_size * w.block_size <= kPartitionSize;
 }
 
 FP8KV_INLINE __m128i load128(const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); }
@@ -726,8 +727,10 @@ FP8KV_INLINE void for_head_quads(int group, Fn&& fn) {
   }
 }
 
-// Softmax numerators in place over n logits; the row is zero-padded up to `padded` on return.
-FP8KV_INLINE void softmax_numerators(float* row, int n, int padded, float* max_logit, float* exp_sum) {
+// Softmax numerators in place over n logits; the row is zero-padded up to `padded` on return. The first
+// `skip` logits (tokens before an unaligned partition start) are left out: their numerators are 0.
+FP8KV_INLINE void softmax_numerators(float* row, int n, int padded, float* max_logit, float* exp_sum, int skip = 0) {
+  for (int i = 0; i < skip; ++i) row[i] = -INFINITY;
   __m512 m = _mm512_set1_ps(-INFINITY);
   for (int i = 0; i < n; i += 16) m = _mm512_mask_max_ps(m, first_lanes(n - i), m, _mm512_loadu_ps(row + i));
   const float mx = _mm512_reduce_max_ps(m);
@@ -782,7 +785,7 @@ void pv_all_heads(const PartitionWork& w, const View<cache_t>& view, const float
 // during both passes. q is the unscaled query (qk_fp8 scales the logits).
 template <typename Dot, KVFormat kFormat>
 void run_fp8_partition(const PartitionWork& w, const View<uint8_t>& view, const float* q, float* logits,
-                       int stride, float* norm, float* ops) {
+                       int stride, float* norm, float* ops, int skip) {
   const int G = w.group, D = w.head_size, P = w.end - w.start;
   const int pf_from = w.prefetch_from, pf_heads = w.prefetch_heads;
   const bool last_is_next = pf_heads > 0 && pf_from + pf_heads - 1 > 0;
@@ -800,7 +803,7 @@ void run_fp8_partition(const PartitionWork& w, const View<uint8_t>& view, const 
                             h0 == 0 ? k_ahead : idle, h0 == 0 ? v_ahead_qk : idle);
   });
   for (int h = 0; h < G; ++h) {
-    softmax_numerators(logits + h * stride, P, stride, w.max_logit + h, w.exp_sum + h);
+    softmax_numerators(logits + h * stride, P, stride, w.max_logit + h, w.exp_sum + h, skip);
     norm[h] = w.v_scale / w.exp_sum[h];
   }
   for_head_quads(G, [&](auto kG, int h0) {
@@ -817,7 +820,10 @@ void run_fp8_partition(const PartitionWork& w, const View<uint8_t>& view, const 
 
 // kBf16Query: the query was bfloat16 (w.query holds its exact values), so FP8 caches may use Bf16Dot.
 template <typename cache_t, KVFormat kFormat, bool kBf16Query>
-void run_partition(const PartitionWork& w) {
+void run_partition(const PartitionWork& unaligned) {
+  PartitionWork w = unaligned;
+  const int skip = w.start % w.block_size;
+  w.start -= skip;
   const int G = w.group, D = w.head_size, P = w.end - w.start;
   const int stride = (P + 31) / 32 * 32;          // tiles of up to 32 read whole rows of zero-padded probs
   float* logits = w.scratch;                      // [G][stride]
@@ -827,7 +833,7 @@ void run_partition(const PartitionWork& w) {
   if constexpr (kFormat != KVFormat::AUTO) {
     float* ops = norm + (G + 15) / 16 * 16;  // FP8 operands (64-byte aligned)
     using Dot = std::conditional_t<kBf16Query, Bf16Dot<kFormat>, FloatDot<kFormat>>;
-    run_fp8_partition<Dot, kFormat>(w, view, w.query, logits, stride, norm, ops);
+    run_fp8_partition<Dot, kFormat>(w, view, w.query, logits, stride, norm, ops, skip);
   } else {
     const __m512 qs = _mm512_set1_ps(w.qk_scale);
     for (int i = 0; i < G * D; i += 16) _mm512_storeu_ps(q + i, _mm512_mul_ps(_mm512_loadu_ps(w.query + i), qs));
@@ -836,7 +842,7 @@ void run_partition(const PartitionWork& w) {
                                                       logits + h0 * stride, stride, w.prefetch_from, h0 == 0 ? w.prefetch_heads : 0);
     });
     for (int h = 0; h < G; ++h) {
-      softmax_numerators(logits + h * stride, P, stride, w.max_logit + h, w.exp_sum + h);
+      softmax_numerators(logits + h * stride, P, stride, w.max_logit + h, w.exp_sum + h, skip);
       norm[h] = w.v_scale / w.exp_sum[h];
     }
     switch (w.block_size) {

@@ -76,6 +76,10 @@ class RowQueries:
     window_slots: torch.Tensor | None = None  # int64 [n * (context_len - first_recent)]: where the K/V go
     window_blocks: int = 0  # scratch blocks
     window_span: int = 0
+    # The scratch window cache (K, V), made on the first layer and reused by the others. Zeroed once: a row
+    # whose window starts inside a block also reads that block's earlier slots (weighted 0), which must
+    # hold finite values; slots of an earlier layer do.
+    scratch: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -377,9 +381,10 @@ def _prefill_rows(ctx: ForwardContext, group: PrefillGroup, q: torch.Tensor, k: 
                                 rows.seq_lens, ctx.block_size, rows.max_len, None, ctx.kv_cache_dtype, k_scale,
                                 v_scale)
     else:
-        ring_k, ring_v = ctx.window_caches[0]
-        scratch_k = torch.empty((rows.window_blocks, *ring_k.shape[1:]), dtype=ring_k.dtype, device=ring_k.device)
-        scratch_v = torch.empty((rows.window_blocks, *ring_v.shape[1:]), dtype=ring_v.dtype, device=ring_v.device)
+        if rows.scratch is None:
+            rows.scratch = tuple(torch.zeros((rows.window_blocks, *ring.shape[1:]), dtype=ring.dtype, device=ring.device)
+                                 for ring in ctx.window_caches[0])
+        scratch_k, scratch_v = rows.scratch
         n, d = len(group.seqs), k.shape[2]
         full = []
         for old, new in ((earlier[0], k), (earlier[1], v)):
