@@ -196,6 +196,11 @@ def run(model: str | None, **kw) -> None:
                            log_format=kw["log_format"], max_request_bytes=kw["max_request_bytes"],
                            max_concurrent_requests=kw["max_concurrent_requests"], access_log=kw["access_log"])
     code = serve(config, options)
+    if num_shard > 1:  # stop the workers, then end without the interpreter teardown gloo can abort in
+        from fp8cache.distributed.worker import stop_workers
+
+        stop_workers()
+        parallel_state.exit_rank(code)
     sys.exit(code)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import datetime
 import signal
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -24,6 +25,7 @@ from fp8cache.model.batch import StepBatch
 Execute = Callable[[StepBatch, bool], object]  # a runner's execute(batch, all_logits)
 _STOP = None
 _STOP_WAIT_S = 60.0  # how long the stop message waits for a step in flight
+_GOODBYE_WAIT_S = 30.0  # how long the ranks wait for each other after the stop message
 _step_lock = threading.Lock()  # one collective sequence at a time: a step, or the stop message
 _stopped = False
 _driver_registered = False
@@ -79,8 +81,16 @@ def stop_workers() -> None:
             if not _stopped:
                 _stopped = True
                 _broadcast(_STOP)
+                goodbye()
     finally:
         _step_lock.release()
+
+
+def goodbye() -> None:
+    """Every rank, after the stop message: meet once more, so that no rank leaves the group (and closes its
+    connections) while another is still receiving that message. Rank 0 then may end its process at once."""
+    dist.monitored_barrier(group=parallel_state.get().control_group,
+                           timeout=datetime.timedelta(seconds=_GOODBYE_WAIT_S))
 
 
 def register_driver() -> None:
@@ -106,6 +116,7 @@ def serve_steps(execute: Execute | Sequence[Execute]) -> int:
     while True:
         message = _broadcast(None)
         if message is _STOP:
+            goodbye()
             return steps
         index, batch, all_logits = message
         executes[index](batch, all_logits)
