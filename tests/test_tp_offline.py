@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -114,7 +115,9 @@ EXIT_SCRIPT = r"""
 import json, sys
 from fp8cache import LLM, SamplingParams
 llm = LLM(model=sys.argv[1], tensor_parallel_size=2, kv_cache_memory="16MiB", log=print)
-print("WORKERS " + json.dumps([w.proc.pid for w in llm.tp_group.workers]), flush=True)
+# One write: the worker's log relay prints from another thread, between print()'s text and its newline.
+sys.stdout.write("WORKERS " + json.dumps([w.proc.pid for w in llm.tp_group.workers]) + "\n")
+sys.stdout.flush()
 llm.generate("the city of the river was", SamplingParams(max_tokens=2))
 # No close(): leaving the interpreter must stop the worker.
 """
@@ -124,8 +127,7 @@ def test_workers_stop_when_the_process_exits_without_close(tiny_llama_path):
     proc = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, tiny_llama_path], cwd=REPO,
                           env=dict(os.environ), capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("WORKERS "))
-    pids = json.loads(line.removeprefix("WORKERS "))
+    pids = json.loads(re.search(r"WORKERS (\[[\d, ]*\])", proc.stdout).group(1))
     assert len(pids) == 1 and all(gone(pid) for pid in pids)
     assert "[rank 1] rank 1: stopped by rank 0 after" in proc.stdout  # stopped by message, not killed
 
