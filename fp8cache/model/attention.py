@@ -318,18 +318,30 @@ def _decode(ctx: ForwardContext, q: torch.Tensor, out: torch.Tensor, key_cache: 
     else:
         query = q.index_select(0, ctx.decode_tokens)
         result = torch.empty_like(query)
-    if window is None:
-        ctx.ops.paged_attention(result, query, key_cache, value_cache, key_cache.shape[1], float(scaling),
-                                ctx.decode_block_tables, ctx.decode_context_lens, ctx.block_size,
-                                ctx.max_decode_len, None, ctx.kv_cache_dtype, k_scale, v_scale)
-    else:
-        ctx.ops.paged_attention_window(
-            result, query, key_cache, value_cache, window[0], window[1], key_cache.shape[1], float(scaling),
-            ctx.decode_block_tables, ctx.decode_window_block_tables, ctx.decode_context_lens,
-            ctx.decode_window_starts, ctx.window_size, ctx.block_size, ctx.max_decode_len, None,
-            ctx.kv_cache_dtype, k_scale, v_scale)
+    ring = None if window is None else (*window, ctx.decode_window_block_tables, ctx.decode_window_starts,
+                                         ctx.window_size)
+    _decode_op(ctx, result, query, key_cache, value_cache, k_scale, v_scale, scaling, ctx.decode_block_tables,
+               ctx.decode_context_lens, ctx.max_decode_len, ring)
     if not ctx.all_decode:
         out.index_copy_(0, ctx.decode_tokens, result)
+
+
+def _decode_op(ctx: ForwardContext, result: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
+               value_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor, scaling: float,
+               block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int,
+               ring: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int] | None) -> None:
+    """One query row per entry of seq_lens through the decode op; ring: (window key cache, window value cache,
+    window block tables, window starts, ring size) reads each row's newest positions from there."""
+    if ring is None:
+        ctx.ops.paged_attention(result, query, key_cache, value_cache, key_cache.shape[1], float(scaling),
+                                block_tables, seq_lens, ctx.block_size, max_len, None, ctx.kv_cache_dtype,
+                                k_scale, v_scale)
+    else:
+        ring_k, ring_v, ring_tables, window_starts, ring_size = ring
+        ctx.ops.paged_attention_window(
+            result, query, key_cache, value_cache, ring_k, ring_v, key_cache.shape[1], float(scaling), block_tables,
+            ring_tables, seq_lens, window_starts, ring_size, ctx.block_size, max_len, None, ctx.kv_cache_dtype,
+            k_scale, v_scale)
 
 
 def _prefill(ctx: ForwardContext, group: PrefillGroup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -376,11 +388,8 @@ def _prefill_rows(ctx: ForwardContext, group: PrefillGroup, q: torch.Tensor, k: 
     rows, kv_heads = group.rows, key_cache.shape[1]
     query = q.index_select(0, group.tokens)
     result = torch.empty_like(query)
-    if rows.window_starts is None:
-        ctx.ops.paged_attention(result, query, key_cache, value_cache, kv_heads, float(scaling), rows.block_tables,
-                                rows.seq_lens, ctx.block_size, rows.max_len, None, ctx.kv_cache_dtype, k_scale,
-                                v_scale)
-    else:
+    ring = None
+    if rows.window_starts is not None:
         if rows.scratch is None:
             rows.scratch = tuple(torch.zeros((rows.window_blocks, *ring.shape[1:]), dtype=ring.dtype, device=ring.device)
                                  for ring in ctx.window_caches[0])
@@ -393,10 +402,9 @@ def _prefill_rows(ctx: ForwardContext, group: PrefillGroup, q: torch.Tensor, k: 
             full.append(torch.cat([old, chunk], 1).flatten(0, 1))
         ctx.ops.reshape_and_cache(full[0], full[1], scratch_k, scratch_v, rows.window_slots, "auto", k_scale,
                                   v_scale)
-        ctx.ops.paged_attention_window(
-            result, query, key_cache, value_cache, scratch_k, scratch_v, kv_heads, float(scaling),
-            rows.block_tables, rows.window_tables, rows.seq_lens, rows.window_starts, rows.window_span,
-            ctx.block_size, rows.max_len, None, ctx.kv_cache_dtype, k_scale, v_scale)
+        ring = (scratch_k, scratch_v, rows.window_tables, rows.window_starts, rows.window_span)
+    _decode_op(ctx, result, query, key_cache, value_cache, k_scale, v_scale, scaling, rows.block_tables,
+               rows.seq_lens, rows.max_len, ring)
     out.index_copy_(0, group.tokens, result)
 
 
