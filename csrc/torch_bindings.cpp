@@ -37,5 +37,12 @@ TORCH_LIBRARY(fp8kv, m) {
   // float32 linear over 16-column weight panels (fp8cache/model/packed_linear.py); CPU kernels only.
   m.def("linear_f32_pack(Tensor weight) -> Tensor");
   m.def("linear_f32(Tensor input, Tensor packed_weight, int out_features, Tensor? bias) -> Tensor");
+  // One float32 decoder layer of a decode step over panel weights (fp8cache/model/fused_layer.py); CPU only.
+  m.def(
+      "decode_layer(Tensor(a!) hidden, Tensor[] weights, Tensor?[] biases, int[] shape, float[] eps, Tensor cos, "
+      "Tensor sin, float scale, Tensor(b!) key_cache, Tensor(c!) value_cache, Tensor slot_mapping, "
+      "str kv_cache_dtype, Tensor k_scale, Tensor v_scale, Tensor block_tables, Tensor seq_lens, int max_seq_len, "
+      "Tensor(d!)[] window, Tensor? window_slot_mapping, Tensor? window_block_tables, Tensor? window_starts, "
+      "int window_size) -> ()");
   m.def("cpu_isa() -> str", &cpu_isa);
 }

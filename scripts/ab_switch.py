@@ -2,8 +2,8 @@
 
 Two engines on the same model (SWITCH=0 for the first, SWITCH unset for the second), fresh WikiText-2
 prompts each round, so that a shared machine's drift hits both alike. Switches read when an engine starts:
-FP8KV_FUSED_LAYERS, FP8KV_LINEAR_F32, FP8KV_PACK_LINEARS, FP8KV_MERGE_PROJECTIONS (not FP8KV_TUNE_MALLOC:
-malloc is tuned once per process, so it would apply to both engines).
+FP8KV_FUSED_LAYERS, FP8KV_DECODE_LAYER, FP8KV_LINEAR_F32, FP8KV_PACK_LINEARS, FP8KV_MERGE_PROJECTIONS
+(not FP8KV_TUNE_MALLOC: malloc is tuned once per process, so it would apply to both engines).
 Usage: python scripts/ab_switch.py SWITCH [MODEL] [--dtype float32] [--rounds 3] [--prompts 16]
        [--input-len 256] [--output-len 128] [--threads 2]
 """

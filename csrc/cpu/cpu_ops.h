@@ -5,6 +5,8 @@
 #include <string>
 
 #include <ATen/core/Tensor.h>
+#include <ATen/core/List.h>
+#include <c10/util/ArrayRef.h>
 
 namespace fp8kv::cpu {
 
@@ -46,5 +48,15 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& gate, const at::Tensor& up)
 at::Tensor linear_f32_pack(const at::Tensor& weight);
 at::Tensor linear_f32(const at::Tensor& input, const at::Tensor& packed_weight, int64_t out_features,
                       const std::optional<at::Tensor>& bias);
+
+// One decoder layer of a decode step (decode_layer.cpp): the fused-layer sequence of the ops above in one call.
+void decode_layer(at::Tensor& hidden, at::TensorList weights, const c10::List<std::optional<at::Tensor>>& biases,
+                  at::IntArrayRef shape, c10::ArrayRef<double> eps, const at::Tensor& cos, const at::Tensor& sin,
+                  double scale, at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& slot_mapping,
+                  const std::string& kv_cache_dtype, const at::Tensor& k_scale, const at::Tensor& v_scale,
+                  const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t max_seq_len,
+                  at::TensorList window, const std::optional<at::Tensor>& window_slot_mapping,
+                  const std::optional<at::Tensor>& window_block_tables,
+                  const std::optional<at::Tensor>& window_starts, int64_t window_size);
 
 }  // namespace fp8kv::cpu

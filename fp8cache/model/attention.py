@@ -303,6 +303,22 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scalin
     return out
 
 
+def decode_step_args(layer: int) -> tuple | None:
+    """The attention arguments of torch.ops.fp8kv.decode_layer for `layer` (key_cache .. window_size) when this
+    step is one attend() can hand over whole: decode tokens only, the compiled CPU ops, no kv rotation and no
+    scale calculation. None otherwise (the layer then runs attend())."""
+    ctx = get_forward_context()
+    if (not ctx.all_decode or ctx.ops is reference or ctx.rotation != NONE or ctx.calculate_scales is not None
+            or ctx.slot_mapping.device.type != "cpu"):
+        return None
+    key_cache, value_cache = ctx.kv_caches[layer]
+    window = ctx.window_caches[layer] if ctx.window_size else ()
+    return (key_cache, value_cache, ctx.slot_mapping, ctx.kv_cache_dtype, ctx.k_scales[layer], ctx.v_scales[layer],
+            ctx.decode_block_tables, ctx.decode_context_lens, ctx.max_decode_len, list(window),
+            ctx.window_slot_mapping if window else None, ctx.decode_window_block_tables if window else None,
+            ctx.decode_window_starts if window else None, ctx.window_size)
+
+
 def _refuse_unsupported(kwargs: dict) -> None:
     for name in ("softcap", "s_aux"):
         if kwargs.get(name) is not None:

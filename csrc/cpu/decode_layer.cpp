@@ -1,0 +1,88 @@
+// A whole Llama-family decoder layer for a decode step in one call: the same kernels, in the same order,
+// as fp8cache/model/fused_layer.py runs them from Python (so the results are bitwise those of that path),
+// without its ~25 Python-level op calls per layer. In a decode step of a small model that dispatch was
+// about an eighth of the step; here it is one call. Float32 layers whose projections are packed into
+// fp8kv's 16-column panels (linear_f32) only: other layers keep the Python path.
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/core/List.h>
+#include <c10/util/ArrayRef.h>
+
+#include "cpu/cpu_ops.h"
+
+namespace fp8kv::cpu {
+
+namespace {
+
+// weights: the layer's tensors in this order; biases: one (or none) per projection, same order.
+enum Weight : int { kInputNorm, kQkv, kOut, kPostNorm, kGateUp, kDown, kNumWeights };
+enum Projection : int { kQkvBias, kOutBias, kGateUpBias, kDownBias, kNumBiases };
+
+std::optional<at::Tensor> bias_at(const c10::List<std::optional<at::Tensor>>& biases, int i) {
+  return biases.get(i);
+}
+
+}  // namespace
+
+void decode_layer(at::Tensor& hidden, at::TensorList weights, const c10::List<std::optional<at::Tensor>>& biases,
+                  at::IntArrayRef shape, c10::ArrayRef<double> eps, const at::Tensor& cos, const at::Tensor& sin,
+                  double scale, at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& slot_mapping,
+                  const std::string& kv_cache_dtype, const at::Tensor& k_scale, const at::Tensor& v_scale,
+                  const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t max_seq_len,
+                  at::TensorList window, const std::optional<at::Tensor>& window_slot_mapping,
+                  const std::optional<at::Tensor>& window_block_tables,
+                  const std::optional<at::Tensor>& window_starts, int64_t window_size) {
+  TORCH_CHECK(weights.size() == kNumWeights, "weights must be [input_norm, qkv, o, post_norm, gate_up, down], got ",
+              weights.size(), " tensors");
+  TORCH_CHECK(biases.size() == kNumBiases, "biases must hold one entry (or None) per projection: qkv, o, gate_up, "
+              "down; got ", biases.size());
+  TORCH_CHECK(shape.size() == 4, "shape must be [num_heads, num_kv_heads, head_size, intermediate_size], got ",
+              shape.size(), " values");
+  TORCH_CHECK(eps.size() == 2, "eps must be [input_norm_eps, post_norm_eps], got ", eps.size(), " values");
+  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat && hidden.is_contiguous(),
+              "hidden must be a contiguous float32 [tokens, hidden_size] tensor, got ", hidden.scalar_type(), " ",
+              hidden.sizes());
+  TORCH_CHECK(window.empty() || window.size() == 2, "window must be [] or [window_key_cache, window_value_cache]");
+  const bool windowed = window.size() == 2;
+  TORCH_CHECK(!windowed || (window_slot_mapping && window_block_tables && window_starts),
+              "a window needs window_slot_mapping, window_block_tables and window_starts");
+  const int64_t tokens = hidden.size(0), hidden_size = hidden.size(1);
+  const int64_t heads = shape[0], kv_heads = shape[1], d = shape[2], intermediate = shape[3];
+  const int64_t q_size = heads * d, kv_size = kv_heads * d;
+
+  at::Tensor h = at::empty(hidden.sizes(), hidden.options());
+  rms_norm(h, hidden, weights[kInputNorm], eps[0]);
+  const at::Tensor qkv = linear_f32(h, weights[kQkv], q_size + 2 * kv_size, bias_at(biases, kQkvBias));
+  at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, heads, d});
+  at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, kv_heads, d});
+  const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, d});
+  rotary_embedding_cos_sin(q, k, cos, sin);
+
+  reshape_and_cache(k, v, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale);
+  at::Tensor attn = at::empty({tokens, heads, d}, hidden.options());
+  const at::Tensor query = q.contiguous();
+  if (windowed) {
+    at::Tensor window_key = window[0], window_value = window[1];
+    reshape_and_cache(k, v, window_key, window_value, *window_slot_mapping, "auto", k_scale, v_scale);
+    paged_attention_window(attn, query, key_cache, value_cache, window_key, window_value, kv_heads, scale,
+                           block_tables, *window_block_tables, seq_lens, *window_starts, window_size,
+                           key_cache.size(3), max_seq_len, std::nullopt, kv_cache_dtype, k_scale, v_scale);
+  } else {
+    paged_attention(attn, query, key_cache, value_cache, kv_heads, scale, block_tables, seq_lens, key_cache.size(3),
+                    max_seq_len, std::nullopt, kv_cache_dtype, k_scale, v_scale);
+  }
+
+  at::Tensor o = linear_f32(attn.view({tokens, q_size}), weights[kOut], hidden_size, bias_at(biases, kOutBias));
+  fused_add_rms_norm(o, hidden, weights[kPostNorm], eps[1]);  // hidden += o; o = norm(hidden)
+  const at::Tensor gate_up = linear_f32(o, weights[kGateUp], 2 * intermediate, bias_at(biases, kGateUpBias));
+  at::Tensor act = at::empty({tokens, intermediate}, hidden.options());
+  silu_and_mul(act, gate_up.narrow(1, 0, intermediate), gate_up.narrow(1, intermediate, intermediate));
+  hidden.add_(linear_f32(act, weights[kDown], hidden_size, bias_at(biases, kDownBias)));
+}
+
+}  // namespace fp8kv::cpu

@@ -1,0 +1,139 @@
+"""torch.ops.fp8kv.decode_layer: a float32 decoder layer of a decode step in one compiled call. It must give
+bitwise the logits of the Python fused-layer sequence (the same kernels in the same order), agree with
+transformers' own forward, and run only where it applies (decode-only steps, panel-packed layers)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from numerics import assert_logits_close
+from test_model_runner import hf_logits
+from test_recent_window import RingSeq, prompt_ids
+
+from fp8cache.config import EngineConfig
+from fp8cache.model import fused_layer, packed_linear
+from fp8cache.model.batch import StepBatch
+from fp8cache.model.loader import load_model
+from fp8cache.model.runner import ModelRunner
+
+BLOCK = 16
+
+
+@pytest.fixture
+def panels(monkeypatch):
+    """Every float32 projection packed into fp8kv's panels (the probe would decide by speed; the kernel's
+    portable path keeps this correct on any CPU)."""
+    monkeypatch.setenv("FP8KV_PACK_LINEARS", "1")
+    monkeypatch.setenv("FP8KV_REFERENCE_OPS", "0")
+    monkeypatch.setattr(packed_linear, "panels_available", lambda: True)
+
+
+def make_runner(path: str, monkeypatch, native: bool, kv_cache_dtype: str, window: int) -> ModelRunner:
+    monkeypatch.setenv("FP8KV_DECODE_LAYER", "1" if native else "0")
+    loaded = load_model(EngineConfig(model=path), progress=False)  # its own layers: runners do not share them
+    config = EngineConfig(model=path, kv_cache_dtype=kv_cache_dtype, block_size=BLOCK, kv_cache_memory="16MiB",
+                          kv_recent_window=window, max_num_seqs=4)
+    return ModelRunner(config, log=lambda msg: None, loaded=loaded)
+
+
+def count_native_calls(runner: ModelRunner) -> list[int]:
+    """Wraps every layer's decode_layer op with a counter; returns the (live) count."""
+    count = [0]
+    for layer in runner.model.modules():
+        fused = layer.__dict__.get("forward")
+        if isinstance(fused, fused_layer.FusedDecoderLayer) and fused.decode_op is not None:
+            op = fused.decode_op
+
+            def counted(*args, _op=op):
+                count[0] += 1
+                return _op(*args)
+
+            fused.decode_op = counted
+    return count
+
+
+def merged(batches: list[StepBatch]) -> StepBatch:
+    """One step holding every batch's sequences, in order."""
+    step = StepBatch()
+    for b in batches:
+        step.token_ids += b.token_ids
+        step.positions += b.positions
+        step.slot_mapping += b.slot_mapping
+        step.window_slot_mapping += b.window_slot_mapping
+        step.seqs += b.seqs
+    return step
+
+
+def sequences(runner: ModelRunner, lengths: tuple[int, ...]) -> list[RingSeq]:
+    seqs, first_block = [], 0
+    for seat, n in enumerate(lengths):
+        seq = RingSeq(runner, prompt_ids(n, seed=seat), first_block=first_block, seat=seat)
+        first_block += len(seq.blocks)
+        seqs.append(seq)
+    return seqs
+
+
+@pytest.mark.parametrize("model_type,config", [("llama", {}), ("qwen2", {}),
+                                               ("llama", {"attention_bias": True, "mlp_bias": True}),
+                                               ("mistral", {})], ids=["llama", "qwen2", "llama-biases", "mistral"])
+@pytest.mark.parametrize("kv_cache_dtype,window", [("fp8_e4m3", 8), ("fp8_e5m2", 0), ("auto", 0)])
+def test_decode_layer_is_bitwise_the_python_layer(make_tiny_model, monkeypatch, panels, model_type, config,
+                                                  kv_cache_dtype, window):
+    """Prefill three sequences (lengths crossing block and window boundaries), then decode them together:
+    every decode step's logits equal the Python sequence's bit for bit, and the compiled layer ran for every
+    layer of every decode step."""
+    path = make_tiny_model(model_type, **config)
+    runners = {native: make_runner(path, monkeypatch, native, kv_cache_dtype, window) for native in (False, True)}
+    calls = {native: count_native_calls(r) for native, r in runners.items()}
+    layers = runners[True].num_layers
+    logits = {}
+    for native, runner in runners.items():
+        seqs = sequences(runner, (21, 40, 17))
+        steps = [runner.execute(merged([s.chunk(0, len(s.ids) - 12) for s in seqs]))]
+        for back in range(12, 0, -1):
+            steps.append(runner.execute(merged([s.chunk(len(s.ids) - back, len(s.ids) - back + 1) for s in seqs])))
+        logits[native] = steps
+    assert calls[False][0] == 0
+    assert calls[True][0] == 12 * layers
+    for got, want in zip(logits[True], logits[False]):
+        assert torch.equal(got, want), f"max difference {(got - want).abs().max().item()}"
+    if kv_cache_dtype == "auto":  # an independent reference: transformers' forward over the whole sequence
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+        for i, n in enumerate((21, 40, 17)):
+            assert_logits_close(logits[True][-1][i], hf_logits(hf, prompt_ids(n, seed=i))[-1])
+
+
+def test_steps_with_a_prefill_keep_the_python_layer(tiny_llama_path, monkeypatch, panels):
+    """A step mixing a prefill chunk with decodes goes through attend() (the compiled layer is for
+    decode-only steps) and still matches the runner without the compiled layer."""
+    results = []
+    for native in (False, True):
+        runner = make_runner(tiny_llama_path, monkeypatch, native, "fp8_e4m3", 8)
+        calls = count_native_calls(runner)
+        a, b = sequences(runner, (30, 25))
+        runner.execute(a.chunk(0, 29))
+        results.append(runner.execute(merged([a.chunk(29, 30), b.chunk(0, 25)])))
+        assert calls[0] == 0
+    assert torch.equal(results[0], results[1])
+
+
+def test_decode_layer_refuses_bad_arguments(tiny_llama_path, monkeypatch, panels):
+    runner = make_runner(tiny_llama_path, monkeypatch, True, "fp8_e4m3", 0)
+    fused = next(m.__dict__["forward"] for m in runner.model.modules()
+                 if isinstance(m.__dict__.get("forward"), fused_layer.FusedDecoderLayer))
+    weights, biases, shape, eps = fused.decode_args
+    key_cache, value_cache = runner.kv_caches[0]
+    hidden = torch.zeros(1, weights[0].shape[0])
+    cos = sin = torch.ones(1, runner.head_size)
+    rest = (key_cache, value_cache, torch.zeros(1, dtype=torch.long), "fp8_e4m3", torch.ones(1), torch.ones(1),
+            torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1, [], None, None, None, 0)
+    op = torch.ops.fp8kv.decode_layer
+    with pytest.raises(RuntimeError, match=r"weights must be \[input_norm, qkv, o, post_norm, gate_up, down\]"):
+        op(hidden, weights[:5], biases, shape, eps, cos, sin, 0.125, *rest)
+    with pytest.raises(RuntimeError, match="hidden must be a contiguous float32"):
+        op(hidden.bfloat16(), weights, biases, shape, eps, cos, sin, 0.125, *rest)
+    with pytest.raises(RuntimeError, match="a window needs window_slot_mapping"):
+        op(hidden, weights, biases, shape, eps, cos, sin, 0.125, *rest[:9], [key_cache, value_cache], None, None,
+           None, 8)
