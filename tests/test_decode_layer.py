@@ -8,11 +8,10 @@ import pytest
 import torch
 from numerics import assert_logits_close
 from test_model_runner import hf_logits
-from test_recent_window import RingSeq, prompt_ids
+from test_recent_window import RingSeq, merged, prompt_ids
 
 from fp8cache.config import EngineConfig
 from fp8cache.model import fused_layer, packed_linear
-from fp8cache.model.batch import StepBatch
 from fp8cache.model.loader import load_model
 from fp8cache.model.runner import ModelRunner
 
@@ -50,18 +49,6 @@ def count_native_calls(runner: ModelRunner) -> list[int]:
 
             fused.decode_op = counted
     return count
-
-
-def merged(batches: list[StepBatch]) -> StepBatch:
-    """One step holding every batch's sequences, in order."""
-    step = StepBatch()
-    for b in batches:
-        step.token_ids += b.token_ids
-        step.positions += b.positions
-        step.slot_mapping += b.slot_mapping
-        step.window_slot_mapping += b.window_slot_mapping
-        step.seqs += b.seqs
-    return step
 
 
 def sequences(runner: ModelRunner, lengths: tuple[int, ...]) -> list[RingSeq]:

@@ -194,6 +194,18 @@ class RingSeq:
         return batch
 
 
+def merged(batches: list[StepBatch]) -> StepBatch:
+    """One step holding every batch's sequences, in order."""
+    step = StepBatch()
+    for b in batches:
+        step.token_ids += b.token_ids
+        step.positions += b.positions
+        step.slot_mapping += b.slot_mapping
+        step.window_slot_mapping += b.window_slot_mapping
+        step.seqs += b.seqs
+    return step
+
+
 @pytest.mark.parametrize("use_reference", [True, False], ids=["reference-ops", "compiled-ops"])
 @pytest.mark.parametrize("kv_cache_dtype,window,window_dtype", [
     ("fp8_e4m3", 8, "auto"), ("fp8_e5m2", 13, "auto"), ("fp8_e4m3", 1, "auto"), ("fp8_e4m3", 8, "bfloat16"),
@@ -419,3 +431,22 @@ def test_window_recorded_in_the_scales_file_is_used_unless_one_is_given(loaded, 
     path.write_text(json.dumps(doc))
     with pytest.raises(ValueError, match="kv_recent_window"):
         make_runner(loaded, "fp8_e4m3", None, quantization_param_path=str(path))
+
+
+def test_prefill_chunks_of_one_shape_apart_in_the_stream(loaded, monkeypatch):
+    """Two prefill chunks of one shape with another sequence between them (one prefill group whose rows are
+    not one slice of the stream), first chunks and later ones (earlier window positions), give the logits
+    each sequence gets on its own."""
+    def run(together: bool) -> list[torch.Tensor]:
+        runner = make_runner(loaded, "fp8_e4m3", 8, monkeypatch, use_reference=False)
+        seqs, first_block = [], 0
+        for seat, n in enumerate((40, 14, 40)):
+            seqs.append(RingSeq(runner, prompt_ids(n, seed=10 + seat), first_block=first_block, seat=seat))
+            first_block += len(seqs[-1].blocks)
+        steps = [[(0, 20), (0, 13), (0, 20)], [(20, 40), (13, 14), (20, 40)]]
+        if together:
+            return [runner.execute(merged([s.chunk(*c) for s, c in zip(seqs, chunks)])) for chunks in steps]
+        return [torch.cat([runner.execute(s.chunk(*c)) for s, c in zip(seqs, chunks)]) for chunks in steps]
+
+    for got, want in zip(run(True), run(False)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -58,6 +58,9 @@ class PrefillGroup:
     earlier_index: tuple[torch.Tensor, torch.Tensor] | None = None
     split: WindowSplit | None = None  # the same window attention as three parts (see WindowSplit)
     rows: RowQueries | None = None  # set: the rows go through the compiled decode ops instead
+    # The chunks' rows as one slice [start, stop) of the packed stream when they are consecutive (a step of
+    # equal prompts): the row path then reads and writes views instead of gathered copies.
+    token_range: tuple[int, int] | None = None
 
 
 @dataclass
@@ -182,6 +185,8 @@ def _prefill_groups(ctx: ForwardContext) -> list[PrefillGroup]:
 def _prefill_group(ctx: ForwardContext, seqs: list[int], q_len: int, ctx_len: int, floor: int) -> PrefillGroup:
     prefix = ctx_len - q_len
     device = ctx.block_tables.device
+    first = ctx.query_starts[seqs[0]]
+    consecutive = all(ctx.query_starts[i] == first + n * q_len for n, i in enumerate(seqs))
     starts = torch.tensor([ctx.query_starts[i] for i in seqs], dtype=torch.long, device=device)
     tokens = (starts[:, None] + torch.arange(q_len, device=device)).reshape(-1)
     rows = torch.arange(q_len, device=device)[:, None] + prefix  # query row r sits at position prefix + r
@@ -215,7 +220,8 @@ def _prefill_group(ctx: ForwardContext, seqs: list[int], q_len: int, ctx_len: in
     num_blocks = ctx.kv_caches[0][0].shape[0]
     if block_ids.numel() and (bool((block_ids < 0).any()) or bool((block_ids >= num_blocks).any())):
         raise IndexError(f"block table holds a block id outside [0, {num_blocks})")
-    return PrefillGroup(seqs, tokens, q_len, cached_len, block_ids, mask, earlier, split, row_queries)
+    return PrefillGroup(seqs, tokens, q_len, cached_len, block_ids, mask, earlier, split, row_queries,
+                        (first, first + len(seqs) * q_len) if consecutive else None)
 
 
 def _row_queries(ctx: ForwardContext, seqs: list[int], q_len: int, ctx_len: int, first_recent: int = 0,
@@ -402,8 +408,12 @@ def _prefill_rows(ctx: ForwardContext, group: PrefillGroup, q: torch.Tensor, k: 
                   earlier: tuple[torch.Tensor, torch.Tensor] | None) -> None:
     """The group's rows through the decode op (see RowQueries); the chunk's K/V are in the cache already."""
     rows, kv_heads = group.rows, key_cache.shape[1]
-    query = q.index_select(0, group.tokens)
-    result = torch.empty_like(query)
+
+    def take(t: torch.Tensor) -> torch.Tensor:  # the group's rows of a [tokens, ...] tensor
+        return t[slice(*group.token_range)] if group.token_range else t.index_select(0, group.tokens)
+
+    query = take(q)
+    result = take(out) if group.token_range else torch.empty_like(query)  # a slice of out: written in place
     ring = None
     if rows.window_starts is not None:
         if rows.scratch is None:
@@ -413,7 +423,10 @@ def _prefill_rows(ctx: ForwardContext, group: PrefillGroup, q: torch.Tensor, k: 
         n, d = len(group.seqs), k.shape[2]
         full = []
         for old, new in ((earlier[0], k), (earlier[1], v)):
-            chunk = new.index_select(0, group.tokens).view(n, group.query_len, kv_heads, d)
+            if old.shape[0] == 0:  # a first chunk: no earlier positions, the chunk's own K/V as they are
+                full.append(take(new))
+                continue
+            chunk = take(new).view(n, group.query_len, kv_heads, d)
             old = old.to(chunk.dtype).view(n, old.shape[0] // n, kv_heads, d)
             full.append(torch.cat([old, chunk], 1).flatten(0, 1))
         ctx.ops.reshape_and_cache(full[0], full[1], scratch_k, scratch_v, rows.window_slots, "auto", k_scale,
@@ -421,7 +434,8 @@ def _prefill_rows(ctx: ForwardContext, group: PrefillGroup, q: torch.Tensor, k: 
         ring = (scratch_k, scratch_v, rows.window_tables, rows.window_starts, rows.window_span)
     _decode_op(ctx, result, query, key_cache, value_cache, k_scale, v_scale, scaling, rows.block_tables,
                rows.seq_lens, rows.max_len, ring)
-    out.index_copy_(0, group.tokens, result)
+    if not group.token_range:
+        out.index_copy_(0, group.tokens, result)
 
 
 def _read_cached(ctx: ForwardContext, group: PrefillGroup, key_cache: torch.Tensor, value_cache: torch.Tensor,
