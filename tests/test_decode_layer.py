@@ -1,6 +1,6 @@
-"""torch.ops.fp8kv.decode_layer: a float32 decoder layer of a decode step in one compiled call. It must give
-bitwise the logits of the Python fused-layer sequence (the same kernels in the same order), agree with
-transformers' own forward, and run only where it applies (decode-only steps, panel-packed layers)."""
+"""torch.ops.fp8kv.decode_layer: a decoder layer of a decode step in one compiled call. It must give bitwise the
+logits of the Python fused-layer sequence (the same kernels in the same order), agree with transformers' own
+forward, and run only where it applies (decode-only steps, packed layers)."""
 
 from __future__ import annotations
 
@@ -18,20 +18,34 @@ from fp8cache.model.runner import ModelRunner
 BLOCK = 16
 
 
+LAYOUTS = ["panels-float32", "onednn-float32", "onednn-bfloat16"]
+
+
 @pytest.fixture
 def panels(monkeypatch):
     """Every float32 projection packed into fp8kv's panels (the probe would decide by speed; the kernel's
     portable path keeps this correct on any CPU)."""
+    use_layout(monkeypatch, "panels-float32")
+
+
+def use_layout(monkeypatch, layout: str) -> str:
+    """Packs every projection in `layout`'s way; returns the model dtype. Skips where oneDNN cannot."""
     monkeypatch.setenv("FP8KV_PACK_LINEARS", "1")
     monkeypatch.setenv("FP8KV_REFERENCE_OPS", "0")
-    monkeypatch.setattr(packed_linear, "panels_available", lambda: True)
+    packing, dtype = layout.split("-")
+    monkeypatch.setattr(packed_linear, "panels_available", lambda: packing == "panels")
+    if packing == "onednn" and not packed_linear.packing_works(getattr(torch, dtype)):
+        pytest.skip(f"this torch build or CPU cannot run oneDNN's packed {dtype} linear")
+    return dtype
 
 
-def make_runner(path: str, monkeypatch, native: bool, kv_cache_dtype: str, window: int) -> ModelRunner:
+def make_runner(path: str, monkeypatch, native: bool, kv_cache_dtype: str, window: int,
+                dtype: str = "float32") -> ModelRunner:
     monkeypatch.setenv("FP8KV_DECODE_LAYER", "1" if native else "0")
-    loaded = load_model(EngineConfig(model=path), progress=False)  # its own layers: runners do not share them
-    config = EngineConfig(model=path, kv_cache_dtype=kv_cache_dtype, block_size=BLOCK, kv_cache_memory="16MiB",
-                          kv_recent_window=window, max_num_seqs=4)
+    # Its own layers: runners do not share them.
+    loaded = load_model(EngineConfig(model=path, dtype=dtype), progress=False)
+    config = EngineConfig(model=path, dtype=dtype, kv_cache_dtype=kv_cache_dtype, block_size=BLOCK,
+                          kv_cache_memory="16MiB", kv_recent_window=window, max_num_seqs=4)
     return ModelRunner(config, log=lambda msg: None, loaded=loaded)
 
 
@@ -64,13 +78,16 @@ def sequences(runner: ModelRunner, lengths: tuple[int, ...]) -> list[RingSeq]:
                                                ("llama", {"attention_bias": True, "mlp_bias": True}),
                                                ("mistral", {})], ids=["llama", "qwen2", "llama-biases", "mistral"])
 @pytest.mark.parametrize("kv_cache_dtype,window", [("fp8_e4m3", 8), ("fp8_e5m2", 0), ("auto", 0)])
-def test_decode_layer_is_bitwise_the_python_layer(make_tiny_model, monkeypatch, panels, model_type, config,
-                                                  kv_cache_dtype, window):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_decode_layer_is_bitwise_the_python_layer(make_tiny_model, monkeypatch, model_type, config, kv_cache_dtype,
+                                                  window, layout):
     """Prefill three sequences (lengths crossing block and window boundaries), then decode them together:
     every decode step's logits equal the Python sequence's bit for bit, and the compiled layer ran for every
     layer of every decode step."""
+    dtype = use_layout(monkeypatch, layout)
     path = make_tiny_model(model_type, **config)
-    runners = {native: make_runner(path, monkeypatch, native, kv_cache_dtype, window) for native in (False, True)}
+    runners = {native: make_runner(path, monkeypatch, native, kv_cache_dtype, window, dtype)
+               for native in (False, True)}
     calls = {native: count_native_calls(r) for native, r in runners.items()}
     layers = runners[True].num_layers
     logits = {}
@@ -84,7 +101,7 @@ def test_decode_layer_is_bitwise_the_python_layer(make_tiny_model, monkeypatch, 
     assert calls[True][0] == 12 * layers
     for got, want in zip(logits[True], logits[False]):
         assert torch.equal(got, want), f"max difference {(got - want).abs().max().item()}"
-    if kv_cache_dtype == "auto":  # an independent reference: transformers' forward over the whole sequence
+    if kv_cache_dtype == "auto" and dtype == "float32":  # independent: transformers' forward over the sequence
         from transformers import AutoModelForCausalLM
 
         hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
@@ -119,8 +136,10 @@ def test_decode_layer_refuses_bad_arguments(tiny_llama_path, monkeypatch, panels
     op = torch.ops.fp8kv.decode_layer
     with pytest.raises(RuntimeError, match=r"weights must be \[input_norm, qkv, o, post_norm, gate_up, down\]"):
         op(hidden, weights[:5], biases, shape, eps, cos, sin, 0.125, *rest)
-    with pytest.raises(RuntimeError, match="hidden must be a contiguous float32"):
+    with pytest.raises(RuntimeError, match="hidden must be a contiguous .* float32 tensor"):
         op(hidden.bfloat16(), weights, biases, shape, eps, cos, sin, 0.125, *rest)
+    with pytest.raises(RuntimeError, match="packing must be 0"):
+        op(hidden, weights, biases, [*shape[:4], 7], eps, cos, sin, 0.125, *rest)
     with pytest.raises(RuntimeError, match="a window needs window_slot_mapping"):
         op(hidden, weights, biases, shape, eps, cos, sin, 0.125, *rest[:9], [key_cache, value_cache], None, None,
            None, 8)

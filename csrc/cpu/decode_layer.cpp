@@ -1,14 +1,16 @@
 // A whole Llama-family decoder layer for a decode step in one call: the same kernels, in the same order,
 // as fp8cache/model/fused_layer.py runs them from Python (so the results are bitwise those of that path),
 // without its ~25 Python-level op calls per layer. In a decode step of a small model that dispatch was
-// about an eighth of the step; here it is one call. Float32 layers whose projections are packed into
-// fp8kv's 16-column panels (linear_f32) only: other layers keep the Python path.
+// about an eighth of the step; here it is one call. Layers whose projections are packed
+// (fp8cache/model/packed_linear.py): float32 in fp8kv's 16-column panels (linear_f32), or bfloat16 / float32
+// in oneDNN's layout (mkldnn::_linear_pointwise, called through the dispatcher as the Python path calls it).
 #include <cstdint>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/core/List.h>
 #include <c10/util/ArrayRef.h>
@@ -23,8 +25,18 @@ namespace {
 enum Weight : int { kInputNorm, kQkv, kOut, kPostNorm, kGateUp, kDown, kNumWeights };
 enum Projection : int { kQkvBias, kOutBias, kGateUpBias, kDownBias, kNumBiases };
 
-std::optional<at::Tensor> bias_at(const c10::List<std::optional<at::Tensor>>& biases, int i) {
-  return biases.get(i);
+enum Packing : int64_t { kPanels = 0, kOneDnn = 1 };
+
+// x @ W.T + b over a packed weight, as PackedLinear.forward computes it.
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                         const std::optional<at::Tensor>& bias, int64_t packing) {
+  if (packing == kPanels) return linear_f32(x, packed, out_features, bias);
+  static const auto onednn =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view,
+                            c10::List<std::optional<c10::Scalar>>, std::optional<c10::string_view>)>();
+  return onednn.call(x, packed, bias, "none", c10::List<std::optional<c10::Scalar>>(), c10::string_view(""));
 }
 
 }  // namespace
@@ -41,11 +53,14 @@ void decode_layer(at::Tensor& hidden, at::TensorList weights, const c10::List<st
               weights.size(), " tensors");
   TORCH_CHECK(biases.size() == kNumBiases, "biases must hold one entry (or None) per projection: qkv, o, gate_up, "
               "down; got ", biases.size());
-  TORCH_CHECK(shape.size() == 4, "shape must be [num_heads, num_kv_heads, head_size, intermediate_size], got ",
+  TORCH_CHECK(shape.size() == 5, "shape must be [num_heads, num_kv_heads, head_size, intermediate_size, packing], got ",
               shape.size(), " values");
+  const int64_t packing = shape[4];
+  TORCH_CHECK(packing == kPanels || packing == kOneDnn, "packing must be 0 (fp8kv panels) or 1 (oneDNN), got ", packing);
   TORCH_CHECK(eps.size() == 2, "eps must be [input_norm_eps, post_norm_eps], got ", eps.size(), " values");
-  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat && hidden.is_contiguous(),
-              "hidden must be a contiguous float32 [tokens, hidden_size] tensor, got ", hidden.scalar_type(), " ",
+  const bool dtype_ok = hidden.scalar_type() == at::kFloat || (packing == kOneDnn && hidden.scalar_type() == at::kBFloat16);
+  TORCH_CHECK(hidden.dim() == 2 && dtype_ok && hidden.is_contiguous(), "hidden must be a contiguous [tokens, hidden_size] ",
+              packing == kPanels ? "float32" : "float32 or bfloat16", " tensor, got ", hidden.scalar_type(), " ",
               hidden.sizes());
   TORCH_CHECK(window.empty() || window.size() == 2, "window must be [] or [window_key_cache, window_value_cache]");
   const bool windowed = window.size() == 2;
@@ -57,7 +72,7 @@ void decode_layer(at::Tensor& hidden, at::TensorList weights, const c10::List<st
 
   at::Tensor h = at::empty(hidden.sizes(), hidden.options());
   rms_norm(h, hidden, weights[kInputNorm], eps[0]);
-  const at::Tensor qkv = linear_f32(h, weights[kQkv], q_size + 2 * kv_size, bias_at(biases, kQkvBias));
+  const at::Tensor qkv = packed_linear(h, weights[kQkv], q_size + 2 * kv_size, biases.get(kQkvBias), packing);
   at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, heads, d});
   at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, kv_heads, d});
   const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, d});
@@ -77,12 +92,12 @@ void decode_layer(at::Tensor& hidden, at::TensorList weights, const c10::List<st
                     max_seq_len, std::nullopt, kv_cache_dtype, k_scale, v_scale);
   }
 
-  at::Tensor o = linear_f32(attn.view({tokens, q_size}), weights[kOut], hidden_size, bias_at(biases, kOutBias));
+  at::Tensor o = packed_linear(attn.view({tokens, q_size}), weights[kOut], hidden_size, biases.get(kOutBias), packing);
   fused_add_rms_norm(o, hidden, weights[kPostNorm], eps[1]);  // hidden += o; o = norm(hidden)
-  const at::Tensor gate_up = linear_f32(o, weights[kGateUp], 2 * intermediate, bias_at(biases, kGateUpBias));
+  const at::Tensor gate_up = packed_linear(o, weights[kGateUp], 2 * intermediate, biases.get(kGateUpBias), packing);
   at::Tensor act = at::empty({tokens, intermediate}, hidden.options());
   silu_and_mul(act, gate_up.narrow(1, 0, intermediate), gate_up.narrow(1, intermediate, intermediate));
-  hidden.add_(linear_f32(act, weights[kDown], hidden_size, bias_at(biases, kDownBias)));
+  hidden.add_(packed_linear(act, weights[kDown], hidden_size, biases.get(kDownBias), packing));
 }
 
 }  // namespace fp8kv::cpu

@@ -17,3 +17,6 @@ TORCH_LIBRARY_IMPL(fp8kv, CPU, m) {
   m.impl("linear_f32", &fp8kv::cpu::linear_f32);
   m.impl("decode_layer", &fp8kv::cpu::decode_layer);
 }
+
+// oneDNN's packed float32 weights are MkldnnCPU tensors; decode_layer passes them on to oneDNN's linear.
+TORCH_LIBRARY_IMPL(fp8kv, MkldnnCPU, m) { m.impl("decode_layer", &fp8kv::cpu::decode_layer); }

@@ -8,10 +8,11 @@ are packed together (packed_linear.MergedLinear), and our attention called direc
 transformers' formulas round (bitwise equal in bfloat16 and float16, float32 differs in summation order).
 The residual stream is updated in place, so a layer's output is its input tensor.
 
-In a decode step (every sequence has one new token) of a float32 layer whose projections are fp8kv's
-packed panels, the whole sequence runs as one compiled call (torch.ops.fp8kv.decode_layer: the same kernels
-in the same order, so bitwise the same result, without ~25 Python-level calls per layer; default model, 16
-sequences: 23 ms of Python-driven layers per step before). FP8KV_DECODE_LAYER=0 keeps the Python sequence.
+In a decode step (every sequence has one new token) of a layer whose projections are packed (fp8kv's float32
+panels or oneDNN's layout, packed_linear.py), the whole sequence runs as one compiled call
+(torch.ops.fp8kv.decode_layer: the same kernels in the same order, so bitwise the same result, without ~25
+Python-level calls per layer; default model, 16 sequences, float32: 26.4 -> 23.4 ms per step's layers,
+median). FP8KV_DECODE_LAYER=0 keeps the Python sequence.
 
 The model's own forward still runs the layers, the rotary embedding and the final norm; only each
 decoder layer's `forward` is replaced (FP8KV_FUSED_LAYERS=0 keeps transformers' layers).
@@ -69,6 +70,7 @@ class FusedDecoderLayer:
         self.gate_up = _projections(mlp.gate_proj, mlp.up_proj)
         self.decode_args = _decode_layer_args(layer) if ops.compiled else None
         self.decode_op = torch.ops.fp8kv.decode_layer.default if self.decode_args is not None else None
+        self.decode_dtype = self.input_norm.weight.dtype  # the dtype its packed weights were made for
 
     def __call__(self, hidden_states: torch.Tensor, *args, position_embeddings=None, **kwargs) -> torch.Tensor:
         if (position_embeddings is None or hidden_states.dim() != 3 or hidden_states.shape[0] != 1
@@ -78,7 +80,7 @@ class FusedDecoderLayer:
         cos, sin = position_embeddings
         if self.decode_args is not None:
             step = attention.decode_step_args(self.layer_idx)
-            if step is not None and x.dtype == torch.float32 and x.is_contiguous():
+            if step is not None and x.dtype == self.decode_dtype and x.is_contiguous():
                 self.decode_op(x, *self.decode_args, cos[0], sin[0], self.scaling, *step)
                 return hidden_states
         tokens = x.shape[0]
@@ -107,8 +109,9 @@ def _projections(*linears: nn.Module) -> Callable[[torch.Tensor], list[torch.Ten
 
 
 def _decode_layer_args(layer: nn.Module) -> tuple | None:
-    """decode_layer's weight arguments (weights, biases, shape, eps) when every projection of `layer` is a
-    float32 panel matmul (q/k/v and gate/up merged), else None. FP8KV_DECODE_LAYER=0: None."""
+    """decode_layer's weight arguments (weights, biases, shape, eps) when every projection of `layer` is packed
+    one way (fp8kv's float32 panels or oneDNN's layout; q/k/v and gate/up merged) and the norms hold the
+    weights' dtype, else None. FP8KV_DECODE_LAYER=0: None."""
     if os.environ.get("FP8KV_DECODE_LAYER", "1").strip() == "0" or not hasattr(torch.ops.fp8kv, "decode_layer"):
         return None
     attn, mlp = layer.self_attn, layer.mlp
@@ -116,16 +119,19 @@ def _decode_layer_args(layer: nn.Module) -> tuple | None:
     if qkv is None or gate_up is None:
         return None
     projections = (qkv.packed, attn.o_proj, gate_up.packed, mlp.down_proj)
-    if not all(type(p) is PackedLinear and p.panels for p in projections):
+    if not all(type(p) is PackedLinear and p.panels == projections[0].panels for p in projections):
         return None
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    if any(n.weight.dtype != torch.float32 for n in norms):
+    dtype = norms[0].weight.dtype
+    if norms[1].weight.dtype != dtype or dtype not in ((torch.float32,) if projections[0].panels
+                                                       else (torch.float32, torch.bfloat16)):
         return None
     heads, kv_heads = attn.q_proj.out_features // attn.head_dim, attn.k_proj.out_features // attn.head_dim
     weights = [norms[0].weight, qkv.packed.packed_weight, attn.o_proj.packed_weight, norms[1].weight,
                gate_up.packed.packed_weight, mlp.down_proj.packed_weight]
-    return (weights, [p.bias for p in projections], [heads, kv_heads, attn.head_dim, mlp.down_proj.in_features],
-            [float(n.variance_epsilon) for n in norms])
+    packing = 0 if projections[0].panels else 1  # decode_layer.cpp: kPanels, kOneDnn
+    return (weights, [p.bias for p in projections],
+            [heads, kv_heads, attn.head_dim, mlp.down_proj.in_features, packing], [float(n.variance_epsilon) for n in norms])
 
 
 def _merged(*linears: nn.Module) -> MergedLinear | None:
