@@ -11,6 +11,9 @@ namespace {
 // Which CPU code path this library was compiled with: "avx512", "avx2" or "scalar".
 std::string cpu_isa() { return fp8kv::cpu::isa_name(); }
 
+// Whether that path has AVX512-BF16 dot products (linear_bf16 runs its fast kernel).
+bool cpu_bf16_dot() { return fp8kv::cpu::has_bf16_dot(); }
+
 }  // namespace
 
 TORCH_LIBRARY(fp8kv, m) {
@@ -37,6 +40,9 @@ TORCH_LIBRARY(fp8kv, m) {
   // float32 linear over 16-column weight panels (fp8cache/model/packed_linear.py); CPU kernels only.
   m.def("linear_f32_pack(Tensor weight) -> Tensor");
   m.def("linear_f32(Tensor input, Tensor packed_weight, int out_features, Tensor? bias) -> Tensor");
+  // bfloat16 linear over 16-column panels of k pairs (fp8cache/model/packed_linear.py); CPU kernels only.
+  m.def("linear_bf16_pack(Tensor weight) -> Tensor");
+  m.def("linear_bf16(Tensor input, Tensor packed_weight, int out_features, Tensor? bias) -> Tensor");
   // One float32 decoder layer of a decode step over panel weights (fp8cache/model/fused_layer.py); CPU only.
   m.def(
       "decode_layer(Tensor(a!) hidden, Tensor[] weights, Tensor?[] biases, int[] shape, float[] eps, Tensor cos, "
@@ -45,4 +51,5 @@ TORCH_LIBRARY(fp8kv, m) {
       "Tensor(d!)[] window, Tensor? window_slot_mapping, Tensor? window_block_tables, Tensor? window_starts, "
       "int window_size) -> ()");
   m.def("cpu_isa() -> str", &cpu_isa);
+  m.def("cpu_bf16_dot() -> bool", &cpu_bf16_dot);
 }

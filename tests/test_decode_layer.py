@@ -18,13 +18,13 @@ from fp8cache.model.runner import ModelRunner
 BLOCK = 16
 
 
-LAYOUTS = ["panels-float32", "onednn-float32", "onednn-bfloat16"]
+LAYOUTS = ["panels-float32", "panels-bfloat16", "onednn-float32", "onednn-bfloat16"]
 
 
 @pytest.fixture
 def panels(monkeypatch):
-    """Every float32 projection packed into fp8kv's panels (the probe would decide by speed; the kernel's
-    portable path keeps this correct on any CPU)."""
+    """Every float32 projection packed into fp8kv's panels (the probe would decide by speed; the kernels'
+    portable paths keep this correct on any CPU)."""
     use_layout(monkeypatch, "panels-float32")
 
 
@@ -33,7 +33,7 @@ def use_layout(monkeypatch, layout: str) -> str:
     monkeypatch.setenv("FP8KV_PACK_LINEARS", "1")
     monkeypatch.setenv("FP8KV_REFERENCE_OPS", "0")
     packing, dtype = layout.split("-")
-    monkeypatch.setattr(packed_linear, "panels_available", lambda: packing == "panels")
+    monkeypatch.setattr(packed_linear, "panels_available", lambda *dtype: packing == "panels")
     if packing == "onednn" and not packed_linear.packing_works(getattr(torch, dtype)):
         pytest.skip(f"this torch build or CPU cannot run oneDNN's packed {dtype} linear")
     return dtype
@@ -136,7 +136,9 @@ def test_decode_layer_refuses_bad_arguments(tiny_llama_path, monkeypatch, panels
     op = torch.ops.fp8kv.decode_layer
     with pytest.raises(RuntimeError, match=r"weights must be \[input_norm, qkv, o, post_norm, gate_up, down\]"):
         op(hidden, weights[:5], biases, shape, eps, cos, sin, 0.125, *rest)
-    with pytest.raises(RuntimeError, match="hidden must be a contiguous .* float32 tensor"):
+    with pytest.raises(RuntimeError, match="hidden must be a contiguous float32 or bfloat16"):
+        op(hidden.half(), weights, biases, shape, eps, cos, sin, 0.125, *rest)
+    with pytest.raises(RuntimeError, match="the packed weights are Float but hidden is BFloat16"):
         op(hidden.bfloat16(), weights, biases, shape, eps, cos, sin, 0.125, *rest)
     with pytest.raises(RuntimeError, match="packing must be 0"):
         op(hidden, weights, biases, [*shape[:4], 7], eps, cos, sin, 0.125, *rest)

@@ -1,4 +1,5 @@
-"""Linear layers packed for oneDNN or fp8kv's float32 panels (fp8cache.model.packed_linear) against F.linear."""
+"""Linear layers packed for oneDNN or fp8kv's float32 / bfloat16 panels (fp8cache.model.packed_linear) against
+F.linear."""
 
 from __future__ import annotations
 
@@ -214,3 +215,59 @@ def test_float32_panels_switch_back_to_onednn(tiny_llama_path, monkeypatch):
     model = load_model(EngineConfig(model=tiny_llama_path, dtype="float32"), progress=False).model
     assert packed_linear.pack_linears(model, torch.device("cpu"), compiled_ops=True) > 0
     assert not any(m.panels for m in model.modules() if isinstance(m, packed_linear.PackedLinear))
+
+
+# ---- fp8kv's bfloat16 panel kernel (torch.ops.fp8kv.linear_bf16) ----------------------------------------
+
+@pytest.mark.parametrize("rows", [0, 1, 7, 8, 9, 16, 29, 300])
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (17, 33), (48, 5), (100, 40)])
+def test_linear_bf16_rounds_the_float32_linear_once(rows, out_features, in_features):
+    """Every micro-kernel shape (8 x 3, 12 x 2, 16 x 1 tiles and their remainders, a partial last panel, an
+    odd in_features): the float32 result of the bfloat16 inputs, rounded once to bfloat16."""
+    lib = ops.load()
+    g = torch.Generator().manual_seed(rows * 1000 + out_features)
+    weight = torch.randn(out_features, in_features, generator=g).bfloat16()
+    bias = torch.randn(out_features, generator=g).bfloat16()
+    x = torch.randn(1, rows, in_features, generator=g).bfloat16()
+    packed = lib.linear_bf16_pack(weight)
+    assert packed.shape == (-(-out_features // 16), -(-in_features // 2), 16, 2)
+    for b in (None, bias):
+        got = lib.linear_bf16(x, packed, out_features, b)
+        want = F.linear(x.float(), weight.float(), None if b is None else b.float())
+        assert got.shape == (1, rows, out_features) and got.dtype == torch.bfloat16
+        # half a bfloat16 ulp from rounding, plus float32 summation-order differences
+        assert ((got.float() - want).abs() <= 2 ** -8 * want.abs() + 1e-4).all()
+
+
+def test_linear_bf16_refuses_bad_inputs():
+    lib = ops.load()
+    packed = lib.linear_bf16_pack(torch.randn(20, 8).bfloat16())
+    with pytest.raises(RuntimeError, match="input has 10 features; the weight takes 7 or 8"):
+        lib.linear_bf16(torch.randn(2, 10).bfloat16(), packed, 20, None)
+    with pytest.raises(RuntimeError, match="does not match 2 panels"):
+        lib.linear_bf16(torch.randn(2, 8).bfloat16(), packed, 40, None)
+    with pytest.raises(RuntimeError, match="bias must have 20 elements"):
+        lib.linear_bf16(torch.randn(2, 8).bfloat16(), packed, 20, torch.randn(19))
+    with pytest.raises(RuntimeError, match="input must be a bfloat16"):
+        lib.linear_bf16(torch.randn(2, 8), packed, 20, None)
+    with pytest.raises(RuntimeError, match="weight must be a bfloat16"):
+        lib.linear_bf16_pack(torch.randn(20, 8))
+
+
+def test_bfloat16_models_use_panels_where_available_and_the_switch_keeps_onednn(tiny_llama_path, monkeypatch):
+    ops.load()
+    plain = load_model(EngineConfig(model=tiny_llama_path, dtype="bfloat16"), progress=False).model
+    ids = torch.tensor([[5, 9, 14, 3, 22, 7, 40, 11]])
+    with torch.no_grad():
+        want = plain(input_ids=ids).logits.float()
+    for switch in ("1", "0"):
+        monkeypatch.setenv("FP8KV_LINEAR_BF16", switch)
+        model = load_model(EngineConfig(model=tiny_llama_path, dtype="bfloat16"), progress=False).model
+        assert packed_linear.pack_linears(model, torch.device("cpu"), compiled_ops=True) > 0
+        panels = (switch == "1" and torch.ops.fp8kv.cpu_isa() == "avx512" and torch.ops.fp8kv.cpu_bf16_dot()
+                  and not packed_linear._cpu_has_amx())
+        assert packed_linear.panels_available(torch.bfloat16) == panels
+        assert all(m.panels == panels for m in model.modules() if isinstance(m, packed_linear.PackedLinear))
+        with torch.no_grad():
+            got = model(input_ids=ids).logits.float()
+        assert (got - want).abs().max() <= 0.02 * want.abs().max()

@@ -2,8 +2,8 @@
 // as fp8cache/model/fused_layer.py runs them from Python (so the results are bitwise those of that path),
 // without its ~25 Python-level op calls per layer. In a decode step of a small model that dispatch was
 // about an eighth of the step; here it is one call. Layers whose projections are packed
-// (fp8cache/model/packed_linear.py): float32 in fp8kv's 16-column panels (linear_f32), or bfloat16 / float32
-// in oneDNN's layout (mkldnn::_linear_pointwise, called through the dispatcher as the Python path calls it).
+// (fp8cache/model/packed_linear.py): in fp8kv's 16-column panels (linear_f32, linear_bf16), or in oneDNN's
+// layout (mkldnn::_linear_pointwise, called through the dispatcher as the Python path calls it).
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -30,7 +30,10 @@ enum Packing : int64_t { kPanels = 0, kOneDnn = 1 };
 // x @ W.T + b over a packed weight, as PackedLinear.forward computes it.
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                          const std::optional<at::Tensor>& bias, int64_t packing) {
-  if (packing == kPanels) return linear_f32(x, packed, out_features, bias);
+  if (packing == kPanels) {
+    return packed.scalar_type() == at::kBFloat16 ? linear_bf16(x, packed, out_features, bias)
+                                                  : linear_f32(x, packed, out_features, bias);
+  }
   static const auto onednn =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
@@ -58,10 +61,12 @@ void decode_layer(at::Tensor& hidden, at::TensorList weights, const c10::List<st
   const int64_t packing = shape[4];
   TORCH_CHECK(packing == kPanels || packing == kOneDnn, "packing must be 0 (fp8kv panels) or 1 (oneDNN), got ", packing);
   TORCH_CHECK(eps.size() == 2, "eps must be [input_norm_eps, post_norm_eps], got ", eps.size(), " values");
-  const bool dtype_ok = hidden.scalar_type() == at::kFloat || (packing == kOneDnn && hidden.scalar_type() == at::kBFloat16);
-  TORCH_CHECK(hidden.dim() == 2 && dtype_ok && hidden.is_contiguous(), "hidden must be a contiguous [tokens, hidden_size] ",
-              packing == kPanels ? "float32" : "float32 or bfloat16", " tensor, got ", hidden.scalar_type(), " ",
-              hidden.sizes());
+  TORCH_CHECK(hidden.dim() == 2 && (hidden.scalar_type() == at::kFloat || hidden.scalar_type() == at::kBFloat16) &&
+                  hidden.is_contiguous(),
+              "hidden must be a contiguous float32 or bfloat16 [tokens, hidden_size] tensor, got ", hidden.scalar_type(),
+              " ", hidden.sizes());
+  TORCH_CHECK(weights[kQkv].scalar_type() == hidden.scalar_type(), "the packed weights are ",
+              weights[kQkv].scalar_type(), " but hidden is ", hidden.scalar_type());
   TORCH_CHECK(window.empty() || window.size() == 2, "window must be [] or [window_key_cache, window_value_cache]");
   const bool windowed = window.size() == 2;
   TORCH_CHECK(!windowed || (window_slot_mapping && window_block_tables && window_starts),

@@ -50,4 +50,13 @@ inline const char* isa_name() {
 #endif
 }
 
+// Whether the AVX-512 path also has the AVX512-BF16 dot product (linear_bf16's fast kernel, Bf16Dot).
+inline bool has_bf16_dot() {
+#if defined(FP8KV_ISA_AVX512) && defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 }  // namespace fp8kv::cpu

@@ -15,6 +15,8 @@ TORCH_LIBRARY_IMPL(fp8kv, CPU, m) {
   m.impl("silu_and_mul", &fp8kv::cpu::silu_and_mul);
   m.impl("linear_f32_pack", &fp8kv::cpu::linear_f32_pack);
   m.impl("linear_f32", &fp8kv::cpu::linear_f32);
+  m.impl("linear_bf16_pack", &fp8kv::cpu::linear_bf16_pack);
+  m.impl("linear_bf16", &fp8kv::cpu::linear_bf16);
   m.impl("decode_layer", &fp8kv::cpu::decode_layer);
 }
 

@@ -123,8 +123,7 @@ def _decode_layer_args(layer: nn.Module) -> tuple | None:
         return None
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     dtype = norms[0].weight.dtype
-    if norms[1].weight.dtype != dtype or dtype not in ((torch.float32,) if projections[0].panels
-                                                       else (torch.float32, torch.bfloat16)):
+    if norms[1].weight.dtype != dtype or dtype not in (torch.float32, torch.bfloat16):
         return None
     heads, kv_heads = attn.q_proj.out_features // attn.head_dim, attn.k_proj.out_features // attn.head_dim
     weights = [norms[0].weight, qkv.packed.packed_weight, attn.o_proj.packed_weight, norms[1].weight,

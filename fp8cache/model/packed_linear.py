@@ -7,14 +7,15 @@ bfloat16, 16 rows: all 210 layer matmuls 35 -> 27 ms, lm_head 7.1 -> 5.2 ms). La
 The packed copy replaces the module's weight (the plain one is freed), except for an output projection
 that shares its weight with the input embeddings (both are kept).
 
-bfloat16 weights are packed for oneDNN. float32 weights go to fp8kv's own kernel (torch.ops.fp8kv.linear_f32
-over 16-column panels, csrc/cpu/linear_f32.cpp) on AVX-512 machines with the compiled ops, else to oneDNN;
-either way only where a probe at load finds it faster than F.linear (MKL's sgemm) for the model's own
-shapes. On an AMD EPYC (Zen 5), MKL's sgemm runs at ~200 GFLOP/s and oneDNN's packed float32 at ~450;
-fp8kv's kernel matches oneDNN at prefill and keeps memory busier at decode (default model's 30 layers, 16
-rows: 12.2 vs 15.2 ms). On an Intel Xeon with AMX, oneDNN was faster than F.linear at decode but up to 20%
-slower at prefill. FP8KV_PACK_LINEARS=0 keeps every nn.Linear as it is; FP8KV_PACK_LINEARS=1 packs float32
-models without the probe; FP8KV_LINEAR_F32=0 packs float32 for oneDNN instead of fp8kv's kernel.
+float32 and bfloat16 weights go to fp8kv's own kernels (torch.ops.fp8kv.linear_f32 / linear_bf16 over 16-column
+panels, csrc/cpu/linear_f32.cpp and linear_bf16.cpp) on AVX-512 machines with the compiled ops (bfloat16: with
+AVX512-BF16 and no AMX), else to oneDNN; float32 only where a probe at load finds it faster than F.linear (MKL's sgemm)
+for the model's own shapes. On an AMD EPYC (Zen 5), MKL's sgemm runs at ~200 GFLOP/s and oneDNN's packed
+float32 at ~450; fp8kv's kernels match oneDNN at prefill and keep memory busier at decode (default model's 30
+layers, 16 rows: float32 12.2 vs 15.2 ms, bfloat16 5.6 vs 9.6 ms). On an Intel Xeon with AMX, oneDNN was
+faster than F.linear at decode but up to 20% slower at prefill. FP8KV_PACK_LINEARS=0 keeps every nn.Linear as
+it is; FP8KV_PACK_LINEARS=1 packs float32 models without the probe; FP8KV_LINEAR_F32=0 / FP8KV_LINEAR_BF16=0
+pack float32 / bfloat16 for oneDNN instead of fp8kv's kernels.
 
 Sibling projections that read one input in one forward (q/k/v, gate/up) are packed as one weight
 (MergedLinear): one oneDNN call and one pass over the input instead of three or two. Decode-sized batches
@@ -40,15 +41,21 @@ MERGED_GROUPS = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", 
 
 
 class PackedLinear(nn.Module):
-    """nn.Linear's forward over a packed weight: fp8kv's float32 panels (`panels`) or oneDNN's layout."""
+    """nn.Linear's forward over a packed weight: fp8kv's float32 or bfloat16 panels (`panels`) or oneDNN's
+    layout."""
 
     def __init__(self, linear: nn.Linear, panels: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         self.panels = panels
-        packed = (torch.ops.fp8kv.linear_f32_pack(weight) if panels
-                  else torch.ops.mkldnn._reorder_linear_weight(weight, _BATCH_HINT))
+        if panels:
+            lib = torch.ops.fp8kv
+            pack, self._panel_op = ((lib.linear_bf16_pack, lib.linear_bf16.default) if weight.dtype == torch.bfloat16
+                                    else (lib.linear_f32_pack, lib.linear_f32.default))
+            packed = pack(weight)
+        else:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, _BATCH_HINT)
         self.register_buffer("packed_weight", packed, persistent=False)
         self.bias = linear.bias
         # Shape and dtype for code that inspects `weight`; it holds no values (the packed copy does).
@@ -57,7 +64,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels:
-            return torch.ops.fp8kv.linear_f32.default(x, self.packed_weight, self.out_features, self.bias)
+            return self._panel_op(x, self.packed_weight, self.out_features, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
@@ -135,7 +142,7 @@ def pack_linears(model: nn.Module, device: torch.device, compiled_ops: bool = Fa
     dtypes = {getattr(parent, name).weight.dtype for parent, name in targets}
     if len(dtypes) != 1:
         return 0
-    panels = dtypes == {torch.float32} and compiled_ops and panels_available()
+    panels = compiled_ops and panels_available(*dtypes)
     if not panels and not packing_works(*dtypes):
         return 0
     if dtypes == {torch.float32} and switch != "1":
@@ -152,12 +159,26 @@ def pack_linears(model: nn.Module, device: torch.device, compiled_ops: bool = Fa
     return count
 
 
-def panels_available() -> bool:
-    """fp8kv's float32 panel kernel is compiled with AVX-512 here (its portable path is for correctness, not
-    speed) and not switched off with FP8KV_LINEAR_F32=0."""
-    if os.environ.get("FP8KV_LINEAR_F32", "1").strip() == "0":
+def panels_available(dtype: torch.dtype = torch.float32) -> bool:
+    """fp8kv's panel kernel for `dtype` is compiled with AVX-512 here (bfloat16: with AVX512-BF16; the portable
+    paths are for correctness, not speed) and not switched off (FP8KV_LINEAR_F32=0, FP8KV_LINEAR_BF16=0)."""
+    switch, op = {torch.float32: ("FP8KV_LINEAR_F32", "linear_f32"),
+                  torch.bfloat16: ("FP8KV_LINEAR_BF16", "linear_bf16")}.get(dtype, (None, None))
+    if switch is None or os.environ.get(switch, "1").strip() == "0" or not hasattr(torch.ops.fp8kv, op):
         return False
-    return hasattr(torch.ops.fp8kv, "linear_f32") and torch.ops.fp8kv.cpu_isa() == "avx512"
+    if torch.ops.fp8kv.cpu_isa() != "avx512":
+        return False
+    # bfloat16 on a CPU with AMX: oneDNN's AMX kernels multiply prefill batches several times faster.
+    return dtype != torch.bfloat16 or (torch.ops.fp8kv.cpu_bf16_dot() and not _cpu_has_amx())
+
+
+@functools.cache
+def _cpu_has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and "amx_bf16" in line.split() for line in f)
+    except OSError:
+        return False
 
 
 def _merge_siblings(targets: list[tuple[nn.Module, str]], panels: bool) -> list[tuple[nn.Module, str]]:
