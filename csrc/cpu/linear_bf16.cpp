@@ -20,11 +20,11 @@
 
 #include "cpu/cpu_ops.h"
 #include "cpu/isa.h"
+#include "cpu/panel_tiles.h"
 
 namespace fp8kv::cpu {
 namespace {
 
-constexpr int kPanel = 16;
 using bf16 = c10::BFloat16;
 
 #if defined(FP8KV_ISA_AVX512) && defined(__AVX512BF16__)
@@ -70,22 +70,9 @@ template <int NR>
 void panel_group(const bf16* x, int64_t M, int64_t ldx, int64_t K2, const bf16* panels, bf16* y, int64_t N,
                  const float* bias, int last) {
   constexpr int MR = NR == 3 ? 8 : NR == 2 ? 12 : 16;
-  int64_t m = 0;
-  for (; m + MR <= M; m += MR) tile<MR, NR>(x + m * ldx, ldx, panels, K2, y + m * N, N, bias, last);
-  x += m * ldx;
-  y += m * N;
-  switch (M - m) {
-#define FP8KV_REST(R) \
-  case R:             \
-    if constexpr (R < MR) tile<R, NR>(x, ldx, panels, K2, y, N, bias, last); \
-    break;
-    FP8KV_REST(1) FP8KV_REST(2) FP8KV_REST(3) FP8KV_REST(4) FP8KV_REST(5) FP8KV_REST(6) FP8KV_REST(7)
-    FP8KV_REST(8) FP8KV_REST(9) FP8KV_REST(10) FP8KV_REST(11) FP8KV_REST(12) FP8KV_REST(13) FP8KV_REST(14)
-    FP8KV_REST(15)
-#undef FP8KV_REST
-    default:
-      break;
-  }
+  for_row_tiles<MR>(M, [&](auto rows, int64_t m) {
+    tile<decltype(rows)::value, NR>(x + m * ldx, ldx, panels, K2, y + m * N, N, bias, last);
+  });
 }
 #endif
 
@@ -162,23 +149,17 @@ at::Tensor linear_bf16(const at::Tensor& input, const at::Tensor& packed_weight,
   const bf16* wp = packed_weight.data_ptr<bf16>();
   bf16* yp = out.data_ptr<bf16>();
   const int64_t group = has_bf16_dot() && M > 8 && M <= 16 ? 1 : 3;  // one pass over the panels (see linear_f32)
-  const int64_t groups = (P + group - 1) / group;
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t p0 = g * group;
-      const int np = static_cast<int>(std::min<int64_t>(group, P - p0));
-      const int last = static_cast<int>(std::min<int64_t>(kPanel, N - (p0 + np - 1) * kPanel));
-      const bf16* panels = wp + p0 * K2 * 2 * kPanel;
-      bf16* y = yp + p0 * kPanel;
-      const float* bg = b ? b + p0 * kPanel : nullptr;
+  for_panel_groups(P, N, group, [&](int64_t p0, int np, int last) {
+    const bf16* panels = wp + p0 * K2 * 2 * kPanel;
+    bf16* y = yp + p0 * kPanel;
+    const float* bg = b ? b + p0 * kPanel : nullptr;
 #if defined(FP8KV_ISA_AVX512) && defined(__AVX512BF16__)
-      if (np == 3) panel_group<3>(xp, M, ldx, K2, panels, y, N, bg, last);
-      else if (np == 2) panel_group<2>(xp, M, ldx, K2, panels, y, N, bg, last);
-      else panel_group<1>(xp, M, ldx, K2, panels, y, N, bg, last);
+    if (np == 3) panel_group<3>(xp, M, ldx, K2, panels, y, N, bg, last);
+    else if (np == 2) panel_group<2>(xp, M, ldx, K2, panels, y, N, bg, last);
+    else panel_group<1>(xp, M, ldx, K2, panels, y, N, bg, last);
 #else
-      panel_group_scalar(xp, M, ldx, K2, panels, np, y, N, bg, last);
+    panel_group_scalar(xp, M, ldx, K2, panels, np, y, N, bg, last);
 #endif
-    }
   });
   return out;
 }

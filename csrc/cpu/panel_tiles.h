@@ -1,0 +1,49 @@
+// The loops fp8kv's panel linear kernels (linear_f32.cpp, linear_bf16.cpp) share: threads over groups of
+// column panels, and within a group, rows in register tiles of MR with one smaller tile for the rest.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include <ATen/Parallel.h>
+
+namespace fp8kv::cpu {
+
+constexpr int kPanel = 16;  // output columns per panel
+
+// fn(first_panel, panels, last): groups of `group` consecutive panels (fewer at the end) spread over the
+// threads, each thread a contiguous run of groups; `last` counts the columns of a group's last panel.
+template <typename Fn>
+void for_panel_groups(int64_t num_panels, int64_t out_features, int64_t group, Fn&& fn) {
+  const int64_t groups = (num_panels + group - 1) / group;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t p0 = g * group;
+      const int np = static_cast<int>(std::min<int64_t>(group, num_panels - p0));
+      fn(p0, np, static_cast<int>(std::min<int64_t>(kPanel, out_features - (p0 + np - 1) * kPanel)));
+    }
+  });
+}
+
+template <int R, int MR, typename Fn>
+inline void rest_tile(int64_t rows, Fn& fn) {
+  if constexpr (R < MR) {
+    if (rows == R) {
+      fn(std::integral_constant<int, R>{});
+    } else {
+      rest_tile<R + 1, MR>(rows, fn);
+    }
+  }
+}
+
+// fn(std::integral_constant<int, rows>, first_row) for M rows: full MR-row tiles, then one of the rest.
+template <int MR, typename Fn>
+inline void for_row_tiles(int64_t M, Fn&& fn) {
+  int64_t m = 0;
+  for (; m + MR <= M; m += MR) fn(std::integral_constant<int, MR>{}, m);
+  auto rest = [&](auto rows) { fn(rows, m); };
+  rest_tile<1, MR>(M - m, rest);
+}
+
+}  // namespace fp8kv::cpu
