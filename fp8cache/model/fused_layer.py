@@ -8,8 +8,8 @@ are packed together (packed_linear.MergedLinear), and our attention called direc
 transformers' formulas round (bitwise equal in bfloat16 and float16, float32 differs in summation order).
 The residual stream is updated in place, so a layer's output is its input tensor.
 
-In a decode step (every sequence has one new token) of a layer whose projections are packed (fp8kv's float32
-panels or oneDNN's layout, packed_linear.py), the whole sequence runs as one compiled call
+In a decode step (every sequence has one new token) of a layer whose projections are packed (fp8kv's panels
+or oneDNN's layout, packed_linear.py), the whole sequence runs as one compiled call
 (torch.ops.fp8kv.decode_layer: the same kernels in the same order, so bitwise the same result, without ~25
 Python-level calls per layer; default model, 16 sequences, float32: 26.4 -> 23.4 ms per step's layers,
 median). FP8KV_DECODE_LAYER=0 keeps the Python sequence.
