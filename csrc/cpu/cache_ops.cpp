@@ -1,6 +1,7 @@
 // Writing K/V into the paged cache (quantizing to FP8 on the way) and the standalone quantize /
 // dequantize ops that tests and the engine use to check fp8.h against torch.
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -122,6 +123,13 @@ void reshape_and_cache_impl(const at::Tensor& key, const at::Tensor& value, at::
           }
         }
 #endif
+        if constexpr (kFormat == KVFormat::AUTO && std::is_same_v<scalar_t, cache_t>) {
+          if (ks2 == 1 && vs2 == 1) {  // the values as they are: K in x-element chunks, V a column of rows
+            for (int64_t c = 0; c < D / x; ++c) std::memcpy(kdst + c * bs * x, krow + c * x, x * sizeof(cache_t));
+            for (int64_t d = 0; d < D; ++d) vdst[d * bs] = vrow[d];
+            continue;
+          }
+        }
         for (int64_t d = 0; d < D; ++d) {
           kdst[(d / x) * bs * x + d % x] = encode<cache_t, kFormat>(static_cast<float>(krow[d * ks2]), ksc);
           vdst[d * bs] = encode<cache_t, kFormat>(static_cast<float>(vrow[d * vs2]), vsc);
