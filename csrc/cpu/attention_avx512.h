@@ -548,6 +548,10 @@ using Bf16Dot = FloatDot<kFormat>;
 // vectors into four independent chains, enough to hide the FMA / dot-product latency with one head.
 constexpr int kFp8Sets = 4;
 
+FP8KV_INLINE __m512 sum_sets(const __m512* a) {
+  return _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
+}
+
 template <typename Dot>
 constexpr int fp8_set(int parity, int j) {
   return (parity * Dot::kParts + j) % kFp8Sets;
@@ -555,14 +559,19 @@ constexpr int fp8_set(int parity, int j) {
 
 // qb: [head_size / 16][kG][kParts][16]: the operands of group g for head h (Dot::operands of
 // q[h][16g .. 16g + 15]), at constant offsets from group g's row. Logits are the sums times qk_scale.
-// One quad (4 tokens) runs through all its head dims with kG * kFp8Sets accumulators, few enough to
-// stay in registers; four quads' sums then finish together in reduce4.
+// One quad (4 tokens) runs through all its head dims with kG * kFp8Sets accumulators, few enough to stay in
+// registers (with Bf16Dot two quads at a time, kG accumulators each); four quads' sums then finish together
+// in reduce4.
 template <typename Dot, KVFormat kFormat, int kG>
 void qk_fp8(const PartitionWork& w, const View<uint8_t>& view, const float* qb, const float* alibi,
             float* logits, int logit_stride, SlabPrefetcher k_ahead, SlabPrefetcher v_ahead) {
   const Fp8Lanes<kFormat> codec;
   constexpr int kAhead = 32;  // tokens between a K prefetch and its use
   constexpr int kOps = Dot::kParts * 16;  // floats of one head's operands per group
+  // Bf16Dot: two quads at a time, one accumulator each per head, so each operand load feeds both. FloatDot
+  // keeps one quad: its four parts per quad already fill the registers (two quads measured slower).
+  constexpr int kQuads = Dot::kParts == 2 ? 2 : 1;
+  constexpr int kSets = kQuads == 2 ? 1 : kFp8Sets;
   const int D = w.head_size, bs = w.block_size, groups = D / 16;
   const int bs_shift = __builtin_ctz(bs);
   const int64_t group_stride = 16 * static_cast<int64_t>(bs);
@@ -571,28 +580,31 @@ void qk_fp8(const PartitionWork& w, const View<uint8_t>& view, const float* qb, 
   const __m512 qk_scale = _mm512_set1_ps(w.qk_scale);
   alignas(64) float quad_sums[kG][4][16] = {};  // [head][quad of the tile]: 4-lane partial sums
   for (int ts = w.start; ts < w.end; ts += 16) {
-    for (int qi = 0; qi < 4 && ts + 4 * qi < w.end; ++qi) {
+    for (int qi = 0; qi < 4 && ts + 4 * qi < w.end; qi += kQuads) {
       const int t = ts + 4 * qi;
-      const uint8_t* p = token_ptr(t);
-      const uint8_t* ahead = t + kAhead < w.end ? token_ptr(t + kAhead) : p;
-      __m512 acc[kG][kFp8Sets];
-      for (int h = 0; h < kG; ++h) {
-        for (int s = 0; s < kFp8Sets; ++s) acc[h][s] = _mm512_setzero_ps();
+      const uint8_t* p[kQuads];
+      for (int u = 0; u < kQuads; ++u) p[u] = t + 4 * u < w.end ? token_ptr(t + 4 * u) : token_ptr(t);
+      const uint8_t* ahead = t + kAhead < w.end ? token_ptr(t + kAhead) : p[0];
+      __m512 acc[kQuads][kG][kSets];
+      for (int u = 0; u < kQuads; ++u) {
+        for (int h = 0; h < kG; ++h) {
+          for (int s = 0; s < kSets; ++s) acc[u][h][s] = _mm512_setzero_ps();
+        }
       }
       const float* qg = qb;
       auto step = [&](auto parity) {  // one group of 16 head dims
-        _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
-        typename Dot::Part z[Dot::kParts];
-        Dot::decode(codec, _mm512_loadu_si512(p), z);
+        for (int u = 0; u < kQuads; ++u) _mm_prefetch(reinterpret_cast<const char*>(ahead) + 64 * u, _MM_HINT_T0);
+        typename Dot::Part z[kQuads][Dot::kParts];
+        for (int u = 0; u < kQuads; ++u) Dot::decode(codec, _mm512_loadu_si512(p[u]), z[u]);
 #pragma GCC unroll 4
         for (int h = 0; h < kG; ++h) {
 #pragma GCC unroll 4
           for (int j = 0; j < Dot::kParts; ++j) {
-            __m512& a = acc[h][fp8_set<Dot>(decltype(parity)::value, j)];
-            a = Dot::madd(z[j], qg + h * kOps + 16 * j, a);
+            const int set = kSets == 1 ? 0 : fp8_set<Dot>(decltype(parity)::value, j);
+            for (int u = 0; u < kQuads; ++u) acc[u][h][set] = Dot::madd(z[u][j], qg + h * kOps + 16 * j, acc[u][h][set]);
           }
         }
-        p += group_stride;
+        for (int u = 0; u < kQuads; ++u) p[u] += group_stride;
         ahead += group_stride;
         qg += kG * kOps;
       };
@@ -600,17 +612,16 @@ void qk_fp8(const PartitionWork& w, const View<uint8_t>& view, const float* qb, 
       for (; g + 2 <= groups; g += 2) {
         step(std::integral_constant<int, 0>{});
         step(std::integral_constant<int, 1>{});
-        k_ahead.lines(2 * k_ahead.heads);  // as many lines per head as these steps read
-        v_ahead.lines(2 * v_ahead.heads);
+        k_ahead.lines(2 * kQuads * k_ahead.heads);  // as many lines per head as these steps read
+        v_ahead.lines(2 * kQuads * v_ahead.heads);
       }
       if (g < groups) {
         step(std::integral_constant<int, 0>{});
-        k_ahead.lines(k_ahead.heads);
-        v_ahead.lines(v_ahead.heads);
+        k_ahead.lines(kQuads * k_ahead.heads);
+        v_ahead.lines(kQuads * v_ahead.heads);
       }
-      for (int h = 0; h < kG; ++h) {
-        const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[h][0], acc[h][1]), _mm512_add_ps(acc[h][2], acc[h][3]));
-        _mm512_store_ps(quad_sums[h][qi], sum);
+      for (int u = 0; u < kQuads; ++u) {  // a quad past the end (it re-read the first) is never stored below
+        for (int h = 0; h < kG; ++h) _mm512_store_ps(quad_sums[h][qi + u], kSets == 1 ? acc[u][h][0] : sum_sets(acc[u][h]));
       }
     }
     const int n = std::min(16, w.end - ts);
@@ -702,8 +713,7 @@ void pv_fp8(const PartitionWork& w, const View<uint8_t>& view, const float* prob
         add(std::integral_constant<int, 1>{}, z, prob_ops + full_tiles * kG * kOps);
       }
       for (int h = 0; h < kG; ++h) {
-        const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[h][0], acc[h][1]), _mm512_add_ps(acc[h][2], acc[h][3]));
-        _mm512_store_ps(row_sums[h][rq], sum);
+        _mm512_store_ps(row_sums[h][rq], sum_sets(acc[h]));
       }
     }
     for (int h = 0; h < kG; ++h) {
