@@ -65,15 +65,6 @@ void tile(const bf16* x, int64_t ldx, const bf16* panels, int64_t K2, bf16* y, i
   }
 }
 
-// All rows against NR panels: full MR-row tiles, then one tile of the remaining rows.
-template <int NR>
-void panel_group(const bf16* x, int64_t M, int64_t ldx, int64_t K2, const bf16* panels, bf16* y, int64_t N,
-                 const float* bias, int last) {
-  constexpr int MR = NR == 3 ? 8 : NR == 2 ? 12 : 16;
-  for_row_tiles<MR>(M, [&](auto rows, int64_t m) {
-    tile<decltype(rows)::value, NR>(x + m * ldx, ldx, panels, K2, y + m * N, N, bias, last);
-  });
-}
 #endif
 
 // Portable path: the same panels, one output element at a time, float32 sums.
@@ -148,17 +139,17 @@ at::Tensor linear_bf16(const at::Tensor& input, const at::Tensor& packed_weight,
   const bf16* xp = x.data_ptr<bf16>();
   const bf16* wp = packed_weight.data_ptr<bf16>();
   bf16* yp = out.data_ptr<bf16>();
-  const int64_t group = has_bf16_dot() && M > 8 && M <= 16 ? 1 : 3;  // one pass over the panels (see linear_f32)
-  for_panel_groups(P, N, group, [&](int64_t p0, int np, int last) {
+  for_panel_groups(P, N, M, [&](auto panels_in_tile, int64_t p0, int last) {
+    constexpr int NR = decltype(panels_in_tile)::value;
     const bf16* panels = wp + p0 * K2 * 2 * kPanel;
     bf16* y = yp + p0 * kPanel;
     const float* bg = b ? b + p0 * kPanel : nullptr;
 #if defined(FP8KV_ISA_AVX512) && defined(__AVX512BF16__)
-    if (np == 3) panel_group<3>(xp, M, ldx, K2, panels, y, N, bg, last);
-    else if (np == 2) panel_group<2>(xp, M, ldx, K2, panels, y, N, bg, last);
-    else panel_group<1>(xp, M, ldx, K2, panels, y, N, bg, last);
+    for_row_tiles<rows_per_tile(NR)>(M, [&](auto rows, int64_t m) {
+      tile<decltype(rows)::value, NR>(xp + m * ldx, ldx, panels, K2, y + m * N, N, bg, last);
+    });
 #else
-    panel_group_scalar(xp, M, ldx, K2, panels, np, y, N, bg, last);
+    panel_group_scalar(xp, M, ldx, K2, panels, NR, y, N, bg, last);
 #endif
   });
   return out;

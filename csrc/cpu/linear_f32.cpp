@@ -8,9 +8,9 @@
 // alone: 12.2 ms vs 15.2 ms for oneDNN (AMD EPYC Zen 5, 2 threads); at prefill sizes both run at
 // ~450 GFLOP/s.
 //
-// The AVX-512 micro-kernel holds an MR x NR tile of 16-float accumulators (8 rows x 3 panels: 24 zmm, or
-// 16 rows x 1 panel for decode batches of 9-16 rows), so each weight vector feeds MR FMAs and each
-// broadcast input NR: the loads stay under the FMA rate.
+// The AVX-512 micro-kernel holds an MR x NR tile of 16-float accumulators (panel_tiles.h: 8 rows x 3
+// panels, or 16 rows x 1 panel for decode batches of 9-16 rows), so each weight vector feeds MR FMAs and
+// each broadcast input NR: the loads stay under the FMA rate.
 #include <algorithm>
 #include <cstdint>
 
@@ -57,15 +57,6 @@ void tile(const float* x, int64_t ldx, const float* panels, int64_t K, float* y,
   }
 }
 
-// All rows against NR panels: full MR-row tiles, then one tile of the remaining rows.
-template <int NR>
-void panel_group(const float* x, int64_t M, int64_t K, const float* panels, float* y, int64_t N, const float* bias,
-                 int last) {
-  constexpr int MR = NR == 3 ? 8 : NR == 2 ? 12 : 16;
-  for_row_tiles<MR>(M, [&](auto rows, int64_t m) {
-    tile<decltype(rows)::value, NR>(x + m * K, K, panels, K, y + m * N, N, bias, last);
-  });
-}
 #endif
 
 // Portable path: the same panels, one output element at a time.
@@ -132,21 +123,17 @@ at::Tensor linear_f32(const at::Tensor& input, const at::Tensor& packed_weight, 
   const float* wp = packed_weight.data_ptr<float>();
   float* yp = out.data_ptr<float>();
   if (M == 0) return out;
-  // Panels per micro-kernel tile (NR). 9 to 16 rows: one panel at a time with all rows in one 16-row tile,
-  // so each thread reads its panels once, front to back; 8 x 3 tiles would take two passes, the second from
-  // L2 with no memory traffic behind it. Default model's 30 layers, cold weights: 16 rows 15.4 -> 12.2 ms,
-  // 12 rows 14.7 -> 11.6 ms; no gain at 20 or more rows, none at 8 or fewer (already one pass).
-  const int64_t kGroup = M > 8 && M <= 16 ? 1 : 3;
-  for_panel_groups(P, N, kGroup, [&](int64_t p0, int np, int last) {
+  for_panel_groups(P, N, M, [&](auto panels_in_tile, int64_t p0, int last) {
+    constexpr int NR = decltype(panels_in_tile)::value;
     const float* panels = wp + p0 * K * kPanel;
     float* y = yp + p0 * kPanel;
     const float* bg = b ? b + p0 * kPanel : nullptr;
 #if defined(FP8KV_ISA_AVX512)
-    if (np == 3) panel_group<3>(xp, M, K, panels, y, N, bg, last);
-    else if (np == 2) panel_group<2>(xp, M, K, panels, y, N, bg, last);
-    else panel_group<1>(xp, M, K, panels, y, N, bg, last);
+    for_row_tiles<rows_per_tile(NR)>(M, [&](auto rows, int64_t m) {
+      tile<decltype(rows)::value, NR>(xp + m * K, K, panels, K, y + m * N, N, bg, last);
+    });
 #else
-    panel_group_scalar(xp, M, K, panels, np, y, N, bg, last);
+    panel_group_scalar(xp, M, K, panels, NR, y, N, bg, last);
 #endif
   });
   return out;

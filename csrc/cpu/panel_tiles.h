@@ -12,16 +12,30 @@ namespace fp8kv::cpu {
 
 constexpr int kPanel = 16;  // output columns per panel
 
-// fn(first_panel, panels, last): groups of `group` consecutive panels (fewer at the end) spread over the
-// threads, each thread a contiguous run of groups; `last` counts the columns of a group's last panel.
+// Rows of one register tile against NR panels: 8 x 3, 12 x 2 or 16 x 1 accumulators (24, 24 and 16 zmm).
+constexpr int rows_per_tile(int NR) { return NR == 3 ? 8 : NR == 2 ? 12 : 16; }
+
+// Panels per tile for M rows. 9 to 16 rows: one panel at a time with all rows in one 16-row tile, so each
+// thread reads its panels once, front to back; 8 x 3 tiles would take two passes, the second from L2 with
+// no memory traffic behind it. Default model's 30 layers, cold weights, float32: 16 rows 15.4 -> 12.2 ms,
+// 12 rows 14.7 -> 11.6 ms; no gain at 20 or more rows, none at 8 or fewer (already one pass).
+inline int64_t panels_per_tile(int64_t M) { return M > 8 && M <= 16 ? 1 : 3; }
+
+// fn(std::integral_constant<int, NR>, first_panel, last) for the groups of panels_per_tile(M) consecutive
+// panels (fewer at the end), spread over the threads, each thread a contiguous run of groups; `last` counts
+// the columns of a group's last panel.
 template <typename Fn>
-void for_panel_groups(int64_t num_panels, int64_t out_features, int64_t group, Fn&& fn) {
+void for_panel_groups(int64_t num_panels, int64_t out_features, int64_t M, Fn&& fn) {
+  const int64_t group = panels_per_tile(M);
   const int64_t groups = (num_panels + group - 1) / group;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       const int64_t p0 = g * group;
       const int np = static_cast<int>(std::min<int64_t>(group, num_panels - p0));
-      fn(p0, np, static_cast<int>(std::min<int64_t>(kPanel, out_features - (p0 + np - 1) * kPanel)));
+      const int last = static_cast<int>(std::min<int64_t>(kPanel, out_features - (p0 + np - 1) * kPanel));
+      if (np == 3) fn(std::integral_constant<int, 3>{}, p0, last);
+      else if (np == 2) fn(std::integral_constant<int, 2>{}, p0, last);
+      else fn(std::integral_constant<int, 1>{}, p0, last);
     }
   });
 }
