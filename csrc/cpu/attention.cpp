@@ -5,6 +5,7 @@
 // [window_start, seq_len) from the model-dtype window ring; both become partitions of the same softmax,
 // so the window costs a few extra units and merge terms, not a second pass.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -125,47 +126,68 @@ void run_spans(const Problem& p) {
   const int G = p.num_heads / p.num_kv_heads, D = p.head_size;
   const int64_t scratch_size = scratch_floats(G, D, p.block_size);
   const int64_t n_units = static_cast<int64_t>(units.size());
-#pragma omp parallel num_threads(std::max(1, std::min<int>(at::get_num_threads(), static_cast<int>(n_units))))
+  const int threads = std::max(1, std::min<int>(at::get_num_threads(), static_cast<int>(n_units)));
+  // Units are claimed by hand (dynamic scheduling), one ahead where there are units enough that no thread
+  // starves for it: a unit's last head then prefetches the next unit's first head, which otherwise waited
+  // on memory.
+  const bool claim_ahead = n_units >= 4 * threads;
+  std::atomic<int64_t> next_unit{0};
+#pragma omp parallel num_threads(threads)
   {
     const FlushDenormals flush;
     std::vector<float> scratch(static_cast<size_t>(scratch_size) + 16);
     float* aligned = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t(63));
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n_units; ++i) {
-      const Unit& u = units[i];
+    auto work_of = [&](const Unit& u, int kvh) {
       const Span& span = p.spans[u.span];
       const CacheSource& src = p.sources[span.source];
       const bool single = p.spans_of(span.seq) == 1;
+      const int head0 = kvh * G;
+      const int64_t part_row = static_cast<int64_t>(u.span) * p.num_heads + head0;
+      const int64_t out_row = static_cast<int64_t>(span.seq) * p.num_heads + head0;
+      PartitionWork w;
+      w.key_cache = src.key_cache;
+      w.value_cache = src.value_cache;
+      w.block_table = src.block_tables + span.seq * src.block_table_stride;
+      w.num_kv_heads = p.num_kv_heads;
+      w.head_size = D;
+      w.block_size = p.block_size;
+      w.kv_head = kvh;
+      w.group = G;
+      w.start = span.start;
+      w.end = span.end;
+      w.last_pos = span.last_pos;
+      w.query = p.query + out_row * D;
+      w.qk_scale = p.scale * src.k_scale[kvh];
+      w.v_scale = src.v_scale[kvh];
+      w.alibi = p.alibi ? p.alibi + head0 : nullptr;
+      w.out = single ? p.out + out_row * D : p.partial_out + part_row * D;
+      w.max_logit = p.partial_max + part_row;
+      w.exp_sum = p.partial_sum + part_row;
+      w.scratch = aligned;
+      return w;
+    };
+    bool fetched = false;  // the current unit's first head was prefetched by the unit before
+    for (int64_t i = next_unit.fetch_add(1); i < n_units;) {
+      const int64_t j = claim_ahead ? next_unit.fetch_add(1) : n_units;
+      const Unit& u = units[i];
+      const CacheSource& src = p.sources[p.spans[u.span].source];
+      const bool chain = j < n_units && src.elem_bytes == 1 &&  // FP8 (SlabPrefetcher), same cache
+                         p.spans[units[j].span].source == p.spans[u.span].source;
+      PartitionWork next_first;
+      if (chain) next_first = work_of(units[j], units[j].kv_head);
       for (int kvh = u.kv_head; kvh < u.kv_head + u.heads; ++kvh) {
-        const int head0 = kvh * G;
-        const int64_t part_row = static_cast<int64_t>(u.span) * p.num_heads + head0;
-        const int64_t out_row = static_cast<int64_t>(span.seq) * p.num_heads + head0;
-        PartitionWork w;
-        w.key_cache = src.key_cache;
-        w.value_cache = src.value_cache;
-        w.block_table = src.block_tables + span.seq * src.block_table_stride;
-        w.num_kv_heads = p.num_kv_heads;
-        w.head_size = D;
-        w.block_size = p.block_size;
-        w.kv_head = kvh;
-        w.group = G;
-        w.start = span.start;
-        w.end = span.end;
-        w.last_pos = span.last_pos;
-        w.query = p.query + out_row * D;
-        w.qk_scale = p.scale * src.k_scale[kvh];
-        w.v_scale = src.v_scale[kvh];
-        w.alibi = p.alibi ? p.alibi + head0 : nullptr;
-        w.out = single ? p.out + out_row * D : p.partial_out + part_row * D;
-        w.max_logit = p.partial_max + part_row;
-        w.exp_sum = p.partial_sum + part_row;
-        w.scratch = aligned;
-        // Pipeline: the unit's first pass fetches its own head and the next, later passes the next.
-        const bool first = kvh == u.kv_head;
+        PartitionWork w = work_of(u, kvh);
+        // Pipeline: the unit's first pass fetches its own head (unless the unit before did) and the next,
+        // later passes the next, and the last pass of an FP8 unit the first head of the thread's next unit.
+        const bool first = kvh == u.kv_head && !fetched;
         w.prefetch_from = first ? 0 : 1;
         w.prefetch_heads = std::min(first ? 2 : 1, u.kv_head + u.heads - kvh - (first ? 0 : 1));
+        const bool last = kvh == u.kv_head + u.heads - 1;
+        if (last && chain && w.prefetch_heads == 0) w.then = &next_first;
+        if (last) fetched = w.then != nullptr;
         src.run(w);
       }
+      i = claim_ahead ? j : next_unit.fetch_add(1);
     }
   }
   // Merge partitions: weight each partition's normalised output by its share of the softmax mass.

@@ -799,9 +799,13 @@ void run_fp8_partition(const PartitionWork& w, const View<uint8_t>& view, const 
   const int G = w.group, D = w.head_size, P = w.end - w.start;
   const int pf_from = w.prefetch_from, pf_heads = w.prefetch_heads;
   const bool last_is_next = pf_heads > 0 && pf_from + pf_heads - 1 > 0;
-  SlabPrefetcher k_ahead(w, view, false, pf_from, pf_heads);
+  // w.then (set only when pf_heads is 0): its K goes to L2 during Q.K and its V during P.V instead.
+  const View<uint8_t> then_view(w.then ? *w.then : w);
+  SlabPrefetcher k_ahead = w.then ? SlabPrefetcher(*w.then, then_view, false, 0, 1)
+                                  : SlabPrefetcher(w, view, false, pf_from, pf_heads);
   SlabPrefetcher v_ahead_qk(w, view, true, pf_from, pf_heads - (last_is_next ? 1 : 0));
-  SlabPrefetcher v_ahead_pv(w, view, true, pf_from + pf_heads - 1, last_is_next ? 1 : 0);
+  SlabPrefetcher v_ahead_pv = w.then ? SlabPrefetcher(*w.then, then_view, true, 0, 1)
+                                     : SlabPrefetcher(w, view, true, pf_from + pf_heads - 1, last_is_next ? 1 : 0);
   SlabPrefetcher idle(w, view, false, 0, 0);
   constexpr int kOps = Dot::kParts * 16;
   for_head_quads(G, [&](auto kG, int h0) {

@@ -36,6 +36,9 @@ struct PartitionWork {
   // while this head computes.
   int prefetch_from;
   int prefetch_heads;
+  // FP8 caches: the first head of the unit this thread runs next, prefetched during this (last) head's
+  // passes; nullptr otherwise.
+  const PartitionWork* then = nullptr;
 };
 
 // Scratch size run_partition needs (both paths fit in this).
