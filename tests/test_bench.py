@@ -481,6 +481,29 @@ def test_interleaved_ms_takes_turns_and_reports_each_ones_median(monkeypatch):
     assert calls == ["a", "b"] * 4
 
 
+def test_interleaved_ms_settles_each_fn_before_timing_it(monkeypatch):
+    from fp8cache.bench import machine
+
+    clock, calls = [0.0], []
+    monkeypatch.setattr(machine.time, "perf_counter", lambda: clock[0])
+
+    def fn(name: str, seconds: float):
+        def run() -> None:
+            calls.append(name)
+            clock[0] += seconds
+        return run
+
+    # a takes 1 ms a call, b 4 ms: 2.5 ms of settling is three untimed calls of a, one of b.
+    a, b = fn("a", 0.001), fn("b", 0.004)
+    assert machine.interleaved_ms([a, b], warmup=0, repeats=2, settle_ms=2.5) == pytest.approx([1.0, 4.0])
+    assert calls == (["a"] * 4 + ["b"] * 2) * 2
+    calls.clear()  # twins settle instead, so the timed call's data is not left warm in the caches
+    twin_a, twin_b = fn("twin a", 0.001), fn("twin b", 0.004)
+    assert machine.interleaved_ms([a, b], warmup=0, repeats=1, settle_ms=2.5,
+                                  settle_fns=[twin_a, twin_b]) == pytest.approx([1.0, 4.0])
+    assert calls == ["twin a"] * 3 + ["a", "twin b", "b"]
+
+
 def test_bench_kernels_rows_cover_every_case_and_add_up():
     from launcher.cli import main
 

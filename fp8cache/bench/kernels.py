@@ -1,8 +1,13 @@
 """`fp8kv bench kernels`: decode attention over paged caches of each dtype, against torch SDPA.
 
-All cases of one shape are set up first and then take turns, one call each per round (the median round
+All cases of one shape are set up first and then take turns, one timed call each per round (the median round
 is reported), in the same process as the machine's read bandwidth: a clock that drifts during the run
-(shared VMs, turbo) then slows every case alike, and ratios between rows hold.
+(shared VMs, turbo) then slows every case alike, and ratios between rows hold. Each timed call follows
+SETTLE_MS of untimed calls of its own case: on a shared AMD EPYC VM the first FP8 calls after a memory-bound
+case ran up to 20% slower (fp8_e4m3 at 8 x 8192 right after the float32 case, five calls in a row, medians
+of ten: 4.91, 4.51, 4.18, 4.16, 4.08 ms; the bfloat16 cache's calls flat at 9.2 ms), so without it a row
+measured the case before it as much as its own kernel. The untimed calls run on a twin of the case (same shape, its
+own cache), so that a case whose cache fits in the CPU's last-level cache is not timed warm.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from fp8cache.bench import machine
 
 DEFAULT_SHAPES = ((1, 512), (1, 16384), (8, 2048), (8, 8192), (32, 512), (32, 4096))
 GPU_CALLS_PER_TIMING = 50
+SETTLE_MS = 20.0
 
 
 @dataclass(frozen=True)
@@ -78,6 +84,13 @@ def _sdpa_case(case: KernelCase, batch: int, context: int, num_heads: int, num_k
     return run, 2 * key.numel() * key.element_size()
 
 
+def _case(case: KernelCase, batch: int, context: int, num_heads: int, num_kv_heads: int, head_size: int,
+          block_size: int, gen: torch.Generator, device: torch.device):
+    if case.impl == "torch_sdpa":
+        return _sdpa_case(case, batch, context, num_heads, num_kv_heads, head_size, gen, device)
+    return _paged_case(case, batch, context, num_heads, num_kv_heads, head_size, block_size, gen, device)
+
+
 def _calls_per_timing(device: torch.device) -> int:
     return 1 if device.type == "cpu" else GPU_CALLS_PER_TIMING
 
@@ -119,15 +132,11 @@ def run_kernel_bench(shapes=DEFAULT_SHAPES, cases=None, num_heads: int = 32, num
     gen = torch.Generator().manual_seed(0)
     rows = []
     for batch, context in shapes:
-        runs = []
-        for case in cases:
-            if case.impl == "torch_sdpa":
-                runs.append(_sdpa_case(case, batch, context, num_heads, num_kv_heads, head_size, gen, device))
-            else:
-                runs.append(_paged_case(case, batch, context, num_heads, num_kv_heads, head_size, block_size,
-                                        gen, device))
-        times = machine.interleaved_ms([_timed_calls(run, device) for run, _ in runs],
-                                       repeats=repeats)
+        shape = (batch, context, num_heads, num_kv_heads, head_size, block_size, gen, device)
+        runs = [_case(case, *shape) for case in cases]
+        twins = [_case(case, *shape)[0] for case in cases]
+        times = machine.interleaved_ms([_timed_calls(run, device) for run, _ in runs], repeats=repeats,
+                                       settle_ms=SETTLE_MS, settle_fns=[_timed_calls(t, device) for t in twins])
         for case, (_, kv_bytes), ms in zip(cases, runs, (t / calls for t in times)):
             row = {"impl": case.impl, "kv_cache_dtype": case.kv_cache_dtype,
                    "dtype": str(case.dtype).removeprefix("torch."), "batch": batch, "context": context,
@@ -137,5 +146,5 @@ def run_kernel_bench(shapes=DEFAULT_SHAPES, cases=None, num_heads: int = 32, num
             rows.append(row)
             if on_row:
                 on_row(row)
-        del runs
+        del runs, twins
     return rows

@@ -48,15 +48,29 @@ def read_bandwidth_gbps(num_bytes: int = 512 * 1024 * 1024, repeats: int = 5,
     return num_bytes / statistics.median(times) / 1e9
 
 
-def interleaved_ms(fns: list, warmup: int = 2, repeats: int = 5) -> list[float]:
-    """Median milliseconds of each fn over `repeats` rounds in which every fn runs once, in turn."""
+def interleaved_ms(fns: list, warmup: int = 2, repeats: int = 5, settle_ms: float = 0.0,
+                   settle_fns: list | None = None) -> list[float]:
+    """Median milliseconds of each fn over `repeats` rounds in which every fn runs once, in turn. With
+    settle_ms, each timed call comes right after untimed calls lasting at least that long of the same fn,
+    or of its twin in settle_fns (the same work on other data, which leaves no data in the caches), so
+    that it runs in its own steady state rather than in the wake of the fn before it."""
     for _ in range(warmup):
         for fn in fns:
             fn()
     times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        for fn, spent in zip(fns, times):
+        for fn, settle_fn, spent in zip(fns, settle_fns or fns, times):
+            _settle(settle_fn, settle_ms)
             start = time.perf_counter()
             fn()
             spent.append(time.perf_counter() - start)
     return [statistics.median(spent) * 1e3 for spent in times]
+
+
+def _settle(fn, settle_ms: float) -> None:
+    if settle_ms <= 0:
+        return
+    until = time.perf_counter() + settle_ms / 1e3
+    fn()
+    while time.perf_counter() < until:
+        fn()
