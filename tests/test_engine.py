@@ -27,7 +27,8 @@ MAX_TOKENS = 16
     ("n", 0), ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.2),
     ("repetition_penalty", 0.0), ("presence_penalty", 3.0), ("frequency_penalty", -2.5),
     ("max_tokens", 0), ("min_tokens", -1), ("stop", 5), ("stop_token_ids", [-1]), ("seed", 1.5),
-    ("temperature", float("nan")),
+    ("temperature", float("nan")), ("logprobs", -1), ("logprobs", 21), ("logprobs", True),
+    ("prompt_logprobs", 1),
 ])
 def test_bad_sampling_params_name_field_and_range(field, value):
     with pytest.raises(ValueError, match=f"SamplingParams.{field}=") as err:
@@ -262,3 +263,52 @@ def test_llm_generate_and_chat_run_as_documented(default_model_path):
     chat = llm.chat([{"role": "user", "content": "What is the capital of France?"}], greedy(10))
     assert "Paris" in chat[0].outputs[0].text
     assert llm.llm_engine.stats.blocks_used == 0
+
+
+# --- logprobs ------------------------------------------------------------------------------------
+
+def _final_outputs(engine: LLMEngine, prompts: list[str], params: SamplingParams):
+    for i, p in enumerate(prompts):
+        engine.add_request(f"lp-{i}", p, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({out.request_id: out for out in engine.step() if out.finished})
+    return [done[f"lp-{i}"] for i in range(len(prompts))]
+
+
+@pytest.fixture(scope="module")
+def hf_model(default_model_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, max_tokens=8, logprobs=4),
+    # sampled, penalised: the reported logprobs are still the model's own distribution
+    SamplingParams(temperature=0.8, top_k=20, repetition_penalty=1.5, seed=3, max_tokens=8, logprobs=2),
+], ids=["greedy", "sampled"])
+def test_logprobs_are_transformers_log_softmax(loaded, hf_model, params):
+    outs = _final_outputs(make_engine(loaded), PROMPTS[:2], params)
+    for out in outs:
+        c = out.outputs[0]
+        ids = torch.tensor([out.prompt_token_ids + c.token_ids])
+        with torch.no_grad():
+            want = hf_model(ids).logits[0, len(out.prompt_token_ids) - 1:-1].log_softmax(-1)
+        assert len(c.logprobs) == len(c.token_ids)
+        for step, (entry, token) in enumerate(zip(c.logprobs, c.token_ids)):
+            row = want[step]
+            assert entry[token].logprob == pytest.approx(row[token].item(), abs=1e-3)
+            assert entry[token].rank == int((row > row[token]).sum()) + 1
+            top = sorted((lp.rank, t) for t, lp in entry.items() if lp.rank <= params.logprobs)
+            assert [t for _, t in top] == row.topk(params.logprobs).indices.tolist()
+            assert len(entry) in (params.logprobs, params.logprobs + 1)
+            assert entry[token].decoded_token == loaded.tokenizer.decode([token])
+        assert c.cumulative_logprob == pytest.approx(sum(e[t].logprob for e, t in zip(c.logprobs, c.token_ids)))
+        if params.greedy:
+            assert all(e[t].rank == 1 for e, t in zip(c.logprobs, c.token_ids))
+
+
+def test_no_logprobs_unless_asked(loaded):
+    out = _final_outputs(make_engine(loaded), PROMPTS[:1], greedy(3))[0].outputs[0]
+    assert out.logprobs is None and out.cumulative_logprob is None

@@ -157,6 +157,46 @@ def test_chat_n_choices_seeded(openai_client):
     assert [c.message.content for c in first.choices] == [c.message.content for c in again.choices]
 
 
+def _chosen(output) -> list[float]:
+    return [entry[token].logprob for entry, token in zip(output.logprobs, output.token_ids)]
+
+
+def test_completion_logprobs_match_engine_streamed_or_not(openai_client, reference):
+    prompt = "The three primary colors are"
+    kwargs = {"model": "smol", "prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 3}
+    lp = openai_client.completions.create(**kwargs).choices[0].logprobs
+    want = reference.generate(prompt, greedy(8, logprobs=3))[0].outputs[0]
+    assert lp.tokens == [entry[t].decoded_token for entry, t in zip(want.logprobs, want.token_ids)]
+    assert lp.token_logprobs == pytest.approx(_chosen(want), abs=1e-4)
+    for top, chosen, entry in zip(lp.top_logprobs, lp.token_logprobs, want.logprobs):
+        assert len(top) == len({e.decoded_token for e in entry.values()})  # the top 3 and the sampled token
+        assert max(top.values()) == pytest.approx(chosen)  # greedy: the sampled token is the most likely
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    chunks = [c.choices[0] for c in openai_client.completions.create(**kwargs, stream=True)]
+    streamed = [c.logprobs for c in chunks if c.logprobs is not None]
+    assert [t for s in streamed for t in s.tokens] == lp.tokens
+    assert [v for s in streamed for v in s.token_logprobs] == pytest.approx(lp.token_logprobs)
+    assert [o for s in streamed for o in s.text_offset] == lp.text_offset
+
+
+def test_chat_logprobs_match_engine_streamed_or_not(openai_client, reference):
+    messages = [{"role": "user", "content": "Name a fruit that is yellow."}]
+    kwargs = {"model": "smol", "messages": messages, "max_tokens": 10, "temperature": 0, "logprobs": True,
+              "top_logprobs": 2}
+    content = openai_client.chat.completions.create(**kwargs).choices[0].logprobs.content
+    want = reference.chat(messages, greedy(10, logprobs=2))[0].outputs[0]
+    assert [c.logprob for c in content] == pytest.approx(_chosen(want), abs=1e-4)
+    for c in content:
+        assert c.bytes == list(c.token.encode("utf-8"))
+        assert len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob
+        assert (c.top_logprobs[0].token, c.top_logprobs[0].logprob) == (c.token, pytest.approx(c.logprob))
+    chunks = [c.choices[0] for c in openai_client.chat.completions.create(**kwargs, stream=True) if c.choices]
+    streamed = [item for c in chunks if c.logprobs is not None for item in c.logprobs.content]
+    assert [(c.token, c.logprob) for c in streamed] == [(c.token, pytest.approx(c.logprob)) for c in content]
+    plain = openai_client.chat.completions.create(**{**kwargs, "logprobs": False, "top_logprobs": None})
+    assert plain.choices[0].logprobs is None
+
+
 def _tgi(server):
     from huggingface_hub import InferenceClient
 
@@ -189,6 +229,22 @@ def test_tgi_stream_matches_engine(server, reference):
     assert all(e.details is None for e in events[:-1])
     plain = list(client.text_generation(prompt, max_new_tokens=8, stream=True))
     assert "".join(plain) == want.text
+
+
+def test_tgi_token_logprobs_and_top_tokens(server, reference):
+    prompt = "The sun rises in the"
+    client = _tgi(server)
+    detailed = client.text_generation(prompt, max_new_tokens=8, details=True, top_n_tokens=2)
+    want = reference.generate(prompt, greedy(8, logprobs=2))[0].outputs[0]
+    assert [t.logprob for t in detailed.details.tokens] == pytest.approx(_chosen(want), abs=1e-4)
+    assert len(detailed.details.top_tokens) == len(want.token_ids)
+    # huggingface_hub leaves the nested top_tokens lists as dicts
+    tops = [[(t["id"], t["logprob"]) for t in top] for top in detailed.details.top_tokens]
+    for token, top in zip(detailed.details.tokens, tops):
+        assert len(top) == 2 and top[0] == (token.id, pytest.approx(token.logprob)) and top[0][1] >= top[1][1]
+    events = list(client.text_generation(prompt, max_new_tokens=8, stream=True, details=True, top_n_tokens=2))
+    assert [e.token.logprob for e in events] == pytest.approx(_chosen(want), abs=1e-4)
+    assert [[t.id for t in e.top_tokens] for e in events] == [[i for i, _ in top] for top in tops]
 
 
 def test_tgi_stop_sequence_and_full_text(server, reference):

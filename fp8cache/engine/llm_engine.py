@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from fp8cache.config import EngineConfig
 from fp8cache.engine.block_manager import BlockManager
 from fp8cache.engine.detokenizer import check_stop
+from fp8cache.engine.logprobs import token_logprobs
 from fp8cache.engine.outputs import CompletionOutput, RequestOutput
 from fp8cache.engine.sampler import Sampler
 from fp8cache.engine.sampling_params import SamplingParams
@@ -56,8 +57,11 @@ class Request:
         return all(s.is_finished for s in self.seqs)
 
     def output(self) -> RequestOutput:
+        wants_logprobs = self.params.logprobs is not None
         outs = [CompletionOutput(index=s.index, text=s.visible_text(), token_ids=s.output_token_ids,
-                                 finish_reason=s.finish_reason, stop_reason=s.stop_reason)
+                                 finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+                                 cumulative_logprob=s.cumulative_logprob if wants_logprobs else None,
+                                 logprobs=list(s.logprobs) if wants_logprobs else None)
                 for s in self.seqs]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished)
 
@@ -157,10 +161,11 @@ class LLMEngine:
         if not sampled:
             return []
         tokens = self.sampler(logits, sampled, self.eos_token_ids)
+        logprobs = token_logprobs(logits, sampled, tokens, self.tokenizer)
         progressed: dict[str, Request] = {}
         limit = min(self.max_model_len, self.cache_capacity_tokens)
-        for seq, token in zip(sampled, tokens):
-            seq.append_token(token)
+        for seq, token, entry in zip(sampled, tokens, logprobs):
+            seq.append_token(token, entry)
             self.num_generated_tokens += 1
             check_stop(self.tokenizer, seq, self.eos_token_ids, limit)
             if seq.finish_reason is not None:

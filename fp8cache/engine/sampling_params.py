@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20  # top logprobs per token, as vLLM's default max_logprobs and OpenAI's top_logprobs
+
 
 @dataclass
 class SamplingParams:
@@ -28,6 +30,8 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # k: each output token's logprob and the k most likely tokens' (0: its own only)
+    prompt_logprobs: int | None = None  # not supported: refused unless None
     stop_strings: list[str] = field(init=False, repr=False)  # `stop` as a list, "" dropped
 
     def __post_init__(self) -> None:
@@ -47,6 +51,11 @@ class SamplingParams:
             _check_int("max_tokens", self.max_tokens, 1, None, "an integer >= 1 or None")
         _check_int("min_tokens", self.min_tokens, 0, self.max_tokens,
                    f"an integer in [0, max_tokens={self.max_tokens}]")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS, f"an integer in [0, {MAX_LOGPROBS}] or None")
+        if self.prompt_logprobs is not None:
+            _fail("prompt_logprobs", self.prompt_logprobs,
+                  "None: fp8kv computes logits for generated tokens only, not for the prompt")
         self.stop_strings = _stop_list(self.stop)
         self.stop_token_ids = _token_id_list(self.stop_token_ids)
 

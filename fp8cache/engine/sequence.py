@@ -46,6 +46,8 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.generator = _generator(params, index)
+        self.logprobs: list[dict] = []  # with params.logprobs: one dict of Logprob per output token
+        self.cumulative_logprob = 0.0
         # Incremental detokenization state (see detokenizer.py).
         self.output_text = ""
         self.prefix_offset = max(self.num_prompt_tokens - 5, 0)
@@ -78,8 +80,12 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def append_token(self, token_id: int) -> None:
+    def append_token(self, token_id: int, logprobs: dict | None = None) -> None:
+        """logprobs: this step's Logprob per token id (logprobs.py), when the request asked for them."""
         self.token_ids.append(token_id)
+        if logprobs is not None:
+            self.logprobs.append(logprobs)
+            self.cumulative_logprob += logprobs[token_id].logprob
 
     def visible_text(self) -> str:
         """The text a client may see now: while running, hold back a tail that could still turn out to

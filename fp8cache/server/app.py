@@ -25,6 +25,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from fp8cache.server import logprobs as LP
 from fp8cache.server import protocol as P
 from fp8cache.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from fp8cache.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -506,10 +507,19 @@ class TextDelta:
         self.num_tokens = 0
         self.finish_reason: str | None = None
 
-    def update(self, completion: Any) -> tuple[str, list[int]]:
-        delta, new_tokens = completion.text[len(self.text):], list(completion.token_ids[self.num_tokens:])
-        self.text, self.num_tokens = completion.text, len(completion.token_ids)
-        return delta, new_tokens
+    def update(self, completion: Any, hold_empty: bool = False) -> tuple[str, list[int], list | None]:
+        """New text, tokens and the tokens' logprob dicts (None unless requested). hold_empty: when there is
+        no new text, return nothing and keep the new tokens for the next call (their logprobs then go out
+        with the text they make)."""
+        delta = completion.text[len(self.text):]
+        if hold_empty and not delta:
+            end = self.num_tokens
+        else:
+            end = len(completion.token_ids)
+            self.text = completion.text
+        start, self.num_tokens = self.num_tokens, end
+        entries = None if completion.logprobs is None else completion.logprobs[start:end]
+        return delta, list(completion.token_ids[start:end]), entries
 
 
 def _usage(prompts: list[list[int]], finals: dict[int, Any]) -> P.UsageInfo:
@@ -629,10 +639,18 @@ async def completions(request: Request) -> Response:
         return finals
     choices = [P.CompletionChoice(index=i * body.n + c.index,
                                   text=(texts[i] if body.echo else "") + c.text,
+                                  logprobs=_completion_logprobs(body, c.logprobs, c.token_ids),
                                   finish_reason=c.finish_reason)
                for i, out in sorted(finals.items()) for c in out.outputs]
     return JSONResponse(P.CompletionResponse(id=request_id, model=name, choices=choices,
                                              usage=_usage(prompts, finals)).model_dump())
+
+
+def _completion_logprobs(body: P.CompletionRequest, entries: list | None, tokens: list[int],
+                         offset: int = 0) -> P.CompletionLogprobs | None:
+    if body.logprobs is None or entries is None:
+        return None
+    return LP.completion_logprobs(entries, tokens, body.logprobs, offset)
 
 
 async def _collect(streams: list[RequestStream]) -> dict[int, Any]:
@@ -648,8 +666,9 @@ async def _completion_events(request_id: str, name: str, body: P.CompletionReque
     deltas: dict[tuple[int, int], TextDelta] = {}
     finals: dict[int, Any] = {}
 
-    def event(index: int, text: str, finish_reason: str | None) -> str:
-        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    def event(index: int, text: str, finish_reason: str | None, logprobs: P.CompletionLogprobs | None = None) -> str:
+        choice = {"index": index, "text": text, "logprobs": logprobs.model_dump() if logprobs else None,
+                  "finish_reason": finish_reason}
         return sse({"id": request_id, "object": "text_completion", "created": created, "model": name,
                     "choices": [choice]})
 
@@ -662,11 +681,13 @@ async def _completion_events(request_id: str, name: str, body: P.CompletionReque
             finals[i] = out
             for c in out.outputs:
                 delta = deltas.setdefault((i, c.index), TextDelta())
-                text, _ = delta.update(c)
+                offset = len(delta.text)
+                text, tokens, entries = delta.update(c, hold_empty=c.finish_reason is None)
                 if not text and (c.finish_reason is None or delta.finish_reason is not None):
                     continue
                 delta.finish_reason = c.finish_reason
-                yield event(i * body.n + c.index, text, c.finish_reason)
+                yield event(i * body.n + c.index, text, c.finish_reason,
+                            _completion_logprobs(body, entries, tokens, offset))
     except EngineDeadError as exc:
         yield _stream_error("/v1/completions", exc)
         return
@@ -715,9 +736,16 @@ async def chat_completions(request: Request) -> Response:
     if isinstance(finals, Response):
         return finals
     choices = [P.ChatChoice(index=c.index, message=P.ChatMessageOut(content=c.text),
+                            logprobs=_chat_logprobs(body, c.logprobs, c.token_ids),
                             finish_reason=c.finish_reason) for c in finals[0].outputs]
     return JSONResponse(P.ChatCompletionResponse(id=request_id, model=name, choices=choices,
                                                  usage=_usage([prompt], finals)).model_dump())
+
+
+def _chat_logprobs(body: P.ChatCompletionRequest, entries: list | None, tokens: list[int]) -> P.ChatLogprobs | None:
+    if not body.logprobs or entries is None:
+        return None
+    return LP.chat_logprobs(entries, tokens, body.top_logprobs or 0)
 
 
 async def _chat_events(request_id: str, name: str, body: P.ChatCompletionRequest, prepared: Prepared,
@@ -742,12 +770,15 @@ async def _chat_events(request_id: str, name: str, body: P.ChatCompletionRequest
             finals[0] = out
             for c in out.outputs:
                 delta = deltas[c.index]
-                text, _ = delta.update(c)
+                text, tokens, entries = delta.update(c, hold_empty=c.finish_reason is None)
+                logprobs = _chat_logprobs(body, entries, tokens) if tokens else None
                 if text:
-                    yield chunk([P.ChatChunkChoice(index=c.index, delta=P.ChatDelta(content=text))])
+                    yield chunk([P.ChatChunkChoice(index=c.index, delta=P.ChatDelta(content=text),
+                                                   logprobs=logprobs)])
+                    logprobs = None
                 if c.finish_reason is not None and delta.finish_reason is None:
                     delta.finish_reason = c.finish_reason
-                    yield chunk([P.ChatChunkChoice(index=c.index, delta=P.ChatDelta(),
+                    yield chunk([P.ChatChunkChoice(index=c.index, delta=P.ChatDelta(), logprobs=logprobs,
                                                    finish_reason=c.finish_reason)])
     except EngineDeadError as exc:
         yield _stream_error("/v1/chat/completions", exc)
@@ -769,7 +800,7 @@ def _tgi_finish_reason(completion: Any) -> str:
     return "eos_token"
 
 
-async def _tgi_prepare(request: Request, body: P.GenerateRequest) -> tuple[Prepared, list[int]]:
+async def _tgi_prepare(request: Request, body: P.GenerateRequest, stream: bool) -> tuple[Prepared, list[int]]:
     state = _state(request)
     p = body.parameters
     tok = state.info.tokenizer
@@ -779,7 +810,10 @@ async def _tgi_prepare(request: Request, body: P.GenerateRequest) -> tuple[Prepa
     if not prompt:
         raise P.RequestError("inputs: encodes to zero tokens", param="inputs", code="invalid_value")
     max_tokens = _check_lengths(state, [prompt], p.max_new_tokens, "inputs", "parameters.max_new_tokens")
-    params = _sampling_params(state, p.sampling_kwargs() | {"max_tokens": max_tokens})
+    kwargs = p.sampling_kwargs() | {"max_tokens": max_tokens}
+    if stream or p.details:  # TGI's tokens carry their logprob
+        kwargs["logprobs"] = p.top_n_tokens or 0
+    params = _sampling_params(state, kwargs)
     return Prepared([prompt], [body.inputs], max_tokens, params), prompt
 
 
@@ -801,7 +835,7 @@ async def tgi_generate_stream(request: Request) -> Response:
 
 
 async def _tgi_generate(request: Request, state: AppState, body: P.GenerateRequest) -> Response:
-    prepared, prompt = await _tgi_prepare(request, body)
+    prepared, prompt = await _tgi_prepare(request, body, stream=False)
     streams = _submit_all(state, f"tgi-{uuid.uuid4().hex}", prepared)
     try:
         finals = await until_disconnect(request, _collect(streams))
@@ -815,16 +849,18 @@ async def _tgi_generate(request: Request, state: AppState, body: P.GenerateReque
     details = None
     if p.details:
         tok, special = state.info.tokenizer, state.info.special_ids
-        tokens = [P.TGIToken(id=t, text=tok.decode([t]), special=t in special) for t in c.token_ids]
+        tokens = [P.TGIToken(id=t, text=tok.decode([t]), logprob=LP.token_logprob(entry, t), special=t in special)
+                  for t, entry in zip(c.token_ids, c.logprobs)]
         prefill = [P.TGIPrefillToken(id=t, text=tok.decode([t])) for t in prompt] \
             if p.decoder_input_details else []
+        top = [LP.tgi_top_tokens(entry, p.top_n_tokens, special) for entry in c.logprobs] if p.top_n_tokens else None
         details = P.TGIDetails(finish_reason=_tgi_finish_reason(c), generated_tokens=len(c.token_ids),
-                               seed=p.seed, prefill=prefill, tokens=tokens)
+                               seed=p.seed, prefill=prefill, tokens=tokens, top_tokens=top)
     return JSONResponse(P.TGIGenerateResponse(generated_text=text, details=details).model_dump())
 
 
 async def _tgi_stream(request: Request, state: AppState, body: P.GenerateRequest) -> Response:
-    prepared, prompt = await _tgi_prepare(request, body)
+    prepared, prompt = await _tgi_prepare(request, body, stream=True)
     streams = _submit_all(state, f"tgi-{uuid.uuid4().hex}", prepared)
     return SSEResponse(_tgi_events(state, body, prompt, streams), streams)
 
@@ -837,11 +873,14 @@ async def _tgi_events(state: AppState, body: P.GenerateRequest, prompt: list[int
     try:
         async for _, out in _merge(streams):
             c = out.outputs[0]
-            text, new_tokens = delta.update(c)
-            for k, token_id in enumerate(new_tokens):
+            text, new_tokens, entries = delta.update(c)
+            for k, (token_id, entry) in enumerate(zip(new_tokens, entries)):
                 last = k == len(new_tokens) - 1
-                token = P.TGIToken(id=token_id, text=text if last else "", special=token_id in special)
+                token = P.TGIToken(id=token_id, text=text if last else "", special=token_id in special,
+                                   logprob=LP.token_logprob(entry, token_id))
                 event = P.TGIStreamResponse(index=delta.num_tokens - len(new_tokens) + k + 1, token=token)
+                if p.top_n_tokens:
+                    event.top_tokens = LP.tgi_top_tokens(entry, p.top_n_tokens, special)
                 if last and c.finish_reason is not None:
                     event.generated_text = (body.inputs if p.return_full_text else "") + c.text
                     event.details = P.TGIStreamDetails(

@@ -1,8 +1,8 @@
 """Request and response bodies of the HTTP API: OpenAI (/v1/...) and Hugging Face TGI (/generate, ...).
 
 Requests are parsed strictly: JSON types must match (no "0.5" for a float), unknown fields are refused,
-ranges are checked here, and fields fp8kv cannot honour (logprobs, tools, grammar, ...) are refused with a
-message instead of being silently ignored. Checks that need the model (prompt length against
+ranges are checked here, and fields fp8kv cannot honour (tools, grammar, prompt logprobs, ...) are refused
+with a message instead of being silently ignored. Checks that need the model (prompt length against
 max-model-len, token ids against the vocabulary, the model name) live in app.py.
 """
 
@@ -22,6 +22,7 @@ from pydantic import (
 )
 
 MAX_N = 16
+MAX_LOGPROBS = 20  # top logprobs per token (SamplingParams allows as many)
 MAX_PROMPTS = 64  # prompts in one /v1/completions batch
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_LENGTH = 512
@@ -142,10 +143,21 @@ class CompletionRequest(SamplingFields):
     prompt: Any
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
 
-    refuse_completion = _refuse_if_set("logprobs", "suffix")
+    refuse_completion = _refuse_if_set("suffix")
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and info.data.get("echo"):
+            raise ValueError("with echo it needs the prompt's logprobs, which fp8kv does not compute; "
+                             "drop echo or logprobs")
+        return value
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        return super().sampling_kwargs() | ({} if self.logprobs is None else {"logprobs": self.logprobs})
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -213,14 +225,24 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: ResponseFormat | None = None
     tools: list[Any] | None = None
     tool_choice: Literal["none"] | None = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
 
-    refuse_chat = _refuse_if_set("logprobs", "top_logprobs", "tools")
+    refuse_chat = _refuse_if_set("tools")
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs: true")
+        return value
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        return super().sampling_kwargs() | ({"logprobs": self.top_logprobs or 0} if self.logprobs else {})
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -246,14 +268,14 @@ class GenerateParameters(Strict):
     stop: Any = None
     temperature: float | None = Field(None, gt=0.0, le=100.0)
     top_k: int | None = Field(None, gt=0)
-    top_n_tokens: int | None = None
+    top_n_tokens: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     top_p: float | None = Field(None, gt=0.0, lt=1.0)
     truncate: int | None = Field(None, ge=1)
     typical_p: float | None = None
     watermark: bool = False
     adapter_id: str | None = None
 
-    refuse_tgi = _refuse_if_set("grammar", "typical_p", "top_n_tokens", "adapter_id", "watermark")
+    refuse_tgi = _refuse_if_set("grammar", "typical_p", "adapter_id", "watermark")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -286,10 +308,19 @@ class UsageInfo(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completions shape: parallel lists, one entry per generated token."""
+
+    text_offset: list[int]
+    token_logprobs: list[float]
+    tokens: list[str]
+    top_logprobs: list[dict[str, float]]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
 
 
@@ -307,10 +338,25 @@ class ChatMessageOut(BaseModel):
     content: str
 
 
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+    refusal: None = None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
 
 
@@ -331,7 +377,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -377,7 +423,7 @@ class TGIDetails(BaseModel):
     seed: int | None = None
     prefill: list[TGIPrefillToken] = Field(default_factory=list)
     tokens: list[TGIToken] = Field(default_factory=list)
-    top_tokens: list | None = None
+    top_tokens: list[list[TGIToken]] | None = None
     best_of_sequences: list | None = None
 
 
@@ -396,7 +442,7 @@ class TGIStreamDetails(BaseModel):
 class TGIStreamResponse(BaseModel):
     index: int
     token: TGIToken
-    top_tokens: list | None = None
+    top_tokens: list[TGIToken] | None = None
     generated_text: str | None = None
     details: TGIStreamDetails | None = None
 

@@ -1,0 +1,55 @@
+"""The engine's per-token Logprob dicts in each API's shape: OpenAI completions (parallel lists), OpenAI chat
+(one object per token with its top alternatives) and TGI (tokens with a logprob, top_tokens)."""
+
+from __future__ import annotations
+
+from fp8cache.engine.outputs import Logprob
+from fp8cache.server import protocol as P
+
+# JSON has no -inf: a token the model rules out entirely is reported as this (as vLLM does).
+LOWEST_LOGPROB = -9999.0
+
+
+def _value(logprob: Logprob) -> float:
+    return max(logprob.logprob, LOWEST_LOGPROB)
+
+
+def _top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    """The k most likely tokens of one step (the sampled token's entry counts only if it is among them)."""
+    return sorted((item for item in entry.items() if item[1].rank <= k), key=lambda item: item[1].rank)[:k]
+
+
+def completion_logprobs(entries: list[dict[int, Logprob]], tokens: list[int], k: int,
+                        offset: int = 0) -> P.CompletionLogprobs:
+    """offset: where the first token's text starts in the choice's text."""
+    out = P.CompletionLogprobs(text_offset=[], token_logprobs=[], tokens=[], top_logprobs=[])
+    for entry, token in zip(entries, tokens):
+        chosen = entry[token]
+        out.text_offset.append(offset)
+        out.tokens.append(chosen.decoded_token)
+        out.token_logprobs.append(_value(chosen))
+        # vLLM's shape: the top k and the sampled token
+        out.top_logprobs.append({lp.decoded_token: _value(lp) for _, lp in _top(entry, k) + [(token, chosen)]})
+        offset += len(chosen.decoded_token)
+    return out
+
+
+def _chat_token(logprob: Logprob) -> dict:
+    text = logprob.decoded_token
+    return {"token": text, "logprob": _value(logprob), "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(entries: list[dict[int, Logprob]], tokens: list[int], k: int) -> P.ChatLogprobs:
+    content = [P.ChatTokenLogprob(**_chat_token(entry[token]),
+                                  top_logprobs=[P.ChatTopLogprob(**_chat_token(lp)) for _, lp in _top(entry, k)])
+               for entry, token in zip(entries, tokens)]
+    return P.ChatLogprobs(content=content)
+
+
+def token_logprob(entry: dict[int, Logprob], token_id: int) -> float:
+    return _value(entry[token_id])
+
+
+def tgi_top_tokens(entry: dict[int, Logprob], k: int, special: set[int]) -> list[P.TGIToken]:
+    return [P.TGIToken(id=token_id, text=lp.decoded_token, logprob=_value(lp), special=token_id in special)
+            for token_id, lp in _top(entry, k)]
