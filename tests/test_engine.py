@@ -28,7 +28,7 @@ MAX_TOKENS = 16
     ("repetition_penalty", 0.0), ("presence_penalty", 3.0), ("frequency_penalty", -2.5),
     ("max_tokens", 0), ("min_tokens", -1), ("stop", 5), ("stop_token_ids", [-1]), ("seed", 1.5),
     ("temperature", float("nan")), ("logprobs", -1), ("logprobs", 21), ("logprobs", True),
-    ("prompt_logprobs", 1),
+    ("prompt_logprobs", -1), ("prompt_logprobs", 21),
 ])
 def test_bad_sampling_params_name_field_and_range(field, value):
     with pytest.raises(ValueError, match=f"SamplingParams.{field}=") as err:
@@ -312,3 +312,22 @@ def test_logprobs_are_transformers_log_softmax(loaded, hf_model, params):
 def test_no_logprobs_unless_asked(loaded):
     out = _final_outputs(make_engine(loaded), PROMPTS[:1], greedy(3))[0].outputs[0]
     assert out.logprobs is None and out.cumulative_logprob is None
+
+
+def test_prompt_logprobs_are_transformers_log_softmax_chunked_and_past_the_prefix_cache(loaded, hf_model):
+    # 7-token chunks split each prompt over several steps; the second request finds the first's blocks in
+    # the prefix cache, which it must not use (cached tokens get no logits); n=2 siblings share one scoring.
+    engine = make_engine(loaded, max_num_batched_tokens=7, enable_prefix_caching=True)
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3, n=2)
+    first, again = (_final_outputs(engine, PROMPTS[2:3], params)[0] for _ in range(2))
+    assert engine.stats.num_cached_prompt_tokens > 0  # the siblings did use the cache
+    prompt = first.prompt_token_ids
+    with torch.no_grad():
+        want = hf_model(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    for out in (first, again):
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+        for i, entry in enumerate(out.prompt_logprobs[1:], start=1):
+            assert entry[prompt[i]].logprob == pytest.approx(want[i - 1, prompt[i]].item(), abs=1e-3)
+            top = sorted((lp.rank, t) for t, lp in entry.items() if lp.rank <= 3)
+            assert [t for _, t in top] == want[i - 1].topk(3).indices.tolist()
+    assert [o.token_ids for o in first.outputs] == [o.token_ids for o in again.outputs]

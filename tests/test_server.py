@@ -179,6 +179,27 @@ def test_completion_logprobs_match_engine_streamed_or_not(openai_client, referen
     assert [o for s in streamed for o in s.text_offset] == lp.text_offset
 
 
+def test_completion_echo_with_logprobs_scores_the_prompt(openai_client, reference):
+    prompt = "Water boils at one hundred degrees"
+    kwargs = {"model": "smol", "prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 2, "echo": True}
+    choice = openai_client.completions.create(**kwargs).choices[0]
+    want = reference.generate(prompt, greedy(4, logprobs=2, prompt_logprobs=2))[0]
+    n = len(want.prompt_token_ids)
+    lp = choice.logprobs
+    assert choice.text.startswith(prompt) and len(lp.tokens) == n + len(want.outputs[0].token_ids)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    prompt_chosen = [e[t].logprob for e, t in zip(want.prompt_logprobs[1:], want.prompt_token_ids[1:])]
+    assert lp.token_logprobs[1:n] == pytest.approx(prompt_chosen, abs=1e-4)
+    assert lp.token_logprobs[n:] == pytest.approx(_chosen(want.outputs[0]), abs=1e-4)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    chunks = [c.choices[0] for c in openai_client.completions.create(**kwargs, stream=True)]
+    assert "".join(c.text for c in chunks) == choice.text
+    streamed = [c.logprobs for c in chunks if c.logprobs is not None]
+    assert [t for s in streamed for t in s.tokens] == lp.tokens
+    assert [o for s in streamed for o in s.text_offset] == lp.text_offset
+    assert [v for s in streamed for v in s.token_logprobs] == pytest.approx(lp.token_logprobs)
+
+
 def test_chat_logprobs_match_engine_streamed_or_not(openai_client, reference):
     messages = [{"role": "user", "content": "Name a fruit that is yellow."}]
     kwargs = {"model": "smol", "messages": messages, "max_tokens": 10, "temperature": 0, "logprobs": True,
@@ -242,6 +263,11 @@ def test_tgi_token_logprobs_and_top_tokens(server, reference):
     tops = [[(t["id"], t["logprob"]) for t in top] for top in detailed.details.top_tokens]
     for token, top in zip(detailed.details.tokens, tops):
         assert len(top) == 2 and top[0] == (token.id, pytest.approx(token.logprob)) and top[0][1] >= top[1][1]
+    prefill = client.text_generation(prompt, max_new_tokens=2, details=True, decoder_input_details=True).details.prefill
+    scored = reference.generate(prompt, greedy(2, prompt_logprobs=0))[0]
+    assert [t.id for t in prefill] == scored.prompt_token_ids and prefill[0].logprob is None
+    assert [t.logprob for t in prefill[1:]] == pytest.approx(
+        [e[t].logprob for e, t in zip(scored.prompt_logprobs[1:], scored.prompt_token_ids[1:])], abs=1e-4)
     events = list(client.text_generation(prompt, max_new_tokens=8, stream=True, details=True, top_n_tokens=2))
     assert [e.token.logprob for e in events] == pytest.approx(_chosen(want), abs=1e-4)
     assert [[t.id for t in e.top_tokens] for e in events] == [[i for i, _ in top] for top in tops]

@@ -85,7 +85,6 @@ CASES = [
     Case("echo string", CMPL, {"prompt": "x", "echo": "true"}, 400, "echo"),
     Case("logprobs too many", CMPL, {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
     Case("logprobs negative", CMPL, {"prompt": "x", "logprobs": -1}, 400, "logprobs"),
-    Case("logprobs with echo", CMPL, {"prompt": "x", "echo": True, "logprobs": 1}, 400, "logprobs"),
     Case("best_of", CMPL, {"prompt": "x", "best_of": 3}, 400, "best_of"),
     Case("stop_token_ids negative", CMPL, {"prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
     Case("stream_options without stream", CMPL, {"prompt": "x", "stream_options": {"include_usage": True}},

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from fp8cache.config import EngineConfig
 from fp8cache.engine.block_manager import BlockManager
 from fp8cache.engine.detokenizer import check_stop
-from fp8cache.engine.logprobs import token_logprobs
+from fp8cache.engine.logprobs import score_prompt, token_logprobs
 from fp8cache.engine.outputs import CompletionOutput, RequestOutput
 from fp8cache.engine.sampler import Sampler
 from fp8cache.engine.sampling_params import SamplingParams
@@ -63,7 +63,9 @@ class Request:
                                  cumulative_logprob=s.cumulative_logprob if wants_logprobs else None,
                                  logprobs=list(s.logprobs) if wants_logprobs else None)
                 for s in self.seqs]
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished)
+        prompt_logprobs = list(self.seqs[0].prompt_logprobs) if self.params.prompt_logprobs is not None else None
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished,
+                             prompt_logprobs)
 
 
 class LLMEngine:
@@ -155,7 +157,7 @@ class LLMEngine:
         logits = self.runner.execute(plan.batch)
         # Scales may have been computed from this very batch: hash its blocks with what they hold now.
         self.block_manager.set_fingerprint(self.runner.cache_fingerprint)
-        sampled = [item.seq for item, chunk in zip(plan.scheduled, plan.batch.seqs) if chunk.want_logits]
+        sampled, logits = self._sampling_rows(plan, logits)
         self.scheduler.on_step_done(plan.scheduled)
         self.num_steps += 1
         if not sampled:
@@ -174,6 +176,24 @@ class LLMEngine:
         outputs = [r.output() for r in progressed.values()]
         self._forget_finished(progressed.values())
         return outputs
+
+    def _sampling_rows(self, plan, logits):
+        """The sequences that sample this step and their logits rows; prompt_logits chunks' other rows go to
+        their prompt logprobs."""
+        if not any(chunk.prompt_logits for chunk in plan.batch.seqs):
+            return [item.seq for item, chunk in zip(plan.scheduled, plan.batch.seqs) if chunk.want_logits], logits
+        sampled, rows, row = [], [], 0
+        for item, chunk in zip(plan.scheduled, plan.batch.seqs):
+            if chunk.prompt_logits:
+                start = chunk.context_len - chunk.query_len
+                score_prompt(item.seq, logits[row:row + chunk.query_len], start, self.tokenizer)
+                row += chunk.query_len
+            elif chunk.want_logits:
+                row += 1
+            if chunk.want_logits:
+                sampled.append(item.seq)
+                rows.append(row - 1)
+        return sampled, logits[rows]
 
     def _drain_inbox(self) -> None:
         with self._lock:

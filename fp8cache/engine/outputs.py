@@ -38,3 +38,6 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    # With SamplingParams.prompt_logprobs = k: None for the first prompt token (nothing predicts it), then one
+    # dict per prompt token as in CompletionOutput.logprobs.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

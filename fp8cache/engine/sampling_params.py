@@ -31,7 +31,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # k: each output token's logprob and the k most likely tokens' (0: its own only)
-    prompt_logprobs: int | None = None  # not supported: refused unless None
+    prompt_logprobs: int | None = None  # k: each prompt token's logprob (the first has none) and the top k
     stop_strings: list[str] = field(init=False, repr=False)  # `stop` as a list, "" dropped
 
     def __post_init__(self) -> None:
@@ -54,8 +54,8 @@ class SamplingParams:
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS, f"an integer in [0, {MAX_LOGPROBS}] or None")
         if self.prompt_logprobs is not None:
-            _fail("prompt_logprobs", self.prompt_logprobs,
-                  "None: fp8kv computes logits for generated tokens only, not for the prompt")
+            _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS,
+                       f"an integer in [0, {MAX_LOGPROBS}] or None")
         self.stop_strings = _stop_list(self.stop)
         self.stop_token_ids = _token_id_list(self.stop_token_ids)
 

@@ -114,7 +114,7 @@ class Scheduler:
                 break
             if self._sibling_is_prefilling(seq):
                 continue  # it will find the shared prompt in the prefix cache a step later
-            cached = bm.lookup_prefix(seq)
+            cached = [] if seq.needs_prompt_logits else bm.lookup_prefix(seq)
             num_new = min(len(seq) - len(cached) * bm.block_size, budget)
             if not bm.can_allocate(seq, num_new, cached):
                 break
@@ -155,7 +155,7 @@ class Scheduler:
                                                  if p >= end - window else -1 for p in range(start, end))
             batch.seqs.append(SeqChunk(query_len=item.num_new_tokens, context_len=end,
                                        block_table=list(seq.block_table[:-(-end // bs)]),
-                                       want_logits=item.reaches_end,
+                                       want_logits=item.reaches_end, prompt_logits=seq.needs_prompt_logits,
                                        window_block_table=list(seq.window_block_table),
                                        window_floor=seq.window_floor))
             if item.num_new_tokens > 1 or seq.num_output_tokens == 0:

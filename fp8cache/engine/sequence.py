@@ -47,6 +47,9 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.generator = _generator(params, index)
         self.logprobs: list[dict] = []  # with params.logprobs: one dict of Logprob per output token
+        # With params.prompt_logprobs, on the request's first sequence (its siblings share the prompt): one
+        # entry per prompt token scored so far, None for the first.
+        self.prompt_logprobs: list[dict | None] = [None] if params.prompt_logprobs is not None and index == 0 else []
         self.cumulative_logprob = 0.0
         # Incremental detokenization state (see detokenizer.py).
         self.output_text = ""
@@ -79,6 +82,12 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Whether its prompt still has tokens to score: its steps then return logits at every position, and
+        it is not admitted from the prefix cache (cached tokens are not computed)."""
+        return 0 < len(self.prompt_logprobs) < self.num_prompt_tokens
 
     def append_token(self, token_id: int, logprobs: dict | None = None) -> None:
         """logprobs: this step's Logprob per token id (logprobs.py), when the request asked for them."""

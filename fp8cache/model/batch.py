@@ -18,6 +18,7 @@ class SeqChunk:
     context_len: int
     block_table: list[int]  # block ids covering positions [0, context_len)
     want_logits: bool = True  # False for a prefill chunk that does not reach the prompt's end
+    prompt_logits: bool = False  # logits at every fed position (prompt logprobs), the last one included
     # Recent-token window (kv_recent_window > 0): the sequence's ring of window blocks, and the first position
     # it computed itself (older ones came from the prefix cache and exist only in FP8).
     window_block_table: list[int] = field(default_factory=list)

@@ -207,7 +207,8 @@ class ModelRunner:
     # ---- one step ----------------------------------------------------------------------------------
 
     def execute(self, batch: StepBatch, all_logits: bool = False) -> torch.Tensor:
-        """float32 logits: [seqs with want_logits, vocab] at each one's last token; [tokens, vocab] if all_logits."""
+        """float32 logits, [rows, vocab]: in seq order, every fed token of a prompt_logits chunk, the last one of
+        a want_logits chunk; with all_logits every token."""
         self._check_batch(batch)
         with tp_worker.driver_step(batch, all_logits):  # rank 0 of several: the other ranks run it too
             return self._execute(batch, all_logits)
@@ -268,12 +269,14 @@ class ModelRunner:
     def _logits_index(self, batch: StepBatch, all_logits: bool) -> int | torch.Tensor:
         if all_logits:
             return 0  # transformers: 0 keeps every position
-        last, offset = [], 0
+        rows, offset = [], 0
         for s in batch.seqs:
+            if s.prompt_logits:
+                rows.extend(range(offset, offset + s.query_len))
+            elif s.want_logits:
+                rows.append(offset + s.query_len - 1)
             offset += s.query_len
-            if s.want_logits:
-                last.append(offset - 1)
-        return torch.tensor(last, dtype=torch.long, device=self.device)
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
 
     # ---- calculate_kv_scales -----------------------------------------------------------------------
 

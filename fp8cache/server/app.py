@@ -629,7 +629,7 @@ async def completions(request: Request) -> Response:
     name = state.settings.served_model_name
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return SSEResponse(_completion_events(request_id, name, body, prepared, streams, include_usage),
+        return SSEResponse(_completion_events(request_id, name, body, prepared, streams, include_usage, tok),
                            streams)
     try:
         finals = await until_disconnect(request, _collect(streams))
@@ -637,11 +637,14 @@ async def completions(request: Request) -> Response:
         _close_all(streams)
     if isinstance(finals, Response):
         return finals
-    choices = [P.CompletionChoice(index=i * body.n + c.index,
-                                  text=(texts[i] if body.echo else "") + c.text,
-                                  logprobs=_completion_logprobs(body, c.logprobs, c.token_ids),
-                                  finish_reason=c.finish_reason)
-               for i, out in sorted(finals.items()) for c in out.outputs]
+    choices = []
+    for i, out in sorted(finals.items()):
+        echoed = _echo_logprobs(body, tok, out, prompts[i])
+        for c in out.outputs:
+            generated = _completion_logprobs(body, c.logprobs, c.token_ids, LP.end_offset(echoed))
+            choices.append(P.CompletionChoice(index=i * body.n + c.index,
+                                              text=(texts[i] if body.echo else "") + c.text,
+                                              logprobs=LP.join(echoed, generated), finish_reason=c.finish_reason))
     return JSONResponse(P.CompletionResponse(id=request_id, model=name, choices=choices,
                                              usage=_usage(prompts, finals)).model_dump())
 
@@ -653,6 +656,13 @@ def _completion_logprobs(body: P.CompletionRequest, entries: list | None, tokens
     return LP.completion_logprobs(entries, tokens, body.logprobs, offset)
 
 
+def _echo_logprobs(body: P.CompletionRequest, tok: Any, out: Any, prompt: list[int]) -> P.CompletionLogprobs | None:
+    """The echoed prompt's tokens: logprobs for all but the first."""
+    if body.logprobs is None or not body.echo or out.prompt_logprobs is None:
+        return None
+    return LP.completion_logprobs(out.prompt_logprobs, prompt, body.logprobs, first_text=tok.decode([prompt[0]]))
+
+
 async def _collect(streams: list[RequestStream]) -> dict[int, Any]:
     finals: dict[int, Any] = {}
     async for i, out in _merge(streams):
@@ -661,9 +671,10 @@ async def _collect(streams: list[RequestStream]) -> dict[int, Any]:
 
 
 async def _completion_events(request_id: str, name: str, body: P.CompletionRequest, prepared: Prepared,
-                             streams: list[RequestStream], include_usage: bool) -> AsyncIterator[str]:
+                             streams: list[RequestStream], include_usage: bool, tok: Any) -> AsyncIterator[str]:
     created = int(time.time())
     deltas: dict[tuple[int, int], TextDelta] = {}
+    offsets: dict[tuple[int, int], int] = {}  # per choice: where the next token's text starts (logprobs)
     finals: dict[int, Any] = {}
 
     def event(index: int, text: str, finish_reason: str | None, logprobs: P.CompletionLogprobs | None = None) -> str:
@@ -672,22 +683,29 @@ async def _completion_events(request_id: str, name: str, body: P.CompletionReque
         return sse({"id": request_id, "object": "text_completion", "created": created, "model": name,
                     "choices": [choice]})
 
-    if body.echo:
+    # The echo goes first; with logprobs it waits for the prompt's logprobs, which come with the first output.
+    echo_waits = body.echo and body.logprobs is not None
+    if body.echo and not echo_waits:
         for i, text in enumerate(prepared.prompt_texts):
             for k in range(body.n):
                 yield event(i * body.n + k, text, None)
     try:
         async for i, out in _merge(streams):
+            if echo_waits and i not in finals:
+                echoed = _echo_logprobs(body, tok, out, prepared.prompts[i])
+                for k in range(body.n):
+                    offsets[(i, k)] = LP.end_offset(echoed)
+                    yield event(i * body.n + k, prepared.prompt_texts[i], None, echoed)
             finals[i] = out
             for c in out.outputs:
                 delta = deltas.setdefault((i, c.index), TextDelta())
-                offset = len(delta.text)
                 text, tokens, entries = delta.update(c, hold_empty=c.finish_reason is None)
                 if not text and (c.finish_reason is None or delta.finish_reason is not None):
                     continue
                 delta.finish_reason = c.finish_reason
-                yield event(i * body.n + c.index, text, c.finish_reason,
-                            _completion_logprobs(body, entries, tokens, offset))
+                logprobs = _completion_logprobs(body, entries, tokens, offsets.get((i, c.index), 0))
+                offsets[(i, c.index)] = LP.end_offset(logprobs, offsets.get((i, c.index), 0))
+                yield event(i * body.n + c.index, text, c.finish_reason, logprobs)
     except EngineDeadError as exc:
         yield _stream_error("/v1/completions", exc)
         return
@@ -813,6 +831,8 @@ async def _tgi_prepare(request: Request, body: P.GenerateRequest, stream: bool) 
     kwargs = p.sampling_kwargs() | {"max_tokens": max_tokens}
     if stream or p.details:  # TGI's tokens carry their logprob
         kwargs["logprobs"] = p.top_n_tokens or 0
+    if p.details and p.decoder_input_details and not stream:
+        kwargs["prompt_logprobs"] = 0
     params = _sampling_params(state, kwargs)
     return Prepared([prompt], [body.inputs], max_tokens, params), prompt
 
@@ -851,8 +871,8 @@ async def _tgi_generate(request: Request, state: AppState, body: P.GenerateReque
         tok, special = state.info.tokenizer, state.info.special_ids
         tokens = [P.TGIToken(id=t, text=tok.decode([t]), logprob=LP.token_logprob(entry, t), special=t in special)
                   for t, entry in zip(c.token_ids, c.logprobs)]
-        prefill = [P.TGIPrefillToken(id=t, text=tok.decode([t])) for t in prompt] \
-            if p.decoder_input_details else []
+        prefill = [P.TGIPrefillToken(id=t, text=tok.decode([t]), logprob=LP.token_logprob(entry, t) if entry else None)
+                   for t, entry in zip(prompt, finals[0].prompt_logprobs)] if p.decoder_input_details else []
         top = [LP.tgi_top_tokens(entry, p.top_n_tokens, special) for entry in c.logprobs] if p.top_n_tokens else None
         details = P.TGIDetails(finish_reason=_tgi_finish_reason(c), generated_tokens=len(c.token_ids),
                                seed=p.seed, prefill=prefill, tokens=tokens, top_tokens=top)

@@ -19,19 +19,36 @@ def _top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
     return sorted((item for item in entry.items() if item[1].rank <= k), key=lambda item: item[1].rank)[:k]
 
 
-def completion_logprobs(entries: list[dict[int, Logprob]], tokens: list[int], k: int,
-                        offset: int = 0) -> P.CompletionLogprobs:
-    """offset: where the first token's text starts in the choice's text."""
+def completion_logprobs(entries: list[dict[int, Logprob] | None], tokens: list[int], k: int, offset: int = 0,
+                        first_text: str = "") -> P.CompletionLogprobs:
+    """offset: where the first token's text starts (token texts laid end to end, as vLLM counts). An entry
+    of None (an echoed prompt's first token, whose text is first_text) has no logprobs."""
     out = P.CompletionLogprobs(text_offset=[], token_logprobs=[], tokens=[], top_logprobs=[])
     for entry, token in zip(entries, tokens):
-        chosen = entry[token]
+        chosen = entry[token] if entry is not None else None
+        text = chosen.decoded_token if chosen is not None else first_text
         out.text_offset.append(offset)
-        out.tokens.append(chosen.decoded_token)
-        out.token_logprobs.append(_value(chosen))
-        # vLLM's shape: the top k and the sampled token
-        out.top_logprobs.append({lp.decoded_token: _value(lp) for _, lp in _top(entry, k) + [(token, chosen)]})
-        offset += len(chosen.decoded_token)
+        out.tokens.append(text)
+        out.token_logprobs.append(_value(chosen) if chosen is not None else None)
+        # vLLM's shape: the top k and the chosen token
+        out.top_logprobs.append({lp.decoded_token: _value(lp) for _, lp in _top(entry, k) + [(token, chosen)]}
+                                if chosen is not None else None)
+        offset += len(text)
     return out
+
+
+def end_offset(logprobs: P.CompletionLogprobs | None, offset: int = 0) -> int:
+    """Where text after these tokens starts."""
+    if logprobs is None or not logprobs.tokens:
+        return offset
+    return logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+
+
+def join(first: P.CompletionLogprobs | None, second: P.CompletionLogprobs | None) -> P.CompletionLogprobs | None:
+    if first is None or second is None:
+        return first or second
+    return P.CompletionLogprobs(**{name: getattr(first, name) + getattr(second, name)
+                                   for name in P.CompletionLogprobs.model_fields})
 
 
 def _chat_token(logprob: Logprob) -> dict:

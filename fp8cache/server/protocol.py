@@ -1,8 +1,8 @@
 """Request and response bodies of the HTTP API: OpenAI (/v1/...) and Hugging Face TGI (/generate, ...).
 
 Requests are parsed strictly: JSON types must match (no "0.5" for a float), unknown fields are refused,
-ranges are checked here, and fields fp8kv cannot honour (tools, grammar, prompt logprobs, ...) are refused
-with a message instead of being silently ignored. Checks that need the model (prompt length against
+ranges are checked here, and fields fp8kv cannot honour (tools, grammar, ...) are refused with a message
+instead of being silently ignored. Checks that need the model (prompt length against
 max-model-len, token ids against the vocabulary, the model name) live in app.py.
 """
 
@@ -148,16 +148,12 @@ class CompletionRequest(SamplingFields):
 
     refuse_completion = _refuse_if_set("suffix")
 
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
-        if value is not None and info.data.get("echo"):
-            raise ValueError("with echo it needs the prompt's logprobs, which fp8kv does not compute; "
-                             "drop echo or logprobs")
-        return value
-
     def sampling_kwargs(self) -> dict[str, Any]:
-        return super().sampling_kwargs() | ({} if self.logprobs is None else {"logprobs": self.logprobs})
+        if self.logprobs is None:
+            return super().sampling_kwargs()
+        # echo returns the prompt's tokens too, and so their logprobs
+        return super().sampling_kwargs() | {"logprobs": self.logprobs} | (
+            {"prompt_logprobs": self.logprobs} if self.echo else {})
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -312,9 +308,9 @@ class CompletionLogprobs(BaseModel):
     """OpenAI's legacy completions shape: parallel lists, one entry per generated token."""
 
     text_offset: list[int]
-    token_logprobs: list[float]
+    token_logprobs: list[float | None]  # None for an echoed prompt's first token: nothing predicts it
     tokens: list[str]
-    top_logprobs: list[dict[str, float]]
+    top_logprobs: list[dict[str, float] | None]
 
 
 class CompletionChoice(BaseModel):
