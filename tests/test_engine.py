@@ -331,3 +331,14 @@ def test_prompt_logprobs_are_transformers_log_softmax_chunked_and_past_the_prefi
             top = sorted((lp.rank, t) for t, lp in entry.items() if lp.rank <= 3)
             assert [t for _, t in top] == want[i - 1].topk(3).indices.tolist()
     assert [o.token_ids for o in first.outputs] == [o.token_ids for o in again.outputs]
+
+
+def test_logit_bias_steers_generation_and_ids_past_the_vocabulary_are_refused(loaded, auto_run):
+    engine = make_engine(loaded)
+    first_greedy = auto_run[1][0][0]
+    banned = generate(engine, PROMPTS[:1], SamplingParams(temperature=0, max_tokens=3,
+                                                          logit_bias={first_greedy: -100}))[0]
+    forced = generate(engine, PROMPTS[:1], SamplingParams(temperature=0, max_tokens=3, logit_bias={504: 100}))[0]
+    assert banned[0] != first_greedy and forced == [504] * 3
+    with pytest.raises(ValueError, match="logit_bias token id 1000000 is outside the vocabulary"):
+        engine.add_request("bad", PROMPTS[0], SamplingParams(logit_bias={10**6: 1.0}))

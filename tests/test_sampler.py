@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from fp8cache.engine.sampler import Sampler, apply_penalties, sampling_probs
+from fp8cache.engine.sampler import Sampler, apply_logit_bias, apply_penalties, sampling_probs
 from fp8cache.engine.sampling_params import SamplingParams
 from fp8cache.engine.sequence import Sequence
 
@@ -136,3 +136,31 @@ def test_draws_follow_the_filtered_distribution():
     want = torch.tensor(reference_probs(base[0].tolist(), params))
     assert counts[4:].sum() == 0, "a token outside top-k was drawn"
     assert torch.allclose(counts.float() / n, want, atol=0.015)
+
+
+def test_logit_bias_is_added_before_everything_else():
+    logits = random_logits(3)
+    favoured, banned = int(logits[0].argmin()), int(logits[1].argmax())
+    seqs = [seq_with(SamplingParams(temperature=0, logit_bias={favoured: 100})),
+            seq_with(SamplingParams(temperature=0, logit_bias={banned: -100})),
+            seq_with(SamplingParams(temperature=0))]
+    want = logits.clone()
+    want[0, favoured] += 100
+    want[1, banned] -= 100
+    tokens = Sampler()(logits, seqs, set())
+    assert tokens == want.argmax(dim=-1).tolist() and tokens[0] == favoured and tokens[1] != banned
+    # a sampled row: the bias shifts the distribution it draws from (temperature applies after it)
+    p = SamplingParams(temperature=0.5, logit_bias={3: 2.0, 7: -1.5})
+    row = logits[2].clone()
+    row[3] += 2.0
+    row[7] -= 1.5
+    biased = logits[2:3].clone()
+    apply_logit_bias(biased, [seq_with(p)])
+    assert torch.equal(biased[0], row)
+    assert sampling_probs(biased, [seq_with(p)])[0].tolist() == pytest.approx(reference_probs(row.tolist(), p))
+
+
+@pytest.mark.parametrize("bias", [{-1: 1.0}, {3: 101}, {3: float("nan")}, {True: 1.0}, [3]])
+def test_bad_logit_bias_is_refused(bias):
+    with pytest.raises(ValueError, match="SamplingParams.logit_bias="):
+        SamplingParams(logit_bias=bias)

@@ -200,6 +200,15 @@ def test_completion_echo_with_logprobs_scores_the_prompt(openai_client, referenc
     assert [v for s in streamed for v in s.token_logprobs] == pytest.approx(lp.token_logprobs)
 
 
+def test_logit_bias_matches_engine(openai_client, reference):
+    prompt = "The three primary colors are"
+    out = openai_client.completions.create(model="smol", prompt=prompt, max_tokens=6, temperature=0,
+                                           logit_bias={"504": 8, "260": -100})
+    want = reference.generate(prompt, greedy(6, logit_bias={504: 8, 260: -100}))[0].outputs[0]
+    plain = reference.generate(prompt, greedy(6))[0].outputs[0]
+    assert out.choices[0].text == want.text != plain.text
+
+
 def test_chat_logprobs_match_engine_streamed_or_not(openai_client, reference):
     messages = [{"role": "user", "content": "Name a fruit that is yellow."}]
     kwargs = {"model": "smol", "messages": messages, "max_tokens": 10, "temperature": 0, "logprobs": True,

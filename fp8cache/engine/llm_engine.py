@@ -105,6 +105,7 @@ class LLMEngine:
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         text, token_ids = self._tokenize(prompt, prompt_token_ids)
         self._check_prompt(token_ids)
+        self._check_logit_bias(params)
         seqs = [Sequence(request_id, i, token_ids, params, arrival=next(self._arrivals))
                 for i in range(params.n)]
         request = Request(request_id, text, token_ids, params, seqs)
@@ -225,10 +226,19 @@ class LLMEngine:
             return None, list(prompt)
         raise TypeError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
+    def _vocab_size(self) -> int | None:
+        return getattr(getattr(self.runner, "hf_config", None), "vocab_size", None)
+
+    def _check_logit_bias(self, params: SamplingParams) -> None:
+        vocab = self._vocab_size()
+        bad = [t for t in params.logit_bias or {} if vocab is not None and t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
+
     def _check_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
             raise ValueError("the prompt is empty (0 tokens); give at least one token")
-        vocab = getattr(getattr(self.runner, "hf_config", None), "vocab_size", None)
+        vocab = self._vocab_size()
         bad = [t for t in token_ids if t < 0 or (vocab is not None and t >= vocab)]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")

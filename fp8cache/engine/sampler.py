@@ -1,7 +1,7 @@
 """Turn one row of logits per sequence into one token per sequence, all rows at once.
 
-Order, as in vLLM: min_tokens bans -> penalties -> greedy argmax, or temperature -> min-p -> top-k ->
-top-p -> draw. The draw is argmax(p / q) with q ~ Exp(1), which is a draw from p; a seeded request
+Order, as in vLLM: logit bias -> min_tokens bans -> penalties -> greedy argmax, or temperature -> min-p ->
+top-k -> top-p -> draw. The draw is argmax(p / q) with q ~ Exp(1), which is a draw from p; a seeded request
 makes its own q from its own generator, so its tokens do not depend on what else is in the batch.
 """
 
@@ -21,8 +21,9 @@ class Sampler:
         if logits.shape[0] != len(seqs):
             raise ValueError(f"sampler got {logits.shape[0]} logit rows for {len(seqs)} sequences")
         logits = logits.float()
-        if any(_edits_logits(s, eos_token_ids) for s in seqs):  # only bans and penalties write in place
+        if any(_edits_logits(s, eos_token_ids) for s in seqs):  # only these write in place
             logits = logits.clone()
+            apply_logit_bias(logits, seqs)
             ban_stop_tokens_before_min(logits, seqs, eos_token_ids)
             apply_penalties(logits, seqs)
         tokens = logits.argmax(dim=-1)
@@ -45,6 +46,8 @@ class Sampler:
 def _edits_logits(seq: Sequence, eos_token_ids: set[int]) -> bool:
     """Whether ban_stop_tokens_before_min or apply_penalties may change seq's row."""
     p = seq.params
+    if p.logit_bias:
+        return True
     if seq.num_output_tokens < p.min_tokens and (p.stop_token_ids or (eos_token_ids and not p.ignore_eos)):
         return True
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
@@ -52,6 +55,14 @@ def _edits_logits(seq: Sequence, eos_token_ids: set[int]) -> bool:
 
 def _column(seqs: list[Sequence], name: str, device: torch.device) -> torch.Tensor:
     return torch.tensor([float(getattr(s.params, name)) for s in seqs], device=device).unsqueeze(1)
+
+
+def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    for i, seq in enumerate(seqs):
+        bias = seq.params.logit_bias
+        if bias:
+            ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
+            logits[i, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
 
 
 def ban_stop_tokens_before_min(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]) -> None:

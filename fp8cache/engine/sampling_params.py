@@ -31,6 +31,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # k: each output token's logprob and the k most likely tokens' (0: its own only)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI: -100 bans, 100 forces)
     prompt_logprobs: int | None = None  # k: each prompt token's logprob (the first has none) and the top k
     stop_strings: list[str] = field(init=False, repr=False)  # `stop` as a list, "" dropped
 
@@ -56,6 +57,7 @@ class SamplingParams:
         if self.prompt_logprobs is not None:
             _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS,
                        f"an integer in [0, {MAX_LOGPROBS}] or None")
+        self.logit_bias = _logit_bias(self.logit_bias)
         self.stop_strings = _stop_list(self.stop)
         self.stop_token_ids = _token_id_list(self.stop_token_ids)
 
@@ -78,6 +80,19 @@ def _check_int(name: str, value: object, low: int | None, high: int | None, allo
 def _check_number(name: str, value: object, ok, allowed: str) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or not ok(value):
         _fail(name, value, allowed)
+
+
+def _logit_bias(bias: dict[int, float] | None) -> dict[int, float] | None:
+    if not bias:
+        return None
+    allowed = "a dict of token id (integer >= 0) to a number in [-100, 100], or None"
+    if not isinstance(bias, dict):
+        _fail("logit_bias", bias, allowed)
+    for token, value in bias.items():
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            _fail("logit_bias", bias, allowed)
+        _check_number("logit_bias", value, lambda v: -100 <= v <= 100, allowed)
+    return {token: float(value) for token, value in bias.items()}
 
 
 def _stop_list(stop: str | list[str] | None) -> list[str]:

@@ -374,6 +374,10 @@ def _limit_reason(state: AppState) -> str:
 
 
 def _sampling_params(state: AppState, kwargs: dict[str, Any]) -> Any:
+    bad = [t for t in kwargs.get("logit_bias", {}) if t >= state.info.vocab_size]
+    if bad:
+        raise P.RequestError(f"logit_bias: token id {bad[0]} is outside the vocabulary (0..{state.info.vocab_size - 1})",
+                             param="logit_bias", code="invalid_value")
     try:
         return state.sampling_params(**kwargs)
     except (ValueError, TypeError) as exc:

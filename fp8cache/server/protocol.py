@@ -22,6 +22,7 @@ from pydantic import (
 )
 
 MAX_N = 16
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias (OpenAI allows 300)
 MAX_LOGPROBS = 20  # top logprobs per token (SamplingParams allows as many)
 MAX_PROMPTS = 64  # prompts in one /v1/completions batch
 MAX_STOP_SEQUENCES = 16
@@ -102,12 +103,22 @@ class SamplingFields(Strict):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_SEQUENCES)
 
-    refuse_sampling = _refuse_if_set("logit_bias")
-
     @field_validator("stop", mode="before")
     @classmethod
     def _stop(cls, value: Any) -> list[str] | None:
         return _check_stop(value, allow_str=True)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        for token, bias in (value or {}).items():
+            if not token.isdigit():
+                raise ValueError(f"key {token!r} is not a token id; keys are token ids as strings, e.g. \"50256\"")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+                raise ValueError(f"the bias of token {token} must be a number in [-100, 100]")
+        if value is not None and len(value) > MAX_LOGIT_BIAS:
+            raise ValueError(f"has {len(value)} entries; at most {MAX_LOGIT_BIAS} are allowed")
+        return value
 
     @field_validator("stop_token_ids")
     @classmethod
@@ -136,6 +147,8 @@ class SamplingFields(Strict):
             value = getattr(self, name)
             if value is not None:
                 kwargs[name] = value
+        if self.logit_bias:
+            kwargs["logit_bias"] = {int(token): bias for token, bias in self.logit_bias.items()}
         return kwargs
 
 
