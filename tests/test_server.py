@@ -227,6 +227,28 @@ def test_chat_logprobs_match_engine_streamed_or_not(openai_client, reference):
     assert plain.choices[0].logprobs is None
 
 
+def test_tokenize_and_detokenize_routes(server, reference):
+    tok = reference.llm.get_tokenizer()
+    text = "Tokenize me, please: naïve café."
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        got = client.post("/tokenize", json={"model": "smol", "prompt": text}).json()
+        assert got["tokens"] == tok.encode(text) and got["count"] == len(got["tokens"])
+        assert got["max_model_len"] == MAX_MODEL_LEN
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        chat = client.post("/tokenize", json={"messages": messages}).json()
+        assert chat["tokens"] == reference.chat(messages, greedy(1))[0].prompt_token_ids
+        back = client.post("/detokenize", json={"model": "smol", "tokens": got["tokens"]}).json()
+        assert back == {"prompt": tok.decode(got["tokens"])}
+        spans = client.post("/tokenize", json={"inputs": text}).json()  # TGI's shape
+        assert [s["id"] for s in spans] == got["tokens"]
+        assert "".join(s["text"] for s in spans) == text
+        assert all(text[s["start"]:s["stop"]] == s["text"] for s in spans)
+        bad = client.post("/detokenize", json={"tokens": [10**7]})
+        assert bad.status_code == 422 and "tokens" in bad.json()["error"]
+        both = client.post("/tokenize", json={"prompt": "x", "messages": messages})
+        assert both.status_code == 422 and "either prompt or messages" in both.json()["error"]
+
+
 def _tgi(server):
     from huggingface_hub import InferenceClient
 

@@ -307,7 +307,10 @@ async def read_json(request: Request, limit: int) -> Any:
 
 async def parse(request: Request, model: type[BaseModel]) -> Any:
     state: AppState = request.app.state.fp8kv
-    body = await read_json(request, state.settings.max_request_bytes)
+    return validated(model, await read_json(request, state.settings.max_request_bytes))
+
+
+def validated(model: type[BaseModel], body: dict) -> Any:
     try:
         return model.model_validate(body, strict=True)
     except ValidationError as exc:
@@ -555,6 +558,8 @@ def _add_routes(app: FastAPI) -> None:
     app.add_api_route("/generate", tgi_generate, methods=["POST"])
     app.add_api_route("/generate_stream", tgi_generate_stream, methods=["POST"])
     app.add_api_route("/", tgi_compat, methods=["POST"])
+    app.add_api_route("/tokenize", tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", detokenize, methods=["POST"])
 
 
 def _state(request: Request) -> AppState:
@@ -724,23 +729,7 @@ async def chat_completions(request: Request) -> Response:
     state = _state(request)
     body: P.ChatCompletionRequest = await parse(request, P.ChatCompletionRequest)
     _check_model(state, body.model)
-    tok = state.info.tokenizer
-    if not getattr(tok, "chat_template", None):
-        raise P.RequestError("messages: this model's tokenizer has no chat template; use /v1/completions",
-                             param="messages", code="no_chat_template")
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.content or ""}
-                | ({"name": m.name} if m.name else {}) for m in body.messages]
-
-    def render() -> list[int]:
-        text = tok.apply_chat_template(messages, tokenize=False,
-                                       add_generation_prompt=body.add_generation_prompt)
-        return tok.encode(text, add_special_tokens=False)
-
-    try:
-        prompt = await _tokenize(state, render)
-    except Exception as exc:  # noqa: BLE001 - the template's own complaint is the useful message
-        raise P.RequestError(f"messages: the chat template refused them: {exc}", param="messages",
-                             code="invalid_value") from None
+    prompt = await _render_chat(state, body.messages, body.add_generation_prompt)
     tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = _check_lengths(state, [prompt], body.requested_max_tokens, "messages", tokens_param)
     params = _sampling_params(state, body.sampling_kwargs() | {"max_tokens": max_tokens})
@@ -768,6 +757,27 @@ def _chat_logprobs(body: P.ChatCompletionRequest, entries: list | None, tokens: 
     if not body.logprobs or entries is None:
         return None
     return LP.chat_logprobs(entries, tokens, body.top_logprobs or 0)
+
+
+async def _render_chat(state: AppState, messages: list[P.ChatMessage], add_generation_prompt: bool,
+                       add_special_tokens: bool = False) -> list[int]:
+    """Token ids of messages through the tokenizer's chat template."""
+    tok = state.info.tokenizer
+    if not getattr(tok, "chat_template", None):
+        raise P.RequestError("messages: this model's tokenizer has no chat template; use /v1/completions",
+                             param="messages", code="no_chat_template")
+    plain = [{"role": "system" if m.role == "developer" else m.role, "content": m.content or ""}
+             | ({"name": m.name} if m.name else {}) for m in messages]
+
+    def render() -> list[int]:
+        text = tok.apply_chat_template(plain, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return tok.encode(text, add_special_tokens=add_special_tokens)
+
+    try:
+        return await _tokenize(state, render)
+    except Exception as exc:  # noqa: BLE001 - the template's own complaint is the useful message
+        raise P.RequestError(f"messages: the chat template refused them: {exc}", param="messages",
+                             code="invalid_value") from None
 
 
 async def _chat_events(request_id: str, name: str, body: P.ChatCompletionRequest, prepared: Prepared,
@@ -808,6 +818,58 @@ async def _chat_events(request_id: str, name: str, body: P.ChatCompletionRequest
     if include_usage:
         yield chunk([], _usage(prepared.prompts, finals))
     yield "data: [DONE]\n\n"
+
+
+# -- tokenizer routes --------------------------------------------------------------------------------
+
+
+async def tokenize(request: Request) -> Response:
+    """POST /tokenize: TGI's ({"inputs": ...}: tokens with their character spans) or vLLM's ({"prompt": ...}
+    or {"messages": ...}: ids, count, max_model_len); the body tells which."""
+    state = _state(request)
+    body = await read_json(request, state.settings.max_request_bytes)
+    tok = state.info.tokenizer
+    if "inputs" in body:
+        text = validated(P.TGITokenizeRequest, body).inputs
+        spans = await _tokenize(state, lambda: _token_spans(tok, text))
+        return JSONResponse([{"id": t, "text": piece, "start": start, "stop": stop} for t, piece, start, stop in spans])
+    req: P.TokenizeRequest = validated(P.TokenizeRequest, body)
+    _check_model(state, req.model)
+    if req.messages is not None:
+        ids = await _render_chat(state, req.messages, req.add_generation_prompt, bool(req.add_special_tokens))
+    else:
+        special = req.add_special_tokens is not False
+        ids = await _tokenize(state, lambda: tok.encode(req.prompt, add_special_tokens=special))
+    return JSONResponse({"count": len(ids), "max_model_len": state.info.max_model_len, "tokens": ids,
+                         "token_strs": None})
+
+
+def _token_spans(tok: Any, text: str) -> list[tuple[int, str, int, int]]:
+    """(id, piece of text, start, stop) per token of text as the generate routes encode it; tokens that add
+    no text (BOS) have an empty span."""
+    ids = tok.encode(text)
+    if getattr(tok, "is_fast", False):
+        offsets = tok(text, return_offsets_mapping=True)["offset_mapping"]
+        if len(offsets) == len(ids):
+            return [(t, text[a:b], a, b) for t, (a, b) in zip(ids, offsets)]
+    spans, pos = [], 0  # a slow tokenizer: lay the decoded pieces end to end
+    for t in ids:
+        piece = tok.decode([t])
+        spans.append((t, piece, pos, pos + len(piece)))
+        pos += len(piece)
+    return spans
+
+
+async def detokenize(request: Request) -> Response:
+    state = _state(request)
+    req: P.DetokenizeRequest = await parse(request, P.DetokenizeRequest)
+    _check_model(state, req.model)
+    bad = [t for t in req.tokens if t >= state.info.vocab_size]
+    if bad:
+        raise P.RequestError(f"tokens: token id {bad[0]} is outside the vocabulary (0..{state.info.vocab_size - 1})",
+                             param="tokens", code="invalid_value")
+    text = await _tokenize(state, lambda: state.info.tokenizer.decode(req.tokens))
+    return JSONResponse({"prompt": text})
 
 
 # -- TGI ---------------------------------------------------------------------------------------------

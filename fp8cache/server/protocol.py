@@ -258,6 +258,32 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+class TokenizeRequest(Strict):
+    """vLLM's POST /tokenize: a completion prompt or chat messages (rendered by the chat template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (as the routes do)
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(Strict):
+    model: str | None = None
+    tokens: list[int] = Field(max_length=1 << 20)
+
+    @field_validator("tokens")
+    @classmethod
+    def _tokens(cls, value: list[int]) -> list[int]:
+        return _check_token_ids(value, "tokens")
+
+
 # -- TGI ----------------------------------------------------------------------------------------------
 
 
@@ -306,6 +332,11 @@ class GenerateRequest(Strict):
     inputs: str = Field(min_length=1)
     parameters: GenerateParameters = Field(default_factory=GenerateParameters)
     stream: bool = False  # only read by the compat route POST /
+
+
+class TGITokenizeRequest(Strict):
+    inputs: str = Field(min_length=1)
+    parameters: GenerateParameters = Field(default_factory=GenerateParameters)  # accepted, as TGI does
 
 
 # -- responses ----------------------------------------------------------------------------------------
