@@ -28,7 +28,7 @@ MAX_TOKENS = 16
     ("repetition_penalty", 0.0), ("presence_penalty", 3.0), ("frequency_penalty", -2.5),
     ("max_tokens", 0), ("min_tokens", -1), ("stop", 5), ("stop_token_ids", [-1]), ("seed", 1.5),
     ("temperature", float("nan")), ("logprobs", -1), ("logprobs", 21), ("logprobs", True),
-    ("prompt_logprobs", -1), ("prompt_logprobs", 21),
+    ("prompt_logprobs", -1), ("prompt_logprobs", 21), ("typical_p", 0.0), ("typical_p", 1.5),
 ])
 def test_bad_sampling_params_name_field_and_range(field, value):
     with pytest.raises(ValueError, match=f"SamplingParams.{field}=") as err:

@@ -164,3 +164,29 @@ def test_logit_bias_is_added_before_everything_else():
 def test_bad_logit_bias_is_refused(bias):
     with pytest.raises(ValueError, match="SamplingParams.logit_bias="):
         SamplingParams(logit_bias=bias)
+
+
+def reference_typical(logits: list[float], mass: float) -> list[float]:
+    """Locally typical sampling written out per token: rank tokens by |surprisal - entropy|, keep them in
+    that order until the kept mass reaches `mass` (the token that reaches it included)."""
+    probs = _softmax(logits)
+    entropy = -sum(p * math.log(p) for p in probs if p > 0)
+    order = sorted(range(len(logits)), key=lambda i: abs(-math.log(probs[i]) - entropy))
+    keep, total = set(), 0.0
+    for i in order:
+        keep.add(i)
+        total += probs[i]
+        if total >= mass:
+            break
+    return _softmax([x if i in keep else -math.inf for i, x in enumerate(logits)])
+
+
+@pytest.mark.parametrize("mass", [0.2, 0.6, 0.95])
+def test_typical_p_keeps_the_tokens_closest_to_the_entropy(mass):
+    logits = random_logits(4, seed=5)
+    p = SamplingParams(temperature=1.0, typical_p=mass)
+    got = sampling_probs(logits, [seq_with(p)] * 4)
+    for row in range(4):
+        assert got[row].tolist() == pytest.approx(reference_typical(logits[row].tolist(), mass), abs=1e-6)
+    off = sampling_probs(logits, [seq_with(SamplingParams(temperature=1.0))] * 4)
+    assert torch.allclose(off, logits.softmax(dim=-1))

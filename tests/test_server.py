@@ -304,6 +304,15 @@ def test_tgi_token_logprobs_and_top_tokens(server, reference):
     assert [[t.id for t in e.top_tokens] for e in events] == [[i for i, _ in top] for top in tops]
 
 
+def test_tgi_typical_p_sampling_matches_engine(server, reference):
+    from fp8cache import SamplingParams
+
+    prompt = "Once upon a time"
+    text = _tgi(server).text_generation(prompt, max_new_tokens=8, typical_p=0.4, seed=11)
+    want = reference.generate(prompt, SamplingParams(temperature=1.0, typical_p=0.4, seed=11, max_tokens=8))
+    assert text == want[0].outputs[0].text
+
+
 def test_tgi_stop_sequence_and_full_text(server, reference):
     prompt = "Count: one, two,"
     out = _tgi(server).text_generation(prompt, max_new_tokens=12, stop=[" four"], details=True,

@@ -127,6 +127,7 @@ CASES = [
     Case("tgi grammar", "/generate", gen(grammar={"type": "json", "value": {}}), 422, "parameters.grammar"),
     Case("tgi unknown parameter", "/generate", gen(foo=1), 422, "parameters.foo"),
     Case("tgi truncate 0", "/generate", gen(truncate=0), 422, "parameters.truncate"),
+    Case("tgi typical_p 1", "/generate", gen(typical_p=1.0), 422, "parameters.typical_p"),
     Case("tgi top_n_tokens too many", "/generate", gen(top_n_tokens=21), 422, "parameters.top_n_tokens"),
     Case("tgi parameters string", "/generate", {"inputs": "x", "parameters": "x"}, 422, "parameters"),
     Case("tgi stream bad json", "/generate_stream", b'{"inputs": ', 422, "body"),

@@ -1,7 +1,7 @@
 """Turn one row of logits per sequence into one token per sequence, all rows at once.
 
 Order, as in vLLM: logit bias -> min_tokens bans -> penalties -> greedy argmax, or temperature -> min-p ->
-top-k -> top-p -> draw. The draw is argmax(p / q) with q ~ Exp(1), which is a draw from p; a seeded request
+top-k -> top-p -> typical-p (TGI's last warper) -> draw. The draw is argmax(p / q) with q ~ Exp(1), which is a draw from p; a seeded request
 makes its own q from its own generator, so its tokens do not depend on what else is in the batch.
 """
 
@@ -96,7 +96,8 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
 
 
 def sampling_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """Probabilities after temperature, min-p, top-k and top-p (rows of greedy sequences are unused)."""
+    """Probabilities after temperature, min-p, top-k, top-p and typical-p (rows of greedy sequences are
+    unused)."""
     temperature = _column(seqs, "temperature", logits.device)
     logits = logits / torch.where(temperature > 0, temperature, torch.ones_like(temperature))
     min_p = _column(seqs, "min_p", logits.device)
@@ -104,7 +105,25 @@ def sampling_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         probs = logits.softmax(dim=-1)
         logits = logits.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, -float("inf"))
     logits = top_k_top_p(logits, seqs)
+    logits = typical(logits, seqs)
     return logits.softmax(dim=-1)
+
+
+def typical(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Locally typical sampling (Meister et al.; transformers' TypicalLogitsWarper, as TGI runs it): keep the
+    tokens whose surprisal is closest to the distribution's entropy until their mass reaches typical_p."""
+    mass = _column(seqs, "typical_p", logits.device)
+    if bool((mass >= 1).all()):
+        return logits
+    logprobs = logits.log_softmax(dim=-1)
+    entropy = -(logprobs.exp() * logprobs).nansum(dim=-1, keepdim=True)
+    distance, order = (-logprobs - entropy).abs().sort(dim=-1)
+    cumulative = logits.gather(1, order).softmax(dim=-1).cumsum(dim=-1)
+    last = (cumulative < mass).sum(dim=-1, keepdim=True).clamp(max=logits.shape[1] - 1)
+    drop = distance > distance.gather(1, last)
+    drop[:, 0] = False  # always keep one token
+    drop &= mass < 1
+    return logits.masked_fill(torch.empty_like(drop).scatter_(1, order, drop), -float("inf"))
 
 
 def top_k_top_p(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

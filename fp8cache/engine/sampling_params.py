@@ -19,6 +19,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1  # 0 or -1: off
     min_p: float = 0.0
+    typical_p: float = 1.0  # locally typical sampling (TGI's typical_p); 1: off
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -41,6 +42,7 @@ class SamplingParams:
         _check_number("top_p", self.top_p, lambda v: 0 < v <= 1, "a number in (0, 1]")
         _check_int("top_k", self.top_k, -1, None, "-1 or 0 (off) or an integer >= 1")
         _check_number("min_p", self.min_p, lambda v: 0 <= v <= 1, "a number in [0, 1]")
+        _check_number("typical_p", self.typical_p, lambda v: 0 < v <= 1, "a number in (0, 1] (1 means off)")
         _check_number("repetition_penalty", self.repetition_penalty, lambda v: v > 0, "a number > 0")
         _check_number("presence_penalty", self.presence_penalty, lambda v: -2 <= v <= 2,
                       "a number in [-2, 2]")

@@ -306,11 +306,11 @@ class GenerateParameters(Strict):
     top_n_tokens: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     top_p: float | None = Field(None, gt=0.0, lt=1.0)
     truncate: int | None = Field(None, ge=1)
-    typical_p: float | None = None
+    typical_p: float | None = Field(None, gt=0.0, lt=1.0)
     watermark: bool = False
     adapter_id: str | None = None
 
-    refuse_tgi = _refuse_if_set("grammar", "typical_p", "adapter_id", "watermark")
+    refuse_tgi = _refuse_if_set("grammar", "adapter_id", "watermark")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -319,11 +319,12 @@ class GenerateParameters(Strict):
 
     def sampling_kwargs(self) -> dict[str, Any]:
         # TGI samples when asked to or when any warper is set; otherwise it is greedy.
-        sample = self.do_sample or any(v is not None for v in (self.temperature, self.top_k, self.top_p))
+        warpers = ("top_k", "top_p", "typical_p")
+        sample = self.do_sample or self.temperature is not None or any(getattr(self, w) is not None for w in warpers)
         kwargs: dict[str, Any] = {"temperature": (self.temperature or 1.0) if sample else 0.0}
-        for name in ("top_k", "top_p", "repetition_penalty", "frequency_penalty", "seed", "stop"):
+        for name in (*warpers, "repetition_penalty", "frequency_penalty", "seed", "stop"):
             value = getattr(self, name)
-            if value is not None and (sample or name not in ("top_k", "top_p")):
+            if value is not None and (sample or name not in warpers):
                 kwargs[name] = value
         return kwargs
 
