@@ -61,11 +61,14 @@ def _parse_shapes(text: str) -> list[tuple[int, int]]:
 @click.option("--head-size", default=128, show_default=True)
 @click.option("--block-size", default=16, show_default=True)
 @click.option("--repeats", default=5, show_default=True, help="Timed repeats per row (median).")
+@click.option("--settle-ms", default=20.0, show_default=True, type=click.FloatRange(min=0),
+              help="Untimed calls of a twin of each case right before its timed call (0: none, each call "
+                   "then runs in the wake of the case before it).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON list of rows on stdout.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="Where the caches live and the kernels run (cuda: the GPU build of the ops).")
 def bench_kernels(shapes: str, num_heads: int, num_kv_heads: int, head_size: int, block_size: int,
-                  repeats: int, as_json: bool, device: str) -> None:
+                  repeats: int, settle_ms: float, as_json: bool, device: str) -> None:
     """Decode attention per kv-cache dtype vs torch SDPA on a dense float32 cache."""
     import torch
 
@@ -82,7 +85,7 @@ def bench_kernels(shapes: str, num_heads: int, num_kv_heads: int, head_size: int
     with console.status("measuring...") as status:
         rows = kernels.run_kernel_bench(
             _parse_shapes(shapes), num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
-            block_size=block_size, repeats=repeats, device=device,
+            block_size=block_size, repeats=repeats, settle_ms=settle_ms, device=device,
             on_row=lambda r: status.update(f"measured {r['impl']} {r['kv_cache_dtype']} "
                                            f"b{r['batch']} ctx{r['context']}: {r['ms']:.2f} ms"))
     if as_json:

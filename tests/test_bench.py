@@ -504,11 +504,12 @@ def test_interleaved_ms_settles_each_fn_before_timing_it(monkeypatch):
     assert calls == ["twin a"] * 3 + ["a", "twin b", "b"]
 
 
-def test_bench_kernels_rows_cover_every_case_and_add_up():
+@pytest.mark.parametrize("settle_ms", ["0", "2"])
+def test_bench_kernels_rows_cover_every_case_and_add_up(settle_ms):
     from launcher.cli import main
 
     args = ["bench", "kernels", "--shapes", "1x48,2x40", "--num-heads", "4", "--num-kv-heads", "2",
-            "--head-size", "64", "--repeats", "1", "--json"]
+            "--head-size", "64", "--repeats", "1", "--settle-ms", settle_ms, "--json"]
     rows = _rows(_invoke(main, args))
     cases = {(r["impl"], r["kv_cache_dtype"], r["dtype"]) for r in rows}
     assert cases == {("fp8kv", "fp8_e4m3", "bfloat16"), ("fp8kv", "fp8_e5m2", "bfloat16"),
@@ -531,6 +532,8 @@ def test_bench_kernels_refuses_a_bad_shape_and_heads():
     assert result.exit_code != 0 and "--shapes" in result.output and "8x8192" in result.output
     result = CliRunner().invoke(main, ["bench", "kernels", "--num-heads", "6", "--num-kv-heads", "4"])
     assert result.exit_code != 0 and "--num-kv-heads" in result.output
+    result = CliRunner().invoke(main, ["bench", "kernels", "--settle-ms", "-1"])
+    assert result.exit_code != 0 and "--settle-ms" in result.output
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")

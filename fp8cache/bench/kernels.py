@@ -121,9 +121,10 @@ def _timed_calls(run, device: torch.device):
 
 
 def run_kernel_bench(shapes=DEFAULT_SHAPES, cases=None, num_heads: int = 32, num_kv_heads: int = 8,
-                     head_size: int = 128, block_size: int = 16, repeats: int = 5,
+                     head_size: int = 128, block_size: int = 16, repeats: int = 5, settle_ms: float = SETTLE_MS,
                      on_row=None, device: torch.device | str = "cpu") -> list[dict]:
-    """One row per (case, batch, context); each row carries the read bandwidth measured in this run."""
+    """One row per (case, batch, context); each row carries the read bandwidth measured in this run.
+    settle_ms: untimed calls of a twin of each case before its timed call (0: none, and no twins)."""
     cases = cases or default_cases()
     device = torch.device(device)
     calls = _calls_per_timing(device)
@@ -134,9 +135,9 @@ def run_kernel_bench(shapes=DEFAULT_SHAPES, cases=None, num_heads: int = 32, num
     for batch, context in shapes:
         shape = (batch, context, num_heads, num_kv_heads, head_size, block_size, gen, device)
         runs = [_case(case, *shape) for case in cases]
-        twins = [_case(case, *shape)[0] for case in cases]
+        twins = [_timed_calls(_case(case, *shape)[0], device) for case in cases] if settle_ms > 0 else None
         times = machine.interleaved_ms([_timed_calls(run, device) for run, _ in runs], repeats=repeats,
-                                       settle_ms=SETTLE_MS, settle_fns=[_timed_calls(t, device) for t in twins])
+                                       settle_ms=settle_ms, settle_fns=twins)
         for case, (_, kv_bytes), ms in zip(cases, runs, (t / calls for t in times)):
             row = {"impl": case.impl, "kv_cache_dtype": case.kv_cache_dtype,
                    "dtype": str(case.dtype).removeprefix("torch."), "batch": batch, "context": context,
