@@ -25,6 +25,7 @@ from fp8cache.engine.sampler import Sampler
 from fp8cache.engine.sampling_params import SamplingParams
 from fp8cache.engine.scheduler import Scheduler
 from fp8cache.engine.sequence import Sequence
+from fp8cache.engine.structured_output import factory_for
 from fp8cache.engine.window_pool import WindowPool
 
 
@@ -108,6 +109,10 @@ class LLMEngine:
         self._check_logit_bias(params)
         seqs = [Sequence(request_id, i, token_ids, params, arrival=next(self._arrivals))
                 for i in range(params.n)]
+        if params.structured_outputs is not None:  # compiled here, so a bad pattern fails the request now
+            factory = self.guide_factory()
+            for seq in seqs:
+                seq.guide = factory.guide(params.structured_outputs)
         request = Request(request_id, text, token_ids, params, seqs)
         with self._lock:
             if request_id in self._live_ids:
@@ -123,6 +128,11 @@ class LLMEngine:
                 if rid in self._live_ids:
                     self._live_ids.discard(rid)
                     self._inbox.append(("abort", rid))
+
+    def guide_factory(self):
+        """Compiles structured output patterns for this engine's tokenizer (cached per pattern)."""
+        vocab = self._vocab_size() or len(self.tokenizer)
+        return factory_for(self.tokenizer, vocab)
 
     def has_unfinished_requests(self) -> bool:
         with self._lock:
@@ -169,6 +179,8 @@ class LLMEngine:
         limit = min(self.max_model_len, self.cache_capacity_tokens)
         for seq, token, entry in zip(sampled, tokens, logprobs):
             seq.append_token(token, entry)
+            if seq.guide is not None and token not in self.eos_token_ids:  # eos ends it: nothing to advance
+                seq.guide.advance(token, return_tokens=False)
             self.num_generated_tokens += 1
             check_stop(self.tokenizer, seq, self.eos_token_ids, limit)
             if seq.finish_reason is not None:

@@ -1,7 +1,7 @@
 """Turn one row of logits per sequence into one token per sequence, all rows at once.
 
-Order, as in vLLM: logit bias -> min_tokens bans -> penalties -> greedy argmax, or temperature -> min-p ->
-top-k -> top-p -> typical-p (TGI's last warper) -> draw. The draw is argmax(p / q) with q ~ Exp(1), which is a draw from p; a seeded request
+Order, as in vLLM: logit bias -> min_tokens bans -> penalties -> structured output mask -> greedy argmax, or
+temperature -> min-p -> top-k -> top-p -> typical-p (TGI's last warper) -> draw. The draw is argmax(p / q) with q ~ Exp(1), which is a draw from p; a seeded request
 makes its own q from its own generator, so its tokens do not depend on what else is in the batch.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from fp8cache.engine.sequence import Sequence
+from fp8cache.engine.structured_output import allowed_mask
 
 
 class Sampler:
@@ -26,6 +27,7 @@ class Sampler:
             apply_logit_bias(logits, seqs)
             ban_stop_tokens_before_min(logits, seqs, eos_token_ids)
             apply_penalties(logits, seqs)
+            apply_guides(logits, seqs)
         tokens = logits.argmax(dim=-1)
         greedy = [s.params.greedy for s in seqs]
         if not all(greedy):
@@ -46,7 +48,7 @@ class Sampler:
 def _edits_logits(seq: Sequence, eos_token_ids: set[int]) -> bool:
     """Whether ban_stop_tokens_before_min or apply_penalties may change seq's row."""
     p = seq.params
-    if p.logit_bias:
+    if p.logit_bias or seq.guide is not None:
         return True
     if seq.num_output_tokens < p.min_tokens and (p.stop_token_ids or (eos_token_ids and not p.ignore_eos)):
         return True
@@ -63,6 +65,14 @@ def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
         if bias:
             ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
             logits[i, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+
+
+def apply_guides(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """Structured outputs: tokens that cannot continue a match get -inf."""
+    for i, seq in enumerate(seqs):
+        if seq.guide is not None:
+            allowed = allowed_mask(seq.guide, logits.shape[1]).to(logits.device)
+            logits[i].masked_fill_(~allowed, -float("inf"))
 
 
 def ban_stop_tokens_before_min(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]) -> None:

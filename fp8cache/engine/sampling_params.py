@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from fp8cache.engine.structured_output import StructuredOutputsParams
+
 MAX_LOGPROBS = 20  # top logprobs per token, as vLLM's default max_logprobs and OpenAI's top_logprobs
 
 
@@ -33,6 +35,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # k: each output token's logprob and the k most likely tokens' (0: its own only)
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI: -100 bans, 100 forces)
+    structured_outputs: StructuredOutputsParams | None = None  # output must match a JSON schema / regex / choice
     prompt_logprobs: int | None = None  # k: each prompt token's logprob (the first has none) and the top k
     stop_strings: list[str] = field(init=False, repr=False)  # `stop` as a list, "" dropped
 
@@ -60,6 +63,8 @@ class SamplingParams:
             _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS,
                        f"an integer in [0, {MAX_LOGPROBS}] or None")
         self.logit_bias = _logit_bias(self.logit_bias)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            _fail("structured_outputs", self.structured_outputs, "a StructuredOutputsParams or None")
         self.stop_strings = _stop_list(self.stop)
         self.stop_token_ids = _token_id_list(self.stop_token_ids)
 

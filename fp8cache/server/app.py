@@ -389,6 +389,19 @@ def _sampling_params(state: AppState, kwargs: dict[str, Any]) -> Any:
         raise P.RequestError(message, param=param, code="invalid_value") from None
 
 
+async def _compile_structure(state: AppState, params: Any, param: str) -> None:
+    """Compile a structured output pattern on the tokenizer pool (a JSON object pattern takes seconds once,
+    then it is cached), so the engine's own compile at submit is a cache hit; a bad one is this 400."""
+    structure = getattr(params, "structured_outputs", None)
+    factory = getattr(getattr(state.engine, "engine", None), "guide_factory", None)
+    if structure is None or factory is None:
+        return
+    try:
+        await _tokenize(state, lambda: factory().compile(structure.to_regex()))
+    except ValueError as exc:
+        raise P.RequestError(f"{param}: {exc}", param=param, code="invalid_value") from None
+
+
 def _admit(state: AppState, count: int) -> None:
     if not state.engine.alive:
         raise P.RequestError("the engine is not running; the server is shutting down or restarting",
@@ -632,6 +645,7 @@ async def completions(request: Request) -> Response:
     if body.echo:
         texts = await _tokenize(state, lambda: [t or tok.decode(p) for t, p in zip(texts, prompts)])
     params = _sampling_params(state, body.sampling_kwargs() | {"max_tokens": max_tokens})
+    await _compile_structure(state, params, body.structure_field())
     prepared = Prepared(prompts, texts, max_tokens, params)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     streams = _submit_all(state, request_id, prepared)
@@ -733,6 +747,7 @@ async def chat_completions(request: Request) -> Response:
     tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = _check_lengths(state, [prompt], body.requested_max_tokens, "messages", tokens_param)
     params = _sampling_params(state, body.sampling_kwargs() | {"max_tokens": max_tokens})
+    await _compile_structure(state, params, body.structure_field())
     prepared = Prepared([prompt], [""], max_tokens, params)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = _submit_all(state, request_id, prepared)
@@ -900,6 +915,7 @@ async def _tgi_prepare(request: Request, body: P.GenerateRequest, stream: bool) 
     if p.details and p.decoder_input_details and not stream:
         kwargs["prompt_logprobs"] = 0
     params = _sampling_params(state, kwargs)
+    await _compile_structure(state, params, "parameters.grammar")
     return Prepared([prompt], [body.inputs], max_tokens, params), prompt
 
 

@@ -21,6 +21,8 @@ from pydantic import (
     model_validator,
 )
 
+from fp8cache.engine.structured_output import StructuredOutputsParams
+
 MAX_N = 16
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias (OpenAI allows 300)
 MAX_LOGPROBS = 20  # top logprobs per token (SamplingParams allows as many)
@@ -102,6 +104,10 @@ class SamplingFields(Strict):
     repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_SEQUENCES)
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = Field(None, max_length=MAX_STOP_LENGTH * 8)
+    guided_choice: list[str] | None = Field(None, min_length=1, max_length=1024)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -139,9 +145,43 @@ class SamplingFields(Strict):
             raise ValueError("is only allowed with stream: true")
         return value
 
+    @model_validator(mode="after")
+    def _one_structure(self) -> SamplingFields:
+        given = [name for name in ("guided_json", "guided_regex", "guided_choice") if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.type != "text":
+            given.append("response_format")
+        if len(given) > 1:
+            raise ValueError(f"{' and '.join(given)} each constrain the output; give one")
+        return self
+
+    def structure_field(self) -> str:
+        """The field that asked for structured output (for error messages)."""
+        return next((n for n in ("guided_json", "guided_regex", "guided_choice") if getattr(self, n) is not None),
+                    "response_format")
+
+    def structured_outputs(self) -> StructuredOutputsParams | None:
+        try:
+            if self.guided_json is not None:
+                return StructuredOutputsParams(json=self.guided_json)
+            if self.guided_regex is not None:
+                return StructuredOutputsParams(regex=self.guided_regex)
+            if self.guided_choice is not None:
+                return StructuredOutputsParams(choice=self.guided_choice)
+        except ValueError as exc:
+            raise RequestError(str(exc), param=self.structure_field(), code="invalid_value") from None
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object" or fmt.json_schema.json_schema is None:
+            return StructuredOutputsParams(json_object=True)
+        return StructuredOutputsParams(json=fmt.json_schema.json_schema)
+
     def sampling_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for SamplingParams, leaving out what the client did not set."""
         kwargs = {"n": self.n, "ignore_eos": self.ignore_eos}
+        structure = self.structured_outputs()
+        if structure is not None:
+            kwargs["structured_outputs"] = structure
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty", "seed", "stop", "stop_token_ids"):
             value = getattr(self, name)
@@ -225,8 +265,22 @@ class ChatMessage(Strict):
         return self
 
 
+class JsonSchemaFormat(Strict):
+    name: str = Field(max_length=256)
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(Strict):
-    type: Literal["text"]
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('json_schema goes with type "json_schema" (and only with it)')
+        return self
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -235,7 +289,6 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
     tools: list[Any] | None = None
     tool_choice: Literal["none"] | None = None
     parallel_tool_calls: bool | None = None
@@ -287,6 +340,28 @@ class DetokenizeRequest(Strict):
 # -- TGI ----------------------------------------------------------------------------------------------
 
 
+class TGIGrammar(Strict):
+    """TGI's grammar: {"type": "json", "value": schema}, {"type": "json_schema", "value": {"name", "schema"}}
+    or {"type": "regex", "value": pattern}."""
+
+    type: Literal["json", "json_schema", "regex"]
+    value: Any
+
+    def structured_outputs(self) -> StructuredOutputsParams:
+        value = self.value
+        if self.type == "json_schema":
+            if not isinstance(value, dict) or not isinstance(value.get("schema"), dict):
+                raise ValueError('a "json_schema" grammar needs value {"name": ..., "schema": {...}}')
+            value = value["schema"]
+        if self.type == "regex":
+            if not isinstance(value, str):
+                raise ValueError('a "regex" grammar needs a string value')
+            return StructuredOutputsParams(regex=value)
+        if not isinstance(value, (dict, str)):
+            raise ValueError("a JSON grammar needs a JSON schema value")  # noqa: TRY004 - pydantic wants ValueError
+        return StructuredOutputsParams(json=value)
+
+
 class GenerateParameters(Strict):
     """TGI's parameters object, with TGI's own ranges (temperature > 0, 0 < top_p < 1, top_k > 0)."""
 
@@ -295,7 +370,7 @@ class GenerateParameters(Strict):
     details: bool = False
     do_sample: bool = False
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    grammar: Any = None
+    grammar: TGIGrammar | None = None
     max_new_tokens: int | None = Field(None, ge=1)
     repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
     return_full_text: bool | None = False
@@ -310,7 +385,14 @@ class GenerateParameters(Strict):
     watermark: bool = False
     adapter_id: str | None = None
 
-    refuse_tgi = _refuse_if_set("grammar", "adapter_id", "watermark")
+    refuse_tgi = _refuse_if_set("adapter_id", "watermark")
+
+    @field_validator("grammar")
+    @classmethod
+    def _grammar(cls, value: TGIGrammar | None) -> TGIGrammar | None:
+        if value is not None:
+            value.structured_outputs()  # its shape errors, named here
+        return value
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -322,6 +404,8 @@ class GenerateParameters(Strict):
         warpers = ("top_k", "top_p", "typical_p")
         sample = self.do_sample or self.temperature is not None or any(getattr(self, w) is not None for w in warpers)
         kwargs: dict[str, Any] = {"temperature": (self.temperature or 1.0) if sample else 0.0}
+        if self.grammar is not None:
+            kwargs["structured_outputs"] = self.grammar.structured_outputs()
         for name in (*warpers, "repetition_penalty", "frequency_penalty", "seed", "stop"):
             value = getattr(self, name)
             if value is not None and (sample or name not in warpers):

@@ -1,0 +1,133 @@
+"""Structured outputs: a JSON schema, a regex or a list of choices the generated text must match.
+
+outlines-core compiles the pattern into an automaton over the tokenizer's vocabulary (each token as the
+bytes it adds to the text); each step the sequence's Guide says which tokens can continue a match, the
+sampler masks the rest, and the sampled token advances the Guide. Once the match is complete the end of
+sequence token is allowed (and, where nothing else is, the only choice).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from dataclasses import dataclass
+
+import torch
+
+# Rust regex metacharacters: choices are matched literally.
+_REGEX_META = re.compile(r"([\\.^$|?*+()\[\]{}])")
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """vLLM's structured output request: exactly one of json (a JSON schema, dict or string), regex, choice
+    (the output is one of these strings) or json_object (any JSON object)."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(f"StructuredOutputsParams needs exactly one of json, regex, choice, json_object; "
+                             f"got {given or 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError("StructuredOutputsParams.json must be a JSON schema (a dict or a JSON string)")
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise ValueError("StructuredOutputsParams.regex must be a string")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("StructuredOutputsParams.choice must be a non-empty list of non-empty strings")
+
+    def to_regex(self) -> str:
+        from outlines_core.json_schema import build_regex_from_schema
+
+        if self.regex is not None:
+            return self.regex
+        if self.choice is not None:
+            return "(" + "|".join(_REGEX_META.sub(r"\\\1", c) for c in self.choice) + ")"
+        schema = self.json if self.json is not None else {"type": "object"}
+        try:
+            return build_regex_from_schema(schema if isinstance(schema, str) else json.dumps(schema))
+        except Exception as exc:  # noqa: BLE001 - outlines' message names what it cannot handle
+            raise ValueError(f"the JSON schema cannot be used for structured output: {exc}") from None
+
+
+def token_bytes(tokenizer) -> dict[int, bytes]:
+    """The bytes each ordinary token adds to the text (special tokens left out), for byte-level BPE
+    (GPT-2, Llama 3, Qwen2, SmolLM) and SentencePiece (Llama 2, Mistral: '▁' is a space, <0xNN> a byte)
+    vocabularies."""
+    special = set(tokenizer.all_special_ids)
+    decoder = type(getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)).__name__
+    byte_level = decoder == "ByteLevel"
+    unicode_to_byte = _unicode_to_byte()
+    out = {}
+    for token, token_id in tokenizer.get_vocab().items():
+        if token_id in special:
+            continue
+        if byte_level:
+            if all(c in unicode_to_byte for c in token):
+                out[token_id] = bytes(unicode_to_byte[c] for c in token)
+        elif (match := _BYTE_TOKEN.fullmatch(token)) is not None:
+            out[token_id] = bytes([int(match.group(1), 16)])
+        else:
+            out[token_id] = token.replace("\u2581", " ").encode("utf-8")
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _unicode_to_byte() -> dict[str, int]:
+    # GPT-2's byte-level alphabet: printable bytes stand for themselves, the rest are shifted past 255.
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = {b: chr(b) for b in printable}
+    shifted = (b for b in range(256) if b not in chars)
+    chars.update({b: chr(256 + i) for i, b in enumerate(shifted)})
+    return {c: b for b, c in chars.items()}
+
+
+class GuideFactory:
+    """Per tokenizer: its outlines Vocabulary (built once) and compiled patterns (the last 64 kept)."""
+
+    def __init__(self, tokenizer, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size  # the model's logits width, which may exceed the tokenizer's
+        self._vocabulary = None
+        self.compile = functools.lru_cache(maxsize=64)(self._compile)
+
+    def guide(self, params: StructuredOutputsParams):
+        """A fresh Guide (one per sequence) for params; ValueError if the pattern cannot be compiled."""
+        from outlines_core import Guide
+
+        return Guide(self.compile(params.to_regex()))
+
+    def _compile(self, regex: str):
+        from outlines_core import Index, Vocabulary
+
+        if self._vocabulary is None:
+            by_bytes: dict[bytes, list[int]] = {}
+            for token_id, piece in token_bytes(self.tokenizer).items():
+                if token_id != self.tokenizer.eos_token_id:
+                    by_bytes.setdefault(piece, []).append(token_id)
+            self._vocabulary = Vocabulary(self.tokenizer.eos_token_id, by_bytes)
+        try:
+            return Index(regex, self._vocabulary)
+        except Exception as exc:  # noqa: BLE001 - outlines says what is wrong with the pattern
+            raise ValueError(f"the structured output pattern cannot be compiled: {exc}") from None
+
+
+@functools.lru_cache(maxsize=4)
+def factory_for(tokenizer, vocab_size: int) -> GuideFactory:
+    return GuideFactory(tokenizer, vocab_size)
+
+
+def allowed_mask(guide, vocab_size: int) -> torch.Tensor:
+    """Bool [vocab_size]: the tokens the guide lets continue."""
+    words = torch.zeros((vocab_size + 31) // 32, dtype=torch.int32)
+    guide.write_mask_into(words.data_ptr(), words.numel(), 4)
+    bits = (words.unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1
+    return bits.flatten()[:vocab_size].bool()

@@ -1,0 +1,118 @@
+"""Structured outputs: the tokenizer's byte vocabulary, the token mask against outlines' own guide, and
+generations that must match a regex, a choice or a JSON schema, offline and through the server."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from fp8cache import StructuredOutputsParams
+from fp8cache.engine.sampler import apply_guides
+from fp8cache.engine.sampling_params import SamplingParams
+from fp8cache.engine.sequence import Sequence
+from fp8cache.engine.structured_output import factory_for, token_bytes
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                           "age": {"type": "integer"}, "pets": {"type": "array",
+                                                                                "items": {"type": "string",
+                                                                                          "maxLength": 12},
+                                                                                "maxItems": 3}},
+          "required": ["name", "age", "pets"]}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model_path)
+
+
+@pytest.fixture(scope="module")
+def llm(default_model_path):
+    from fp8cache import LLM
+
+    return LLM(model=default_model_path, kv_cache_dtype="fp8", kv_cache_memory="32MiB", log=lambda _: None)
+
+
+def test_token_bytes_spell_out_the_text(tokenizer):
+    text = "Grüße aus Köln: naïve café, 3.14 ≈ π\n\ttabs and  spaces"
+    pieces = token_bytes(tokenizer)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert b"".join(pieces[i] for i in ids) == text.encode("utf-8")
+    assert not set(tokenizer.all_special_ids) & set(pieces)
+
+
+@pytest.mark.parametrize("kwargs,problem", [
+    ({}, "exactly one"), ({"regex": "a", "choice": ["a"]}, "exactly one"), ({"choice": []}, "non-empty"),
+    ({"choice": ["a", ""]}, "non-empty"), ({"json": 5}, "JSON schema"),
+])
+def test_params_need_exactly_one_valid_constraint(kwargs, problem):
+    with pytest.raises(ValueError, match=problem):
+        StructuredOutputsParams(**kwargs)
+
+
+def test_mask_is_the_guides_own_token_set(tokenizer):
+    guide = factory_for(tokenizer, len(tokenizer)).guide(StructuredOutputsParams(regex=r"(yes|no)[.!]"))
+    seq = Sequence("r", 0, [1, 2], SamplingParams())
+    seq.guide = guide
+    logits = torch.zeros(2, len(tokenizer))
+    apply_guides(logits, [seq, Sequence("s", 0, [1], SamplingParams())])
+    assert set(torch.nonzero(logits[0] == 0).flatten().tolist()) == set(guide.get_tokens())
+    assert torch.equal(logits[1], torch.zeros(len(tokenizer)))  # unguided rows untouched
+
+
+def test_bad_patterns_fail_the_request(llm):
+    with pytest.raises(ValueError, match="cannot be compiled"):
+        llm.generate("x", SamplingParams(structured_outputs=StructuredOutputsParams(regex="(unclosed")))
+    assert llm.llm_engine.stats.blocks_used == 0
+
+
+def test_outputs_match_regex_choice_and_schema(llm):
+    choices = ["Paris", "London", "Rome", "Berlin"]
+    cases = [("My phone number is", StructuredOutputsParams(regex=r"[0-9]{3}-[0-9]{4}")),
+             ("The capital of Italy is", StructuredOutputsParams(choice=choices)),
+             ("A person, as JSON:", StructuredOutputsParams(json=SCHEMA)),
+             ('The JSON object {"city": "Paris"} again:', StructuredOutputsParams(json_object=True))]
+    params = [SamplingParams(temperature=0, max_tokens=60, structured_outputs=c) for _, c in cases]
+    outs = [o.outputs[0] for o in llm.generate([p for p, _ in cases], params)]
+    assert all(o.finish_reason == "stop" for o in outs), [(o.text, o.finish_reason) for o in outs]
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", outs[0].text)
+    assert outs[1].text in choices
+    person = json.loads(outs[2].text)
+    assert set(person) == {"name", "age", "pets"} and isinstance(person["name"], str)
+    assert isinstance(person["age"], int) and all(isinstance(p, str) for p in person["pets"])
+    assert isinstance(json.loads(outs[3].text), dict)
+    free = llm.generate("The capital of Italy is", SamplingParams(temperature=0, max_tokens=8))[0].outputs[0]
+    assert free.text not in choices  # without the constraint the model rambles on
+
+
+def test_server_structured_outputs(default_model_path, tmp_path):
+    import httpx
+    import openai
+    from server_process import ServerProcess
+
+    proc = ServerProcess([default_model_path, "--kv-cache-memory", "24MiB", "--max-model-len", "256"],
+                         str(tmp_path / "server.log"))
+    try:
+        client = openai.OpenAI(base_url=proc.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        messages = [{"role": "user", "content": "Describe a person."}]
+        fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+        chat = client.chat.completions.create(model=default_model_path, messages=messages, max_tokens=120,
+                                              temperature=0, response_format=fmt)
+        assert chat.choices[0].finish_reason == "stop", chat.choices[0].message.content
+        assert set(json.loads(chat.choices[0].message.content)) == {"name", "age", "pets"}
+        picked = client.completions.create(model=default_model_path, prompt="Yes or no?", max_tokens=5,
+                                           extra_body={"guided_choice": ["yes", "no"]})
+        assert picked.choices[0].text in ("yes", "no")
+        body = {"inputs": "Call me at", "parameters": {"max_new_tokens": 12,
+                                                       "grammar": {"type": "regex", "value": "[0-9]{3}-[0-9]{4}"}}}
+        tgi = httpx.post(proc.url + "/generate", json=body, timeout=120).json()
+        assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", tgi["generated_text"])
+        bad = httpx.post(proc.url + "/v1/completions", json={"prompt": "x", "guided_regex": "(unclosed"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "guided_regex"
+        assert "cannot be compiled" in bad.json()["error"]["message"]
+    finally:
+        assert proc.stop() == 0, proc.output()[-3000:]
