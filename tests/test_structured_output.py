@@ -55,13 +55,20 @@ def test_params_need_exactly_one_valid_constraint(kwargs, problem):
 
 
 def test_mask_is_the_guides_own_token_set(tokenizer):
-    guide = factory_for(tokenizer, len(tokenizer)).guide(StructuredOutputsParams(regex=r"(yes|no)[.!]"))
+    guide = factory_for(tokenizer).guide(StructuredOutputsParams(regex=r"(yes|no)[.!]"))
     seq = Sequence("r", 0, [1, 2], SamplingParams())
     seq.guide = guide
     logits = torch.zeros(2, len(tokenizer))
     apply_guides(logits, [seq, Sequence("s", 0, [1], SamplingParams())])
-    assert set(torch.nonzero(logits[0] == 0).flatten().tolist()) == set(guide.get_tokens())
+    assert set(torch.nonzero(logits[0] == 0).flatten().tolist()) == set(guide.automaton.get_tokens())
     assert torch.equal(logits[1], torch.zeros(len(tokenizer)))  # unguided rows untouched
+
+
+def test_min_tokens_does_not_break_a_finished_match(llm):
+    params = SamplingParams(temperature=0, max_tokens=8, min_tokens=4,
+                            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    out = llm.generate("Is water wet?", params)[0].outputs[0]
+    assert out.text in ("yes", "no") and len(out.token_ids) >= 4 and out.finish_reason == "stop"
 
 
 def test_bad_patterns_fail_the_request(llm):

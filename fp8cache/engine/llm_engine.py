@@ -131,8 +131,7 @@ class LLMEngine:
 
     def guide_factory(self):
         """Compiles structured output patterns for this engine's tokenizer (cached per pattern)."""
-        vocab = self._vocab_size() or len(self.tokenizer)
-        return factory_for(self.tokenizer, vocab)
+        return factory_for(self.tokenizer)
 
     def has_unfinished_requests(self) -> bool:
         with self._lock:
@@ -180,7 +179,7 @@ class LLMEngine:
         for seq, token, entry in zip(sampled, tokens, logprobs):
             seq.append_token(token, entry)
             if seq.guide is not None and token not in self.eos_token_ids:  # eos ends it: nothing to advance
-                seq.guide.advance(token, return_tokens=False)
+                self._advance_guide(seq, token)
             self.num_generated_tokens += 1
             check_stop(self.tokenizer, seq, self.eos_token_ids, limit)
             if seq.finish_reason is not None:
@@ -189,6 +188,13 @@ class LLMEngine:
         outputs = [r.output() for r in progressed.values()]
         self._forget_finished(progressed.values())
         return outputs
+
+    def _advance_guide(self, seq: Sequence, token: int) -> None:
+        try:
+            seq.guide.advance(token)
+        except ValueError as exc:  # a token the mask allowed should always advance; never stop the engine
+            self.log(f"structured output of request {seq.request_id} dropped its constraint: {exc}")
+            seq.guide = None
 
     def _sampling_rows(self, plan, logits):
         """The sequences that sample this step and their logits rows; prompt_logits chunks' other rows go to

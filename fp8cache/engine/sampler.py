@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 
 from fp8cache.engine.sequence import Sequence
-from fp8cache.engine.structured_output import allowed_mask
 
 
 class Sampler:
@@ -68,11 +67,15 @@ def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
 
 
 def apply_guides(logits: torch.Tensor, seqs: list[Sequence]) -> None:
-    """Structured outputs: tokens that cannot continue a match get -inf."""
+    """Structured outputs: tokens that cannot continue a match get -inf. Where that leaves nothing (min_tokens
+    banned the end of sequence token, the only way on from a finished match), the allowed tokens come back
+    level: the structure wins over min_tokens."""
     for i, seq in enumerate(seqs):
         if seq.guide is not None:
-            allowed = allowed_mask(seq.guide, logits.shape[1]).to(logits.device)
+            allowed = seq.guide.allowed(logits.shape[1]).to(logits.device)
             logits[i].masked_fill_(~allowed, -float("inf"))
+            if not bool(torch.isfinite(logits[i]).any()):
+                logits[i].masked_fill_(allowed, 0.0)
 
 
 def ban_stop_tokens_before_min(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]) -> None:

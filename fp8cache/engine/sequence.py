@@ -46,7 +46,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.generator = _generator(params, index)
-        self.guide = None  # with params.structured_outputs: its outlines Guide (set by the engine)
+        self.guide = None  # with params.structured_outputs: its SequenceGuide (set by the engine)
         self.logprobs: list[dict] = []  # with params.logprobs: one dict of Logprob per output token
         # With params.prompt_logprobs, on the request's first sequence (its siblings share the prompt): one
         # entry per prompt token scored so far, None for the first.

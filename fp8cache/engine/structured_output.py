@@ -90,44 +90,54 @@ def _unicode_to_byte() -> dict[str, int]:
     return {c: b for b, c in chars.items()}
 
 
+class SequenceGuide:
+    """One sequence's place in the automaton: which tokens may come next, and the step to the next state."""
+
+    def __init__(self, automaton, tokenizer_size: int) -> None:
+        self.automaton = automaton  # an outlines_core.Guide
+        self.tokenizer_size = tokenizer_size
+
+    def allowed(self, vocab_size: int) -> torch.Tensor:
+        """Bool [vocab_size] (the model's logits width): the tokens that continue a match."""
+        words = torch.zeros((max(vocab_size, self.tokenizer_size) + 31) // 32, dtype=torch.int32)
+        self.automaton.write_mask_into(words.data_ptr(), words.numel(), 4)
+        bits = (words.unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1
+        return bits.flatten()[:vocab_size].bool()
+
+    def advance(self, token_id: int) -> None:
+        self.automaton.advance(token_id, return_tokens=False)
+
+
 class GuideFactory:
     """Per tokenizer: its outlines Vocabulary (built once) and compiled patterns (the last 64 kept)."""
 
-    def __init__(self, tokenizer, vocab_size: int) -> None:
+    def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.vocab_size = vocab_size  # the model's logits width, which may exceed the tokenizer's
         self._vocabulary = None
         self.compile = functools.lru_cache(maxsize=64)(self._compile)
 
-    def guide(self, params: StructuredOutputsParams):
-        """A fresh Guide (one per sequence) for params; ValueError if the pattern cannot be compiled."""
+    def guide(self, params: StructuredOutputsParams) -> SequenceGuide:
+        """A fresh guide (one per sequence) for params; ValueError if the pattern cannot be compiled."""
         from outlines_core import Guide
 
-        return Guide(self.compile(params.to_regex()))
+        return SequenceGuide(Guide(self.compile(params.to_regex())), len(self.tokenizer))
 
     def _compile(self, regex: str):
         from outlines_core import Index, Vocabulary
 
-        if self._vocabulary is None:
-            by_bytes: dict[bytes, list[int]] = {}
-            for token_id, piece in token_bytes(self.tokenizer).items():
-                if token_id != self.tokenizer.eos_token_id:
-                    by_bytes.setdefault(piece, []).append(token_id)
-            self._vocabulary = Vocabulary(self.tokenizer.eos_token_id, by_bytes)
         try:
+            if self._vocabulary is None:
+                eos = self.tokenizer.eos_token_id
+                by_bytes: dict[bytes, list[int]] = {}
+                for token_id, piece in token_bytes(self.tokenizer).items():
+                    if token_id != eos:
+                        by_bytes.setdefault(piece, []).append(token_id)
+                self._vocabulary = Vocabulary(eos, by_bytes)
             return Index(regex, self._vocabulary)
         except Exception as exc:  # noqa: BLE001 - outlines says what is wrong with the pattern
             raise ValueError(f"the structured output pattern cannot be compiled: {exc}") from None
 
 
 @functools.lru_cache(maxsize=4)
-def factory_for(tokenizer, vocab_size: int) -> GuideFactory:
-    return GuideFactory(tokenizer, vocab_size)
-
-
-def allowed_mask(guide, vocab_size: int) -> torch.Tensor:
-    """Bool [vocab_size]: the tokens the guide lets continue."""
-    words = torch.zeros((vocab_size + 31) // 32, dtype=torch.int32)
-    guide.write_mask_into(words.data_ptr(), words.numel(), 4)
-    bits = (words.unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1
-    return bits.flatten()[:vocab_size].bool()
+def factory_for(tokenizer) -> GuideFactory:
+    return GuideFactory(tokenizer)
