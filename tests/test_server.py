@@ -148,6 +148,20 @@ def test_chat_stream_equals_engine(openai_client, reference):
     assert chunks[-1].usage.prompt_tokens == len(want.prompt_token_ids)
 
 
+def test_continuous_usage_stats_count_up_on_every_chunk(server):
+    body = {"prompt": "Count to ten:", "max_tokens": 6, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    chat = {"messages": [{"role": "user", "content": "Count to ten."}], "max_tokens": 6, "temperature": 0,
+            "stream": True, "stream_options": {"continuous_usage_stats": True}}
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        for path, payload in (("/v1/completions", body), ("/v1/chat/completions", chat)):
+            lines = client.post(path, json=payload).text.splitlines()
+            chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+            counts = [c["usage"]["completion_tokens"] for c in chunks]
+            assert all("usage" in c for c in chunks) and counts == sorted(counts) and counts[-1] == 6
+            assert all(c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + n for c, n in zip(chunks, counts))
+
+
 def test_chat_n_choices_seeded(openai_client):
     messages = [{"role": "user", "content": "Say a random word."}]
     kwargs = {"model": "smol", "messages": messages, "max_tokens": 6, "temperature": 1.0, "n": 3, "seed": 7}

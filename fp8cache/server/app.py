@@ -542,6 +542,13 @@ class TextDelta:
         return delta, list(completion.token_ids[start:end]), entries
 
 
+def _usage_options(body: P.SamplingFields) -> tuple[bool, bool]:
+    """(a usage chunk at the end, usage with running totals on every chunk: vLLM's continuous_usage_stats)."""
+    options = body.stream_options
+    return (options is not None and options.include_usage,
+            options is not None and options.continuous_usage_stats)
+
+
 def _usage(prompts: list[list[int]], finals: dict[int, Any]) -> P.UsageInfo:
     prompt_tokens = sum(len(p) for p in prompts)
     completion_tokens = sum(len(c.token_ids) for out in finals.values() for c in out.outputs)
@@ -651,9 +658,7 @@ async def completions(request: Request) -> Response:
     streams = _submit_all(state, request_id, prepared)
     name = state.settings.served_model_name
     if body.stream:
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return SSEResponse(_completion_events(request_id, name, body, prepared, streams, include_usage, tok),
-                           streams)
+        return SSEResponse(_completion_events(request_id, name, body, prepared, streams, tok), streams)
     try:
         finals = await until_disconnect(request, _collect(streams))
     finally:
@@ -694,17 +699,19 @@ async def _collect(streams: list[RequestStream]) -> dict[int, Any]:
 
 
 async def _completion_events(request_id: str, name: str, body: P.CompletionRequest, prepared: Prepared,
-                             streams: list[RequestStream], include_usage: bool, tok: Any) -> AsyncIterator[str]:
+                             streams: list[RequestStream], tok: Any) -> AsyncIterator[str]:
     created = int(time.time())
     deltas: dict[tuple[int, int], TextDelta] = {}
     offsets: dict[tuple[int, int], int] = {}  # per choice: where the next token's text starts (logprobs)
     finals: dict[int, Any] = {}
+    include_usage, continuous_usage = _usage_options(body)
 
     def event(index: int, text: str, finish_reason: str | None, logprobs: P.CompletionLogprobs | None = None) -> str:
         choice = {"index": index, "text": text, "logprobs": logprobs.model_dump() if logprobs else None,
                   "finish_reason": finish_reason}
+        usage = {"usage": _usage(prepared.prompts, finals).model_dump()} if continuous_usage else {}
         return sse({"id": request_id, "object": "text_completion", "created": created, "model": name,
-                    "choices": [choice]})
+                    "choices": [choice]} | usage)
 
     # The echo goes first; with logprobs it waits for the prompt's logprobs, which come with the first output.
     echo_waits = body.echo and body.logprobs is not None
@@ -753,8 +760,7 @@ async def chat_completions(request: Request) -> Response:
     streams = _submit_all(state, request_id, prepared)
     name = state.settings.served_model_name
     if body.stream:
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return SSEResponse(_chat_events(request_id, name, body, prepared, streams, include_usage), streams)
+        return SSEResponse(_chat_events(request_id, name, body, prepared, streams), streams)
     try:
         finals = await until_disconnect(request, _collect(streams))
     finally:
@@ -796,10 +802,14 @@ async def _render_chat(state: AppState, messages: list[P.ChatMessage], add_gener
 
 
 async def _chat_events(request_id: str, name: str, body: P.ChatCompletionRequest, prepared: Prepared,
-                       streams: list[RequestStream], include_usage: bool) -> AsyncIterator[str]:
+                       streams: list[RequestStream]) -> AsyncIterator[str]:
     created = int(time.time())
+    include_usage, continuous_usage = _usage_options(body)
+    finals: dict[int, Any] = {}
 
     def chunk(choices: list[P.ChatChunkChoice], usage: P.UsageInfo | None = None) -> str:
+        if usage is None and continuous_usage:
+            usage = _usage(prepared.prompts, finals)
         body = P.ChatCompletionChunk(id=request_id, created=created, model=name, choices=choices,
                                      usage=usage).model_dump()
         for choice in body["choices"]:  # OpenAI leaves unset delta fields out rather than null
@@ -811,7 +821,6 @@ async def _chat_events(request_id: str, name: str, body: P.ChatCompletionRequest
     for i in range(body.n):
         yield chunk([P.ChatChunkChoice(index=i, delta=P.ChatDelta(role="assistant", content=""))])
     deltas = [TextDelta() for _ in range(body.n)]
-    finals: dict[int, Any] = {}
     try:
         async for _, out in _merge(streams):
             finals[0] = out
