@@ -91,8 +91,10 @@ def bench_kernels(shapes: str, num_heads: int, num_kv_heads: int, head_size: int
     if as_json:
         click.echo(json.dumps(rows, indent=1))
         return
+    bandwidths = sorted({round(r["read_bw_gbps"], 1) for r in rows})
+    read_bw = f"{bandwidths[0]}" if len(bandwidths) == 1 else f"{bandwidths[0]}-{bandwidths[-1]}"
     table = Table(title=f"decode attention, {num_heads} heads / {num_kv_heads} KV heads, d{head_size}, "
-                        f"read bandwidth {rows[0]['read_bw_gbps']:.1f} GB/s")
+                        f"read bandwidth {read_bw} GB/s (measured taking turns with each shape's cases)")
     for col in ("impl", "kv cache", "dtype", "batch", "context", "ms", "KV GB/s", "% of bw"):
         table.add_column(col, justify="right")
     for r in rows:

@@ -1,8 +1,9 @@
 """`fp8kv bench kernels`: decode attention over paged caches of each dtype, against torch SDPA.
 
 All cases of one shape are set up first and then take turns, one timed call each per round (the median round
-is reported), in the same process as the machine's read bandwidth: a clock that drifts during the run
-(shared VMs, turbo) then slows every case alike, and ratios between rows hold. Each timed call follows
+is reported), with a read of the machine's memory as one more turn: a clock or memory speed that drifts
+during the run (shared VMs, turbo) then slows every case and the bandwidth figure alike, and ratios
+between rows, and each row's share of the bandwidth, hold. Each timed call follows
 SETTLE_MS of untimed calls of its own case: on a shared AMD EPYC VM the first FP8 calls after a memory-bound
 case ran up to 20% slower (fp8_e4m3 at 8 x 8192 right after the float32 case, five calls in a row, medians
 of ten: 4.91, 4.51, 4.18, 4.16, 4.08 ms; the bfloat16 cache's calls flat at 9.2 ms), so without it a row
@@ -129,15 +130,16 @@ def run_kernel_bench(shapes=DEFAULT_SHAPES, cases=None, num_heads: int = 32, num
     device = torch.device(device)
     calls = _calls_per_timing(device)
     ops.load()
-    read_bw = machine.read_bandwidth_gbps(device=device)
+    read, read_bytes = machine.read_probe(device=device)
     gen = torch.Generator().manual_seed(0)
     rows = []
     for batch, context in shapes:
         shape = (batch, context, num_heads, num_kv_heads, head_size, block_size, gen, device)
         runs = [_case(case, *shape) for case in cases]
-        twins = [_timed_calls(_case(case, *shape)[0], device) for case in cases] if settle_ms > 0 else None
-        times = machine.interleaved_ms([_timed_calls(run, device) for run, _ in runs], repeats=repeats,
-                                       settle_ms=settle_ms, settle_fns=twins)
+        twins = [_timed_calls(_case(case, *shape)[0], device) for case in cases] + [read] if settle_ms > 0 else None
+        *times, read_ms = machine.interleaved_ms([_timed_calls(run, device) for run, _ in runs] + [read],
+                                                 repeats=repeats, settle_ms=settle_ms, settle_fns=twins)
+        read_bw = read_bytes / read_ms / 1e6
         for case, (_, kv_bytes), ms in zip(cases, runs, (t / calls for t in times)):
             row = {"impl": case.impl, "kv_cache_dtype": case.kv_cache_dtype,
                    "dtype": str(case.dtype).removeprefix("torch."), "batch": batch, "context": context,

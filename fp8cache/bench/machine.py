@@ -30,20 +30,30 @@ def synchronize(device: torch.device | str = "cpu") -> None:
         torch.cuda.synchronize(device)
 
 
-def read_bandwidth_gbps(num_bytes: int = 512 * 1024 * 1024, repeats: int = 5,
-                        device: torch.device | str = "cpu") -> float:
-    """Read bandwidth of the device's main memory (all CPU threads on a CPU): a reduction over a buffer far
-    larger than its caches."""
+def read_probe(num_bytes: int = 512 * 1024 * 1024, device: torch.device | str = "cpu"):
+    """(fn, bytes): fn reads `bytes` of the device's main memory (all CPU threads on a CPU), a reduction over a
+    buffer far larger than its caches, and waits for it; time it for the read bandwidth."""
     if torch.device(device).type != "cpu":
         num_bytes *= 8  # GPU L2 caches run to tens of MB
     buf = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
     buf.sum()  # fault the pages in
+
+    def read() -> None:
+        buf.sum()
+        synchronize(device)
+
+    return read, buf.numel() * 4
+
+
+def read_bandwidth_gbps(num_bytes: int = 512 * 1024 * 1024, repeats: int = 5,
+                        device: torch.device | str = "cpu") -> float:
+    """Read bandwidth of the device's main memory, the median of `repeats` timed reads (see read_probe)."""
+    read, num_bytes = read_probe(num_bytes, device)
     times = []
     for _ in range(repeats):
         synchronize(device)
         start = time.perf_counter()
-        buf.sum()
-        synchronize(device)
+        read()
         times.append(time.perf_counter() - start)
     return num_bytes / statistics.median(times) / 1e9
 
