@@ -118,8 +118,46 @@ def test_server_structured_outputs(default_model_path, tmp_path):
                                                        "grammar": {"type": "regex", "value": "[0-9]{3}-[0-9]{4}"}}}
         tgi = httpx.post(proc.url + "/generate", json=body, timeout=120).json()
         assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", tgi["generated_text"])
+        _check_tool_calls(client, default_model_path)
         bad = httpx.post(proc.url + "/v1/completions", json={"prompt": "x", "guided_regex": "(unclosed"})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "guided_regex"
         assert "cannot be compiled" in bad.json()["error"]["message"]
     finally:
         assert proc.stop() == 0, proc.output()[-3000:]
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string", "maxLength": 20}}, "required": ["zone"]}}}
+
+
+def _check_tool_calls(client, model: str) -> None:
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    out = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER, TIME], tool_choice=named,
+                                         max_tokens=60, temperature=0)
+    choice = out.choices[0]
+    assert choice.finish_reason == "stop" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and set(args) == {"city", "unit"}
+    assert args["unit"] in ("celsius", "fahrenheit") and call.id and call.type == "function"
+    required = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER, TIME],
+                                              tool_choice="required", max_tokens=80, temperature=0)
+    assert required.choices[0].finish_reason == "tool_calls"
+    calls = required.choices[0].message.tool_calls
+    assert calls and all(c.function.name in ("get_weather", "get_time") for c in calls)
+    assert all(isinstance(json.loads(c.function.arguments), dict) for c in calls)
+    stream = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER], tool_choice=named,
+                                            max_tokens=60, temperature=0, stream=True)
+    deltas = [d for chunk in stream for d in (chunk.choices[0].delta.tool_calls or [])]
+    assert [(d.function.name, d.function.arguments) for d in deltas] == [("get_weather", call.function.arguments)]
+    # a second turn: the assistant's call and the tool's answer go back through the chat template
+    follow = messages + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                         {"role": "tool", "tool_call_id": call.id, "content": "18 degrees, sunny"}]
+    again = client.chat.completions.create(model=model, messages=follow, tools=[WEATHER], max_tokens=8, temperature=0)
+    assert again.choices[0].message.content and not again.choices[0].message.tool_calls

@@ -27,6 +27,7 @@ from starlette.requests import ClientDisconnect
 
 from fp8cache.server import logprobs as LP
 from fp8cache.server import protocol as P
+from fp8cache.server import tools as TOOLS
 from fp8cache.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from fp8cache.server.metrics import CONTENT_TYPE, ServerMetrics
 
@@ -750,11 +751,16 @@ async def chat_completions(request: Request) -> Response:
     state = _state(request)
     body: P.ChatCompletionRequest = await parse(request, P.ChatCompletionRequest)
     _check_model(state, body.model)
-    prompt = await _render_chat(state, body.messages, body.add_generation_prompt)
+    offered = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools and body.tool_choice != "none" \
+        else None
+    prompt = await _render_chat(state, body.messages, body.add_generation_prompt, tools=offered)
     tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = _check_lengths(state, [prompt], body.requested_max_tokens, "messages", tokens_param)
-    params = _sampling_params(state, body.sampling_kwargs() | {"max_tokens": max_tokens})
-    await _compile_structure(state, params, body.structure_field())
+    kwargs = body.sampling_kwargs() | {"max_tokens": max_tokens}
+    if body.calls_tools:
+        kwargs["structured_outputs"] = TOOLS.structured_outputs(body.tools, body.tool_choice)
+    params = _sampling_params(state, kwargs)
+    await _compile_structure(state, params, "tool_choice" if body.calls_tools else body.structure_field())
     prepared = Prepared([prompt], [""], max_tokens, params)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = _submit_all(state, request_id, prepared)
@@ -767,11 +773,24 @@ async def chat_completions(request: Request) -> Response:
         _close_all(streams)
     if isinstance(finals, Response):
         return finals
-    choices = [P.ChatChoice(index=c.index, message=P.ChatMessageOut(content=c.text),
+    choices = [P.ChatChoice(index=c.index, message=_chat_message(body, c),
                             logprobs=_chat_logprobs(body, c.logprobs, c.token_ids),
-                            finish_reason=c.finish_reason) for c in finals[0].outputs]
+                            finish_reason=_chat_finish_reason(body, c)) for c in finals[0].outputs]
     return JSONResponse(P.ChatCompletionResponse(id=request_id, model=name, choices=choices,
                                                  usage=_usage([prompt], finals)).model_dump())
+
+
+def _chat_message(body: P.ChatCompletionRequest, completion: Any) -> P.ChatMessageOut:
+    if body.calls_tools:
+        return P.ChatMessageOut(content=None, tool_calls=TOOLS.tool_calls(body.tools, body.tool_choice, completion.text))
+    return P.ChatMessageOut(content=completion.text)
+
+
+def _chat_finish_reason(body: P.ChatCompletionRequest, completion: Any) -> str | None:
+    # OpenAI: "tool_calls" when the model chose to call; a named (forced) call ends with "stop"
+    if body.tool_choice == "required" and completion.finish_reason == "stop":
+        return "tool_calls"
+    return completion.finish_reason
 
 
 def _chat_logprobs(body: P.ChatCompletionRequest, entries: list | None, tokens: list[int]) -> P.ChatLogprobs | None:
@@ -781,17 +800,19 @@ def _chat_logprobs(body: P.ChatCompletionRequest, entries: list | None, tokens: 
 
 
 async def _render_chat(state: AppState, messages: list[P.ChatMessage], add_generation_prompt: bool,
-                       add_special_tokens: bool = False) -> list[int]:
-    """Token ids of messages through the tokenizer's chat template."""
+                       add_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
+    """Token ids of messages (and the tools offered) through the tokenizer's chat template."""
     tok = state.info.tokenizer
     if not getattr(tok, "chat_template", None):
         raise P.RequestError("messages: this model's tokenizer has no chat template; use /v1/completions",
                              param="messages", code="no_chat_template")
     plain = [{"role": "system" if m.role == "developer" else m.role, "content": m.content or ""}
-             | ({"name": m.name} if m.name else {}) for m in messages]
+             | {k: v for k, v in (("name", m.name), ("tool_calls", m.tool_calls), ("tool_call_id", m.tool_call_id))
+                if v}
+             for m in messages]
 
     def render() -> list[int]:
-        text = tok.apply_chat_template(plain, tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = tok.apply_chat_template(plain, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt)
         return tok.encode(text, add_special_tokens=add_special_tokens)
 
     try:
@@ -826,8 +847,16 @@ async def _chat_events(request_id: str, name: str, body: P.ChatCompletionRequest
             finals[0] = out
             for c in out.outputs:
                 delta = deltas[c.index]
+                if body.calls_tools and c.finish_reason is None:
+                    continue  # the calls are parsed from the whole output: they go out at its end
                 text, tokens, entries = delta.update(c, hold_empty=c.finish_reason is None)
                 logprobs = _chat_logprobs(body, entries, tokens) if tokens else None
+                if body.calls_tools and delta.finish_reason is None:
+                    calls = [P.DeltaToolCall(index=k, **call.model_dump())
+                             for k, call in enumerate(_chat_message(body, c).tool_calls)]
+                    yield chunk([P.ChatChunkChoice(index=c.index, delta=P.ChatDelta(tool_calls=calls),
+                                                   logprobs=logprobs)])
+                    text, logprobs = "", None
                 if text:
                     yield chunk([P.ChatChunkChoice(index=c.index, delta=P.ChatDelta(content=text),
                                                    logprobs=logprobs)])
@@ -835,7 +864,7 @@ async def _chat_events(request_id: str, name: str, body: P.ChatCompletionRequest
                 if c.finish_reason is not None and delta.finish_reason is None:
                     delta.finish_reason = c.finish_reason
                     yield chunk([P.ChatChunkChoice(index=c.index, delta=P.ChatDelta(), logprobs=logprobs,
-                                                   finish_reason=c.finish_reason)])
+                                                   finish_reason=_chat_finish_reason(body, c))])
     except EngineDeadError as exc:
         yield _stream_error("/v1/chat/completions", exc)
         return

@@ -1,8 +1,8 @@
 """Request and response bodies of the HTTP API: OpenAI (/v1/...) and Hugging Face TGI (/generate, ...).
 
 Requests are parsed strictly: JSON types must match (no "0.5" for a float), unknown fields are refused,
-ranges are checked here, and fields fp8kv cannot honour (tools, grammar, ...) are refused with a message
-instead of being silently ignored. Checks that need the model (prompt length against
+ranges are checked here, and fields fp8kv cannot honour (tool_choice "auto", LoRA adapters, ...) are
+refused with a message instead of being silently ignored. Checks that need the model (prompt length against
 max-model-len, token ids against the vocabulary, the model name) live in app.py.
 """
 
@@ -240,10 +240,8 @@ class ChatMessage(Strict):
     content: str | list[Any] | None = None
     name: str | None = Field(None, max_length=256)
     refusal: str | None = None  # echoed back by clients that resend our own assistant messages
-    tool_calls: list[Any] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls, for the chat template
     tool_call_id: str | None = None
-
-    refuse_message = _refuse_if_set("tool_calls")
 
     @field_validator("content", mode="before")
     @classmethod
@@ -283,18 +281,64 @@ class ResponseFormat(Strict):
         return self
 
 
+class FunctionDefinition(Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Any] | None = None
-    tool_choice: Literal["none"] | None = None
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
 
-    refuse_chat = _refuse_if_set("tools")
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, value: Any, info: ValidationInfo) -> Any:
+        tools = info.data.get("tools")
+        if value in (None, "none"):
+            return value
+        if not tools:
+            raise ValueError("needs tools")
+        if value == "auto":
+            raise ValueError('"auto" needs a model-specific tool-call parser, which fp8kv does not have; use '
+                             '"required" or name a function')
+        names = [t.function.name for t in tools]
+        if isinstance(value, NamedToolChoice) and value.function.name not in names:
+            raise ValueError(f"names function {value.function.name!r}, which is not among the tools ({', '.join(names)})")
+        return value
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the output is constrained to tool calls ("required" or a named function)."""
+        return bool(self.tools) and self.tool_choice not in (None, "none")
+
+    @model_validator(mode="after")
+    def _tools_or_structure(self) -> ChatCompletionRequest:
+        if self.calls_tools and self.structured_outputs() is not None:
+            raise ValueError(f"tool_choice and {self.structure_field()} each constrain the output; give one")
+        return self
 
     @field_validator("top_logprobs")
     @classmethod
@@ -458,9 +502,21 @@ class CompletionResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatTopLogprob(BaseModel):
@@ -494,9 +550,14 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class DeltaToolCall(ToolCall):
+    index: int
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):
