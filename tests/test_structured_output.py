@@ -135,6 +135,21 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {"zone": {"type": "string", "maxLength": 20}}, "required": ["zone"]}}}
 
 
+@pytest.mark.parametrize("parallel", [True, False])
+def test_required_tool_calls_accept_several_calls_unless_parallel_is_off(tokenizer, parallel):
+    from fp8cache.server import protocol as P
+    from fp8cache.server import tools
+
+    offered = [P.Tool.model_validate(t) for t in (WEATHER, TIME)]
+    guide = factory_for(tokenizer).guide(tools.structured_outputs(offered, "required", parallel=parallel))
+    one = '[{"name": "get_time", "parameters": {"zone": "UTC"}}]'
+    two = one[:-1] + ', {"name": "get_weather", "parameters": {"city": "Oslo", "unit": "celsius"}}]'
+    bad = '[{"name": "get_time", "parameters": {"city": "Oslo"}}]'  # get_weather's arguments under get_time
+    accepts = {text: guide.automaton.accepts_tokens(tokenizer.encode(text, add_special_tokens=False))
+               for text in (one, two, bad)}
+    assert accepts == {one: True, two: parallel, bad: False}
+
+
 def _check_tool_calls(client, model: str) -> None:
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     named = {"type": "function", "function": {"name": "get_weather"}}
@@ -152,6 +167,9 @@ def _check_tool_calls(client, model: str) -> None:
     calls = required.choices[0].message.tool_calls
     assert calls and all(c.function.name in ("get_weather", "get_time") for c in calls)
     assert all(isinstance(json.loads(c.function.arguments), dict) for c in calls)
+    single = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER, TIME], max_tokens=80,
+                                            tool_choice="required", parallel_tool_calls=False, temperature=0)
+    assert len(single.choices[0].message.tool_calls) == 1
     stream = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER], tool_choice=named,
                                             max_tokens=60, temperature=0, stream=True)
     deltas = [d for chunk in stream for d in (chunk.choices[0].delta.tool_calls or [])]

@@ -758,7 +758,8 @@ async def chat_completions(request: Request) -> Response:
     max_tokens = _check_lengths(state, [prompt], body.requested_max_tokens, "messages", tokens_param)
     kwargs = body.sampling_kwargs() | {"max_tokens": max_tokens}
     if body.calls_tools:
-        kwargs["structured_outputs"] = TOOLS.structured_outputs(body.tools, body.tool_choice)
+        kwargs["structured_outputs"] = TOOLS.structured_outputs(body.tools, body.tool_choice,
+                                                                parallel=body.parallel_tool_calls is not False)
     params = _sampling_params(state, kwargs)
     await _compile_structure(state, params, "tool_choice" if body.calls_tools else body.structure_field())
     prepared = Prepared([prompt], [""], max_tokens, params)

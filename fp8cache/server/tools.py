@@ -12,8 +12,9 @@ from fp8cache.engine.structured_output import StructuredOutputsParams
 from fp8cache.server import protocol as P
 
 
-def structured_outputs(tools: list[P.Tool], choice: Any) -> StructuredOutputsParams | None:
-    """The constraint a tool_choice puts on the output; None for "none" (and no tools)."""
+def structured_outputs(tools: list[P.Tool], choice: Any, parallel: bool = True) -> StructuredOutputsParams | None:
+    """The constraint a tool_choice puts on the output; None for "none" (and no tools). parallel=False: one
+    call at most (OpenAI's parallel_tool_calls)."""
     if not tools or choice in (None, "none"):
         return None
     if isinstance(choice, P.NamedToolChoice):
@@ -21,7 +22,8 @@ def structured_outputs(tools: list[P.Tool], choice: Any) -> StructuredOutputsPar
     calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
                                                "parameters": _parameters(t)},
               "required": ["name", "parameters"]} for t in tools]
-    return StructuredOutputsParams(json={"type": "array", "minItems": 1, "items": {"anyOf": calls}})
+    array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}} | ({} if parallel else {"maxItems": 1})
+    return StructuredOutputsParams(json=array)
 
 
 def tool_calls(tools: list[P.Tool], choice: Any, text: str) -> list[P.ToolCall]:
