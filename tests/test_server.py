@@ -214,6 +214,17 @@ def test_completion_echo_with_logprobs_scores_the_prompt(openai_client, referenc
     assert [v for s in streamed for v in s.token_logprobs] == pytest.approx(lp.token_logprobs)
 
 
+def test_vllm_sampling_extensions_match_engine(openai_client, reference):
+    prompt = "Paris is the capital of"  # greedy: " the United States" then "." at the 5th token
+    extra = {"min_tokens": 10, "include_stop_str_in_output": True, "skip_special_tokens": False}
+    out = openai_client.completions.create(model="smol", prompt=prompt, max_tokens=12, temperature=0, stop=["."],
+                                           extra_body=extra)
+    want = reference.generate(prompt, greedy(12, stop=["."], **extra))[0].outputs[0]
+    plain = reference.generate(prompt, greedy(12, stop=["."]))[0].outputs[0]
+    assert out.choices[0].text == want.text != plain.text
+    assert out.usage.completion_tokens == len(want.token_ids) >= 10
+
+
 def test_logit_bias_matches_engine(openai_client, reference):
     prompt = "The three primary colors are"
     out = openai_client.completions.create(model="smol", prompt=prompt, max_tokens=6, temperature=0,

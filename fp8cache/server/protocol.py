@@ -104,6 +104,9 @@ class SamplingFields(Strict):
     repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_SEQUENCES)
+    min_tokens: int | None = Field(None, ge=0)
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = Field(None, max_length=MAX_STOP_LENGTH * 8)
@@ -183,7 +186,8 @@ class SamplingFields(Strict):
         if structure is not None:
             kwargs["structured_outputs"] = structure
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                     "frequency_penalty", "seed", "stop", "stop_token_ids"):
+                     "frequency_penalty", "seed", "stop", "stop_token_ids", "min_tokens", "skip_special_tokens",
+                     "include_stop_str_in_output"):
             value = getattr(self, name)
             if value is not None:
                 kwargs[name] = value
