@@ -234,6 +234,25 @@ def test_logit_bias_matches_engine(openai_client, reference):
     assert out.choices[0].text == want.text != plain.text
 
 
+def test_prompt_logprobs_field_matches_engine(server, reference):
+    prompt = "Water boils at one hundred degrees"
+    want = reference.generate(prompt, greedy(2, prompt_logprobs=2))[0]
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        got = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "temperature": 0,
+                                                   "prompt_logprobs": 2}).json()["choices"][0]["prompt_logprobs"]
+        messages = [{"role": "user", "content": prompt}]
+        chat = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2, "temperature": 0,
+                                                         "prompt_logprobs": 0}).json()
+    assert got[0] is None and len(got) == len(want.prompt_token_ids)
+    for entry, engine_entry in zip(got[1:], want.prompt_logprobs[1:]):
+        assert {int(t) for t in entry} == set(engine_entry)
+        assert [entry[str(t)]["logprob"] for t in engine_entry] == pytest.approx(
+            [lp.logprob for lp in engine_entry.values()], abs=1e-4)
+    chat_prompt = reference.chat(messages, greedy(1))[0].prompt_token_ids
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == len(chat_prompt)
+    assert all(len(e) == 1 for e in chat["prompt_logprobs"][1:])  # k = 0: the prompt token itself
+
+
 def test_chat_logprobs_match_engine_streamed_or_not(openai_client, reference):
     messages = [{"role": "user", "content": "Name a fruit that is yellow."}]
     kwargs = {"model": "smol", "messages": messages, "max_tokens": 10, "temperature": 0, "logprobs": True,

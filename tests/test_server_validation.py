@@ -83,6 +83,8 @@ CASES = [
     Case("seed too big", CMPL, {"prompt": "x", "seed": 2**64}, 400, "seed"),
     Case("stream string", CMPL, {"prompt": "x", "stream": "yes"}, 400, "stream"),
     Case("echo string", CMPL, {"prompt": "x", "echo": "true"}, 400, "echo"),
+    Case("prompt_logprobs while streaming", CMPL, {"prompt": "x", "stream": True, "prompt_logprobs": 1}, 400,
+         "prompt_logprobs"),
     Case("logprobs too many", CMPL, {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
     Case("logprobs negative", CMPL, {"prompt": "x", "logprobs": -1}, 400, "logprobs"),
     Case("best_of", CMPL, {"prompt": "x", "best_of": 3}, 400, "best_of"),

@@ -673,7 +673,8 @@ async def completions(request: Request) -> Response:
             generated = _completion_logprobs(body, c.logprobs, c.token_ids, LP.end_offset(echoed))
             choices.append(P.CompletionChoice(index=i * body.n + c.index,
                                               text=(texts[i] if body.echo else "") + c.text,
-                                              logprobs=LP.join(echoed, generated), finish_reason=c.finish_reason))
+                                              logprobs=LP.join(echoed, generated), finish_reason=c.finish_reason,
+                                              prompt_logprobs=_prompt_logprobs(body, out)))
     return JSONResponse(P.CompletionResponse(id=request_id, model=name, choices=choices,
                                              usage=_usage(prompts, finals)).model_dump())
 
@@ -683,6 +684,11 @@ def _completion_logprobs(body: P.CompletionRequest, entries: list | None, tokens
     if body.logprobs is None or entries is None:
         return None
     return LP.completion_logprobs(entries, tokens, body.logprobs, offset)
+
+
+def _prompt_logprobs(body: P.SamplingFields, out: Any) -> P.PromptLogprobs | None:
+    """vLLM's prompt_logprobs field, when the request set it."""
+    return LP.prompt_logprobs(out.prompt_logprobs) if body.prompt_logprobs is not None else None
 
 
 def _echo_logprobs(body: P.CompletionRequest, tok: Any, out: Any, prompt: list[int]) -> P.CompletionLogprobs | None:
@@ -778,7 +784,8 @@ async def chat_completions(request: Request) -> Response:
                             logprobs=_chat_logprobs(body, c.logprobs, c.token_ids),
                             finish_reason=_chat_finish_reason(body, c)) for c in finals[0].outputs]
     return JSONResponse(P.ChatCompletionResponse(id=request_id, model=name, choices=choices,
-                                                 usage=_usage([prompt], finals)).model_dump())
+                                                 usage=_usage([prompt], finals),
+                                                 prompt_logprobs=_prompt_logprobs(body, finals[0])).model_dump())
 
 
 def _chat_message(body: P.ChatCompletionRequest, completion: Any) -> P.ChatMessageOut:

@@ -63,6 +63,15 @@ def chat_logprobs(entries: list[dict[int, Logprob]], tokens: list[int], k: int) 
     return P.ChatLogprobs(content=content)
 
 
+def prompt_logprobs(entries: list[dict[int, Logprob] | None] | None) -> P.PromptLogprobs | None:
+    """vLLM's prompt_logprobs field: each prompt token's dict (the token and its top k), ids as keys."""
+    if entries is None:
+        return None
+    return [None if entry is None else
+            {str(token): P.PromptLogprob(logprob=_value(lp), rank=lp.rank, decoded_token=lp.decoded_token)
+             for token, lp in entry.items()} for entry in entries]
+
+
 def token_logprob(entry: dict[int, Logprob], token_id: int) -> float:
     return _value(entry[token_id])
 

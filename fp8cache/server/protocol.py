@@ -105,6 +105,7 @@ class SamplingFields(Strict):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_SEQUENCES)
     min_tokens: int | None = Field(None, ge=0)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     response_format: ResponseFormat | None = None
@@ -148,6 +149,13 @@ class SamplingFields(Strict):
             raise ValueError("is only allowed with stream: true")
         return value
 
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and info.data.get("stream"):
+            raise ValueError("is not available with stream: true (as in vLLM)")
+        return value
+
     @model_validator(mode="after")
     def _one_structure(self) -> SamplingFields:
         given = [name for name in ("guided_json", "guided_regex", "guided_choice") if getattr(self, name) is not None]
@@ -187,7 +195,7 @@ class SamplingFields(Strict):
             kwargs["structured_outputs"] = structure
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty", "seed", "stop", "stop_token_ids", "min_tokens", "skip_special_tokens",
-                     "include_stop_str_in_output"):
+                     "include_stop_str_in_output", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
                 kwargs[name] = value
@@ -210,7 +218,7 @@ class CompletionRequest(SamplingFields):
             return super().sampling_kwargs()
         # echo returns the prompt's tokens too, and so their logprobs
         return super().sampling_kwargs() | {"logprobs": self.logprobs} | (
-            {"prompt_logprobs": self.logprobs} if self.echo else {})
+            {"prompt_logprobs": max(self.logprobs, self.prompt_logprobs or 0)} if self.echo else {})
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -490,11 +498,22 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None]
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: per prompt token, None (the first) or {token id: its logprob}
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -552,6 +571,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaToolCall(ToolCall):
