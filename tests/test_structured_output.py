@@ -15,12 +15,15 @@ from fp8cache.engine.sampling_params import SamplingParams
 from fp8cache.engine.sequence import Sequence
 from fp8cache.engine.structured_output import factory_for, token_bytes
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
-                                           "age": {"type": "integer"}, "pets": {"type": "array",
-                                                                                "items": {"type": "string",
-                                                                                          "maxLength": 12},
-                                                                                "maxItems": 3}},
-          "required": ["name", "age", "pets"]}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "age": {"type": "integer"},
+        "pets": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3},
+    },
+    "required": ["name", "age", "pets"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +48,16 @@ def test_token_bytes_spell_out_the_text(tokenizer):
     assert not set(tokenizer.all_special_ids) & set(pieces)
 
 
-@pytest.mark.parametrize("kwargs,problem", [
-    ({}, "exactly one"), ({"regex": "a", "choice": ["a"]}, "exactly one"), ({"choice": []}, "non-empty"),
-    ({"choice": ["a", ""]}, "non-empty"), ({"json": 5}, "JSON schema"),
-])
+@pytest.mark.parametrize(
+    "kwargs,problem",
+    [
+        ({}, "exactly one"),
+        ({"regex": "a", "choice": ["a"]}, "exactly one"),
+        ({"choice": []}, "non-empty"),
+        ({"choice": ["a", ""]}, "non-empty"),
+        ({"json": 5}, "JSON schema"),
+    ],
+)
 def test_params_need_exactly_one_valid_constraint(kwargs, problem):
     with pytest.raises(ValueError, match=problem):
         StructuredOutputsParams(**kwargs)
@@ -65,8 +74,12 @@ def test_mask_is_the_guides_own_token_set(tokenizer):
 
 
 def test_min_tokens_does_not_break_a_finished_match(llm):
-    params = SamplingParams(temperature=0, max_tokens=8, min_tokens=4,
-                            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=8,
+        min_tokens=4,
+        structured_outputs=StructuredOutputsParams(choice=["yes", "no"]),
+    )
     out = llm.generate("Is water wet?", params)[0].outputs[0]
     assert out.text in ("yes", "no") and len(out.token_ids) >= 4 and out.finish_reason == "stop"
 
@@ -79,10 +92,12 @@ def test_bad_patterns_fail_the_request(llm):
 
 def test_outputs_match_regex_choice_and_schema(llm):
     choices = ["Paris", "London", "Rome", "Berlin"]
-    cases = [("My phone number is", StructuredOutputsParams(regex=r"[0-9]{3}-[0-9]{4}")),
-             ("The capital of Italy is", StructuredOutputsParams(choice=choices)),
-             ("A person, as JSON:", StructuredOutputsParams(json=SCHEMA)),
-             ('The JSON object {"city": "Paris"} again:', StructuredOutputsParams(json_object=True))]
+    cases = [
+        ("My phone number is", StructuredOutputsParams(regex=r"[0-9]{3}-[0-9]{4}")),
+        ("The capital of Italy is", StructuredOutputsParams(choice=choices)),
+        ("A person, as JSON:", StructuredOutputsParams(json=SCHEMA)),
+        ('The JSON object {"city": "Paris"} again:', StructuredOutputsParams(json_object=True)),
+    ]
     params = [SamplingParams(temperature=0, max_tokens=60, structured_outputs=c) for _, c in cases]
     outs = [o.outputs[0] for o in llm.generate([p for p, _ in cases], params)]
     assert all(o.finish_reason == "stop" for o in outs), [(o.text, o.finish_reason) for o in outs]
@@ -101,21 +116,30 @@ def test_server_structured_outputs(default_model_path, tmp_path):
     import openai
     from server_process import ServerProcess
 
-    proc = ServerProcess([default_model_path, "--kv-cache-memory", "24MiB", "--max-model-len", "256"],
-                         str(tmp_path / "server.log"))
+    proc = ServerProcess(
+        [default_model_path, "--kv-cache-memory", "24MiB", "--max-model-len", "256"],
+        str(tmp_path / "server.log"),
+    )
     try:
         client = openai.OpenAI(base_url=proc.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         messages = [{"role": "user", "content": "Describe a person."}]
         fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
-        chat = client.chat.completions.create(model=default_model_path, messages=messages, max_tokens=120,
-                                              temperature=0, response_format=fmt)
+        chat = client.chat.completions.create(
+            model=default_model_path, messages=messages, max_tokens=120, temperature=0, response_format=fmt
+        )
         assert chat.choices[0].finish_reason == "stop", chat.choices[0].message.content
         assert set(json.loads(chat.choices[0].message.content)) == {"name", "age", "pets"}
-        picked = client.completions.create(model=default_model_path, prompt="Yes or no?", max_tokens=5,
-                                           extra_body={"guided_choice": ["yes", "no"]})
+        picked = client.completions.create(
+            model=default_model_path,
+            prompt="Yes or no?",
+            max_tokens=5,
+            extra_body={"guided_choice": ["yes", "no"]},
+        )
         assert picked.choices[0].text in ("yes", "no")
-        body = {"inputs": "Call me at", "parameters": {"max_new_tokens": 12,
-                                                       "grammar": {"type": "regex", "value": "[0-9]{3}-[0-9]{4}"}}}
+        body = {
+            "inputs": "Call me at",
+            "parameters": {"max_new_tokens": 12, "grammar": {"type": "regex", "value": "[0-9]{3}-[0-9]{4}"}},
+        }
         tgi = httpx.post(proc.url + "/generate", json=body, timeout=120).json()
         assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", tgi["generated_text"])
         _check_tool_calls(client, default_model_path)
@@ -126,13 +150,32 @@ def test_server_structured_outputs(default_model_path, tmp_path):
         assert proc.stop() == 0, proc.output()[-3000:]
 
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city", "unit"]}}}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"zone": {"type": "string", "maxLength": 20}}, "required": ["zone"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "maxLength": 20}},
+            "required": ["zone"],
+        },
+    },
+}
 
 
 @pytest.mark.parametrize("parallel", [True, False])
@@ -145,37 +188,66 @@ def test_required_tool_calls_accept_several_calls_unless_parallel_is_off(tokeniz
     one = '[{"name": "get_time", "parameters": {"zone": "UTC"}}]'
     two = one[:-1] + ', {"name": "get_weather", "parameters": {"city": "Oslo", "unit": "celsius"}}]'
     bad = '[{"name": "get_time", "parameters": {"city": "Oslo"}}]'  # get_weather's arguments under get_time
-    accepts = {text: guide.automaton.accepts_tokens(tokenizer.encode(text, add_special_tokens=False))
-               for text in (one, two, bad)}
+    accepts = {
+        text: guide.automaton.accepts_tokens(tokenizer.encode(text, add_special_tokens=False))
+        for text in (one, two, bad)
+    }
     assert accepts == {one: True, two: parallel, bad: False}
 
 
 def _check_tool_calls(client, model: str) -> None:
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     named = {"type": "function", "function": {"name": "get_weather"}}
-    out = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER, TIME], tool_choice=named,
-                                         max_tokens=60, temperature=0)
+    out = client.chat.completions.create(
+        model=model, messages=messages, tools=[WEATHER, TIME], tool_choice=named, max_tokens=60, temperature=0
+    )
     choice = out.choices[0]
     assert choice.finish_reason == "stop" and choice.message.content is None
     (call,) = choice.message.tool_calls
     args = json.loads(call.function.arguments)
     assert call.function.name == "get_weather" and set(args) == {"city", "unit"}
     assert args["unit"] in ("celsius", "fahrenheit") and call.id and call.type == "function"
-    required = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER, TIME],
-                                              tool_choice="required", max_tokens=80, temperature=0)
+    required = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        tools=[WEATHER, TIME],
+        tool_choice="required",
+        max_tokens=80,
+        temperature=0,
+    )
     assert required.choices[0].finish_reason == "tool_calls"
     calls = required.choices[0].message.tool_calls
     assert calls and all(c.function.name in ("get_weather", "get_time") for c in calls)
     assert all(isinstance(json.loads(c.function.arguments), dict) for c in calls)
-    single = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER, TIME], max_tokens=80,
-                                            tool_choice="required", parallel_tool_calls=False, temperature=0)
+    single = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        tools=[WEATHER, TIME],
+        max_tokens=80,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+    )
     assert len(single.choices[0].message.tool_calls) == 1
-    stream = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER], tool_choice=named,
-                                            max_tokens=60, temperature=0, stream=True)
+    stream = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        tools=[WEATHER],
+        tool_choice=named,
+        max_tokens=60,
+        temperature=0,
+        stream=True,
+    )
     deltas = [d for chunk in stream for d in (chunk.choices[0].delta.tool_calls or [])]
-    assert [(d.function.name, d.function.arguments) for d in deltas] == [("get_weather", call.function.arguments)]
+    assert [(d.function.name, d.function.arguments) for d in deltas] == [
+        ("get_weather", call.function.arguments)
+    ]
     # a second turn: the assistant's call and the tool's answer go back through the chat template
-    follow = messages + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
-                         {"role": "tool", "tool_call_id": call.id, "content": "18 degrees, sunny"}]
-    again = client.chat.completions.create(model=model, messages=follow, tools=[WEATHER], max_tokens=8, temperature=0)
+    follow = messages + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "18 degrees, sunny"},
+    ]
+    again = client.chat.completions.create(
+        model=model, messages=follow, tools=[WEATHER], max_tokens=8, temperature=0
+    )
     assert again.choices[0].message.content and not again.choices[0].message.tool_calls

@@ -13,7 +13,9 @@ from fp8cache.engine.outputs import Logprob
 from fp8cache.engine.sequence import Sequence
 
 
-def logprob_entries(logits: torch.Tensor, tokens: list[int], tops: list[int], tokenizer) -> list[dict[int, Logprob]]:
+def logprob_entries(
+    logits: torch.Tensor, tokens: list[int], tops: list[int], tokenizer
+) -> list[dict[int, Logprob]]:
     """One dict per row of logits: tokens[i]'s Logprob and those of the tops[i] most likely tokens."""
     if not tokens:
         return []
@@ -34,13 +36,15 @@ def logprob_entries(logits: torch.Tensor, tokens: list[int], tops: list[int], to
     return entries
 
 
-def token_logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: list[int],
-                   tokenizer) -> list[dict[int, Logprob] | None]:
+def token_logprobs(
+    logits: torch.Tensor, seqs: list[Sequence], tokens: list[int], tokenizer
+) -> list[dict[int, Logprob] | None]:
     """Per sequence (row of logits): None, or its sampled token and params.logprobs top tokens."""
     rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
     result: list[dict[int, Logprob] | None] = [None] * len(seqs)
-    entries = logprob_entries(logits[rows], [tokens[i] for i in rows], [seqs[i].params.logprobs for i in rows],
-                              tokenizer)
+    entries = logprob_entries(
+        logits[rows], [tokens[i] for i in rows], [seqs[i].params.logprobs for i in rows], tokenizer
+    )
     for i, entry in zip(rows, entries):
         result[i] = entry
     return result
@@ -54,6 +58,7 @@ def score_prompt(seq: Sequence, logits: torch.Tensor, start: int, tokenizer) -> 
     last = min(logits.shape[0], seq.num_prompt_tokens - 1 - start)
     if first < 0 or first >= last:
         return
-    targets = seq.token_ids[start + first + 1:start + last + 1]
-    seq.prompt_logprobs += logprob_entries(logits[first:last], targets, [seq.params.prompt_logprobs] * len(targets),
-                                           tokenizer)
+    targets = seq.token_ids[start + first + 1 : start + last + 1]
+    seq.prompt_logprobs += logprob_entries(
+        logits[first:last], targets, [seq.params.prompt_logprobs] * len(targets), tokenizer
+    )

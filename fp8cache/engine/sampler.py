@@ -1,8 +1,9 @@
 """Turn one row of logits per sequence into one token per sequence, all rows at once.
 
 Order, as in vLLM: logit bias -> min_tokens bans -> penalties -> structured output mask -> greedy argmax, or
-temperature -> min-p -> top-k -> top-p -> typical-p (TGI's last warper) -> draw. The draw is argmax(p / q) with q ~ Exp(1), which is a draw from p; a seeded request
-makes its own q from its own generator, so its tokens do not depend on what else is in the batch.
+temperature -> min-p -> top-k -> top-p -> typical-p (TGI's last warper) -> draw. The draw is argmax(p / q)
+with q ~ Exp(1), which is a draw from p; a seeded request makes its own q from its own generator, so its
+tokens do not depend on what else is in the batch.
 """
 
 from __future__ import annotations

@@ -34,14 +34,19 @@ class StructuredOutputsParams:
         given = [name for name in ("json", "regex", "choice") if getattr(self, name) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
-            raise ValueError(f"StructuredOutputsParams needs exactly one of json, regex, choice, json_object; "
-                             f"got {given or 'none'}")
+            raise ValueError(
+                f"StructuredOutputsParams needs exactly one of json, regex, choice, json_object; "
+                f"got {given or 'none'}"
+            )
         if self.json is not None and not isinstance(self.json, (dict, str)):
             raise ValueError("StructuredOutputsParams.json must be a JSON schema (a dict or a JSON string)")
         if self.regex is not None and not isinstance(self.regex, str):
             raise ValueError("StructuredOutputsParams.regex must be a string")
-        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
-                                        or not all(isinstance(c, str) and c for c in self.choice)):
+        if self.choice is not None and (
+            not isinstance(self.choice, (list, tuple))
+            or not self.choice
+            or not all(isinstance(c, str) and c for c in self.choice)
+        ):
             raise ValueError("StructuredOutputsParams.choice must be a non-empty list of non-empty strings")
 
     def to_regex(self) -> str:
@@ -83,7 +88,11 @@ def token_bytes(tokenizer) -> dict[int, bytes]:
 @functools.lru_cache(maxsize=1)
 def _unicode_to_byte() -> dict[str, int]:
     # GPT-2's byte-level alphabet: printable bytes stand for themselves, the rest are shifted past 255.
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     chars = {b: chr(b) for b in printable}
     shifted = (b for b in range(256) if b not in chars)
     chars.update({b: chr(256 + i) for i, b in enumerate(shifted)})

@@ -380,8 +380,8 @@ def _limit_reason(state: AppState) -> str:
 def _sampling_params(state: AppState, kwargs: dict[str, Any]) -> Any:
     bad = [t for t in kwargs.get("logit_bias", {}) if t >= state.info.vocab_size]
     if bad:
-        raise P.RequestError(f"logit_bias: token id {bad[0]} is outside the vocabulary (0..{state.info.vocab_size - 1})",
-                             param="logit_bias", code="invalid_value")
+        raise P.RequestError(f"logit_bias: token id {bad[0]} is outside the vocabulary "
+                             f"(0..{state.info.vocab_size - 1})", param="logit_bias", code="invalid_value")
     try:
         return state.sampling_params(**kwargs)
     except (ValueError, TypeError) as exc:
@@ -790,7 +790,8 @@ async def chat_completions(request: Request) -> Response:
 
 def _chat_message(body: P.ChatCompletionRequest, completion: Any) -> P.ChatMessageOut:
     if body.calls_tools:
-        return P.ChatMessageOut(content=None, tool_calls=TOOLS.tool_calls(body.tools, body.tool_choice, completion.text))
+        calls = TOOLS.tool_calls(body.tools, body.tool_choice, completion.text)
+        return P.ChatMessageOut(content=None, tool_calls=calls)
     return P.ChatMessageOut(content=completion.text)
 
 

@@ -19,8 +19,9 @@ def _top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
     return sorted((item for item in entry.items() if item[1].rank <= k), key=lambda item: item[1].rank)[:k]
 
 
-def completion_logprobs(entries: list[dict[int, Logprob] | None], tokens: list[int], k: int, offset: int = 0,
-                        first_text: str = "") -> P.CompletionLogprobs:
+def completion_logprobs(
+    entries: list[dict[int, Logprob] | None], tokens: list[int], k: int, offset: int = 0, first_text: str = ""
+) -> P.CompletionLogprobs:
     """offset: where the first token's text starts (token texts laid end to end, as vLLM counts). An entry
     of None (an echoed prompt's first token, whose text is first_text) has no logprobs."""
     out = P.CompletionLogprobs(text_offset=[], token_logprobs=[], tokens=[], top_logprobs=[])
@@ -31,8 +32,11 @@ def completion_logprobs(entries: list[dict[int, Logprob] | None], tokens: list[i
         out.tokens.append(text)
         out.token_logprobs.append(_value(chosen) if chosen is not None else None)
         # vLLM's shape: the top k and the chosen token
-        out.top_logprobs.append({lp.decoded_token: _value(lp) for _, lp in _top(entry, k) + [(token, chosen)]}
-                                if chosen is not None else None)
+        out.top_logprobs.append(
+            {lp.decoded_token: _value(lp) for _, lp in _top(entry, k) + [(token, chosen)]}
+            if chosen is not None
+            else None
+        )
         offset += len(text)
     return out
 
@@ -44,11 +48,14 @@ def end_offset(logprobs: P.CompletionLogprobs | None, offset: int = 0) -> int:
     return logprobs.text_offset[-1] + len(logprobs.tokens[-1])
 
 
-def join(first: P.CompletionLogprobs | None, second: P.CompletionLogprobs | None) -> P.CompletionLogprobs | None:
+def join(
+    first: P.CompletionLogprobs | None, second: P.CompletionLogprobs | None
+) -> P.CompletionLogprobs | None:
     if first is None or second is None:
         return first or second
-    return P.CompletionLogprobs(**{name: getattr(first, name) + getattr(second, name)
-                                   for name in P.CompletionLogprobs.model_fields})
+    return P.CompletionLogprobs(
+        **{name: getattr(first, name) + getattr(second, name) for name in P.CompletionLogprobs.model_fields}
+    )
 
 
 def _chat_token(logprob: Logprob) -> dict:
@@ -57,9 +64,13 @@ def _chat_token(logprob: Logprob) -> dict:
 
 
 def chat_logprobs(entries: list[dict[int, Logprob]], tokens: list[int], k: int) -> P.ChatLogprobs:
-    content = [P.ChatTokenLogprob(**_chat_token(entry[token]),
-                                  top_logprobs=[P.ChatTopLogprob(**_chat_token(lp)) for _, lp in _top(entry, k)])
-               for entry, token in zip(entries, tokens)]
+    content = [
+        P.ChatTokenLogprob(
+            **_chat_token(entry[token]),
+            top_logprobs=[P.ChatTopLogprob(**_chat_token(lp)) for _, lp in _top(entry, k)],
+        )
+        for entry, token in zip(entries, tokens)
+    ]
     return P.ChatLogprobs(content=content)
 
 
@@ -67,9 +78,15 @@ def prompt_logprobs(entries: list[dict[int, Logprob] | None] | None) -> P.Prompt
     """vLLM's prompt_logprobs field: each prompt token's dict (the token and its top k), ids as keys."""
     if entries is None:
         return None
-    return [None if entry is None else
-            {str(token): P.PromptLogprob(logprob=_value(lp), rank=lp.rank, decoded_token=lp.decoded_token)
-             for token, lp in entry.items()} for entry in entries]
+    return [
+        None
+        if entry is None
+        else {
+            str(token): P.PromptLogprob(logprob=_value(lp), rank=lp.rank, decoded_token=lp.decoded_token)
+            for token, lp in entry.items()
+        }
+        for entry in entries
+    ]
 
 
 def token_logprob(entry: dict[int, Logprob], token_id: int) -> float:
@@ -77,5 +94,7 @@ def token_logprob(entry: dict[int, Logprob], token_id: int) -> float:
 
 
 def tgi_top_tokens(entry: dict[int, Logprob], k: int, special: set[int]) -> list[P.TGIToken]:
-    return [P.TGIToken(id=token_id, text=lp.decoded_token, logprob=_value(lp), special=token_id in special)
-            for token_id, lp in _top(entry, k)]
+    return [
+        P.TGIToken(id=token_id, text=lp.decoded_token, logprob=_value(lp), special=token_id in special)
+        for token_id, lp in _top(entry, k)
+    ]

@@ -338,7 +338,8 @@ class ChatCompletionRequest(SamplingFields):
                              '"required" or name a function')
         names = [t.function.name for t in tools]
         if isinstance(value, NamedToolChoice) and value.function.name not in names:
-            raise ValueError(f"names function {value.function.name!r}, which is not among the tools ({', '.join(names)})")
+            raise ValueError(f"names function {value.function.name!r}, which is not among the tools "
+                             f"({', '.join(names)})")
         return value
 
     @property

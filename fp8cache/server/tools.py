@@ -12,17 +12,29 @@ from fp8cache.engine.structured_output import StructuredOutputsParams
 from fp8cache.server import protocol as P
 
 
-def structured_outputs(tools: list[P.Tool], choice: Any, parallel: bool = True) -> StructuredOutputsParams | None:
+def structured_outputs(
+    tools: list[P.Tool], choice: Any, parallel: bool = True
+) -> StructuredOutputsParams | None:
     """The constraint a tool_choice puts on the output; None for "none" (and no tools). parallel=False: one
     call at most (OpenAI's parallel_tool_calls)."""
     if not tools or choice in (None, "none"):
         return None
     if isinstance(choice, P.NamedToolChoice):
         return StructuredOutputsParams(json=_parameters(_named(tools, choice.function.name)))
-    calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
-                                               "parameters": _parameters(t)},
-              "required": ["name", "parameters"]} for t in tools]
-    array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}} | ({} if parallel else {"maxItems": 1})
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "enum": [t.function.name]},
+                "parameters": _parameters(t),
+            },
+            "required": ["name", "parameters"],
+        }
+        for t in tools
+    ]
+    array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}} | (
+        {} if parallel else {"maxItems": 1}
+    )
     return StructuredOutputsParams(json=array)
 
 
@@ -47,4 +59,6 @@ def _parameters(tool: P.Tool) -> dict:
 
 
 def _call(name: str, arguments: str) -> P.ToolCall:
-    return P.ToolCall(id=f"chatcmpl-tool-{uuid.uuid4().hex}", function=P.FunctionCall(name=name, arguments=arguments))
+    return P.ToolCall(
+        id=f"chatcmpl-tool-{uuid.uuid4().hex}", function=P.FunctionCall(name=name, arguments=arguments)
+    )
