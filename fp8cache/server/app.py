@@ -1,4 +1,6 @@
-"""The HTTP app: OpenAI routes under /v1, Hugging Face TGI routes at the root, /health and /metrics.
+"""The HTTP app: OpenAI routes under /v1 (openai_routes.py), Hugging Face TGI routes at the root
+(tgi_routes.py), /tokenize and /detokenize (tokenizer_routes.py), /health, /info and /metrics; and what the
+routes share: body parsing, request checks, submission to the engine, streaming.
 
 Bodies are read and parsed here (not by FastAPI's body binding) so that every refusal, from a body that is
 too big or not UTF-8 down to a bad field, gets the error shape of its API: OpenAI's
@@ -12,7 +14,6 @@ import hmac
 import json
 import re
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -25,9 +26,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from fp8cache.server import logprobs as LP
 from fp8cache.server import protocol as P
-from fp8cache.server import tools as TOOLS
 from fp8cache.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from fp8cache.server.metrics import CONTENT_TYPE, ServerMetrics
 
@@ -36,7 +35,7 @@ DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
 _DRAIN_LIMIT = 64 * 2**20
 _PUBLIC_PATHS = ("/health",)
 _ROUTES = ("/", "/v1/completions", "/v1/chat/completions", "/v1/models", "/generate", "/generate_stream",
-           "/info", "/health", "/metrics")
+           "/info", "/health", "/metrics", "/tokenize", "/detokenize")
 
 
 @dataclass
@@ -472,6 +471,13 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Any]]
         _close_all(streams)
 
 
+async def _collect(streams: list[RequestStream]) -> dict[int, Any]:
+    finals: dict[int, Any] = {}
+    async for i, out in _merge(streams):
+        finals[i] = out
+    return finals
+
+
 async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
     """Run `work` unless the client goes away first (then cancel it, which aborts its requests)."""
     task = asyncio.ensure_future(work)
@@ -543,13 +549,6 @@ class TextDelta:
         return delta, list(completion.token_ids[start:end]), entries
 
 
-def _usage_options(body: P.SamplingFields) -> tuple[bool, bool]:
-    """(a usage chunk at the end, usage with running totals on every chunk: vLLM's continuous_usage_stats)."""
-    options = body.stream_options
-    return (options is not None and options.include_usage,
-            options is not None and options.continuous_usage_stats)
-
-
 def _usage(prompts: list[list[int]], finals: dict[int, Any]) -> P.UsageInfo:
     prompt_tokens = sum(len(p) for p in prompts)
     completion_tokens = sum(len(c.token_ids) for out in finals.values() for c in out.outputs)
@@ -570,17 +569,20 @@ def _stream_error(path: str, exc: BaseException) -> str:
 
 
 def _add_routes(app: FastAPI) -> None:
+    # The API modules import this one's request helpers, so they are imported here, not at the top.
+    from fp8cache.server import openai_routes, tgi_routes, tokenizer_routes
+
     app.add_api_route("/health", health, methods=["GET", "HEAD"])
     app.add_api_route("/info", info, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
     app.add_api_route("/v1/models", list_models, methods=["GET"])
-    app.add_api_route("/v1/completions", completions, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
-    app.add_api_route("/generate", tgi_generate, methods=["POST"])
-    app.add_api_route("/generate_stream", tgi_generate_stream, methods=["POST"])
-    app.add_api_route("/", tgi_compat, methods=["POST"])
-    app.add_api_route("/tokenize", tokenize, methods=["POST"])
-    app.add_api_route("/detokenize", detokenize, methods=["POST"])
+    app.add_api_route("/v1/completions", openai_routes.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", openai_routes.chat_completions, methods=["POST"])
+    app.add_api_route("/generate", tgi_routes.tgi_generate, methods=["POST"])
+    app.add_api_route("/generate_stream", tgi_routes.tgi_generate_stream, methods=["POST"])
+    app.add_api_route("/", tgi_routes.tgi_compat, methods=["POST"])
+    app.add_api_route("/tokenize", tokenizer_routes.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", tokenizer_routes.detokenize, methods=["POST"])
 
 
 def _state(request: Request) -> AppState:
@@ -632,409 +634,3 @@ async def list_models(request: Request) -> Response:
     card = P.ModelCard(id=state.settings.served_model_name, root=state.settings.model_path,
                        max_model_len=state.info.max_model_len)
     return JSONResponse(P.ModelList(data=[card]).model_dump())
-
-
-# -- OpenAI ------------------------------------------------------------------------------------------
-
-
-async def completions(request: Request) -> Response:
-    state = _state(request)
-    body: P.CompletionRequest = await parse(request, P.CompletionRequest)
-    _check_model(state, body.model)
-    tok = state.info.tokenizer
-    prompts = await _tokenize(state, lambda: [p if isinstance(p, list) else tok.encode(p) for p in body.prompt])
-    if any(not p for p in prompts):
-        raise P.RequestError("prompt: a prompt encodes to zero tokens", param="prompt", code="invalid_value")
-    max_tokens = _check_lengths(state, prompts, body.max_tokens if "max_tokens" in body.model_fields_set
-                                else None, "prompt", "max_tokens")
-    if "max_tokens" not in body.model_fields_set:
-        max_tokens = min(max_tokens, 16)  # OpenAI's default for completions
-    texts = [p if isinstance(p, str) else "" for p in body.prompt]
-    if body.echo:
-        texts = await _tokenize(state, lambda: [t or tok.decode(p) for t, p in zip(texts, prompts)])
-    params = _sampling_params(state, body.sampling_kwargs() | {"max_tokens": max_tokens})
-    await _compile_structure(state, params, body.structure_field())
-    prepared = Prepared(prompts, texts, max_tokens, params)
-    request_id = f"cmpl-{uuid.uuid4().hex}"
-    streams = _submit_all(state, request_id, prepared)
-    name = state.settings.served_model_name
-    if body.stream:
-        return SSEResponse(_completion_events(request_id, name, body, prepared, streams, tok), streams)
-    try:
-        finals = await until_disconnect(request, _collect(streams))
-    finally:
-        _close_all(streams)
-    if isinstance(finals, Response):
-        return finals
-    choices = []
-    for i, out in sorted(finals.items()):
-        echoed = _echo_logprobs(body, tok, out, prompts[i])
-        for c in out.outputs:
-            generated = _completion_logprobs(body, c.logprobs, c.token_ids, LP.end_offset(echoed))
-            choices.append(P.CompletionChoice(index=i * body.n + c.index,
-                                              text=(texts[i] if body.echo else "") + c.text,
-                                              logprobs=LP.join(echoed, generated), finish_reason=c.finish_reason,
-                                              prompt_logprobs=_prompt_logprobs(body, out)))
-    return JSONResponse(P.CompletionResponse(id=request_id, model=name, choices=choices,
-                                             usage=_usage(prompts, finals)).model_dump())
-
-
-def _completion_logprobs(body: P.CompletionRequest, entries: list | None, tokens: list[int],
-                         offset: int = 0) -> P.CompletionLogprobs | None:
-    if body.logprobs is None or entries is None:
-        return None
-    return LP.completion_logprobs(entries, tokens, body.logprobs, offset)
-
-
-def _prompt_logprobs(body: P.SamplingFields, out: Any) -> P.PromptLogprobs | None:
-    """vLLM's prompt_logprobs field, when the request set it."""
-    return LP.prompt_logprobs(out.prompt_logprobs) if body.prompt_logprobs is not None else None
-
-
-def _echo_logprobs(body: P.CompletionRequest, tok: Any, out: Any, prompt: list[int]) -> P.CompletionLogprobs | None:
-    """The echoed prompt's tokens: logprobs for all but the first."""
-    if body.logprobs is None or not body.echo or out.prompt_logprobs is None:
-        return None
-    return LP.completion_logprobs(out.prompt_logprobs, prompt, body.logprobs, first_text=tok.decode([prompt[0]]))
-
-
-async def _collect(streams: list[RequestStream]) -> dict[int, Any]:
-    finals: dict[int, Any] = {}
-    async for i, out in _merge(streams):
-        finals[i] = out
-    return finals
-
-
-async def _completion_events(request_id: str, name: str, body: P.CompletionRequest, prepared: Prepared,
-                             streams: list[RequestStream], tok: Any) -> AsyncIterator[str]:
-    created = int(time.time())
-    deltas: dict[tuple[int, int], TextDelta] = {}
-    offsets: dict[tuple[int, int], int] = {}  # per choice: where the next token's text starts (logprobs)
-    finals: dict[int, Any] = {}
-    include_usage, continuous_usage = _usage_options(body)
-
-    def event(index: int, text: str, finish_reason: str | None, logprobs: P.CompletionLogprobs | None = None) -> str:
-        choice = {"index": index, "text": text, "logprobs": logprobs.model_dump() if logprobs else None,
-                  "finish_reason": finish_reason}
-        usage = {"usage": _usage(prepared.prompts, finals).model_dump()} if continuous_usage else {}
-        return sse({"id": request_id, "object": "text_completion", "created": created, "model": name,
-                    "choices": [choice]} | usage)
-
-    # The echo goes first; with logprobs it waits for the prompt's logprobs, which come with the first output.
-    echo_waits = body.echo and body.logprobs is not None
-    if body.echo and not echo_waits:
-        for i, text in enumerate(prepared.prompt_texts):
-            for k in range(body.n):
-                yield event(i * body.n + k, text, None)
-    try:
-        async for i, out in _merge(streams):
-            if echo_waits and i not in finals:
-                echoed = _echo_logprobs(body, tok, out, prepared.prompts[i])
-                for k in range(body.n):
-                    offsets[(i, k)] = LP.end_offset(echoed)
-                    yield event(i * body.n + k, prepared.prompt_texts[i], None, echoed)
-            finals[i] = out
-            for c in out.outputs:
-                delta = deltas.setdefault((i, c.index), TextDelta())
-                text, tokens, entries = delta.update(c, hold_empty=c.finish_reason is None)
-                if not text and (c.finish_reason is None or delta.finish_reason is not None):
-                    continue
-                delta.finish_reason = c.finish_reason
-                logprobs = _completion_logprobs(body, entries, tokens, offsets.get((i, c.index), 0))
-                offsets[(i, c.index)] = LP.end_offset(logprobs, offsets.get((i, c.index), 0))
-                yield event(i * body.n + c.index, text, c.finish_reason, logprobs)
-    except EngineDeadError as exc:
-        yield _stream_error("/v1/completions", exc)
-        return
-    if include_usage:
-        usage = _usage(prepared.prompts, finals).model_dump()
-        yield sse({"id": request_id, "object": "text_completion", "created": created, "model": name,
-                   "choices": [], "usage": usage})
-    yield "data: [DONE]\n\n"
-
-
-async def chat_completions(request: Request) -> Response:
-    state = _state(request)
-    body: P.ChatCompletionRequest = await parse(request, P.ChatCompletionRequest)
-    _check_model(state, body.model)
-    offered = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools and body.tool_choice != "none" \
-        else None
-    prompt = await _render_chat(state, body.messages, body.add_generation_prompt, tools=offered)
-    tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    max_tokens = _check_lengths(state, [prompt], body.requested_max_tokens, "messages", tokens_param)
-    kwargs = body.sampling_kwargs() | {"max_tokens": max_tokens}
-    if body.calls_tools:
-        kwargs["structured_outputs"] = TOOLS.structured_outputs(body.tools, body.tool_choice,
-                                                                parallel=body.parallel_tool_calls is not False)
-    params = _sampling_params(state, kwargs)
-    await _compile_structure(state, params, "tool_choice" if body.calls_tools else body.structure_field())
-    prepared = Prepared([prompt], [""], max_tokens, params)
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    streams = _submit_all(state, request_id, prepared)
-    name = state.settings.served_model_name
-    if body.stream:
-        return SSEResponse(_chat_events(request_id, name, body, prepared, streams), streams)
-    try:
-        finals = await until_disconnect(request, _collect(streams))
-    finally:
-        _close_all(streams)
-    if isinstance(finals, Response):
-        return finals
-    choices = [P.ChatChoice(index=c.index, message=_chat_message(body, c),
-                            logprobs=_chat_logprobs(body, c.logprobs, c.token_ids),
-                            finish_reason=_chat_finish_reason(body, c)) for c in finals[0].outputs]
-    return JSONResponse(P.ChatCompletionResponse(id=request_id, model=name, choices=choices,
-                                                 usage=_usage([prompt], finals),
-                                                 prompt_logprobs=_prompt_logprobs(body, finals[0])).model_dump())
-
-
-def _chat_message(body: P.ChatCompletionRequest, completion: Any) -> P.ChatMessageOut:
-    if body.calls_tools:
-        calls = TOOLS.tool_calls(body.tools, body.tool_choice, completion.text)
-        return P.ChatMessageOut(content=None, tool_calls=calls)
-    return P.ChatMessageOut(content=completion.text)
-
-
-def _chat_finish_reason(body: P.ChatCompletionRequest, completion: Any) -> str | None:
-    # OpenAI: "tool_calls" when the model chose to call; a named (forced) call ends with "stop"
-    if body.tool_choice == "required" and completion.finish_reason == "stop":
-        return "tool_calls"
-    return completion.finish_reason
-
-
-def _chat_logprobs(body: P.ChatCompletionRequest, entries: list | None, tokens: list[int]) -> P.ChatLogprobs | None:
-    if not body.logprobs or entries is None:
-        return None
-    return LP.chat_logprobs(entries, tokens, body.top_logprobs or 0)
-
-
-async def _render_chat(state: AppState, messages: list[P.ChatMessage], add_generation_prompt: bool,
-                       add_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
-    """Token ids of messages (and the tools offered) through the tokenizer's chat template."""
-    tok = state.info.tokenizer
-    if not getattr(tok, "chat_template", None):
-        raise P.RequestError("messages: this model's tokenizer has no chat template; use /v1/completions",
-                             param="messages", code="no_chat_template")
-    plain = [{"role": "system" if m.role == "developer" else m.role, "content": m.content or ""}
-             | {k: v for k, v in (("name", m.name), ("tool_calls", m.tool_calls), ("tool_call_id", m.tool_call_id))
-                if v}
-             for m in messages]
-
-    def render() -> list[int]:
-        text = tok.apply_chat_template(plain, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt)
-        return tok.encode(text, add_special_tokens=add_special_tokens)
-
-    try:
-        return await _tokenize(state, render)
-    except Exception as exc:  # noqa: BLE001 - the template's own complaint is the useful message
-        raise P.RequestError(f"messages: the chat template refused them: {exc}", param="messages",
-                             code="invalid_value") from None
-
-
-async def _chat_events(request_id: str, name: str, body: P.ChatCompletionRequest, prepared: Prepared,
-                       streams: list[RequestStream]) -> AsyncIterator[str]:
-    created = int(time.time())
-    include_usage, continuous_usage = _usage_options(body)
-    finals: dict[int, Any] = {}
-
-    def chunk(choices: list[P.ChatChunkChoice], usage: P.UsageInfo | None = None) -> str:
-        if usage is None and continuous_usage:
-            usage = _usage(prepared.prompts, finals)
-        body = P.ChatCompletionChunk(id=request_id, created=created, model=name, choices=choices,
-                                     usage=usage).model_dump()
-        for choice in body["choices"]:  # OpenAI leaves unset delta fields out rather than null
-            choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
-        if usage is None:
-            del body["usage"]
-        return sse(body)
-
-    for i in range(body.n):
-        yield chunk([P.ChatChunkChoice(index=i, delta=P.ChatDelta(role="assistant", content=""))])
-    deltas = [TextDelta() for _ in range(body.n)]
-    try:
-        async for _, out in _merge(streams):
-            finals[0] = out
-            for c in out.outputs:
-                delta = deltas[c.index]
-                if body.calls_tools and c.finish_reason is None:
-                    continue  # the calls are parsed from the whole output: they go out at its end
-                text, tokens, entries = delta.update(c, hold_empty=c.finish_reason is None)
-                logprobs = _chat_logprobs(body, entries, tokens) if tokens else None
-                if body.calls_tools and delta.finish_reason is None:
-                    calls = [P.DeltaToolCall(index=k, **call.model_dump())
-                             for k, call in enumerate(_chat_message(body, c).tool_calls)]
-                    yield chunk([P.ChatChunkChoice(index=c.index, delta=P.ChatDelta(tool_calls=calls),
-                                                   logprobs=logprobs)])
-                    text, logprobs = "", None
-                if text:
-                    yield chunk([P.ChatChunkChoice(index=c.index, delta=P.ChatDelta(content=text),
-                                                   logprobs=logprobs)])
-                    logprobs = None
-                if c.finish_reason is not None and delta.finish_reason is None:
-                    delta.finish_reason = c.finish_reason
-                    yield chunk([P.ChatChunkChoice(index=c.index, delta=P.ChatDelta(), logprobs=logprobs,
-                                                   finish_reason=_chat_finish_reason(body, c))])
-    except EngineDeadError as exc:
-        yield _stream_error("/v1/chat/completions", exc)
-        return
-    if include_usage:
-        yield chunk([], _usage(prepared.prompts, finals))
-    yield "data: [DONE]\n\n"
-
-
-# -- tokenizer routes --------------------------------------------------------------------------------
-
-
-async def tokenize(request: Request) -> Response:
-    """POST /tokenize: TGI's ({"inputs": ...}: tokens with their character spans) or vLLM's ({"prompt": ...}
-    or {"messages": ...}: ids, count, max_model_len); the body tells which."""
-    state = _state(request)
-    body = await read_json(request, state.settings.max_request_bytes)
-    tok = state.info.tokenizer
-    if "inputs" in body:
-        text = validated(P.TGITokenizeRequest, body).inputs
-        spans = await _tokenize(state, lambda: _token_spans(tok, text))
-        return JSONResponse([{"id": t, "text": piece, "start": start, "stop": stop} for t, piece, start, stop in spans])
-    req: P.TokenizeRequest = validated(P.TokenizeRequest, body)
-    _check_model(state, req.model)
-    if req.messages is not None:
-        ids = await _render_chat(state, req.messages, req.add_generation_prompt, bool(req.add_special_tokens))
-    else:
-        special = req.add_special_tokens is not False
-        ids = await _tokenize(state, lambda: tok.encode(req.prompt, add_special_tokens=special))
-    return JSONResponse({"count": len(ids), "max_model_len": state.info.max_model_len, "tokens": ids,
-                         "token_strs": None})
-
-
-def _token_spans(tok: Any, text: str) -> list[tuple[int, str, int, int]]:
-    """(id, piece of text, start, stop) per token of text as the generate routes encode it; tokens that add
-    no text (BOS) have an empty span."""
-    ids = tok.encode(text)
-    if getattr(tok, "is_fast", False):
-        offsets = tok(text, return_offsets_mapping=True)["offset_mapping"]
-        if len(offsets) == len(ids):
-            return [(t, text[a:b], a, b) for t, (a, b) in zip(ids, offsets)]
-    spans, pos = [], 0  # a slow tokenizer: lay the decoded pieces end to end
-    for t in ids:
-        piece = tok.decode([t])
-        spans.append((t, piece, pos, pos + len(piece)))
-        pos += len(piece)
-    return spans
-
-
-async def detokenize(request: Request) -> Response:
-    state = _state(request)
-    req: P.DetokenizeRequest = await parse(request, P.DetokenizeRequest)
-    _check_model(state, req.model)
-    bad = [t for t in req.tokens if t >= state.info.vocab_size]
-    if bad:
-        raise P.RequestError(f"tokens: token id {bad[0]} is outside the vocabulary (0..{state.info.vocab_size - 1})",
-                             param="tokens", code="invalid_value")
-    text = await _tokenize(state, lambda: state.info.tokenizer.decode(req.tokens))
-    return JSONResponse({"prompt": text})
-
-
-# -- TGI ---------------------------------------------------------------------------------------------
-
-
-def _tgi_finish_reason(completion: Any) -> str:
-    if completion.finish_reason == "length":
-        return "length"
-    stop_reason = getattr(completion, "stop_reason", None)
-    if isinstance(stop_reason, str):
-        return "stop_sequence"
-    return "eos_token"
-
-
-async def _tgi_prepare(request: Request, body: P.GenerateRequest, stream: bool) -> tuple[Prepared, list[int]]:
-    state = _state(request)
-    p = body.parameters
-    tok = state.info.tokenizer
-    prompt = await _tokenize(state, lambda: tok.encode(body.inputs))
-    if p.truncate is not None:
-        prompt = prompt[-p.truncate:]
-    if not prompt:
-        raise P.RequestError("inputs: encodes to zero tokens", param="inputs", code="invalid_value")
-    max_tokens = _check_lengths(state, [prompt], p.max_new_tokens, "inputs", "parameters.max_new_tokens")
-    kwargs = p.sampling_kwargs() | {"max_tokens": max_tokens}
-    if stream or p.details:  # TGI's tokens carry their logprob
-        kwargs["logprobs"] = p.top_n_tokens or 0
-    if p.details and p.decoder_input_details and not stream:
-        kwargs["prompt_logprobs"] = 0
-    params = _sampling_params(state, kwargs)
-    await _compile_structure(state, params, "parameters.grammar")
-    return Prepared([prompt], [body.inputs], max_tokens, params), prompt
-
-
-async def tgi_compat(request: Request) -> Response:
-    """POST / : TGI's compatibility route; `stream` in the body picks /generate or /generate_stream."""
-    state = _state(request)
-    body: P.GenerateRequest = await parse(request, P.GenerateRequest)
-    return await (_tgi_stream if body.stream else _tgi_generate)(request, state, body)
-
-
-async def tgi_generate(request: Request) -> Response:
-    body: P.GenerateRequest = await parse(request, P.GenerateRequest)
-    return await _tgi_generate(request, _state(request), body)
-
-
-async def tgi_generate_stream(request: Request) -> Response:
-    body: P.GenerateRequest = await parse(request, P.GenerateRequest)
-    return await _tgi_stream(request, _state(request), body)
-
-
-async def _tgi_generate(request: Request, state: AppState, body: P.GenerateRequest) -> Response:
-    prepared, prompt = await _tgi_prepare(request, body, stream=False)
-    streams = _submit_all(state, f"tgi-{uuid.uuid4().hex}", prepared)
-    try:
-        finals = await until_disconnect(request, _collect(streams))
-    finally:
-        _close_all(streams)
-    if isinstance(finals, Response):
-        return finals
-    c = finals[0].outputs[0]
-    p = body.parameters
-    text = (body.inputs if p.return_full_text else "") + c.text
-    details = None
-    if p.details:
-        tok, special = state.info.tokenizer, state.info.special_ids
-        tokens = [P.TGIToken(id=t, text=tok.decode([t]), logprob=LP.token_logprob(entry, t), special=t in special)
-                  for t, entry in zip(c.token_ids, c.logprobs)]
-        prefill = [P.TGIPrefillToken(id=t, text=tok.decode([t]), logprob=LP.token_logprob(entry, t) if entry else None)
-                   for t, entry in zip(prompt, finals[0].prompt_logprobs)] if p.decoder_input_details else []
-        top = [LP.tgi_top_tokens(entry, p.top_n_tokens, special) for entry in c.logprobs] if p.top_n_tokens else None
-        details = P.TGIDetails(finish_reason=_tgi_finish_reason(c), generated_tokens=len(c.token_ids),
-                               seed=p.seed, prefill=prefill, tokens=tokens, top_tokens=top)
-    return JSONResponse(P.TGIGenerateResponse(generated_text=text, details=details).model_dump())
-
-
-async def _tgi_stream(request: Request, state: AppState, body: P.GenerateRequest) -> Response:
-    prepared, prompt = await _tgi_prepare(request, body, stream=True)
-    streams = _submit_all(state, f"tgi-{uuid.uuid4().hex}", prepared)
-    return SSEResponse(_tgi_events(state, body, prompt, streams), streams)
-
-
-async def _tgi_events(state: AppState, body: P.GenerateRequest, prompt: list[int],
-                      streams: list[RequestStream]) -> AsyncIterator[str]:
-    special = state.info.special_ids
-    delta = TextDelta()
-    p = body.parameters
-    try:
-        async for _, out in _merge(streams):
-            c = out.outputs[0]
-            text, new_tokens, entries = delta.update(c)
-            for k, (token_id, entry) in enumerate(zip(new_tokens, entries)):
-                last = k == len(new_tokens) - 1
-                token = P.TGIToken(id=token_id, text=text if last else "", special=token_id in special,
-                                   logprob=LP.token_logprob(entry, token_id))
-                event = P.TGIStreamResponse(index=delta.num_tokens - len(new_tokens) + k + 1, token=token)
-                if p.top_n_tokens:
-                    event.top_tokens = LP.tgi_top_tokens(entry, p.top_n_tokens, special)
-                if last and c.finish_reason is not None:
-                    event.generated_text = (body.inputs if p.return_full_text else "") + c.text
-                    event.details = P.TGIStreamDetails(
-                        finish_reason=_tgi_finish_reason(c), generated_tokens=len(c.token_ids),
-                        seed=p.seed, input_length=len(prompt))
-                yield sse(event)
-    except EngineDeadError as exc:
-        yield _stream_error("/generate_stream", exc)

@@ -1,0 +1,68 @@
+"""POST /tokenize (vLLM's and TGI's bodies) and POST /detokenize."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from fp8cache.server import protocol as P
+from fp8cache.server.app import (
+    _check_model,
+    _state,
+    _tokenize,
+    parse,
+    read_json,
+    validated,
+)
+from fp8cache.server.openai_routes import _render_chat
+
+
+async def tokenize(request: Request) -> Response:
+    """POST /tokenize: TGI's ({"inputs": ...}: tokens with their character spans) or vLLM's ({"prompt": ...}
+    or {"messages": ...}: ids, count, max_model_len); the body tells which."""
+    state = _state(request)
+    body = await read_json(request, state.settings.max_request_bytes)
+    tok = state.info.tokenizer
+    if "inputs" in body:
+        text = validated(P.TGITokenizeRequest, body).inputs
+        spans = await _tokenize(state, lambda: _token_spans(tok, text))
+        return JSONResponse([{"id": t, "text": piece, "start": start, "stop": stop} for t, piece, start, stop in spans])
+    req: P.TokenizeRequest = validated(P.TokenizeRequest, body)
+    _check_model(state, req.model)
+    if req.messages is not None:
+        ids = await _render_chat(state, req.messages, req.add_generation_prompt, bool(req.add_special_tokens))
+    else:
+        special = req.add_special_tokens is not False
+        ids = await _tokenize(state, lambda: tok.encode(req.prompt, add_special_tokens=special))
+    return JSONResponse({"count": len(ids), "max_model_len": state.info.max_model_len, "tokens": ids,
+                         "token_strs": None})
+
+
+def _token_spans(tok: Any, text: str) -> list[tuple[int, str, int, int]]:
+    """(id, piece of text, start, stop) per token of text as the generate routes encode it; tokens that add
+    no text (BOS) have an empty span."""
+    ids = tok.encode(text)
+    if getattr(tok, "is_fast", False):
+        offsets = tok(text, return_offsets_mapping=True)["offset_mapping"]
+        if len(offsets) == len(ids):
+            return [(t, text[a:b], a, b) for t, (a, b) in zip(ids, offsets)]
+    spans, pos = [], 0  # a slow tokenizer: lay the decoded pieces end to end
+    for t in ids:
+        piece = tok.decode([t])
+        spans.append((t, piece, pos, pos + len(piece)))
+        pos += len(piece)
+    return spans
+
+
+async def detokenize(request: Request) -> Response:
+    state = _state(request)
+    req: P.DetokenizeRequest = await parse(request, P.DetokenizeRequest)
+    _check_model(state, req.model)
+    bad = [t for t in req.tokens if t >= state.info.vocab_size]
+    if bad:
+        raise P.RequestError(f"tokens: token id {bad[0]} is outside the vocabulary (0..{state.info.vocab_size - 1})",
+                             param="tokens", code="invalid_value")
+    text = await _tokenize(state, lambda: state.info.tokenizer.decode(req.tokens))
+    return JSONResponse({"prompt": text})
