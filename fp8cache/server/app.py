@@ -478,6 +478,15 @@ async def _collect(streams: list[RequestStream]) -> dict[int, Any]:
     return finals
 
 
+async def collect_finals(request: Request, streams: list[RequestStream]) -> dict[int, Any] | Response:
+    """Every prompt's final output, or the response to send if the client went away first; the streams are
+    closed either way."""
+    try:
+        return await until_disconnect(request, _collect(streams))
+    finally:
+        _close_all(streams)
+
+
 async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
     """Run `work` unless the client goes away first (then cancel it, which aborts its requests)."""
     task = asyncio.ensure_future(work)

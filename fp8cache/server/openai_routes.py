@@ -21,8 +21,6 @@ from fp8cache.server.app import (
     TextDelta,
     _check_lengths,
     _check_model,
-    _close_all,
-    _collect,
     _compile_structure,
     _merge,
     _sampling_params,
@@ -31,9 +29,9 @@ from fp8cache.server.app import (
     _submit_all,
     _tokenize,
     _usage,
+    collect_finals,
     parse,
     sse,
-    until_disconnect,
 )
 from fp8cache.server.async_engine import EngineDeadError, RequestStream
 
@@ -68,10 +66,7 @@ async def completions(request: Request) -> Response:
     name = state.settings.served_model_name
     if body.stream:
         return SSEResponse(_completion_events(request_id, name, body, prepared, streams, tok), streams)
-    try:
-        finals = await until_disconnect(request, _collect(streams))
-    finally:
-        _close_all(streams)
+    finals = await collect_finals(request, streams)
     if isinstance(finals, Response):
         return finals
     choices = []
@@ -175,10 +170,7 @@ async def chat_completions(request: Request) -> Response:
     name = state.settings.served_model_name
     if body.stream:
         return SSEResponse(_chat_events(request_id, name, body, prepared, streams), streams)
-    try:
-        finals = await until_disconnect(request, _collect(streams))
-    finally:
-        _close_all(streams)
+    finals = await collect_finals(request, streams)
     if isinstance(finals, Response):
         return finals
     choices = [P.ChatChoice(index=c.index, message=_chat_message(body, c),

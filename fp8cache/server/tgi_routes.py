@@ -17,8 +17,6 @@ from fp8cache.server.app import (
     SSEResponse,
     TextDelta,
     _check_lengths,
-    _close_all,
-    _collect,
     _compile_structure,
     _merge,
     _sampling_params,
@@ -26,9 +24,9 @@ from fp8cache.server.app import (
     _stream_error,
     _submit_all,
     _tokenize,
+    collect_finals,
     parse,
     sse,
-    until_disconnect,
 )
 from fp8cache.server.async_engine import EngineDeadError, RequestStream
 
@@ -82,10 +80,7 @@ async def tgi_generate_stream(request: Request) -> Response:
 async def _tgi_generate(request: Request, state: AppState, body: P.GenerateRequest) -> Response:
     prepared, prompt = await _tgi_prepare(request, body, stream=False)
     streams = _submit_all(state, f"tgi-{uuid.uuid4().hex}", prepared)
-    try:
-        finals = await until_disconnect(request, _collect(streams))
-    finally:
-        _close_all(streams)
+    finals = await collect_finals(request, streams)
     if isinstance(finals, Response):
         return finals
     c = finals[0].outputs[0]
