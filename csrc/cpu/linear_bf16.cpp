@@ -28,23 +28,17 @@ namespace {
 using bf16 = c10::BFloat16;
 
 #if defined(FP8KV_ISA_AVX512) && defined(__AVX512BF16__)
-constexpr int64_t kAhead = 256;  // panel rows (64 bytes each) between a prefetch and its use: 16 KB
-
 // y[m, 16j + c] = round(bias + sum_k x[m, k] * W[16j + c, k]) for an MR x NR tile; x rows hold K2 pairs.
 template <int MR, int NR>
 void tile(const bf16* x, int64_t ldx, const bf16* panels, int64_t K2, bf16* y, int64_t ldy, const float* bias,
           int last) {
   __m512 acc[MR][NR];
-  for (int j = 0; j < NR; ++j) {
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(j == NR - 1 ? __mmask16((1u << last) - 1u) : 0xFFFF, bias + j * 16)
-                          : _mm512_setzero_ps();
-    for (int m = 0; m < MR; ++m) acc[m][j] = b;
-  }
+  start_tile(acc, bias, last);
   const int64_t stride = K2 * 2 * kPanel;
   for (int64_t kk = 0; kk < K2; ++kk) {
     __m512i w[NR];
     for (int j = 0; j < NR; ++j) {
-      _mm_prefetch(reinterpret_cast<const char*>(panels + j * stride + (kk + kAhead) * 2 * kPanel), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(panels + j * stride + (kk + kPanelAhead) * 2 * kPanel), _MM_HINT_T0);
       w[j] = _mm512_loadu_si512(panels + j * stride + kk * 2 * kPanel);
     }
     for (int m = 0; m < MR; ++m) {
@@ -56,11 +50,10 @@ void tile(const bf16* x, int64_t ldx, const bf16* panels, int64_t K2, bf16* y, i
       }
     }
   }
-  const __mmask16 last_mask = last >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << last) - 1u);
   for (int m = 0; m < MR; ++m) {
     for (int j = 0; j < NR; ++j) {
       const __m256i r = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(acc[m][j]));  // round to nearest even
-      _mm256_mask_storeu_epi16(y + m * ldy + j * 16, j == NR - 1 ? last_mask : 0xFFFF, r);
+      _mm256_mask_storeu_epi16(y + m * ldy + j * 16, panel_lanes<NR>(j, last), r);
     }
   }
 }

@@ -27,23 +27,17 @@ namespace fp8kv::cpu {
 namespace {
 
 #if defined(FP8KV_ISA_AVX512)
-constexpr int64_t kAhead = 256;  // panel rows (64 bytes each) between a prefetch and its use: 16 KB
-
 // y[m, 16j + c] = sum_k x[m, k] * panel_j[k, c] for an MR x NR tile; the last panel stores `last` columns.
 template <int MR, int NR>
 void tile(const float* x, int64_t ldx, const float* panels, int64_t K, float* y, int64_t ldy, const float* bias,
           int last) {
   __m512 acc[MR][NR];
-  for (int j = 0; j < NR; ++j) {
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(j == NR - 1 ? __mmask16((1u << last) - 1u) : 0xFFFF, bias + j * 16)
-                          : _mm512_setzero_ps();
-    for (int m = 0; m < MR; ++m) acc[m][j] = b;
-  }
+  start_tile(acc, bias, last);
   const int64_t stride = K * kPanel;
   for (int64_t k = 0; k < K; ++k) {
     __m512 w[NR];
     for (int j = 0; j < NR; ++j) {
-      _mm_prefetch(reinterpret_cast<const char*>(panels + j * stride + (k + kAhead) * kPanel), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(panels + j * stride + (k + kPanelAhead) * kPanel), _MM_HINT_T0);
       w[j] = _mm512_loadu_ps(panels + j * stride + k * kPanel);
     }
     for (int m = 0; m < MR; ++m) {
@@ -51,9 +45,8 @@ void tile(const float* x, int64_t ldx, const float* panels, int64_t K, float* y,
       for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_fmadd_ps(w[j], xb, acc[m][j]);
     }
   }
-  const __mmask16 last_mask = last >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << last) - 1u);
   for (int m = 0; m < MR; ++m) {
-    for (int j = 0; j < NR; ++j) _mm512_mask_storeu_ps(y + m * ldy + j * 16, j == NR - 1 ? last_mask : 0xFFFF, acc[m][j]);
+    for (int j = 0; j < NR; ++j) _mm512_mask_storeu_ps(y + m * ldy + j * 16, panel_lanes<NR>(j, last), acc[m][j]);
   }
 }
 

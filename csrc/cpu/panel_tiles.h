@@ -8,6 +8,11 @@
 
 #include <ATen/Parallel.h>
 
+#include "cpu/isa.h"
+#if defined(FP8KV_ISA_AVX512)
+#include <immintrin.h>
+#endif
+
 namespace fp8kv::cpu {
 
 constexpr int kPanel = 16;  // output columns per panel
@@ -39,6 +44,25 @@ void for_panel_groups(int64_t num_panels, int64_t out_features, int64_t M, Fn&& 
     }
   });
 }
+
+#if defined(FP8KV_ISA_AVX512)
+constexpr int64_t kPanelAhead = 256;  // panel rows (64 bytes each) between a weight prefetch and its use: 16 KB
+
+// Lanes of panel j in an NR-panel tile that hold output columns: all 16, or `last` in the tile's last panel.
+template <int NR>
+inline __mmask16 panel_lanes(int j, int last) {
+  return j == NR - 1 ? __mmask16((1u << last) - 1u) : __mmask16(0xFFFF);
+}
+
+// Every row's accumulators start from the bias of their panel's columns (zero without a bias).
+template <int MR, int NR>
+inline void start_tile(__m512 (&acc)[MR][NR], const float* bias, int last) {
+  for (int j = 0; j < NR; ++j) {
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(panel_lanes<NR>(j, last), bias + j * kPanel) : _mm512_setzero_ps();
+    for (int m = 0; m < MR; ++m) acc[m][j] = b;
+  }
+}
+#endif
 
 template <int R, int MR, typename Fn>
 inline void rest_tile(int64_t rows, Fn& fn) {
