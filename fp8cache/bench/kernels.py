@@ -3,12 +3,12 @@
 All cases of one shape are set up first and then take turns, one timed call each per round (the median round
 is reported), with a read of the machine's memory as one more turn: a clock or memory speed that drifts
 during the run (shared VMs, turbo) then slows every case and the bandwidth figure alike, and ratios
-between rows, and each row's share of the bandwidth, hold. Each timed call follows
-SETTLE_MS of untimed calls of its own case: on a shared AMD EPYC VM the first FP8 calls after a memory-bound
-case ran up to 20% slower (fp8_e4m3 at 8 x 8192 right after the float32 case, five calls in a row, medians
-of ten: 4.91, 4.51, 4.18, 4.16, 4.08 ms; the bfloat16 cache's calls flat at 9.2 ms), so without it a row
-measured the case before it as much as its own kernel. The untimed calls run on a twin of the case (same shape, its
-own cache), so that a case whose cache fits in the CPU's last-level cache is not timed warm.
+between rows, and each row's share of the bandwidth, hold. Each timed call follows SETTLE_MS of untimed
+calls of a twin of its case (same shape, its own cache, so that a cache that fits in the CPU's last-level
+cache is not timed warm): on a shared AMD EPYC VM the first FP8 calls after a memory-bound case ran up to
+20% slower (fp8_e4m3 at 8 x 8192 right after the float32 case, five calls in a row, medians of ten: 4.91,
+4.51, 4.18, 4.16, 4.08 ms; the bfloat16 cache's calls flat at 9.2 ms), so without it a row measured the
+case before it as much as its own kernel.
 """
 
 from __future__ import annotations
