@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from scipy.linalg import hadamard as scipy_hadamard
+from hadamard_reference import walsh_hadamard
 
 from fp8cache import calibrate as cal
 from fp8cache import formats
@@ -116,7 +116,7 @@ def test_hadamard_tensor_scales_are_maxima_of_rotated_k_and_v(default_model_path
     result = cal.calibrate(default_model_path, texts[0], "fp8_e5m2", 1, SEQ_LEN, granularity="tensor",
                            kv_rotation="hadamard", statistic="amax")
     ids = loaded.tokenizer(read_text(texts[0]))["input_ids"][:SEQ_LEN]
-    h = torch.tensor(scipy_hadamard(64), dtype=torch.float32) / 8
+    h = walsh_hadamard(64).to(torch.float32) / 8
     e5m2 = formats.FP8_FORMATS["fp8_e5m2"]
     for i, (k, v) in enumerate(independent_kv(default_model_path, [ids])):
         torch.testing.assert_close(result.scales.k[i], (k @ h).abs().max().reshape(1) / e5m2.max, rtol=1e-5, atol=0)
@@ -137,7 +137,7 @@ def test_rotated_file_gives_vllm_readers_the_unrotated_scale(default_model_path,
     ids = loaded.tokenizer(read_text(texts[0]))["input_ids"][:SEQ_LEN]
     plain = vllm_schema_scales(path, 30)
     doc = read_json(path)
-    h = torch.tensor(scipy_hadamard(64), dtype=torch.float32) / 8
+    h = walsh_hadamard(64).to(torch.float32) / 8
     saturated_before = 0
     for i, (k, v) in enumerate(independent_kv(default_model_path, [ids])):
         unrotated_amax = max(float(k.abs().max()), float(v.abs().max()))

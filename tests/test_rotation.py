@@ -1,15 +1,14 @@
-"""Hadamard kv rotation: the matrix against scipy's, exactness without quantization (runner logits, LLM greedy
-tokens), FP8 end to end against a torch float8 fake-quant reference, and less error on real activations."""
+"""Hadamard kv rotation: the matrix against an independent closed form, exactness without quantization
+(runner logits, LLM greedy tokens), FP8 end to end against a torch float8 fake-quant reference, and less error on real activations."""
 
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
+from hadamard_reference import reference_hadamard, walsh_hadamard
 from numerics import assert_logits_close
-from scipy.linalg import hadamard as scipy_hadamard
 
 from fp8cache import LLM, SamplingParams, formats
 from fp8cache.config import EngineConfig
@@ -23,12 +22,6 @@ TEXT = ("The tower is 324 metres tall, about the same height as an 81-storey bui
         "structure in Paris. Its base is square, measuring 125 metres on each side. During its construction "
         "it surpassed the Washington Monument to become the tallest man-made structure in the world.")
 TINY_TEXT = "the city of the river was the first new school in the world and the people of the state had a house"
-
-
-def reference_hadamard(head_size: int, block: int) -> torch.Tensor:
-    """Block-diagonal normalized Hadamard built from scipy's matrix."""
-    h = torch.tensor(scipy_hadamard(block), dtype=torch.float64) / math.sqrt(block)
-    return torch.block_diag(*[h] * (head_size // block))
 
 
 def make_runner(loaded, kv_cache_dtype: str = "auto", **overrides) -> ModelRunner:
@@ -50,12 +43,25 @@ def text_ids(loaded):
 # ---- the matrix ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("head_size, block", [(64, 64), (128, 128), (256, 256), (80, 16), (96, 32), (112, 16)])
-def test_hadamard_matrix_is_scipys_orthonormal_block_diagonal(head_size, block):
+def test_hadamard_matrix_is_the_walsh_orthonormal_block_diagonal(head_size, block):
     h = hadamard_matrix(head_size)
     assert h.dtype == torch.float32 and h.shape == (head_size, head_size)
     torch.testing.assert_close(h.double(), reference_hadamard(head_size, block), rtol=0, atol=1e-7)
     torch.testing.assert_close(h.double() @ h.double(), torch.eye(head_size, dtype=torch.float64),
                                rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("n", [1, 2, 8, 64, 256])
+def test_the_reference_is_a_normalized_hadamard_matrix(n):
+    # What makes it a valid reference, whatever fp8cache does: +-1 entries, orthogonal rows, first row and
+    # column all +1, and each size holding the half size in Sylvester's [[H, H], [H, -H]] layout.
+    h = walsh_hadamard(n)
+    assert set(h.unique().tolist()) <= {-1.0, 1.0}
+    assert torch.equal(h @ h.T, n * torch.eye(n, dtype=torch.float64))
+    assert bool((h[0] == 1).all()) and bool((h[:, 0] == 1).all())
+    if n > 1:
+        half = walsh_hadamard(n // 2)
+        assert torch.equal(h, torch.cat([torch.cat([half, half], 1), torch.cat([half, -half], 1)], 0))
 
 
 @pytest.mark.parametrize("head_size", [100, 36, 44])
@@ -128,7 +134,7 @@ def post_rope_kv(model_path: str, ids: list[int], layer: int) -> tuple[torch.Ten
 
 def fake_quant_logits(model_path: str, ids: list[int], scales: dict, fmt: formats.Fp8Format,
                       rotate_kv: bool) -> torch.Tensor:
-    """transformers' own forward with K/V (optionally rotated by scipy's Hadamard) rounded through torch's
+    """transformers' own forward with K/V (optionally rotated by the reference Hadamard) rounded through torch's
     float8 dtype with per-head scales: what the cache should hold, computed without fp8cache."""
     from transformers import AttentionInterface, AutoModelForCausalLM
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
