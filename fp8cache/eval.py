@@ -27,28 +27,30 @@ from fp8cache.model.loader import load_model, resolve_dtype
 from fp8cache.model.runner import ModelRunner
 
 EVAL_TEXT_ENV = "FP8KV_EVAL_TEXT"
-_TEXT_IN_SHARED = os.path.join("shared", "data", "wikitext-2-raw", "wiki.test.raw")
+# WikiText-2's test split ships inside the package (CC BY-SA: its licence notice lies beside it), so eval,
+# calibrate and bench work from any install without a download.
+SHIPPED_EVAL_TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "wikitext-2-raw",
+                                 "wiki.test.raw")
 
 
 def locate_eval_text(text_path: str | None = None) -> str:
-    """The evaluation text: the given path, $FP8KV_EVAL_TEXT, or ../shared/data/... beside the repo."""
+    """The evaluation text: the given path, else $FP8KV_EVAL_TEXT, else the WikiText-2 test text shipped in
+    the package."""
     if text_path is not None:
         if not os.path.isfile(text_path):
-            raise FileNotFoundError(f"evaluation text {text_path!r} does not exist; give a UTF-8 text file")
+            raise FileNotFoundError(f"evaluation text {text_path!r} does not exist or is not a file; give a UTF-8 "
+                                    "text file, or leave it out to use the shipped WikiText-2 test text")
         return text_path
     if os.environ.get(EVAL_TEXT_ENV):
         path = os.environ[EVAL_TEXT_ENV]
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"{EVAL_TEXT_ENV}={path!r} is not a file; point it at wiki.test.raw")
+            raise FileNotFoundError(f"{EVAL_TEXT_ENV}={path!r} is not a file; point it at a UTF-8 text file, "
+                                    "or unset it to use the shipped WikiText-2 test text")
         return path
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    candidates = [os.path.join(os.path.dirname(repo), _TEXT_IN_SHARED),
-                  os.path.join(os.path.dirname(os.getcwd()), _TEXT_IN_SHARED)]
-    for path in candidates:
-        if os.path.isfile(path):
-            return path
-    raise FileNotFoundError(f"cannot find the WikiText-2 test text (looked at {', '.join(candidates)}); "
-                            f"pass a text path or set {EVAL_TEXT_ENV}")
+    if not os.path.isfile(SHIPPED_EVAL_TEXT):
+        raise FileNotFoundError(f"the WikiText-2 test text that ships with fp8kv is missing ({SHIPPED_EVAL_TEXT}); "
+                                f"reinstall fp8kv, or give a text file with --text or {EVAL_TEXT_ENV}")
+    return SHIPPED_EVAL_TEXT
 
 
 def read_text(path: str) -> str:

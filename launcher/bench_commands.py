@@ -170,6 +170,19 @@ _WINDOW_DTYPE_OPT = click.option("--kv-recent-window-dtype", default="auto", sho
 _JSON_OPT = click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON on stdout.")
 _PLOT_OPT = click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
                          help="Write a PNG of the figures (needs `pip install fp8kv[plot]`).")
+_TEXT_OPT = click.option("--text", "text_path", type=click.Path(dir_okay=False), default=None,
+                         help="UTF-8 text the prompts are cut from (default: $FP8KV_EVAL_TEXT, else the "
+                              "WikiText-2 test text shipped with fp8kv).")
+
+
+def _check_text(text_path: str | None) -> str:
+    """The prompt text's path, found before any engine is built (a build takes minutes on a first run)."""
+    from fp8cache.eval import locate_eval_text
+
+    try:
+        return locate_eval_text(text_path)
+    except FileNotFoundError as exc:
+        _fail(str(exc))
 
 
 @click.command("throughput")
@@ -201,11 +214,12 @@ _PLOT_OPT = click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
                    "side by side and reports the windowed rows over window 0.")
 @_WINDOW_DTYPE_OPT
 @_THREADS_OPT
+@_TEXT_OPT
 @_JSON_OPT
 @_PLOT_OPT
 def throughput(model, num_prompts, input_len, output_len, kv_cache_dtypes, compare, repeats, dtype, peer_dtype,
                kv_cache_memory, max_num_seqs, max_num_batched_tokens, num_shard, kv_recent_window,
-               kv_recent_window_dtype, threads, as_json, plot_path) -> None:
+               kv_recent_window_dtype, threads, text_path, as_json, plot_path) -> None:
     """Offline throughput per kv-cache dtype (and transformers with --compare hf), measured in one run."""
     from fp8cache.bench import plot
     from fp8cache.bench import throughput as bench
@@ -213,12 +227,13 @@ def throughput(model, num_prompts, input_len, output_len, kv_cache_dtypes, compa
     dtypes = _dtype_list(kv_cache_dtypes)
     windows = None if kv_recent_window is None else _int_list(kv_recent_window, "--kv-recent-window", 0, "0,32")
     _check_plot(plot_path)
+    text_path = _check_text(text_path)
     _set_threads(threads)
     rows, interrupted = _collect(lambda bar: bench.iter_throughput(
         model, tuple(dtypes), num_prompts, input_len, output_len, tuple(compare), repeats, dtype,
         kv_cache_memory, max_num_seqs, max_num_batched_tokens, progress=bar, log=_log, num_shard=num_shard,
         threads_per_rank=threads, kv_recent_window=windows, kv_recent_window_dtype=kv_recent_window_dtype,
-        peer_dtype=peer_dtype))
+        peer_dtype=peer_dtype, text_path=text_path))
     bench.add_ratios(rows)
     shards = f", fp8kv over {num_shard} tensor-parallel ranks" if num_shard > 1 else ""
     table = Table(title=f"offline throughput, {num_prompts} prompts, {input_len} in / {output_len} out"
@@ -254,11 +269,12 @@ def throughput(model, num_prompts, input_len, output_len, kv_cache_dtypes, compa
 @_WINDOW_OPT
 @_WINDOW_DTYPE_OPT
 @_THREADS_OPT
+@_TEXT_OPT
 @_JSON_OPT
 @_PLOT_OPT
 def capacity(model, kv_cache_memory, contexts, output_len, kv_cache_dtypes, max_num_seqs,
              max_num_batched_tokens, block_size, repeats, dtype, kv_recent_window, kv_recent_window_dtype, threads,
-             as_json, plot_path) -> None:
+             text_path, as_json, plot_path) -> None:
     """Tokens that fit a KV-cache budget per dtype, the largest batch per context, and its throughput."""
     from fp8cache.bench import capacity as bench
     from fp8cache.bench import plot
@@ -266,11 +282,12 @@ def capacity(model, kv_cache_memory, contexts, output_len, kv_cache_dtypes, max_
     dtypes = _dtype_list(kv_cache_dtypes)
     context_list = _int_list(contexts, "--context")
     _check_plot(plot_path)
+    text_path = _check_text(text_path)
     _set_threads(threads)
     rows, interrupted = _collect(lambda bar: bench.iter_capacity(
         model, tuple(dtypes), kv_cache_memory, tuple(context_list), output_len, max_num_seqs,
         max_num_batched_tokens, int(block_size), dtype, repeats, progress=bar, log=_log,
-        kv_recent_window=kv_recent_window, kv_recent_window_dtype=kv_recent_window_dtype))
+        kv_recent_window=kv_recent_window, kv_recent_window_dtype=kv_recent_window_dtype, text_path=text_path))
     bench.add_ratios(rows)
     table = Table(title=f"capacity at a {kv_cache_memory} KV cache, {output_len} output tokens per sequence\n"
                         f"{_machine_line(rows)}")
@@ -315,10 +332,11 @@ def _rate(text: str) -> float:
               help="Ask for exactly --output-len tokens (a vLLM extension that fp8kv run accepts).")
 @click.option("--api-key", default=None, help="Sent as Authorization: Bearer.")
 @click.option("--timeout", default=600.0, show_default=True, help="Seconds one request may take.")
+@_TEXT_OPT
 @_JSON_OPT
 @_PLOT_OPT
 def serve(url, model, tokenizer, num_prompts, input_len, output_len, request_rate, max_concurrency, seed,
-          ignore_eos, api_key, timeout, as_json, plot_path) -> None:
+          ignore_eos, api_key, timeout, text_path, as_json, plot_path) -> None:
     """Latency and throughput of a running server under load, over HTTP with streaming."""
     import asyncio
 
@@ -327,9 +345,10 @@ def serve(url, model, tokenizer, num_prompts, input_len, output_len, request_rat
 
     rate = _rate(request_rate)
     _check_plot(plot_path)
+    text_path = _check_text(text_path)
     try:
         name = model or bench.fetch_model_name(url, api_key)
-        prompts, lens = bench.make_prompts(bench.load_tokenizer(tokenizer), num_prompts, input_len)
+        prompts, lens = bench.make_prompts(bench.load_tokenizer(tokenizer), num_prompts, input_len, text_path)
     except (ConnectionError, ValueError, OSError) as exc:
         _fail(str(exc))
     run = bench.ServeBench(url, name, prompts, lens, output_len, rate, max_concurrency, seed, ignore_eos,

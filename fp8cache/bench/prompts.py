@@ -16,8 +16,8 @@ _CHARS_PER_TOKEN = 6
 
 class PromptSource:
     def __init__(self, tokenizer, text_path: str | None = None) -> None:
-        """tokenizer: a Hugging Face tokenizer. text_path: None finds the WikiText-2 test text
-        ($FP8KV_EVAL_TEXT, else ../shared/data/wikitext-2-raw/wiki.test.raw beside the repo)."""
+        """tokenizer: a Hugging Face tokenizer. text_path: None takes $FP8KV_EVAL_TEXT, else the WikiText-2
+        test text shipped in the package (fp8cache.eval.locate_eval_text)."""
         self.tokenizer = tokenizer
         self.text = read_text(locate_eval_text(text_path))
         self._ids: list[int] = []
