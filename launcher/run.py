@@ -326,6 +326,11 @@ def systemd_unit(ctx: click.Context, model: str | None, exec_path: str | None, t
                  watchdog_sec: int, description: str | None, **kw) -> None:
     """Print a systemd service unit that runs `fp8kv run` with these flags.
 
+    The unit hides every device (PrivateDevices=yes) unless --device names a GPU: then it allows only the
+    NVIDIA and ROCm device nodes. --device auto is settled when the unit is printed, from whether torch sees a
+    GPU on this machine; pass --device cpu or cuda when the unit is for another machine. With
+    --kv-cache-memory and a model folder, a CPU unit gets MemoryMax= (cache + weights + headroom).
+
     Example: fp8kv systemd-unit ./my-model --kv-cache-dtype fp8 --port 8001 > /etc/systemd/system/fp8kv.service
     """
     given = [name for name in kw if ctx.get_parameter_source(name) in
@@ -340,11 +345,58 @@ def systemd_unit(ctx: click.Context, model: str | None, exec_path: str | None, t
     command = [exec_path] if exec_path else fp8kv_command()
     # Without an installed `fp8kv` script, `python -m launcher.cli` must find this source tree.
     pythonpath = _source_root() if command[1:2] == ["-m"] else None
+    paths = [model, kw["quantization_param_path"], kw["tokenizer"], *command, pythonpath]
+    gpu = _unit_wants_gpu(kw["device"])
+    in_tmp = _under_tmp(paths)
+    if in_tmp:
+        console.print(f"[yellow]warning:[/] the service needs {in_tmp}, but the unit's PrivateTmp=yes gives it an "
+                      "empty /tmp and /var/tmp, so it will not start: move the venv and the model elsewhere "
+                      "(e.g. /opt/fp8kv, /srv/models) and print the unit again", highlight=False)
+    try:
+        memory_max = None if gpu else _memory_max(kw["kv_cache_memory"], model)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--kv-cache-memory") from exc
     click.echo(render_unit(command, args + flags, template=template, user=unit_user,
                            graceful_timeout=kw["graceful_timeout"], watchdog_sec=watchdog_sec,
-                           description=description, home_access="read-only" if _under_home(
-                               [model, kw["quantization_param_path"], kw["tokenizer"], *command, pythonpath])
-                           else "yes", gpu=kw["device"] != "cpu", pythonpath=pythonpath), nl=False)
+                           description=description, home_access="read-only" if _under_home(paths) else "yes",
+                           gpu=gpu, pythonpath=pythonpath, memory_max=memory_max), nl=False)
+
+
+def _unit_wants_gpu(device: str | None) -> bool:
+    """Whether the unit must let the service reach a GPU. `auto` is settled here, on the machine the unit is
+    made on: a GPU host gets GPU access, a CPU host the full sandbox (PrivateDevices=, PrivateUsers=)."""
+    if device in (None, "", "auto"):
+        import torch
+
+        found = torch.cuda.is_available()
+        console.print(f"[dim]note: --device auto: torch {'sees' if found else 'sees no'} GPU here, so the unit "
+                      f"{'keeps /dev/nvidia*, /dev/kfd and /dev/dri visible' if found else 'hides all devices'}; "
+                      "pass --device cpu or --device cuda to choose for another machine[/]", highlight=False)
+        return found
+    return not device.startswith("cpu")
+
+
+def _under_tmp(paths: list[str | None]) -> str | None:
+    """The first path the service would need from /tmp or /var/tmp (PrivateTmp=yes hides both)."""
+    for p in paths:
+        if p and os.path.realpath(p).startswith(("/tmp/", "/var/tmp/")):
+            return p
+    return None
+
+
+MEMORY_HEADROOM = 4 * 2**30  # Python, torch, activations and `fp8kv build`'s compilers beside the KV cache
+
+
+def _memory_max(kv_cache_memory: str | None, model: str | None) -> int | None:
+    """MemoryMax= for a CPU unit when the KV budget is given: KV budget + twice the weights on disk (a 16-bit
+    checkpoint runs in float32 on the CPU) + MEMORY_HEADROOM. None when the budget or the weights are unknown."""
+    if kv_cache_memory is None or model is None or not os.path.isdir(model):
+        return None
+    from fp8cache.model.kv_cache import parse_memory_size
+
+    weights = sum(os.path.getsize(os.path.join(model, f)) for f in os.listdir(model)
+                  if f.endswith((".safetensors", ".bin", ".pt")))
+    return parse_memory_size(_memory(kv_cache_memory), "--kv-cache-memory") + 2 * weights + MEMORY_HEADROOM
 
 
 def _flags_for(ctx: click.Context, given: list[str], kw: dict) -> list[str]:
@@ -391,6 +443,48 @@ def quote_systemd(arg: str) -> str:
     return '"' + arg.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+CPU_DEVICES = (
+    "PrivateDevices=yes",
+    "PrivateUsers=yes",
+)
+# A GPU service needs the driver's device nodes. ProtectClock= and ProtectKernelLogs= close the device
+# policy, so each node the CUDA or ROCm runtime opens is allowed by name (a missing one is skipped).
+# PrivateUsers= stays off: it has not been tried with the GPU drivers yet, and ROCm's nodes are often
+# group render/video, which only the service's own user and group are mapped into.
+GPU_DEVICES = (
+    "PrivateDevices=no",
+    "PrivateUsers=no",
+    "DevicePolicy=closed",
+    "# NVIDIA: /dev/nvidia0..N, nvidiactl, nvidia-uvm(-tools), nvidia-caps/* by their /proc/devices names",
+    "# (nvidia-frontend in older drivers, nvidia and nvidiactl in newer ones), and by path",
+    "DeviceAllow=char-nvidia* rw",
+    "DeviceAllow=/dev/nvidiactl rw",
+    "DeviceAllow=/dev/nvidia-uvm rw",
+    "DeviceAllow=/dev/nvidia-uvm-tools rw",
+    "# ROCm: /dev/kfd and /dev/dri/* (if they are group render/video, add SupplementaryGroups=render video)",
+    "DeviceAllow=/dev/kfd rw",
+    "DeviceAllow=char-drm rw",
+)
+# Left out on purpose, so that systemd-analyze's remaining points are explained.
+NOT_SET = (
+    "# Not set: MemoryDenyWriteExecute= (torch's oneDNN and the GPU runtimes write code at run time),",
+    "# ProcSubset=pid (hides /proc/cpuinfo and /proc/meminfo, which pick the op build and size the cache),",
+    "# PrivateNetwork=/IPAddressDeny= (a network server; the first start may download the default model).",
+)
+
+
+def render_gpu_dropin(header: tuple[str, ...] = ()) -> str:
+    """A drop-in (fp8kv@.service.d/gpu.conf) that gives a CPU unit's service the GPU device nodes."""
+    return "\n".join([*header, "[Service]", *GPU_DEVICES]) + "\n"
+
+
+def _memory_lines(memory_max: int) -> list[str]:
+    mib = -(-memory_max // 2**20)  # rounded up; systemd reads M as MiB
+    return [f"# The KV budget, twice the weights on disk and {MEMORY_HEADROOM // 2**30} GiB for Python, torch and",
+            "# ExecStartPre's compilers (if `fp8kv build` is killed for memory, raise this or set MAX_JOBS=2).",
+            f"MemoryMax={mib}M"]
+
+
 GENERATED_HEADER = (
     "# Generated by `fp8kv systemd-unit`. Flags may also come from FP8KV_* variables in the",
     "# EnvironmentFile(s) below, e.g. FP8KV_API_KEY=... (keep that file mode 0600).",
@@ -400,10 +494,13 @@ GENERATED_HEADER = (
 def render_unit(command: list[str], args: list[str], template: bool = False, user: str = "fp8kv",
                 graceful_timeout: float = DEFAULT_GRACEFUL_TIMEOUT, watchdog_sec: int = 120,
                 description: str | None = None, home_access: str = "yes", gpu: bool = False,
-                pythonpath: str | None = None, header: tuple[str, ...] = GENERATED_HEADER) -> str:
+                pythonpath: str | None = None, memory_max: int | None = None,
+                header: tuple[str, ...] = GENERATED_HEADER) -> str:
     """A hardened Type=notify service unit running `command args`.
 
-    template: an fp8kv@.service whose instance name (%i) names the model and its env file."""
+    template: an fp8kv@.service whose instance name (%i) names the model and its env file. gpu: the service
+    may open the GPU device nodes (NVIDIA and ROCm); otherwise it sees no device at all. memory_max: bytes for
+    MemoryMax=."""
     exec_start = " ".join(quote_systemd(a) for a in command + args)
     exec_pre = " ".join(quote_systemd(a) for a in command + ["build"])
     env_files = ["EnvironmentFile=-/etc/fp8kv/fp8kv.env"] + (["EnvironmentFile=-/etc/fp8kv/%i.env"]
@@ -445,14 +542,28 @@ def render_unit(command: list[str], args: list[str], template: bool = False, use
         "ProtectSystem=strict",
         f"ProtectHome={home_access}",
         "PrivateTmp=yes",
+        *(GPU_DEVICES if gpu else CPU_DEVICES),
+        "PrivateMounts=yes",
         "NoNewPrivileges=yes",
-        *([] if gpu else ["PrivateDevices=yes"]),
+        "CapabilityBoundingSet=",
         "ProtectKernelTunables=yes",
         "ProtectKernelModules=yes",
+        "ProtectKernelLogs=yes",
         "ProtectControlGroups=yes",
+        "ProtectClock=yes",
+        "ProtectHostname=yes",
+        "ProtectProc=invisible",
+        "RestrictNamespaces=yes",
+        "RestrictRealtime=yes",
         "RestrictSUIDSGID=yes",
         "LockPersonality=yes",
         "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6",
+        "SystemCallArchitectures=native",
+        "SystemCallFilter=@system-service",
+        "SystemCallErrorNumber=EPERM",
+        "UMask=0077",
+        *NOT_SET,
+        *(_memory_lines(memory_max) if memory_max else []),
         "LimitNOFILE=65536",
         "",
         "[Install]",

@@ -15,7 +15,7 @@ import pytest
 from server_process import fp8kv_command
 
 from fp8cache.server.notify import Notifier, sd_notify, watchdog_interval
-from launcher.run import render_unit
+from launcher.run import render_gpu_dropin, render_unit
 
 REPO = Path(__file__).resolve().parent.parent
 UNITS = REPO / "scripts" / "systemd"
@@ -148,13 +148,15 @@ def test_systemd_unit_reads_flags_from_the_environment():
     assert "-/etc/fp8kv/%i.env" in _directives(done.stdout)["EnvironmentFile"]
 
 
+def _without_comments(text: str) -> str:
+    return "\n".join(line for line in text.splitlines() if not line.startswith("#"))
+
+
 def test_shipped_units_are_what_the_generator_writes():
     for name, template in (("fp8kv.service", False), ("fp8kv@.service", True)):
-        shipped = (UNITS / name).read_text()
-        body = "\n".join(line for line in shipped.splitlines() if not line.startswith("#"))
         want = render_unit(["/usr/local/bin/fp8kv"], ["run"], template=template, header=())
-        want = "\n".join(line for line in want.splitlines() if not line.startswith("#"))
-        assert body == want, name
+        assert _without_comments((UNITS / name).read_text()) == _without_comments(want), name
+    assert _without_comments((UNITS / "fp8kv-gpu.conf").read_text()) == _without_comments(render_gpu_dropin())
 
 
 def _systemd_analyze() -> str:
@@ -201,3 +203,112 @@ def test_verify_catches_a_broken_unit(tmp_path):
     broken = (UNITS / "fp8kv.service").read_text().replace("/usr/local/bin/fp8kv", "/nonexistent/fp8kv")
     with pytest.raises(AssertionError):
         _verify(analyze, broken, tmp_path, "fp8kv-broken.service")
+
+
+def _security(analyze: str, unit_text: str, folder: Path, name: str, dropin: str | None = None) -> float:
+    """systemd-analyze's overall exposure (0 safest, 10 unsafe) for a unit file, with an optional drop-in."""
+    (folder / name).write_text(unit_text)
+    if dropin is not None:
+        (folder / f"{name}.d").mkdir(exist_ok=True)
+        (folder / f"{name}.d" / "gpu.conf").write_text(dropin)
+    done = subprocess.run([analyze, "security", "--offline=yes", "--no-pager", str(folder / name)],
+                          check=False, capture_output=True, text=True, timeout=120)
+    match = re.search(r"Overall exposure level for \S+: ([0-9.]+)", done.stdout)
+    assert match, done.stdout + done.stderr
+    return float(match.group(1))
+
+
+def _device_lines(unit: str) -> tuple[list[str], list[str]]:
+    d = _directives(unit)
+    return d.get("PrivateDevices", []), [v.split()[0] for v in d.get("DeviceAllow", [])]
+
+
+GPU_NODES = ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/kfd"]
+
+
+def _allows_gpu(unit: str) -> bool:
+    private, allowed = _device_lines(unit)
+    # For a setting given twice (unit, then drop-in), systemd takes the last one.
+    return (private[-1:] == ["no"] and _directives(unit).get("DevicePolicy", [])[-1:] == ["closed"]
+            and all(node in allowed for node in GPU_NODES)
+            and any(a.startswith("char-nvidia") for a in allowed) and "char-drm" in allowed)
+
+
+def test_cpu_units_score_ok_in_systemd_analyze_security(tmp_path):
+    # <= 3.0 is systemd's "OK"; the units scored 6.5 MEDIUM before CapabilityBoundingSet=, SystemCallFilter=...
+    analyze = _systemd_analyze()
+    generated = _cli("systemd-unit", "--device", "cpu", "--port", "8103")
+    assert generated.returncode == 0, generated.stderr
+    scores = {"generated": _security(analyze, generated.stdout, tmp_path, "fp8kv-generated.service")}
+    for name in ("fp8kv.service", "fp8kv@.service"):
+        scores[name] = _security(analyze, (UNITS / name).read_text(), tmp_path, name)
+    assert all(score <= 3.0 for score in scores.values()), scores
+
+
+def test_gpu_units_keep_the_gpu_visible(tmp_path):
+    # PrivateDevices=yes would hide /dev/nvidia* from a CUDA server (issue 23): a GPU unit lists the nodes.
+    analyze = _systemd_analyze()
+    gpu = _cli("systemd-unit", "--device", "cuda:1")
+    cpu = _cli("systemd-unit", "--device", "cpu")
+    assert gpu.returncode == 0 and cpu.returncode == 0, gpu.stderr + cpu.stderr
+    assert _allows_gpu(gpu.stdout) and "PrivateUsers=yes" not in gpu.stdout
+    assert _device_lines(cpu.stdout) == (["yes"], []) and not _allows_gpu(cpu.stdout)
+    _verify(analyze, gpu.stdout, tmp_path, "fp8kv-gpu.service")
+    dropin = (UNITS / "fp8kv-gpu.conf").read_text()
+    template = (UNITS / "fp8kv@.service").read_text()
+    assert _allows_gpu(template + dropin)  # the drop-in's lines come after the unit's, so they win
+    # Still well hardened with the GPU nodes allowed, and systemd reads the drop-in (the score moves).
+    (tmp_path / "plain").mkdir()
+    cpu_score = _security(analyze, template, tmp_path / "plain", "fp8kv@.service")
+    gpu_score = _security(analyze, template, tmp_path, "fp8kv@.service", dropin=dropin)
+    assert cpu_score < gpu_score <= 3.0
+    real = template.replace("/usr/local/bin/fp8kv", shlex.join(fp8kv_command()))
+    _verify(analyze, real, tmp_path, "fp8kv@.service", instance="smol")  # with the drop-in beside it
+    assert _security(analyze, gpu.stdout, tmp_path, "fp8kv-gpu.service") <= 3.0
+
+
+@pytest.mark.parametrize("gpu_seen", [True, False])
+def test_auto_device_unit_follows_the_gpu_torch_sees(monkeypatch, gpu_seen):
+    import torch
+    from click.testing import CliRunner
+
+    from launcher.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu_seen)
+    for key in [k for k in os.environ if k.startswith("FP8KV_")]:
+        monkeypatch.delenv(key)
+    done = CliRunner().invoke(main, ["systemd-unit", "--device", "auto"])
+    assert done.exit_code == 0, done.output
+    assert _allows_gpu(done.stdout) == gpu_seen
+    assert ("PrivateDevices=yes" in done.stdout) == (not gpu_seen)
+
+
+def test_unit_warns_when_the_service_needs_tmp(tmp_path):
+    # PrivateTmp=yes hands the service an empty /tmp: an fp8kv installed there cannot start.
+    in_tmp = _cli("systemd-unit", "--device", "cpu", "--exec", "/tmp/venv/bin/fp8kv")
+    assert in_tmp.returncode == 0, in_tmp.stderr
+    assert "PrivateTmp" in in_tmp.stderr and "/tmp/venv/bin/fp8kv" in in_tmp.stderr
+    assert "PrivateTmp=yes" in in_tmp.stdout
+    elsewhere = _cli("systemd-unit", "--device", "cpu", "--exec", "/opt/fp8kv/bin/fp8kv")
+    assert elsewhere.returncode == 0 and "PrivateTmp" not in elsewhere.stderr
+
+
+def _bytes(systemd_size: str) -> int:
+    number, unit = re.fullmatch(r"(\d+)([KMGT]?)", systemd_size).groups()
+    return int(number) * 1024 ** " KMGT".index(unit or " ")
+
+
+def test_memory_max_follows_the_kv_budget(tiny_llama_path):
+    weights = sum(f.stat().st_size for f in Path(tiny_llama_path).glob("*.safetensors"))
+    limits = {}
+    for budget in ("1GiB", "3GiB"):
+        done = _cli("systemd-unit", tiny_llama_path, "--device", "cpu", "--kv-cache-memory", budget)
+        assert done.returncode == 0, done.stderr
+        limits[budget] = _bytes(_directives(done.stdout)["MemoryMax"][0])
+        assert limits[budget] > int(budget[0]) * 2**30 + weights  # room for the cache and the weights
+    assert limits["3GiB"] - limits["1GiB"] == 2 * 2**30
+    unknown = _cli("systemd-unit", tiny_llama_path, "--device", "cpu")  # budget sized at start: no limit
+    on_gpu = _cli("systemd-unit", tiny_llama_path, "--device", "cuda", "--kv-cache-memory", "1GiB")
+    assert "MemoryMax" not in unknown.stdout and "MemoryMax" not in on_gpu.stdout  # (GPU: cache in GPU memory)
+    bad = _cli("systemd-unit", tiny_llama_path, "--device", "cpu", "--kv-cache-memory", "lots")
+    assert bad.returncode == 2 and "--kv-cache-memory" in bad.stderr
