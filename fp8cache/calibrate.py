@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import reprlib
 import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -40,6 +41,11 @@ SEARCH_STEPS = 16  # candidate scales per octave in the mse search
 DEFAULT_MAX_SEQ_LEN = 512
 SAMPLE_TOKENS = 2048  # tokens per layer kept for the percentile and mse statistics
 ATTENTION_NAME = "fp8kv_calibrate"
+# Fewer tokens than this (unless --num-samples x --max-seq-len asks for fewer) means the wrong file, not a
+# calibration: a few tokens see a sliver of each head's range and give scales that saturate in use.
+MIN_CALIBRATION_TOKENS = 128
+_DATASET_KINDS = ("give a .txt file, a .jsonl file with a \"text\" or \"messages\" object per line, or a .json "
+                  "list of such objects")
 SCALES_FILE_IN_CHECKPOINT = "kv_cache_scales.safetensors"
 
 
@@ -50,32 +56,66 @@ class CalibrationError(ValueError):
 # ---------------------------------------------------------------------------------------------------
 # Calibration samples
 
-def read_samples(path: str, tokenizer: object, num_samples: int, max_seq_len: int) -> list[list[int]]:
-    """Token ids of up to `num_samples` samples of at most `max_seq_len` tokens from a .txt or .jsonl file.
+def read_samples(path: str | None, tokenizer: object, num_samples: int, max_seq_len: int) -> list[list[int]]:
+    """Token ids of up to `num_samples` samples of at most `max_seq_len` tokens from a .txt, .jsonl or .json
+    file; None: the second half of the evaluation text (fp8cache.eval.locate_eval_text), which `fp8kv eval`
+    and the bench prompts do not reach, so scales are never judged on the text they were made from.
 
-    Text files are tokenized as one stream and cut into consecutive windows; JSON lines give one sample per
-    line, from its "text" or its chat "messages" (rendered with the tokenizer's chat template)."""
+    Text files are tokenized as one stream and cut into consecutive windows; JSON lines (or a .json list)
+    give one sample per record, from its "text" or its chat "messages" (rendered with the tokenizer's chat
+    template). Refuses data that yields fewer than MIN_CALIBRATION_TOKENS tokens (or the whole request, if
+    smaller)."""
     if num_samples < 1 or max_seq_len < 2:
         raise CalibrationError(f"need num_samples >= 1 and max_seq_len >= 2, got {num_samples} and {max_seq_len}")
-    if not os.path.isfile(path):
-        raise CalibrationError(f"dataset {path!r} does not exist; give a .txt file or a .jsonl file with "
-                               "\"text\" or \"messages\" per line")
-    if path.lower().endswith(".jsonl"):
-        samples = list(_jsonl_samples(path, tokenizer, num_samples, max_seq_len))
+    if path is None:
+        samples = _text_samples(_default_text(), tokenizer, num_samples, max_seq_len)
+        name = f"the second half of {_default_text_path()}"
     else:
-        samples = _text_samples(path, tokenizer, num_samples, max_seq_len)
+        if not os.path.isfile(path):
+            raise CalibrationError(f"dataset {path!r} does not exist or is not a file; {_DATASET_KINDS}")
+        lower = path.lower()
+        if lower.endswith(".jsonl"):
+            samples = list(_jsonl_samples(path, tokenizer, num_samples, max_seq_len))
+        elif lower.endswith(".json"):
+            samples = _json_samples(path, tokenizer, num_samples, max_seq_len)
+        else:
+            samples = _text_samples(_read_dataset_text(path), tokenizer, num_samples, max_seq_len)
+        name = repr(path)
     if not samples:
-        raise CalibrationError(f"dataset {path!r} holds no text to calibrate on")
+        raise CalibrationError(f"dataset {name} holds no text to calibrate on")
+    total, needed = sum(len(s) for s in samples), min(MIN_CALIBRATION_TOKENS, num_samples * max_seq_len)
+    if total < needed:
+        raise CalibrationError(f"dataset {name} gives only {total} tokens, too few to measure K/V ranges: "
+                               f"calibration needs at least {needed} (it asks for up to {num_samples} samples "
+                               f"x {max_seq_len} tokens); give more text, or leave out --dataset to use the "
+                               "shipped WikiText-2 text")
     return samples
 
 
-def _text_samples(path: str, tokenizer: object, num_samples: int, max_seq_len: int) -> list[list[int]]:
+def _default_text_path() -> str:
+    from fp8cache.eval import locate_eval_text
+
+    return locate_eval_text()
+
+
+def _default_text() -> str:
+    from fp8cache.eval import read_text
+
+    text = read_text(_default_text_path())
+    # From the first line start past the middle: eval windows and bench prompts are cut from the beginning.
+    middle = text.find("\n", len(text) // 2) + 1
+    return text[middle:]
+
+
+def _read_dataset_text(path: str) -> str:
     try:
         with open(path, encoding="utf-8", newline="") as f:
-            text = f.read()
+            return f.read()
     except UnicodeDecodeError:
-        raise CalibrationError(f"dataset {path!r} is not UTF-8 text; give a .txt file, or a .jsonl file with "
-                               "\"text\" or \"messages\" per line") from None
+        raise CalibrationError(f"dataset {path!r} is not UTF-8 text; {_DATASET_KINDS}") from None
+
+
+def _text_samples(text: str, tokenizer: object, num_samples: int, max_seq_len: int) -> list[list[int]]:
     wanted = num_samples * max_seq_len
     # Tokenizing a prefix that surely holds enough tokens keeps huge files cheap (a token is < 8 chars).
     ids = tokenizer(text[:wanted * 8])["input_ids"]
@@ -93,24 +133,47 @@ def _jsonl_samples(path: str, tokenizer: object, num_samples: int, max_seq_len: 
                 return
             if not line.strip():
                 continue
-            ids = _record_ids(path, number, line, tokenizer)[:max_seq_len]
+            where = f"dataset {path}, line {number}"
+            try:
+                record = json.loads(line)
+            except (json.JSONDecodeError, RecursionError) as e:
+                raise CalibrationError(f"{where}: not valid JSON ({_json_problem(e)}); each line must be one "
+                                       "JSON object") from None
+            ids = _record_ids(where, record, tokenizer, line.strip())[:max_seq_len]
             if len(ids) >= 2:
                 taken += 1
                 yield ids
 
 
-def _record_ids(path: str, number: int, line: str, tokenizer: object) -> list[int]:
-    where = f"dataset {path}, line {number}"
+def _json_samples(path: str, tokenizer: object, num_samples: int, max_seq_len: int) -> list[list[int]]:
     try:
-        record = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise CalibrationError(f"{where}: not valid JSON ({e}); each line must be one JSON object") from None
+        doc = json.loads(_read_dataset_text(path))
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise CalibrationError(f"dataset {path!r} ends in .json but is not valid JSON ({_json_problem(e)}); "
+                               f"{_DATASET_KINDS} (one object per line is .jsonl: rename the file)") from None
+    records = doc if isinstance(doc, list) else [doc]
+    samples = []
+    for number, record in enumerate(records):
+        if len(samples) == num_samples:
+            break
+        ids = _record_ids(f"dataset {path}, item {number}", record, tokenizer)[:max_seq_len]
+        if len(ids) >= 2:
+            samples.append(ids)
+    return samples
+
+
+def _json_problem(e: Exception) -> str:
+    return "nested too deeply" if isinstance(e, RecursionError) else str(e)
+
+
+def _record_ids(where: str, record: object, tokenizer: object, shown: str | None = None) -> list[int]:
     if isinstance(record, dict) and isinstance(record.get("text"), str):
         return tokenizer(record["text"])["input_ids"]
     if isinstance(record, dict) and isinstance(record.get("messages"), list):
         return _chat_ids(where, record["messages"], tokenizer)
+    # reprlib bounds the depth: a parsed record can be nested far deeper than repr() recurses.
     raise CalibrationError(f"{where}: expected an object with a \"text\" string or a \"messages\" list, got "
-                           f"{line.strip()[:60]}")
+                           f"{(shown if shown is not None else reprlib.repr(record))[:60]}")
 
 
 def _chat_ids(where: str, messages: list, tokenizer: object) -> list[int]:
@@ -325,12 +388,12 @@ class CalibrationResult:
     v_amax_unrotated: list[torch.Tensor] | None = None
 
 
-def calibrate(model: str | None, dataset: str, kv_cache_dtype: str = "fp8", num_samples: int = 32,
+def calibrate(model: str | None, dataset: str | None = None, kv_cache_dtype: str = "fp8", num_samples: int = 32,
               max_seq_len: int | None = None, granularity: str = "head", kv_rotation: str = "none",
               statistic: str = DEFAULT_STATISTIC, dtype: str = "auto", device: str = "cpu",
               tokenizer: str | None = None, trust_remote_code: bool = False, progress: bool = False,
               on_samples: Callable[[int], Callable[[int], None]] | None = None) -> CalibrationResult:
-    """Scales for `model` from `dataset`. max_seq_len None: DEFAULT_MAX_SEQ_LEN or the model's limit if lower.
+    """Scales for `model` from `dataset` (None: the default text of read_samples). max_seq_len None: DEFAULT_MAX_SEQ_LEN or the model's limit if lower.
     `on_samples(n)` is told the sample count and returns a per-sample callback (given the sample's token
     count), e.g. to drive a progress bar."""
     from fp8cache.model.loader import load_model
@@ -357,7 +420,8 @@ def calibrate(model: str | None, dataset: str, kv_cache_dtype: str = "fp8", num_
     samples = read_samples(dataset, loaded.tokenizer, num_samples, max_seq_len)
     on_sample = on_samples(len(samples)) if on_samples is not None else None
     stats = collect_statistics(loaded.model, samples, kv_rotation, on_sample)
-    source = f"calibrated on {os.path.basename(dataset)} ({statistic}, {granularity})"
+    data = os.path.basename(dataset) if dataset else f"the second half of {os.path.basename(_default_text_path())}"
+    source = f"calibrated on {data} ({statistic}, {granularity})"
     scales = scales_from_statistics(stats, fmt_name, granularity, statistic, kv_rotation, source)
     rotated = kv_rotation != rotation.NONE
     return CalibrationResult(scales, list(stats.k_amax), list(stats.v_amax), statistic, granularity,
@@ -410,6 +474,21 @@ def write_checkpoint(result: CalibrationResult, out_dir: str) -> str:
     _add_to_index(out_dir, list(tensors))
     _set_config(out_dir, "kv_cache_torch_dtype", formats.FP8_FORMATS[scales.fmt_name].scale_file_dtype)
     return out_dir
+
+
+def check_output_target(path: str, force: bool = False) -> None:
+    """Refuse, before calibrating, a scales file that could not be written or would replace another."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise CalibrationError(f"--output {path}: the folder {folder} does not exist; create it first, or write "
+                               "the scales elsewhere")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise CalibrationError(f"--output {path}: the folder {folder} is not writable; write the scales elsewhere")
+    if os.path.isdir(path):
+        raise CalibrationError(f"--output {path} is a folder; give a file name such as scales.json")
+    if os.path.lexists(path) and not force:
+        raise CalibrationError(f"--output {path} exists; pass --force to replace it, or give another file name "
+                               "(nothing was overwritten)")
 
 
 def check_checkpoint_target(out_dir: str, kv_rotation: str) -> None:

@@ -21,8 +21,10 @@ console = Console(stderr=True)
 
 @click.command("calibrate", context_settings={"show_default": True})
 @click.argument("model", required=False, metavar="[MODEL]")
-@click.option("--dataset", required=True, type=click.Path(exists=True, dir_okay=False),
-              help="Calibration text: a .txt file, or .jsonl with a \"text\" string or chat \"messages\" per line.")
+@click.option("--dataset", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Calibration text: a .txt file, .jsonl with a \"text\" string or chat \"messages\" per line, "
+                   "or a .json list of such objects [default: the second half of the WikiText-2 test text "
+                   "shipped with fp8kv ($FP8KV_EVAL_TEXT if set); eval and bench use its start].")
 @click.option("--num-samples", type=click.IntRange(min=1), default=32, help="Samples to run through the model.")
 @click.option("--max-seq-len", type=click.IntRange(min=2), default=None,
               help="Most tokens per sample [default: 512, or the model's limit if lower].")
@@ -37,6 +39,7 @@ console = Console(stderr=True)
               help="amax, a percentile of |x|, or the scale with the least squared error (mse).")
 @click.option("--output", "-o", required=True, type=click.Path(dir_okay=False),
               help="Scales JSON to write (vLLM/aphrodite schema plus fp8kv keys).")
+@click.option("--force", is_flag=True, help="Replace an existing --output file.")
 @click.option("--write-checkpoint", metavar="DIR", type=click.Path(file_okay=False),
               help="Also write a copy of the model carrying k_scale/v_scale tensors and kv_cache_torch_dtype.")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
@@ -47,10 +50,10 @@ console = Console(stderr=True)
               help="Record the recent-token window (newest tokens kept in full precision) to use with these scales; "
                    "run/eval/bench take it when not given one.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow Python code shipped in the model folder to run.")
-def calibrate(model: str | None, dataset: str, num_samples: int, max_seq_len: int | None, granularity: str,
-              kv_rotation: str, kv_cache_dtype: str, statistic: str, output: str, write_checkpoint: str | None,
-              dtype: str, device: str, tokenizer: str | None, kv_recent_window: int | None,
-              trust_remote_code: bool) -> None:
+def calibrate(model: str | None, dataset: str | None, num_samples: int, max_seq_len: int | None,
+              granularity: str, kv_rotation: str, kv_cache_dtype: str, statistic: str, output: str, force: bool,
+              write_checkpoint: str | None, dtype: str, device: str, tokenizer: str | None,
+              kv_recent_window: int | None, trust_remote_code: bool) -> None:
     """Measure KV cache scales of MODEL (default: the embedded model) on a calibration dataset.
 
     Example: fp8kv calibrate ./my-model --dataset calib.txt --kv-cache-dtype fp8 --output scales.json
@@ -59,6 +62,8 @@ def calibrate(model: str | None, dataset: str, num_samples: int, max_seq_len: in
     from fp8cache.model.default_model import DefaultModelError
 
     try:
+        # Everything that can be refused without the model is, before minutes of loading and calibrating.
+        cal.check_output_target(output, force)
         if write_checkpoint:
             cal.check_checkpoint_target(write_checkpoint, kv_rotation)
         with _progress() as on_samples:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -329,12 +330,97 @@ def test_unusable_datasets_are_refused(loaded, tmp_path):
         cal.read_samples(str(tmp_path / "missing.txt"), loaded.tokenizer, 2, 32)
 
 
+def test_a_json_file_is_read_as_a_list_of_records(loaded, tmp_path):
+    tok = loaded.tokenizer
+    records = [{"text": "Paris is a city in France " * 8}, {"text": "Berlin is a city in Germany " * 8}]
+    path = tmp_path / "data.json"
+    path.write_text(json.dumps(records))
+    assert cal.read_samples(str(path), tok, 2, 40) == [tok(r["text"])["input_ids"][:40] for r in records]
+
+
+@pytest.mark.parametrize("content, message", [
+    ("Paris is a city in France. " * 40, "not valid JSON"),
+    ("\n".join([json.dumps({"text": "Paris is a city in France " * 8})] * 4), "rename the file"),  # JSON lines
+    ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    (json.dumps([{"prompt": "Paris is a city in France " * 8}]), 'item 0: expected an object with a "text"'),
+])
+def test_a_json_file_that_is_not_json_records_is_refused(loaded, tmp_path, content, message):
+    path = tmp_path / "data.json"
+    path.write_text(content)
+    with pytest.raises(cal.CalibrationError, match=re.escape(message)) as err:
+        cal.read_samples(str(path), loaded.tokenizer, 4, 32)
+    assert str(path) in str(err.value)
+
+
+@pytest.mark.parametrize("suffix", [".txt", ".jsonl", ".json"])
+def test_too_little_data_is_refused_unless_that_little_was_asked_for(loaded, tmp_path, suffix):
+    tok = loaded.tokenizer
+    text = "Paris is in France."
+    ids = tok(text)["input_ids"]
+    path = tmp_path / f"tiny{suffix}"
+    path.write_text({".txt": text, ".jsonl": json.dumps({"text": text}) + "\n",
+                     ".json": json.dumps([{"text": text}])}[suffix])
+    with pytest.raises(cal.CalibrationError) as err:
+        cal.read_samples(str(path), tok, 32, 512)
+    assert f"only {len(ids)} tokens" in str(err.value) and str(path) in str(err.value)
+    assert f"at least {cal.MIN_CALIBRATION_TOKENS}" in str(err.value)
+    assert cal.read_samples(str(path), tok, 1, len(ids)) == [ids]  # a request this small is a choice
+
+
+def test_without_a_dataset_the_second_half_of_the_shipped_text_is_used(loaded, monkeypatch):
+    import fp8cache
+
+    monkeypatch.delenv("FP8KV_EVAL_TEXT", raising=False)
+    raw = (Path(fp8cache.__file__).parent / "data" / "wikitext-2-raw" / "wiki.test.raw").read_bytes()
+    text = raw.decode("utf-8")
+    samples = cal.read_samples(None, loaded.tokenizer, 3, 64)
+    assert [len(s) for s in samples] == [64, 64, 64]
+    joined = loaded.tokenizer.decode([t for s in samples for t in s], skip_special_tokens=True)
+    # Consecutive windows of one stretch of the second half: never what eval and bench cut from the start.
+    assert text.find(joined) >= len(text) // 2
+
+
+def _flat(output: str) -> str:
+    return output.replace("\n", "")  # rich folds long lines (paths) at 80 columns
+
+
+def test_command_checks_the_output_before_calibrating(tiny_llama_path, tmp_path, monkeypatch):
+    def no_calibration(*args, **kwargs):
+        raise AssertionError("calibrated before the output was checked")
+
+    monkeypatch.setattr(cal, "calibrate", no_calibration)
+    data = tmp_path / "data.txt"
+    data.write_text("the city of the river " * 40)
+    missing = tmp_path / "no-such-folder" / "scales.json"
+    run = CliRunner().invoke(calibrate_command, [tiny_llama_path, "--dataset", str(data), "-o", str(missing)])
+    assert run.exit_code == 2, run.output
+    assert str(missing.parent) in _flat(run.output) and "does not exist" in _flat(run.output)
+    existing = tmp_path / "scales.json"
+    existing.write_text("keep me")
+    run = CliRunner().invoke(calibrate_command, [tiny_llama_path, "--dataset", str(data), "-o", str(existing)])
+    assert run.exit_code == 2, run.output
+    assert "--force" in _flat(run.output) and str(existing) in _flat(run.output)
+    assert existing.read_text() == "keep me"
+
+
+def test_command_replaces_an_output_with_force_and_defaults_to_the_shipped_text(tiny_llama_path, tmp_path,
+                                                                               monkeypatch):
+    monkeypatch.delenv("FP8KV_EVAL_TEXT", raising=False)
+    out = tmp_path / "scales.json"
+    out.write_text("old")
+    run = CliRunner().invoke(calibrate_command, [tiny_llama_path, "--num-samples", "2", "--max-seq-len", "64",
+                                                 "-o", str(out), "--force"])
+    assert run.exit_code == 0, run.output
+    assert load_scales_file(str(out), 2, 2, "fp8_e4m3").num_layers == 2
+    assert "2 samples, 128 tokens" in _flat(run.output)
+
+
 # ---- the command and held-out quality ----------------------------------------------------------------------
 
 def test_command_writes_the_file_and_prints_the_table(tiny_llama_path, tmp_path):
     words = "the city of the river was the first new school in the world and the people of the state had a house"
     data = tmp_path / "tiny.txt"
-    data.write_text(" ".join([words] * 6))
+    data.write_text(" ".join([words] * 7))  # 147 tokens: the 128 that 2 x 64 asks for
     out = tmp_path / "tiny.json"
     run = CliRunner().invoke(calibrate_command, [tiny_llama_path, "--dataset", str(data), "--num-samples", "2",
                                                  "--max-seq-len", "64", "--kv-cache-dtype", "fp8_e5m2",
@@ -346,18 +432,18 @@ def test_command_writes_the_file_and_prints_the_table(tiny_llama_path, tmp_path)
     assert "vLLM scale" not in run.output
     windowed = CliRunner().invoke(calibrate_command, [tiny_llama_path, "--dataset", str(data), "--num-samples", "1",
                                                       "--max-seq-len", "32", "--kv-cache-dtype", "fp8_e5m2",
-                                                      "--kv-recent-window", "16", "--output", str(out)])
+                                                      "--kv-recent-window", "16", "--output", str(out), "--force"])
     assert windowed.exit_code == 0, windowed.output
     assert load_scales_file(str(out), 2, 2, "fp8_e5m2").recent_window == 16
     rotated = CliRunner().invoke(calibrate_command, [tiny_llama_path, "--dataset", str(data), "--num-samples", "1",
                                                      "--max-seq-len", "32", "--kv-rotation", "hadamard", "--output",
-                                                     str(out)], terminal_width=200)
+                                                     str(out), "--force"], terminal_width=200)
     assert rotated.exit_code == 0, rotated.output
     assert "vLLM scale" in rotated.output
     assert load_scales_file(str(out), 2, 2, "fp8_e4m3").unrotated_scales == pytest.approx(
         vllm_schema_scales(str(out), 2), rel=1e-7)
     bad = CliRunner().invoke(calibrate_command, [tiny_llama_path, "--dataset", str(data), "--kv-rotation",
-                                                 "hadamard", "--output", str(out), "--write-checkpoint",
+                                                 "hadamard", "--output", str(out), "--force", "--write-checkpoint",
                                                  str(tmp_path / "ckpt")])
     assert bad.exit_code == 2 and "cannot carry" in bad.output
 
