@@ -224,7 +224,8 @@ def run(model: str | None, **kw) -> None:
 @option("--stop", multiple=True, help="Stop string (repeatable).")
 @option("--ignore-eos", is_flag=True, help="Keep generating past the end-of-sequence token.")
 @option("--chat/--no-chat", default=None,
-        help="Wrap PROMPT in the tokenizer's chat template (default: when the tokenizer has one).")
+        help="Wrap PROMPT in the tokenizer's chat template as a user turn (default: when the tokenizer has one; "
+             "LLM.generate() in Python does not, LLM.chat() does).")
 @option("--num-shard", "--tensor-parallel-size", "num_shard", type=click.IntRange(min=1), default=1,
         help="Tensor-parallel ranks: this process is rank 0 and starts the others itself. With "
              "RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set (several machines, torchrun) this process is that "
@@ -233,6 +234,9 @@ def run(model: str | None, **kw) -> None:
 @_engine_errors
 def generate(args: tuple[str, ...], **kw) -> None:
     """Generate from PROMPT ('-' reads standard input) without a server, streaming text to stdout.
+
+    PROMPT is sent as a chat message when the tokenizer has a chat template (like LLM.chat(), unlike
+    LLM.generate(), which sends text as given): use --no-chat to have the model continue PROMPT instead.
 
     Example: fp8kv generate "What is the capital of France?" --kv-cache-dtype fp8 --max-tokens 32
     """

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Callable
 from typing import Self
 
 from fp8cache.config import EngineConfig
 from fp8cache.engine.llm_engine import LLMEngine
 from fp8cache.engine.outputs import RequestOutput
 from fp8cache.engine.sampling_params import SamplingParams
+from fp8cache.logger import configure_default_logging, log_function
 
 _CONFIG_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
 
@@ -30,7 +32,12 @@ class LLM:
                  calculate_kv_scales: bool = False, block_size: int = 16, max_model_len: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  kv_cache_memory: int | str | None = None, enable_prefix_caching: bool = True, seed: int = 0,
-                 trust_remote_code: bool = False, tensor_parallel_size: int = 1, log=print, **kwargs) -> None:
+                 trust_remote_code: bool = False, tensor_parallel_size: int = 1,
+                 log: Callable[[str], None] | None = None, **kwargs) -> None:
+        """vLLM's LLM arguments (and any other EngineConfig field as a keyword). log: where loading and
+        progress lines go; default the "fp8kv.llm" logger, which writes to stderr unless the application set
+        up logging itself (see fp8cache/logger.py). Prompts go to the model as given: use chat() for the
+        chat template (`fp8kv generate` applies it by default)."""
         unknown = sorted(set(kwargs) - _CONFIG_FIELDS)
         if unknown:
             raise TypeError(f"LLM() got unknown argument(s) {', '.join(unknown)}; "
@@ -46,14 +53,18 @@ class LLM:
         self._start(config, log)
 
     @classmethod
-    def from_config(cls, config: EngineConfig, log=print) -> LLM:
+    def from_config(cls, config: EngineConfig, log: Callable[[str], None] | None = None) -> LLM:
         """An LLM for a ready EngineConfig (what `fp8kv generate` builds from its flags)."""
         llm = cls.__new__(cls)
         llm._start(config, log)
         return llm
 
-    def _start(self, config: EngineConfig, log) -> None:
+    def _start(self, config: EngineConfig, log: Callable[[str], None] | None) -> None:
         from fp8cache.distributed import parallel_state
+
+        if log is None:
+            configure_default_logging()
+            log = log_function("fp8kv.llm")
 
         self.tp_group = None  # the worker processes this LLM started, if any
         self.llm_engine: LLMEngine | None = None

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from fp8cache.config import EngineConfig
@@ -27,6 +28,7 @@ from fp8cache.engine.scheduler import Scheduler
 from fp8cache.engine.sequence import Sequence
 from fp8cache.engine.structured_output import factory_for
 from fp8cache.engine.window_pool import WindowPool
+from fp8cache.logger import configure_default_logging, log_function
 
 
 @dataclass
@@ -70,8 +72,12 @@ class Request:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, log=print, runner=None) -> None:
-        """runner: a ready model runner (tests pass a fake one); None builds fp8cache's ModelRunner."""
+    def __init__(self, config: EngineConfig, log: Callable[[str], None] | None = None, runner=None) -> None:
+        """runner: a ready model runner (tests pass a fake one); None builds fp8cache's ModelRunner.
+        log: where progress lines go (default: the "fp8kv.engine" logger, see fp8cache/logger.py)."""
+        if log is None:
+            configure_default_logging()
+            log = log_function("fp8kv.engine")
         if runner is None:
             from fp8cache.model.runner import ModelRunner
 
