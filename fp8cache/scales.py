@@ -12,13 +12,18 @@ import logging
 import math
 import os
 import re
+import stat
 import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from fp8cache import formats
+
+if TYPE_CHECKING:
+    from fp8cache.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +32,16 @@ GRANULARITIES = ("tensor", "head")
 # Floor for computed scales: an all-zero first batch must not give scale 0 (x / 0), and x / 1e-12 stays
 # finite in float32 for any activation below 1e26.
 MIN_SCALE = 1e-12
+# Scales a file may hold: [MIN_SCALE, MAX_SCALE], compared in float32 (MIN_SCALE is what calibration writes
+# for an all-zero head). Outside it the cache stores nothing useful in any format: at 1e-12 the largest
+# storable |x| is under 6e-8 (E5M2's 57344 x 1e-12), so every K/V saturates; at 1e12 the smallest nonzero
+# code stands for more than 1.5e7 (E5M2's 2**-16 x 1e12), so every K/V a model makes is stored as 0.
+MAX_SCALE = 1e12
+_MIN_SCALE_F32 = float(torch.tensor(MIN_SCALE, dtype=torch.float32))
+_MAX_SCALE_F32 = float(torch.tensor(MAX_SCALE, dtype=torch.float32))
+# Far above any real scales file (128 layers x 128 heads x 3 tables is ~1.2 MB), far below what a
+# mistaken path (a log, a model file, /dev/zero) could cost to read.
+MAX_SCALES_FILE_BYTES = 16 * 2**20
 # E4M3FNUZ (bias 8) reads every code as half the E4M3FN (bias 7) value, so its scales are twice as large.
 _E4M3_SCALE_UNIT = {"fp8_e4m3": 1.0, "fp8_e4m3fnuz": 2.0}
 _FILE_FIX = "make scales for this model with `fp8kv calibrate`, or fix the file by hand"
@@ -163,17 +178,25 @@ def ones(num_layers: int, fmt_name: str) -> KVScales:
 _TABLES = ("scaling_factor", "k_scaling_factor", "v_scaling_factor")
 
 
-def load_scales_file(path: str | os.PathLike, num_layers: int, num_kv_heads: int, kv_cache_dtype: str,
-                     tp_rank: int = 0, tp_size: int = 1) -> KVScales:
-    """Scales for this rank from a JSON file, converted to the cache format `kv_cache_dtype`."""
+def load_scales_file(path: str | os.PathLike, num_layers: int | None, num_kv_heads: int | None,
+                     kv_cache_dtype: str, tp_rank: int = 0, tp_size: int = 1,
+                     warn: Callable[[str], None] = logger.warning) -> KVScales:
+    """Scales for this rank from a JSON file, converted to the cache format `kv_cache_dtype`.
+
+    The file's kv_cache.dtype must be that format, or E4M3FN for E4M3FNUZ and back (scales x2 / /2): E4M3
+    scales on an E5M2 cache (or the reverse) misplace every value on the grid. A file without a dtype is
+    taken as made for `kv_cache_dtype`, with a warning showing what its scales' range means there.
+    num_layers / num_kv_heads None (the model is not known yet): the file is checked for itself, its tables
+    against each other."""
     _check_canonical(kv_cache_dtype)
-    head_range(num_kv_heads, tp_rank, tp_size)  # rejects impossible splits before reading the file
+    if num_kv_heads is not None:
+        head_range(num_kv_heads, tp_rank, tp_size)  # rejects impossible splits before reading the file
     doc = _read_json(path)
     kv = doc.get("kv_cache")
     if not isinstance(kv, dict):
         problem = "is missing" if kv is None else f"must be an object, not {type(kv).__name__}"
         raise ScalesFileError(path, "kv_cache", problem)
-    fmt = _file_format(path, kv)
+    fmt = _file_format(path, kv, kv_cache_dtype)
     rotation = _file_rotation(path, doc)
     present = [name for name in _TABLES if name in kv]
     if "scaling_factor" not in present and not {"k_scaling_factor", "v_scaling_factor"} <= set(present):
@@ -188,6 +211,12 @@ def load_scales_file(path: str | os.PathLike, num_layers: int, num_kv_heads: int
                               f"make the file again with `fp8kv calibrate --kv-rotation {rotation}`")
     tables = {name: _read_table(path, name, kv[name], num_layers, num_kv_heads, tp_rank, tp_size)
               for name in present}
+    counts = {name: len(t) for name, t in tables.items()}
+    if len(set(counts.values())) > 1:
+        first, *others = counts
+        other = next(n for n in others if counts[n] != counts[first])
+        raise ScalesFileError(path, f"kv_cache.{other}", f"has {counts[other]} layers, kv_cache.{first} "
+                              f"{counts[first]}", "give every table one entry per layer of the model")
     k = tables.get("k_scaling_factor") or tables["scaling_factor"]
     v = tables.get("v_scaling_factor") or tables["scaling_factor"]
     unrotated = None
@@ -198,34 +227,139 @@ def load_scales_file(path: str | os.PathLike, num_layers: int, num_kv_heads: int
         raise ScalesFileError(path, "kv_recent_window", f"must be a whole number of tokens >= 0, not {window!r}",
                               "fix it, or drop the key to use fp8kv's default")
     scales = KVScales(k, v, fmt.name, f"file {path}", rotation, unrotated, window)
+    if "dtype" not in kv:
+        warn(_undeclared_dtype_warning(path, scales, fmt))
     return scales if kv_cache_dtype == formats.AUTO else scales.for_format(kv_cache_dtype)
 
 
-def _read_json(path: str | os.PathLike) -> dict:
+def _undeclared_dtype_warning(path: str | os.PathLike, scales: KVScales, fmt: formats.Fp8Format) -> str:
+    values = torch.cat([t.reshape(-1) for t in scales.k + scales.v])
+    low, high = float(values.min()), float(values.max())
+    return (f"scales file {path} does not say which FP8 format its scales were made for (no kv_cache.dtype); "
+            f"they are used as {fmt.name} scales. They range from {low:.3g} to {high:.3g}, so the cache holds "
+            f"|K|, |V| up to {low * fmt.max:.3g}..{high * fmt.max:.3g} ({fmt.name} max {fmt.max:g}): if that "
+            "is far from this model's K/V, the file is for another format. Add \"dtype\": "
+            f"\"{fmt.scale_file_dtype}\" (or the right one) to its kv_cache, or make it with `fp8kv calibrate`")
+
+
+def check_engine_scales(config: EngineConfig) -> None:
+    """Check config.quantization_param_path before the model loads (seconds to minutes), so a bad file
+    fails at once; raises ScalesFileError. The model's layer and head counts come from its config.json when
+    it can be read without loading anything; without them the file is checked for itself."""
+    path = config.quantization_param_path
+    if not path:
+        return
+    name = config.kv_cache_dtype
+    if name == "fp8":
+        try:
+            name = formats.resolve_kv_cache_dtype(name, formats.backend_of(config.device))
+        except (RuntimeError, ValueError):
+            return  # a device or dtype the engine cannot use: it says so itself, in its own words
+    if name not in formats.FP8_FORMATS:
+        return  # auto ignores the file (the runner says so); unknown names are the engine's to refuse
+    tp_size = config.tensor_parallel_size if isinstance(config.tensor_parallel_size, int) else 1
+    num_layers, num_kv_heads = _model_shape(config.model)
+    if num_kv_heads is not None and _splits(num_kv_heads, tp_size):
+        load_scales_file(path, num_layers, num_kv_heads, name, 0, tp_size, warn=lambda msg: None)
+    else:
+        load_scales_file(path, num_layers, None, name, warn=lambda msg: None)
+
+
+def _splits(num_kv_heads: int, tp_size: int) -> bool:
     try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-    except FileNotFoundError:
-        raise ScalesFileError(path, "", "the file does not exist",
-                              "check --quantization-param-path, or make one with `fp8kv calibrate`") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ScalesFileError(path, "", f"not valid JSON ({e})", "fix the file or make it again with "
-                              "`fp8kv calibrate`") from None
+        head_range(num_kv_heads, 0, max(tp_size, 1))
+    except ValueError:
+        return False  # the engine refuses the split with its own message
+    return True
+
+
+def _model_shape(model: str | None) -> tuple[int | None, int | None]:
+    """(layers, KV heads) from the model folder's config.json; (None, None) when not at hand."""
+    if model is None:
+        from fp8cache.model.default_model import default_model_dir, is_converted
+
+        folder = default_model_dir()
+        if not is_converted(folder):
+            return None, None
+    else:
+        folder = os.path.abspath(os.path.expanduser(model))
+    try:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError, RecursionError):
+        return None, None  # the loader reports a missing or broken model folder
+    if not isinstance(cfg, dict):
+        return None, None
+    layers, heads = cfg.get("num_hidden_layers"), cfg.get("num_key_value_heads") or cfg.get("num_attention_heads")
+    if not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in (layers, heads)):
+        return None, None  # e.g. a multimodal config keeps them in text_config: leave those to the runner
+    return layers, heads
+
+
+def _read_json(path: str | os.PathLike) -> dict:
+    remake = "fix the file or make it again with `fp8kv calibrate`"
+    data = _read_bounded(path)
+    try:
+        doc = json.loads(data.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, and ints past Python's digit limit
+        raise ScalesFileError(path, "", f"not valid JSON ({e})", remake) from None
+    except RecursionError:
+        raise ScalesFileError(path, "", "not valid scales JSON (nested too deeply to read)", remake) from None
     if not isinstance(doc, dict):
         raise ScalesFileError(path, "", f"the top level must be a JSON object, not {type(doc).__name__}")
     return doc
 
 
-def _file_format(path: str | os.PathLike, kv: dict) -> formats.Fp8Format:
+def _read_bounded(path: str | os.PathLike) -> bytes:
+    """The file's bytes, refusing what is not a regular file or is larger than MAX_SCALES_FILE_BYTES.
+
+    O_NONBLOCK: opening a FIFO must not wait for a writer; fstat on the open file then refuses it (and a
+    device such as /dev/zero, endless to read), with no gap between the check and the read."""
+    fix = "give --quantization-param-path a JSON file made by `fp8kv calibrate`"
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise ScalesFileError(path, "", "the file does not exist",
+                              "check --quantization-param-path, or make one with `fp8kv calibrate`") from None
+    except OSError as e:
+        raise ScalesFileError(path, "", f"cannot be opened ({e.strerror})", fix) from None
+    with os.fdopen(fd, "rb") as f:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = ("a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                    else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket")
+            raise ScalesFileError(path, "", f"is {kind}, not a regular file", fix)
+        data = f.read(MAX_SCALES_FILE_BYTES + 1)
+    if len(data) > MAX_SCALES_FILE_BYTES:
+        raise ScalesFileError(path, "", f"is larger than {MAX_SCALES_FILE_BYTES // 2**20} MiB, far more than "
+                              "scales take (a few KB to 2 MB)", fix)
+    return data
+
+
+def _file_format(path: str | os.PathLike, kv: dict, kv_cache_dtype: str) -> formats.Fp8Format:
+    """The format the file's scales are for, refusing one the cache format cannot use."""
     valid = ", ".join(f.scale_file_dtype for f in formats.FP8_FORMATS.values())
     if "dtype" not in kv:
-        raise ScalesFileError(path, "kv_cache.dtype", "is missing",
-                              f"add the format the scales were made for, one of: {valid}")
+        # vLLM-style files written by hand may leave it out: taken as the cache's format, with a warning.
+        return formats.FP8_FORMATS.get(kv_cache_dtype, formats.FP8_FORMATS["fp8_e4m3"])
     try:
-        return formats.format_for_scale_file_dtype(kv["dtype"])
-    except formats.KVCacheDtypeError:
-        raise ScalesFileError(path, "kv_cache.dtype", f"unknown dtype {kv['dtype']!r}",
+        fmt = formats.format_for_scale_file_dtype(kv["dtype"])
+    except (formats.KVCacheDtypeError, TypeError):
+        raise ScalesFileError(path, "kv_cache.dtype", f"unknown dtype {_preview(kv['dtype'])}",
                               f"use one of: {valid}") from None
+    if kv_cache_dtype == formats.AUTO or _convertible(fmt.name, kv_cache_dtype):
+        return fmt
+    cache = formats.FP8_FORMATS[kv_cache_dtype]
+    raise ScalesFileError(path, "kv_cache.dtype", f"the scales were made for {fmt.scale_file_dtype}, but the "
+                          f"cache stores {cache.scale_file_dtype} (--kv-cache-dtype {kv_cache_dtype}); they do "
+                          "not carry over between these formats",
+                          f"serve with --kv-cache-dtype {fmt.name}, or make scales for this cache with "
+                          f"`fp8kv calibrate --kv-cache-dtype {kv_cache_dtype}`")
+
+
+def _convertible(made_for: str, cache: str) -> bool:
+    """Whether scales made for one format serve another: the same, or E4M3FN <-> E4M3FNUZ (x2 or /2)."""
+    return made_for == cache or (made_for in _E4M3_SCALE_UNIT and cache in _E4M3_SCALE_UNIT)
 
 
 def _file_rotation(path: str | os.PathLike, doc: dict) -> str:
@@ -238,8 +372,7 @@ def _file_rotation(path: str | os.PathLike, doc: dict) -> str:
 
 def _int_keys(path: str | os.PathLike, key: str, table: object, what: str) -> dict[int, object]:
     if not isinstance(table, dict) or not table:
-        raise ScalesFileError(path, key, f"must be a non-empty object of {what} -> ..., "
-                              f"not {json.dumps(table)[:40]}")
+        raise ScalesFileError(path, key, f"must be a non-empty object of {what} -> ..., not {_preview(table)}")
     out = {}
     for name, value in table.items():
         if not re.fullmatch(r"0|[1-9][0-9]*", name):
@@ -251,8 +384,8 @@ def _int_keys(path: str | os.PathLike, key: str, table: object, what: str) -> di
     return out
 
 
-def _read_table(path: str | os.PathLike, name: str, table: object, num_layers: int, num_kv_heads: int,
-                tp_rank: int, tp_size: int) -> list[torch.Tensor]:
+def _read_table(path: str | os.PathLike, name: str, table: object, num_layers: int | None,
+                num_kv_heads: int | None, tp_rank: int, tp_size: int) -> list[torch.Tensor]:
     """One scaling_factor table -> this rank's per-layer float32 tensors."""
     key = f"kv_cache.{name}"
     ranks = _int_keys(path, key, table, "tp rank")
@@ -263,24 +396,28 @@ def _read_table(path: str | os.PathLike, name: str, table: object, num_layers: i
                               "which every rank then shares")
     shared = len(ranks) == 1
     rank = 0 if shared else tp_rank
-    start, stop = (0, num_kv_heads) if shared else head_range(num_kv_heads, tp_rank, tp_size)
     key = f"{key}.{rank}"
     layers = _int_keys(path, key, ranks[rank], "layer")
-    if len(layers) != num_layers:
+    if num_layers is not None and len(layers) != num_layers:
         raise ScalesFileError(path, key, f"the file has {len(layers)} layers, the model {num_layers}",
                               "make scales for this model with `fp8kv calibrate`")
+    if num_kv_heads is None:  # model not known yet: any per-head list length
+        return [_read_scale(path, f"{key}.{i}", layers[i], None, "") for i in range(len(layers))]
+    start, stop = (0, num_kv_heads) if shared else head_range(num_kv_heads, tp_rank, tp_size)
     heads = f"{stop - start} KV heads" + ("" if shared else f" on tp rank {rank}")
-    tensors = [_read_scale(path, f"{key}.{i}", layers[i], stop - start, heads) for i in range(num_layers)]
+    tensors = [_read_scale(path, f"{key}.{i}", layers[i], stop - start, heads) for i in range(len(layers))]
     if shared and tp_size > 1:
         tensors = [t if t.numel() == 1 else t[slice(*head_range(num_kv_heads, tp_rank, tp_size))].clone()
                    for t in tensors]
     return tensors
 
 
-def _read_scale(path: str | os.PathLike, key: str, value: object, num_heads: int,
+def _read_scale(path: str | os.PathLike, key: str, value: object, num_heads: int | None,
                 heads: str) -> torch.Tensor:
     if isinstance(value, list):
-        if len(value) != num_heads:
+        if num_heads is None and not value:
+            raise ScalesFileError(path, key, "an empty per-head list", "give one scale or one per KV head")
+        if num_heads is not None and len(value) != num_heads:
             raise ScalesFileError(path, key, f"a per-head list of {len(value)} scales, the model has {heads}",
                                   f"give one scale or a list of {num_heads}")
         return torch.tensor([_scale_value(path, f"{key}[{i}]", x) for i, x in enumerate(value)],
@@ -291,11 +428,26 @@ def _read_scale(path: str | os.PathLike, key: str, value: object, num_heads: int
 def _scale_value(path: str | os.PathLike, key: str, value: object) -> float:
     fix = "scales must be positive finite numbers; make them again with `fp8kv calibrate`"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ScalesFileError(path, key, f"{json.dumps(value)[:40]} is not a number", fix)
-    as_f32 = float(torch.tensor(float(value), dtype=torch.float32))
+        raise ScalesFileError(path, key, f"{_preview(value)} is not a number", fix)
+    try:
+        as_f32 = float(torch.tensor(float(value), dtype=torch.float32))
+    except OverflowError:  # an int beyond float64
+        as_f32 = math.inf
     if not math.isfinite(as_f32) or as_f32 <= 0:
-        raise ScalesFileError(path, key, f"{value!r} is not a positive finite float32 number", fix)
+        raise ScalesFileError(path, key, f"{_preview(value)} is not a positive finite float32 number", fix)
+    if not _MIN_SCALE_F32 <= as_f32 <= _MAX_SCALE_F32:
+        raise ScalesFileError(path, key, f"{value!r} is outside [{MIN_SCALE:g}, {MAX_SCALE:g}], where a scale "
+                              "stores nothing useful: every K/V would saturate (too small) or round to zero "
+                              "(too large)", "make the scales again with `fp8kv calibrate`; scales of real "
+                              "models lie far inside this range")
     return as_f32
+
+
+def _preview(value: object) -> str:
+    # repr of a huge int or deep list costs time and recursion; a bounded repr names it just as well.
+    import reprlib
+
+    return reprlib.repr(value)[:40]
 
 
 def write_scales_file(path: str | os.PathLike, scales: KVScales, model_type: str, num_kv_heads: int) -> None:
@@ -457,7 +609,7 @@ def resolve_scales(kv_cache_dtype: str, num_layers: int, num_kv_heads: int,
     has_checkpoint_scales = bool(checkpoint_tensors) and bool(checkpoint_scale_tensor_names(checkpoint_tensors))
     if quantization_param_path is not None:
         scales = load_scales_file(quantization_param_path, num_layers, num_kv_heads, kv_cache_dtype,
-                                  tp_rank, tp_size)
+                                  tp_rank, tp_size, warn)
         if has_checkpoint_scales:
             warn(f"KV scales from {quantization_param_path} override the scales in the checkpoint")
         if calculate:

@@ -14,6 +14,9 @@ from hypothesis import strategies as st
 from fp8cache import formats
 from fp8cache.ops import reference
 from fp8cache.scales import (
+    MAX_SCALE,
+    MAX_SCALES_FILE_BYTES,
+    MIN_SCALE,
     CheckpointScalesError,
     KVScales,
     ScalesFileError,
@@ -104,13 +107,54 @@ def test_e4m3fn_and_e4m3fnuz_scales_convert_by_a_factor_of_two(drawn):
     assert back.fingerprint() == scales.fingerprint() != converted.fingerprint()
 
 
+E4M3_NAMES = ("fp8_e4m3", "fp8_e4m3fnuz")
+
+
 @HYPOTHESIS
-@given(kv_scales(fmt_names=["fp8_e5m2"]), st.sampled_from(["fp8_e4m3", "fp8_e4m3fnuz"]))
-def test_e5m2_scales_are_not_rescaled(drawn, other):
+@given(kv_scales(), st.sampled_from(FORMAT_NAMES))
+def test_scales_serve_only_a_cache_of_their_format_or_its_e4m3_twin(drawn, cache):
+    # Scales place K/V on one format's grid: E4M3FN and E4M3FNUZ share theirs up to a factor of two (above);
+    # E5M2's is another grid, so E4M3 scales on an E5M2 cache (or the reverse) would store garbage.
     scales, num_kv_heads = drawn
-    loaded = write_and_load(scales, num_kv_heads, other)
-    assert_same_values(scales.k, loaded.k)
-    assert loaded.fmt_name == other
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "scales.json")
+        write_scales_file(path, scales, "llama", num_kv_heads)
+        if scales.fmt_name == cache or {scales.fmt_name, cache} <= set(E4M3_NAMES):
+            assert load_scales_file(path, scales.num_layers, num_kv_heads, cache).fmt_name == cache
+            return
+        with pytest.raises(ScalesFileError) as err:
+            load_scales_file(path, scales.num_layers, num_kv_heads, cache)
+    made_for, serving = formats.FP8_FORMATS[scales.fmt_name], formats.FP8_FORMATS[cache]
+    message = str(err.value)
+    assert path in message and err.value.key == "kv_cache.dtype"
+    assert made_for.scale_file_dtype in message and serving.scale_file_dtype in message
+    assert f"--kv-cache-dtype {scales.fmt_name}" in err.value.fix
+    assert f"fp8kv calibrate --kv-cache-dtype {cache}" in err.value.fix
+
+
+@pytest.mark.parametrize("cache", FORMAT_NAMES)
+def test_a_file_without_a_dtype_is_used_as_is_with_a_warning_showing_its_range(tmp_path, cache):
+    doc = valid_doc()
+    del doc["kv_cache"]["dtype"]
+    path = tmp_path / "vllm.json"
+    path.write_text(json.dumps(doc))
+    warnings: list[str] = []
+    loaded = load_scales_file(path, NUM_LAYERS, NUM_HEADS, cache, warn=warnings.append)
+    for name, got in (("k_scaling_factor", loaded.k), ("v_scaling_factor", loaded.v)):
+        for layer, t in enumerate(got):
+            value = doc["kv_cache"][name]["0"][str(layer)]
+            assert t.tolist() == (value if isinstance(value, list) else [value])  # not converted
+    values = [x for name in ("k_scaling_factor", "v_scaling_factor") for layer in doc["kv_cache"][name]["0"].values()
+              for x in (layer if isinstance(layer, list) else [layer])]
+    fmt = formats.FP8_FORMATS[cache]
+    assert len(warnings) == 1
+    for text in (str(path), "kv_cache.dtype", f"{min(values):.3g}", f"{max(values):.3g}",
+                 f"{min(values) * fmt.max:.3g}", f"{max(values) * fmt.max:.3g}", fmt.scale_file_dtype):
+        assert text in warnings[0], text
+    # resolve_scales passes its warn on, so the runner logs it
+    got: list[str] = []
+    resolve_scales(cache, NUM_LAYERS, NUM_HEADS, path, warn=got.append)
+    assert got == warnings
 
 
 def read_like_vllm(path: str, num_layers: int) -> list[float]:
@@ -217,7 +261,6 @@ def rename_layer(doc, old, new):
 ERROR_CASES = {
     "missing kv_cache": (lambda d: del_key(d, "kv_cache"), "kv_cache"),
     "kv_cache not an object": (lambda d: set_key(d, "kv_cache", [1, 2]), "kv_cache"),
-    "missing dtype": (lambda d: del_key(d, "kv_cache.dtype"), "kv_cache.dtype"),
     "unknown dtype": (lambda d: set_key(d, "kv_cache.dtype", "float8_e3m4"), "kv_cache.dtype"),
     "missing scaling_factor": (lambda d: del_key(d, "kv_cache.scaling_factor") or
                                del_key(d, "kv_cache.v_scaling_factor"), "kv_cache.scaling_factor"),
@@ -244,6 +287,16 @@ ERROR_CASES = {
     "beyond float32": (lambda d: set_key(d, "kv_cache.scaling_factor.0.0", 1e39), "kv_cache.scaling_factor.0.0"),
     "zero in float32": (lambda d: set_key(d, "kv_cache.scaling_factor.0.0", 1e-50),
                         "kv_cache.scaling_factor.0.0"),
+    "subnormal in float32": (lambda d: set_key(d, "kv_cache.scaling_factor.0.0", 1e-40),
+                             "kv_cache.scaling_factor.0.0"),
+    "below the scale floor": (lambda d: set_key(d, "kv_cache.k_scaling_factor.0.2", 1e-13),
+                              "kv_cache.k_scaling_factor.0.2"),
+    "near float32's largest": (lambda d: set_key(d, "kv_cache.scaling_factor.0.0", 1e38),
+                               "kv_cache.scaling_factor.0.0"),
+    "above the scale ceiling": (lambda d: set_key(d, "kv_cache.v_scaling_factor.0.0", [0.5, 1e13]),
+                                "kv_cache.v_scaling_factor.0.0[1]"),
+    "an integer beyond float64": (lambda d: set_key(d, "kv_cache.scaling_factor.0.1", 10 ** 400),
+                                  "kv_cache.scaling_factor.0.1"),
     "NaN in a per-head list": (lambda d: set_key(d, "kv_cache.v_scaling_factor.0.0", [0.5, float("nan")]),
                                "kv_cache.v_scaling_factor.0.0[1]"),
     "negative in a per-head list": (lambda d: set_key(d, "kv_cache.k_scaling_factor.0.1", [-1.0, 0.5]),
@@ -304,6 +357,76 @@ def test_invalid_json(tmp_path, text):
     with pytest.raises(ScalesFileError) as err:
         load_scales_file(path, NUM_LAYERS, NUM_HEADS, "fp8_e4m3")
     assert str(path) in str(err.value) and "JSON" in str(err.value)
+
+
+def test_the_range_limits_admit_every_scale_calibration_can_write(tmp_path):
+    # An all-zero head gets the floor (compute_scales and calibrate clamp to it); the ceiling itself passes.
+    floor = compute_scales([torch.zeros(2)], [torch.full((2,), 448.0 * 1e12)], "fp8_e4m3", "head")
+    assert floor.k[0].tolist() == [float(torch.tensor(MIN_SCALE, dtype=torch.float32))] * 2
+    path = tmp_path / "edges.json"
+    write_scales_file(path, floor, "llama", 2)
+    loaded = load_scales_file(path, 1, 2, "fp8_e4m3")
+    assert torch.equal(loaded.k[0], floor.k[0]) and torch.equal(loaded.v[0], floor.v[0])
+    assert float(loaded.v[0][0]) == pytest.approx(MAX_SCALE, rel=1e-6)
+
+
+def test_deeply_nested_json_is_a_clean_error(tmp_path):
+    path = tmp_path / "deep.json"
+    path.write_text('{"kv_cache": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(ScalesFileError) as err:
+        load_scales_file(path, NUM_LAYERS, NUM_HEADS, "fp8_e4m3")
+    assert str(path) in str(err.value) and "nested too deeply" in str(err.value)
+
+
+def test_a_file_larger_than_any_scales_file_is_refused_unread(tmp_path):
+    path = tmp_path / "huge.json"
+    with open(path, "wb") as f:
+        f.truncate(MAX_SCALES_FILE_BYTES + 1)  # sparse: no disk used
+    with pytest.raises(ScalesFileError) as err:
+        load_scales_file(path, NUM_LAYERS, NUM_HEADS, "fp8_e4m3")
+    assert str(path) in str(err.value) and "larger than 16 MiB" in str(err.value)
+
+
+def test_a_fifo_is_refused_without_waiting_for_a_writer(tmp_path):
+    import threading
+
+    path = tmp_path / "scales.json"
+    os.mkfifo(path)
+    outcome: list[BaseException | None] = []
+
+    def load() -> None:
+        try:
+            load_scales_file(path, NUM_LAYERS, NUM_HEADS, "fp8_e4m3")
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001 (reported below, in the test's thread)
+            outcome.append(e)
+
+    reader = threading.Thread(target=load, daemon=True)
+    reader.start()
+    reader.join(timeout=20)
+    if reader.is_alive():  # blocked in open(): a writer lets it go, so the test process is not left hanging
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(timeout=20)
+        pytest.fail("loading a FIFO waited for a writer")
+    assert isinstance(outcome[0], ScalesFileError), outcome
+    assert "a FIFO, not a regular file" in str(outcome[0]) and str(path) in str(outcome[0])
+
+
+def test_a_link_to_an_endless_device_is_refused_unread(tmp_path):
+    import subprocess
+    import sys
+
+    path = tmp_path / "scales.json"
+    os.symlink("/dev/zero", path)
+    # In a child with an address-space cap: reading /dev/zero to the end must fail the test, not the machine.
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))\n"
+            "from fp8cache.scales import ScalesFileError, load_scales_file\n"
+            "try:\n    load_scales_file(sys.argv[1], 3, 2, 'fp8_e4m3')\n"
+            "except ScalesFileError as e:\n    print(e)\n")
+    done = subprocess.run([sys.executable, "-c", code, str(path)], check=False, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "a device, not a regular file" in done.stdout and str(path) in done.stdout
 
 
 def test_fp8_must_be_resolved_before_loading(tmp_path):
@@ -644,3 +767,4 @@ def test_zero_activations_give_a_small_positive_scale():
 def test_compute_scales_rejects_bad_input(args, match):
     with pytest.raises(ValueError, match=match):
         compute_scales(*args)
+
