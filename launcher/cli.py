@@ -127,12 +127,14 @@ def eval_command(model: str | None, kv_cache_dtype: str, quantization_param_path
     """Measure what an FP8 cache costs in quality (decode-faithful perplexity, KL, top-1 agreement)."""
     from fp8cache.config import EngineConfig
     from fp8cache.eval import evaluate
+    from fp8cache.scales import check_engine_scales
 
     config = EngineConfig(model=model, kv_cache_dtype=kv_cache_dtype, dtype=dtype,
                           quantization_param_path=quantization_param_path,
                           calculate_kv_scales=calculate_kv_scales, enable_prefix_caching=False,
                           kv_recent_window=kv_recent_window, kv_recent_window_dtype=kv_recent_window_dtype)
     try:
+        check_engine_scales(config)  # a bad scales file fails now, not after the model loads
         result = evaluate(config, text_path=text_path, windows=windows, window_len=window_len,
                           progress=not as_json)
     except (ValueError, OSError) as exc:

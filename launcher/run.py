@@ -182,6 +182,9 @@ def run(model: str | None, **kw) -> None:
     configure_logging(kw["log_format"])
     config = dataclasses.replace(engine_config(_model(model, kw["model_option"]), kw),
                                  tensor_parallel_size=num_shard)
+    from fp8cache.scales import check_engine_scales
+
+    check_engine_scales(config)  # a bad scales file fails now, not after the model loads (in every rank)
     if rank > 0:
         import logging
 
@@ -250,6 +253,9 @@ def generate(args: tuple[str, ...], **kw) -> None:
     num_shard = kw.pop("num_shard")
     config = dataclasses.replace(engine_config(_model(model, kw["model_option"]), kw),
                                  tensor_parallel_size=num_shard)
+    from fp8cache.scales import check_engine_scales
+
+    check_engine_scales(config)  # a bad scales file fails now, not after the model loads (in every rank)
 
     def log(msg: str) -> None:
         from rich.markup import escape

@@ -768,3 +768,83 @@ def test_compute_scales_rejects_bad_input(args, match):
     with pytest.raises(ValueError, match=match):
         compute_scales(*args)
 
+
+# ---------------------------------------------------------------------------------------------------
+# bad files fail before the model loads: every command and LLM()
+
+
+def _deep(path) -> None:
+    path.write_text('{"kv_cache": ' + "[" * 100_000 + "]" * 100_000 + "}")
+
+
+def _scales_for(layers: int, heads: int, fmt: str, value: float = 0.5):
+    return KVScales([torch.full((heads,), value)] * layers, [torch.full((heads,), value)] * layers, fmt, "t")
+
+
+EARLY_CASES = {  # name -> (make the file for the tiny model: 2 layers, 2 KV heads; words the error must hold)
+    "nested too deeply": (_deep, "nested too deeply"),
+    "FIFO": (lambda p: os.mkfifo(p), "a FIFO, not a regular file"),
+    "e5m2 scales on an e4m3 cache": (lambda p: write_scales_file(p, _scales_for(2, 2, "fp8_e5m2"), "llama", 2),
+                                     "made for float8_e5m2"),
+    "a scale of 1e38": (lambda p: p.write_text(json.dumps({"kv_cache": {
+        "dtype": "float8_e4m3fn", "scaling_factor": {"0": {"0": 0.5, "1": 1e38}}}})), "outside"),
+    "layers of another model": (lambda p: write_scales_file(p, _scales_for(3, 2, "fp8_e4m3"), "llama", 2),
+                                "the file has 3 layers, the model 2"),
+}
+
+
+def _model_never_loads(*args, **kwargs):
+    raise AssertionError("the model was loaded before the scales file was checked")
+
+
+def _flat(output: str) -> str:
+    return " ".join(output.split())  # rich wraps long lines
+
+
+@pytest.mark.parametrize("command", ["run", "generate", "eval"])
+@pytest.mark.parametrize("case", EARLY_CASES, ids=str)
+def test_commands_refuse_a_bad_scales_file_before_loading_the_model(tiny_llama_path, tmp_path, monkeypatch,
+                                                                     command, case):
+    from click.testing import CliRunner
+
+    import fp8cache.eval
+    import fp8cache.server.serve
+    from fp8cache.engine.llm import LLM
+    from launcher.cli import main
+
+    monkeypatch.setattr(fp8cache.server.serve, "serve", _model_never_loads)
+    monkeypatch.setattr(LLM, "from_config", _model_never_loads)
+    monkeypatch.setattr(fp8cache.eval, "evaluate", _model_never_loads)
+    make, words = EARLY_CASES[case]
+    path = tmp_path / "scales.json"
+    make(path)
+    args = [command, tiny_llama_path, *(["hello"] if command == "generate" else []), "--kv-cache-dtype", "fp8_e4m3",
+            "--quantization-param-path", str(path)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    assert str(path) in result.output.replace("\n", "") and words in _flat(result.output)
+
+
+@pytest.mark.parametrize("case", EARLY_CASES, ids=str)
+def test_llm_refuses_a_bad_scales_file_before_loading_the_model(tiny_llama_path, tmp_path, monkeypatch, case):
+    import fp8cache.engine.llm as llm_module
+
+    monkeypatch.setattr(llm_module, "LLMEngine", _model_never_loads)
+    make, words = EARLY_CASES[case]
+    path = tmp_path / "scales.json"
+    make(path)
+    with pytest.raises(ScalesFileError) as err:
+        llm_module.LLM(model=tiny_llama_path, kv_cache_dtype="fp8_e4m3", quantization_param_path=str(path))
+    assert str(path) in str(err.value) and words in str(err.value)
+
+
+def test_the_early_check_knows_the_default_models_shape(default_model_path, tmp_path, monkeypatch):
+    import fp8cache.engine.llm as llm_module
+    from fp8cache.model.loader import read_config_dict
+
+    monkeypatch.setattr(llm_module, "LLMEngine", _model_never_loads)
+    layers = read_config_dict(default_model_path)["num_hidden_layers"]
+    path = tmp_path / "scales.json"
+    write_scales_file(path, _scales_for(layers + 1, 1, "fp8_e4m3"), "llama", 1)
+    with pytest.raises(ScalesFileError, match=f"the file has {layers + 1} layers, the model {layers}"):
+        llm_module.LLM(kv_cache_dtype="fp8", quantization_param_path=str(path))  # no model: the default one

@@ -61,6 +61,9 @@ class LLM:
 
     def _start(self, config: EngineConfig, log: Callable[[str], None] | None) -> None:
         from fp8cache.distributed import parallel_state
+        from fp8cache.scales import check_engine_scales
+
+        check_engine_scales(config)  # a bad scales file fails before workers start or weights load
 
         if log is None:
             configure_default_logging()
