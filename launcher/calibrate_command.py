@@ -15,6 +15,7 @@ from fp8cache import formats
 from fp8cache.calibrate import DEFAULT_STATISTIC, STATISTICS
 from fp8cache.rotation import ROTATIONS
 from fp8cache.scales import GRANULARITIES
+from launcher.supervisor import owns_its_children
 
 console = Console(stderr=True)
 
@@ -50,6 +51,7 @@ console = Console(stderr=True)
               help="Record the recent-token window (newest tokens kept in full precision) to use with these scales; "
                    "run/eval/bench take it when not given one.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow Python code shipped in the model folder to run.")
+@owns_its_children
 def calibrate(model: str | None, dataset: str | None, num_samples: int, max_seq_len: int | None,
               granularity: str, kv_rotation: str, kv_cache_dtype: str, statistic: str, output: str, force: bool,
               write_checkpoint: str | None, dtype: str, device: str, tokenizer: str | None,

@@ -18,6 +18,7 @@ import click
 from rich.console import Console
 
 from fp8cache.formats import KV_CACHE_DTYPES
+from launcher.supervisor import owns_its_children
 
 console = Console(stderr=True)
 DEFAULT_GRACEFUL_TIMEOUT = 30.0
@@ -164,6 +165,7 @@ def _engine_errors(fn: Callable) -> Callable:
         help="Tensor-parallel ranks: this many processes each hold a slice of the model's heads and MLP. "
              "Started here when RANK is unset; with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set (several "
              "machines, torchrun) this process is that one rank.")
+@owns_its_children
 @_engine_errors
 def run(model: str | None, **kw) -> None:
     """Serve MODEL over HTTP: OpenAI /v1 routes, TGI /generate routes, /health and /metrics.
@@ -175,16 +177,25 @@ def run(model: str | None, **kw) -> None:
 
     num_shard = kw.pop("num_shard")
     rank = parallel_state.env_rank() if num_shard > 1 else 0
-    if rank is None:  # one machine: start the ranks and watch them (rank 0 serves HTTP)
-        from launcher.supervisor import supervise
-
-        sys.exit(supervise(sys.argv[1:], num_shard, stop_timeout=kw["graceful_timeout"] + 30))
-    configure_logging(kw["log_format"])
     config = dataclasses.replace(engine_config(_model(model, kw["model_option"]), kw),
                                  tensor_parallel_size=num_shard)
     from fp8cache.scales import check_engine_scales
 
     check_engine_scales(config)  # a bad scales file fails now, not after the model loads (in every rank)
+    if rank is None:  # one machine: start the ranks and watch them (rank 0 serves HTTP)
+        from fp8cache.distributed.sharding import check_model_divisible
+        from fp8cache.server.listener import ListenError, check_listen
+        from fp8cache.server.serve import EXIT_PORT_IN_USE
+        from launcher.supervisor import supervise
+
+        # What would fail in every rank after its model load is refused here, once, before any starts.
+        check_model_divisible(config)
+        try:
+            check_listen(kw["host"], kw["port"])
+        except ListenError as exc:
+            _fail(str(exc), code=EXIT_PORT_IN_USE)
+        sys.exit(supervise(sys.argv[1:], num_shard, stop_timeout=kw["graceful_timeout"] + 30))
+    configure_logging(kw["log_format"])
     if rank > 0:
         import logging
 
@@ -234,6 +245,7 @@ def run(model: str | None, **kw) -> None:
              "RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set (several machines, torchrun) this process is that "
              "one rank.")
 @engine_options
+@owns_its_children
 @_engine_errors
 def generate(args: tuple[str, ...], **kw) -> None:
     """Generate from PROMPT ('-' reads standard input) without a server, streaming text to stdout.

@@ -9,6 +9,8 @@ SIGINT is forwarded to every rank: rank 0 finishes its in-flight requests, then 
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import signal
 import socket
@@ -32,7 +34,9 @@ from fp8cache.distributed.processes import (
 from fp8cache.server.notify import Notifier
 
 MASTER_ADDR = LOOPBACK
-__all__ = ["MASTER_ADDR", "Supervisor", "free_port", "rank_command", "supervise"]
+__all__ = ["MASTER_ADDR", "Supervisor", "free_port", "kill_descendants", "owns_its_children", "rank_command",
+           "supervise"]
+EXIT_INTERRUPTED = 128 + signal.SIGINT  # the shell's status for a command ended by Ctrl-C
 _FAILURE_GRACE_S = 10.0  # after one rank fails, how long the others get to exit before SIGKILL
 _POLL_S = 0.1
 
@@ -170,11 +174,17 @@ class Supervisor:
             self.say(f"fp8kv: ranks still running after {self.stop_timeout:g}s; killing them")
         time.sleep(0.2)
         codes = [r.proc.returncode for r in self.ranks]
-        bad = [(r.rank, c) for r, c in zip(self.ranks, codes) if c != 0]
+        # A rank still importing when the SIGTERM came has no handler yet and dies of it: that is the stop
+        # asked for, not an error.
+        bad = [(r.rank, c) for r, c in zip(self.ranks, codes) if c not in (0, -signal.SIGTERM)]
         for r, c in bad:
             self.say(f"fp8kv: rank {r} {describe_exit(c)}")
         self.say(f"fp8kv: stopped ({'cleanly' if not bad else 'with errors'})")
-        return 0 if not bad else 1
+        if bad:
+            return 1
+        # Ctrl-C before every rank was up interrupted the start (the shell's 130); after that it is a stop.
+        loading = not all(r.ready for r in self.ranks)
+        return EXIT_INTERRUPTED if self.stop_signal == signal.SIGINT and loading else 0
 
     def _signal_all(self, sig: int) -> None:
         for rank in self.ranks:
@@ -205,3 +215,88 @@ class Supervisor:
 def supervise(argv: list[str], num_shard: int, stop_timeout: float) -> int:
     """Run `fp8kv <argv>` as num_shard ranks on this machine; the exit status for the whole group."""
     return Supervisor(argv, num_shard, stop_timeout).run()
+
+
+# -- no process outlives the command ----------------------------------------------------------------
+
+_PR_SET_CHILD_SUBREAPER = 36
+_DESCENDANT_GRACE_S = 2.0
+
+
+def owns_its_children(command: Callable) -> Callable:
+    """Decorator for a click command that loads a model: Ctrl-C exits 130 with one line instead of a
+    traceback, and no process it started outlives it. The op library compiles in torch's ninja child, whose
+    compilers subprocess.run leaves running when it kills ninja on an interrupt; as a child subreaper this
+    process inherits such orphans and ends them on the way out."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        _become_subreaper()
+        try:
+            return command(*args, **kwargs)
+        except KeyboardInterrupt:
+            sys.stderr.write("\nfp8kv: interrupted\n")
+            sys.exit(EXIT_INTERRUPTED)
+        finally:
+            kill_descendants()
+
+    return wrapper
+
+
+def _become_subreaper() -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    except (OSError, AttributeError):  # not Linux: orphans go to init as before
+        pass
+
+
+def _process_table() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, state letter) of every process this one can see."""
+    table = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+        except OSError:  # gone meanwhile
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) ", which may hold spaces
+        table[int(name)] = (int(fields[1]), fields[0])
+    return table
+
+
+def _living_descendants(root: int) -> list[int]:
+    table = _process_table()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found, todo = [], list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo += children.get(pid, [])
+    return [pid for pid in found if table[pid][1] != "Z"]  # a zombie is already dead
+
+
+def kill_descendants(grace_s: float = _DESCENDANT_GRACE_S) -> list[int]:
+    """SIGTERM every living descendant of this process, SIGKILL what is left after grace_s; the pids
+    signalled. The search repeats, because a killed parent's children are re-parented here meanwhile."""
+    if not os.path.isdir("/proc"):
+        return []
+    me, signalled = os.getpid(), set()
+    start = time.monotonic()
+    while True:
+        alive = _living_descendants(me)
+        elapsed = time.monotonic() - start
+        if not alive or elapsed > 2 * grace_s + 1:  # past that, only an unkillable (D state) process is left
+            return sorted(signalled)
+        late = elapsed > grace_s
+        for pid in alive:
+            if late or pid not in signalled:
+                try:
+                    os.kill(pid, signal.SIGKILL if late else signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+                signalled.add(pid)
+        time.sleep(_POLL_S / 2)

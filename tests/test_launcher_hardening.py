@@ -4,9 +4,20 @@ loading; and `generate --help` saying that it applies the chat template."""
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
 from click.testing import CliRunner
 
 from launcher.cli import main
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def test_generate_help_says_it_applies_the_chat_template():
@@ -14,3 +25,138 @@ def test_generate_help_says_it_applies_the_chat_template():
     assert done.exit_code == 0, done.output
     text = " ".join(done.output.split())
     assert "chat template" in text and "LLM.generate()" in text and "--no-chat" in text
+
+
+# -- Ctrl-C while loading ------------------------------------------------------------------------------
+
+# Stands in for torch's ninja build: subprocess.run of a shell (ninja) whose child (a compiler) runs on.
+FAKE_COMPILE = """
+import subprocess, torch.utils.cpp_extension as cpp_extension
+def load(*args, **kwargs):
+    subprocess.run(["sh", "-c", "sleep 300 & echo $! > {pidfile}; wait"], check=True)
+cpp_extension.load = load
+from launcher.cli import main
+main()
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def _start_compiling(tmp_path: Path, args: list[str]) -> tuple[subprocess.Popen, Path, int]:
+    pidfile = tmp_path / "compiler.pid"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FP8KV_")}
+    env.update(FP8KV_CACHE_DIR=str(tmp_path / "cache"), PYTHONUNBUFFERED="1",
+               PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""))  # ninja of this venv
+    log = tmp_path / "out.log"
+    proc = subprocess.Popen([sys.executable, "-c", FAKE_COMPILE.format(pidfile=pidfile), *args], cwd=REPO,
+                            env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not (pidfile.exists() and pidfile.read_text().strip()):
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.1)
+    return proc, log, int(pidfile.read_text())
+
+
+@pytest.mark.parametrize("command", ["generate", "run"])
+def test_ctrl_c_while_compiling_exits_130_and_ends_the_compiler(tmp_path, tiny_llama_path, command):
+    args = ["generate", tiny_llama_path, "the city", "--max-tokens", "2"] if command == "generate" else \
+        ["run", tiny_llama_path, "--port", "0"]
+    proc, log, compiler = _start_compiling(tmp_path, args)
+    try:
+        os.kill(proc.pid, signal.SIGINT)  # as `kill -INT` or a supervisor sends it: to this process only
+        code = proc.wait(60)
+        time.sleep(0.5)
+        orphan = _alive(compiler)
+        output = log.read_text()
+        # 130: the shell's status for Ctrl-C; the compiler must not run on as an orphan
+        assert {"status": code, "compiler left running": orphan} == {"status": 130, "compiler left running": False}, \
+            output[-3000:]
+        assert "Traceback" not in output, output[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if _alive(compiler):
+            os.kill(compiler, signal.SIGKILL)
+
+
+def test_ctrl_c_before_the_ranks_are_up_exits_130(monkeypatch):
+    # `fp8kv run --num-shard N`: the supervisor stops the loading ranks and reports the interrupted start.
+    import threading
+
+    from launcher import supervisor
+
+    loading = [sys.executable, "-c", "import time; time.sleep(120)"]  # a rank that never reports READY
+    monkeypatch.setattr(supervisor, "rank_command", lambda argv: loading)
+    lines: list[str] = []
+    group = supervisor.Supervisor([], 2, stop_timeout=10, write=lines.append)
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+    assert group.run() == 130, "".join(lines)
+    assert all(rank.proc.returncode is not None for rank in group.ranks)
+
+
+# -- checked before the model loads or any rank starts ---------------------------------------------------
+
+def _fp8kv(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FP8KV_")}
+    return subprocess.run([sys.executable, "-m", "launcher.cli", *args], capture_output=True, text=True,
+                          cwd=REPO, env=env, timeout=timeout, check=False)
+
+
+@pytest.mark.parametrize("shards", ["1", "2"])
+def test_port_in_use_is_found_before_the_model_loads(tiny_llama_path, shards):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = _fp8kv("run", tiny_llama_path, "--port", str(port), "--num-shard", shards)
+    output = done.stdout + done.stderr
+    assert done.returncode == 3, output  # serve.py's status for an address it cannot listen on
+    assert f"127.0.0.1:{port}" in output and "--port" in output
+    assert "Loading weights" not in output and "KV cache" not in output and "rank 0 started" not in output
+
+
+def test_num_shard_that_does_not_divide_the_heads_is_one_line(make_tiny_model):
+    model = make_tiny_model(hidden_size=192, num_attention_heads=3, num_key_value_heads=3)
+    for args in (["run", model, "--port", "0"], ["generate", model, "the city", "--max-tokens", "2"]):
+        done = _fp8kv(*args, "--num-shard", "2")
+        output = done.stdout + done.stderr
+        assert done.returncode == 2, output
+        assert "does not divide" in output and "--num-shard" in output
+        assert "Traceback" not in output and "[rank 1]" not in output and "Loading weights" not in output
+
+
+SLOW_LOAD = """
+import pathlib, time, fp8cache.model.loader as loader
+def load_model(*args, **kwargs):
+    pathlib.Path({marker!r}).write_text("loading")
+    time.sleep(300)
+loader.load_model = load_model
+from launcher.cli import main
+main()
+"""
+
+
+def test_ctrl_c_while_calibrate_loads_exits_130(tmp_path, tiny_llama_path):
+    marker = tmp_path / "loading"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FP8KV_")}
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_LOAD.format(marker=str(marker)), "calibrate",
+                             tiny_llama_path, "-o", str(tmp_path / "scales.json")], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+            time.sleep(0.1)
+        os.kill(proc.pid, signal.SIGINT)
+        output = proc.communicate(timeout=60)[0]
+        assert proc.returncode == 130, output[-3000:]
+        assert "Traceback" not in output
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fp8cache.config import EngineConfig
 from fp8cache.distributed import parallel_state
 
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -59,6 +60,26 @@ def check_divisible(hf_config: object, tp_size: int) -> None:
         raise ValueError(f"tensor-parallel size {tp_size} does not divide this model's "
                          f"{' and '.join(problems)}; use --num-shard (tensor_parallel_size) "
                          f"{' or '.join(map(str, divisors))}")
+
+
+def check_model_divisible(config: EngineConfig) -> None:
+    """check_divisible from the model's config.json alone, before any rank is started: a --num-shard the
+    heads do not allow is then one error, not one traceback per rank after each loaded the weights. A config
+    that cannot be read here is left for the ranks to report."""
+    size = config.tensor_parallel_size
+    if not isinstance(size, int) or size <= 1:
+        return
+    from transformers import AutoConfig
+
+    from fp8cache.model.loader import resolve_model_path
+
+    path = resolve_model_path(config.model)
+    try:
+        hf_config = AutoConfig.from_pretrained(path, trust_remote_code=bool(config.trust_remote_code),
+                                               local_files_only=True)
+    except (OSError, ValueError):
+        return
+    check_divisible(hf_config, size)
 
 
 def shard_model(model: nn.Module, hf_config: object, tp_rank: int, tp_size: int) -> None:

@@ -78,7 +78,9 @@ class LLM:
             rank = parallel_state.env_rank()
             if rank is None:
                 from fp8cache.distributed.group import TensorParallelGroup
+                from fp8cache.distributed.sharding import check_model_divisible
 
+                check_model_divisible(config)  # before the workers start and each load the weights
                 self.tp_group = TensorParallelGroup.start([config], log=log)
                 runner = self.tp_group.runners[0]
             elif rank != 0:

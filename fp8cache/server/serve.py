@@ -1,7 +1,8 @@
 """Run the HTTP server: load the engine, serve with uvicorn, stop gracefully, tell systemd.
 
-Exit codes: 0 after a signal-driven stop (in-flight requests finished or cut at the graceful timeout),
-1 when the engine loop crashed (so Restart=on-failure restarts us), 3 when the port cannot be bound.
+Exit codes: 0 after a signal-driven stop (in-flight requests finished or cut at the graceful timeout) or
+SIGTERM while loading, 130 for SIGINT (Ctrl-C) while loading, 1 when the engine loop crashed (so
+Restart=on-failure restarts us), 3 when the port cannot be bound (checked before the model loads).
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ from typing import Any
 import uvicorn
 
 from fp8cache.config import EngineConfig
+from fp8cache.server.listener import ListenError, bind_listeners
 from fp8cache.server.notify import Notifier, watchdog_interval
 
 logger = logging.getLogger("fp8kv")
 
-EXIT_OK, EXIT_ENGINE_CRASH = 0, 1
+EXIT_OK, EXIT_ENGINE_CRASH, EXIT_PORT_IN_USE = 0, 1, 3
 
 
 @dataclass
@@ -115,6 +117,11 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
     from fp8cache.server.async_engine import AsyncEngine
     from fp8cache.server.metrics import ServerMetrics
 
+    try:
+        sockets = bind_listeners(options.host, options.port)  # before loading: a port in use fails at once
+    except ListenError as exc:
+        logger.error("%s", exc)
+        return EXIT_PORT_IN_USE
     notifier = Notifier()
     notifier.status("loading the model")
     with _exit_on_signal(notifier):
@@ -156,7 +163,7 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
 
     server = _Server(uv_config, notifier, on_started)
     try:
-        server.run()
+        server.run(sockets=sockets)
     finally:
         notifier.stopping()
         async_engine.stop(timeout=5.0)
@@ -183,7 +190,9 @@ def _exit_on_signal(notifier: Notifier) -> Iterator[None]:
     def stop(sig: int, frame: Any) -> None:
         notifier.stopping()
         logger.info("%s received while loading; exiting", signal.Signals(sig).name)
-        raise SystemExit(EXIT_OK)
+        # SIGTERM is how systemd stops a service (a clean stop); Ctrl-C interrupted the start, and the shell
+        # convention for that is 128 + SIGINT.
+        raise SystemExit(EXIT_OK if sig == signal.SIGTERM else 128 + sig)
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
