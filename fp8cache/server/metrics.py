@@ -45,6 +45,10 @@ class ServerMetrics:
         self.prefix_hit_rate = self._gauge("fp8kv_prefix_cache_hit_rate",
                                            "Share of queried prompt blocks found in the prefix cache.")
         self.engine_alive = self._gauge("fp8kv_engine_alive", "1 while the engine loop runs.")
+        self.structured_output_compiles = Counter(
+            "fp8kv_structured_output_compiles", "Structured output grammars asked for, by outcome: compiled, "
+            "cached, refused (too big or invalid), timeout, memory (over budget), cancelled (client gone).",
+            _COMMON + ("outcome",), registry=r)
         self.cache_info = Info("fp8kv_kv_cache", "KV cache configuration.", registry=r)
         self.cache_info.info({"kv_cache_dtype": kv_cache_dtype, "model_name": model_name, **(info or {})})
 
@@ -57,6 +61,9 @@ class ServerMetrics:
     def observe_request(self, route: str, status: int, seconds: float) -> None:
         self.requests.labels(**self._labels, route=route, status=str(status)).inc()
         self.request_duration.labels(**self._labels, route=route).observe(seconds)
+
+    def observe_compile(self, outcome: str) -> None:
+        self.structured_output_compiles.labels(**self._labels, outcome=outcome).inc()
 
     def observe_engine(self, stats: dict[str, float]) -> None:
         """Refresh the gauges from an engine stats snapshot (see AsyncEngine.stats)."""

@@ -3,6 +3,7 @@ outputs and tool calls."""
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -10,6 +11,7 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
+from jinja2 import TemplateError
 
 from fp8cache.server import logprobs as LP
 from fp8cache.server import protocol as P
@@ -33,7 +35,9 @@ from fp8cache.server.app import (
     parse,
     sse,
 )
-from fp8cache.server.async_engine import EngineDeadError, RequestStream
+from fp8cache.server.async_engine import EngineDeadError, RequestAborted, RequestStream
+
+logger = logging.getLogger("fp8kv.server")
 
 
 def _usage_options(body: P.SamplingFields) -> tuple[bool, bool]:
@@ -48,7 +52,8 @@ async def completions(request: Request) -> Response:
     body: P.CompletionRequest = await parse(request, P.CompletionRequest)
     _check_model(state, body.model)
     tok = state.info.tokenizer
-    prompts = await _tokenize(state, lambda: [p if isinstance(p, list) else tok.encode(p) for p in body.prompt])
+    prompts = await _tokenize(state, lambda: [p if isinstance(p, list) else tok.encode(p) for p in body.prompt],
+                              size=sum(len(p) for p in body.prompt))
     if any(not p for p in prompts):
         raise P.RequestError("prompt: a prompt encodes to zero tokens", param="prompt", code="invalid_value")
     max_tokens = _check_lengths(state, prompts, body.max_tokens if "max_tokens" in body.model_fields_set
@@ -57,9 +62,10 @@ async def completions(request: Request) -> Response:
         max_tokens = min(max_tokens, 16)  # OpenAI's default for completions
     texts = [p if isinstance(p, str) else "" for p in body.prompt]
     if body.echo:
-        texts = await _tokenize(state, lambda: [t or tok.decode(p) for t, p in zip(texts, prompts)])
+        texts = await _tokenize(state, lambda: [t or tok.decode(p) for t, p in zip(texts, prompts)],
+                                size=sum(len(p) for p in prompts))
     params = _sampling_params(state, body.sampling_kwargs() | {"max_tokens": max_tokens})
-    await _compile_structure(state, params, body.structure_field())
+    await _compile_structure(request, state, params, body.structure_field())
     prepared = Prepared(prompts, texts, max_tokens, params)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     streams = _submit_all(state, request_id, prepared)
@@ -139,9 +145,17 @@ async def _completion_events(request_id: str, name: str, body: P.CompletionReque
                 logprobs = _completion_logprobs(body, entries, tokens, offsets.get((i, c.index), 0))
                 offsets[(i, c.index)] = LP.end_offset(logprobs, offsets.get((i, c.index), 0))
                 yield event(i * body.n + c.index, text, c.finish_reason, logprobs)
-    except EngineDeadError as exc:
-        yield _stream_error("/v1/completions", exc)
+    except EngineDeadError:
+        yield _stream_error("/v1/completions")
         return
+    except RequestAborted:
+        # Cut at the graceful shutdown timeout: every unfinished choice ends with finish_reason "abort" (vLLM's
+        # reason for a request stopped from outside), so clients see a complete stream.
+        for i in range(len(prepared.prompts)):
+            for k in range(body.n):
+                delta = deltas.get((i, k))
+                if delta is None or delta.finish_reason is None:
+                    yield event(i * body.n + k, "", "abort")
     if include_usage:
         usage = _usage(prepared.prompts, finals).model_dump()
         yield sse({"id": request_id, "object": "text_completion", "created": created, "model": name,
@@ -163,7 +177,7 @@ async def chat_completions(request: Request) -> Response:
         kwargs["structured_outputs"] = TOOLS.structured_outputs(body.tools, body.tool_choice,
                                                                 parallel=body.parallel_tool_calls is not False)
     params = _sampling_params(state, kwargs)
-    await _compile_structure(state, params, "tool_choice" if body.calls_tools else body.structure_field())
+    await _compile_structure(request, state, params, "tool_choice" if body.calls_tools else body.structure_field())
     prepared = Prepared([prompt], [""], max_tokens, params)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = _submit_all(state, request_id, prepared)
@@ -218,10 +232,14 @@ async def _render_chat(state: AppState, messages: list[P.ChatMessage], add_gener
         return tok.encode(text, add_special_tokens=add_special_tokens)
 
     try:
-        return await _tokenize(state, render)
-    except Exception as exc:  # noqa: BLE001 - the template's own complaint is the useful message
+        return await _tokenize(state, render, size=sum(len(m["content"]) for m in plain))
+    except TemplateError as exc:  # the template's own complaint (raise_exception) is the useful message
         raise P.RequestError(f"messages: the chat template refused them: {exc}", param="messages",
                              code="invalid_value") from None
+    except Exception as exc:  # noqa: BLE001 - what broke inside the template is no message for a client
+        logger.info("the chat template failed on a request's messages: %r", exc)
+        raise P.RequestError("messages: the chat template cannot render these messages (see the server log); "
+                             "check their roles and order", param="messages", code="invalid_value") from None
 
 
 async def _chat_events(request_id: str, name: str, body: P.ChatCompletionRequest, prepared: Prepared,
@@ -267,9 +285,14 @@ async def _chat_events(request_id: str, name: str, body: P.ChatCompletionRequest
                     delta.finish_reason = c.finish_reason
                     yield chunk([P.ChatChunkChoice(index=c.index, delta=P.ChatDelta(), logprobs=logprobs,
                                                    finish_reason=_chat_finish_reason(body, c))])
-    except EngineDeadError as exc:
-        yield _stream_error("/v1/chat/completions", exc)
+    except EngineDeadError:
+        yield _stream_error("/v1/chat/completions")
         return
+    except RequestAborted:  # cut at the graceful shutdown timeout (see _completion_events)
+        for index, delta in enumerate(deltas):
+            if delta.finish_reason is None:
+                delta.finish_reason = "abort"
+                yield chunk([P.ChatChunkChoice(index=index, delta=P.ChatDelta(), finish_reason="abort")])
     if include_usage:
         yield chunk([], _usage(prepared.prompts, finals))
     yield "data: [DONE]\n\n"

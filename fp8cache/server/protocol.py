@@ -8,6 +8,7 @@ max-model-len, token ids against the vocabulary, the model name) live in app.py.
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any, Literal
 
@@ -31,6 +32,8 @@ MAX_STOP_SEQUENCES = 16
 MAX_STOP_LENGTH = 512
 MAX_MESSAGES = 4096
 INT64_MAX = 2**63 - 1
+_TOKEN_ID_DIGITS = 10
+_TOKEN_ID_KEY = re.compile(rf"[0-9]{{1,{_TOKEN_ID_DIGITS}}}")
 
 
 class Strict(BaseModel):
@@ -122,8 +125,11 @@ class SamplingFields(Strict):
     @classmethod
     def _logit_bias(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         for token, bias in (value or {}).items():
-            if not token.isdigit():
-                raise ValueError(f"key {token!r} is not a token id; keys are token ids as strings, e.g. \"50256\"")
+            # ASCII digits only: str.isdigit() also passes "²", which int() refuses.
+            if not _TOKEN_ID_KEY.fullmatch(token):
+                shown = token if len(token) <= 32 else token[:32] + "..."
+                raise ValueError(f"key {shown!r} is not a token id; keys are token ids as strings of at most "
+                                 f"{_TOKEN_ID_DIGITS} digits, e.g. \"50256\"")
             if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
                 raise ValueError(f"the bias of token {token} must be a number in [-100, 100]")
         if value is not None and len(value) > MAX_LOGIT_BIAS:

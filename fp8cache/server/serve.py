@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import ipaddress
 import json
 import logging
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +24,8 @@ from typing import Any
 import uvicorn
 
 from fp8cache.config import EngineConfig
+from fp8cache.server import grammar as G
+from fp8cache.server.connections import DEFAULT_READ_TIMEOUT_S, connection_limits, protocol_class
 from fp8cache.server.listener import ListenError, bind_listeners
 from fp8cache.server.notify import Notifier, watchdog_interval
 
@@ -40,6 +45,17 @@ class ServeOptions:
     max_request_bytes: int = 4 * 2**20
     max_concurrent_requests: int = 256
     access_log: bool = True
+    max_connections: int | None = None  # None: from the open-file limit (connections.connection_limits)
+    read_timeout: float = DEFAULT_READ_TIMEOUT_S
+    structured_output_timeout: float = G.DEFAULT_TIMEOUT_S
+    structured_output_memory: int | str = G.DEFAULT_MEMORY_BYTES  # bytes, or a size such as "2GiB"
+    stall_timeout: float = 60.0
+
+
+# After the graceful timeout the server ends the streams still running (each gets its final event), then
+# gives them this long to go out before uvicorn cancels what is left.
+FINAL_EVENTS_S = 2.0
+LOG_INTERVAL_S = 10.0
 
 
 class JsonFormatter(logging.Formatter):
@@ -54,10 +70,41 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, ensure_ascii=False, default=str)
 
 
+class OncePerInterval(logging.Filter):
+    """One record per cause (logger, level and message template) per interval; the next one let through says
+    how many were dropped. A flood of bad connections then costs a line every few seconds, not 150 MB a minute.
+    The access log, one line per request by design, is left alone."""
+
+    def __init__(self, interval: float = LOG_INTERVAL_S, exempt: tuple[str, ...] = ("uvicorn.access",)) -> None:
+        super().__init__()
+        self.interval = interval
+        self.exempt = exempt
+        self._seen: dict[tuple, list] = {}  # cause -> [when last let through, dropped since]
+        self._lock = threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name in self.exempt:
+            return True
+        key, now = (record.name, record.levelno, str(record.msg)), time.monotonic()
+        with self._lock:
+            entry = self._seen.get(key)
+            if entry is not None and now - entry[0] < self.interval:
+                entry[1] += 1
+                return False
+            dropped = entry[1] if entry is not None else 0
+            self._seen[key] = [now, 0]
+            if len(self._seen) > 4096:  # messages formatted in advance are causes of their own: forget old ones
+                self._seen = {k: v for k, v in self._seen.items() if now - v[0] < self.interval}
+        if dropped:
+            record.msg = f"{record.msg} [and {dropped} more like this in the {self.interval:g} s before, not logged]"
+        return True
+
+
 def configure_logging(log_format: str) -> None:
     if log_format not in ("text", "json"):
         raise ValueError(f"log format {log_format!r} is not known; use text or json")
     handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(OncePerInterval())
     handler.setFormatter(JsonFormatter() if log_format == "json" else
                          logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s", "%H:%M:%S"))
     root = logging.getLogger()
@@ -76,10 +123,13 @@ class _Server(uvicorn.Server):
     """uvicorn with our own signal handling: stop gracefully and exit 0 (uvicorn re-raises the signal,
     which would make the exit status 'killed by SIGTERM'), and tell systemd about each phase."""
 
-    def __init__(self, config: uvicorn.Config, notifier: Notifier, on_started) -> None:
+    def __init__(self, config: uvicorn.Config, notifier: Notifier, on_started, graceful_timeout: float,
+                 on_deadline) -> None:
         super().__init__(config)
         self.notifier = notifier
         self.on_started = on_started
+        self.graceful_timeout = graceful_timeout
+        self.on_deadline = on_deadline
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -101,22 +151,36 @@ class _Server(uvicorn.Server):
         self.should_exit = True
         self.notifier.stopping(f"stopping on {signal.Signals(sig).name}")
         logger.info("%s received: no new connections; in-flight requests get up to %ss to finish",
-                    signal.Signals(sig).name, self.config.timeout_graceful_shutdown)
+                    signal.Signals(sig).name, self.graceful_timeout)
 
     async def startup(self, sockets: list | None = None) -> None:
         await super().startup(sockets)
         if self.started:
             self.on_started(self)
 
+    async def shutdown(self, sockets: list | None = None) -> None:
+        # uvicorn cancels what runs past its timeout, which cuts a stream mid-event; ending the requests
+        # ourselves at the graceful timeout lets each stream send its final event first.
+        deadline = asyncio.get_running_loop().call_later(self.graceful_timeout, self.on_deadline)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            deadline.cancel()
+
 
 def serve(config: EngineConfig, options: ServeOptions) -> int:
     """Load the engine, serve until a signal or an engine crash; the process exit code."""
     from fp8cache.engine.llm_engine import LLMEngine
     from fp8cache.engine.sampling_params import SamplingParams
-    from fp8cache.server.app import AppState, ModelInfo, ServerSettings, create_app
+    from fp8cache.server.app import LOOPBACK_HOSTS, AppState, ModelInfo, ServerSettings, create_app
     from fp8cache.server.async_engine import AsyncEngine
     from fp8cache.server.metrics import ServerMetrics
 
+    if not isinstance(options.structured_output_memory, int):
+        from fp8cache.model.kv_cache import parse_memory_size
+
+        options = dataclasses.replace(options, structured_output_memory=parse_memory_size(
+            options.structured_output_memory, "--structured-output-memory"))
     try:
         sockets = bind_listeners(options.host, options.port)  # before loading: a port in use fails at once
     except ListenError as exc:
@@ -145,11 +209,25 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
     async_engine = AsyncEngine(engine, metrics, on_dead=on_engine_dead, log=_log_line)
     settings = ServerSettings(served_model_name=name, model_path=model_path, api_key=options.api_key,
                               max_request_bytes=options.max_request_bytes,
-                              max_concurrent_requests=options.max_concurrent_requests)
+                              max_concurrent_requests=options.max_concurrent_requests,
+                              allowed_hosts=LOOPBACK_HOSTS if is_loopback(options.host) else None,
+                              structured_output_timeout=options.structured_output_timeout,
+                              structured_output_memory=options.structured_output_memory,
+                              stall_timeout=options.stall_timeout)
     app = create_app(AppState(settings, info, async_engine, metrics, SamplingParams))
+    limits, warning = connection_limits(options.max_connections)
+    if warning:
+        logger.warning(warning)
     uv_config = uvicorn.Config(app, host=options.host, port=options.port, log_config=None, lifespan="on",
-                               timeout_graceful_shutdown=options.graceful_timeout, ws="none", http="h11",
+                               timeout_graceful_shutdown=options.graceful_timeout + FINAL_EVENTS_S, ws="none",
+                               http=protocol_class(limits, options.read_timeout), backlog=limits.backlog,
                                access_log=options.access_log, server_header=False)
+
+    def on_deadline() -> None:
+        cut = async_engine.abort_all("graceful shutdown timeout")
+        if cut:
+            logger.warning("graceful timeout (%gs) reached: ended %d requests still running",
+                           options.graceful_timeout, cut)
 
     def on_started(srv: _Server) -> None:
         port = srv.servers[0].sockets[0].getsockname()[1]
@@ -161,7 +239,7 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
         if interval:
             srv.watchdog_task = asyncio.ensure_future(_watchdog(notifier, async_engine, interval))
 
-    server = _Server(uv_config, notifier, on_started)
+    server = _Server(uv_config, notifier, on_started, options.graceful_timeout, on_deadline)
     try:
         server.run(sockets=sockets)
     finally:
@@ -200,6 +278,15 @@ def _exit_on_signal(notifier: Notifier) -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _default_name(model_path: str) -> str:

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from fp8cache.server import logprobs as LP
 from fp8cache.server import protocol as P
 from fp8cache.server.app import (
+    SHUTTING_DOWN,
     AppState,
     Prepared,
     SSEResponse,
@@ -28,7 +29,7 @@ from fp8cache.server.app import (
     parse,
     sse,
 )
-from fp8cache.server.async_engine import EngineDeadError, RequestStream
+from fp8cache.server.async_engine import EngineDeadError, RequestAborted, RequestStream
 
 
 def _tgi_finish_reason(completion: Any) -> str:
@@ -44,7 +45,7 @@ async def _tgi_prepare(request: Request, body: P.GenerateRequest, stream: bool) 
     state = _state(request)
     p = body.parameters
     tok = state.info.tokenizer
-    prompt = await _tokenize(state, lambda: tok.encode(body.inputs))
+    prompt = await _tokenize(state, lambda: tok.encode(body.inputs), size=len(body.inputs))
     if p.truncate is not None:
         prompt = prompt[-p.truncate:]
     if not prompt:
@@ -56,7 +57,7 @@ async def _tgi_prepare(request: Request, body: P.GenerateRequest, stream: bool) 
     if p.details and p.decoder_input_details and not stream:
         kwargs["prompt_logprobs"] = 0
     params = _sampling_params(state, kwargs)
-    await _compile_structure(state, params, "parameters.grammar")
+    await _compile_structure(request, state, params, "parameters.grammar")
     return Prepared([prompt], [body.inputs], max_tokens, params), prompt
 
 
@@ -127,5 +128,8 @@ async def _tgi_events(state: AppState, body: P.GenerateRequest, prompt: list[int
                         finish_reason=_tgi_finish_reason(c), generated_tokens=len(c.token_ids),
                         seed=p.seed, input_length=len(prompt))
                 yield sse(event)
-    except EngineDeadError as exc:
-        yield _stream_error("/generate_stream", exc)
+    except EngineDeadError:
+        yield _stream_error("/generate_stream")
+    except RequestAborted:
+        # TGI's client raises IncompleteGenerationError for this type: the text so far is all there is.
+        yield _stream_error("/generate_stream", SHUTTING_DOWN, tgi_type="incomplete_generation")

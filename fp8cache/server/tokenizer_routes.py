@@ -27,7 +27,7 @@ async def tokenize(request: Request) -> Response:
     tok = state.info.tokenizer
     if "inputs" in body:
         text = validated(P.TGITokenizeRequest, body).inputs
-        spans = await _tokenize(state, lambda: _token_spans(tok, text))
+        spans = await _tokenize(state, lambda: _token_spans(tok, text), size=len(text))
         return JSONResponse([{"id": t, "text": piece, "start": start, "stop": stop} for t, piece, start, stop in spans])
     req: P.TokenizeRequest = validated(P.TokenizeRequest, body)
     _check_model(state, req.model)
@@ -35,7 +35,7 @@ async def tokenize(request: Request) -> Response:
         ids = await _render_chat(state, req.messages, req.add_generation_prompt, bool(req.add_special_tokens))
     else:
         special = req.add_special_tokens is not False
-        ids = await _tokenize(state, lambda: tok.encode(req.prompt, add_special_tokens=special))
+        ids = await _tokenize(state, lambda: tok.encode(req.prompt, add_special_tokens=special), size=len(req.prompt))
     return JSONResponse({"count": len(ids), "max_model_len": state.info.max_model_len, "tokens": ids,
                          "token_strs": None})
 
@@ -64,5 +64,5 @@ async def detokenize(request: Request) -> Response:
     if bad:
         raise P.RequestError(f"tokens: token id {bad[0]} is outside the vocabulary (0..{state.info.vocab_size - 1})",
                              param="tokens", code="invalid_value")
-    text = await _tokenize(state, lambda: state.info.tokenizer.decode(req.tokens))
+    text = await _tokenize(state, lambda: state.info.tokenizer.decode(req.tokens), size=len(req.tokens))
     return JSONResponse({"prompt": text})
