@@ -344,6 +344,25 @@ def test_a_pathological_regex_is_stopped_while_others_are_served(grammar_server)
     assert _compiles(grammar_server, "timeout") == 1
 
 
+def test_megabyte_tokenizations_do_not_hold_up_short_requests(grammar_server):
+    big = {"prompt": "hello world, this is some text. " * (3 * 2**20 // 32)}
+
+    def tokenize() -> None:
+        with grammar_server.client(timeout=WAIT_S) as c:
+            assert c.post("/tokenize", json=big).status_code == 200
+
+    threads = [threading.Thread(target=tokenize) for _ in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    with grammar_server.client(timeout=WAIT_S) as c:
+        plain = c.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
+    assert plain.status_code == 200, plain.text
+    assert any(t.is_alive() for t in threads), "the short request waited for the megabyte tokenizations"
+    for t in threads:
+        t.join(WAIT_S)
+
+
 def test_a_grammar_over_its_memory_budget_is_refused(grammar_server):
     with grammar_server.client(timeout=WAIT_S) as c:
         out = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "JSON?"}],
