@@ -3,7 +3,7 @@
 #
 #   scripts/compile_check.sh [cuda|cuda-kernels|cuda-bindings|hip|hip-kernels|hip-hipify|all]  (default: all)
 #
-#   cuda-kernels   nvcc: csrc/cuda/kernels_instantiate.cu and hadamard_kernels.cu (torch-free, all kernels)
+#   cuda-kernels   nvcc: csrc/cuda/kernels_*.cu and hadamard_kernels.cu (torch-free, all kernels)
 #                  for sm_80, sm_89, sm_90
 #   cuda-bindings  nvcc -std=c++20: csrc/cuda/torch_bindings_cuda.cu and hadamard.cu for sm_90, against the
 #                  headers of a CUDA build of torch unzipped from a wheel (this machine's torch is CPU-only)
@@ -60,10 +60,14 @@ check_cuda_kernels() {
   nvcc="$(find_tool "${NVCC:-}" nvcc /usr/local/bin/nvcc /usr/local/cuda/bin/nvcc)" ||
     { echo "SKIP cuda-kernels: nvcc not found (set NVCC)"; return $SKIPPED; }
   local status=0
-  run_timed "cuda-kernels sm_80,sm_89,sm_90" "$nvcc" -std=c++17 -O3 "${TORCH_NVCC_FLAGS[@]}" --threads "${MAX_JOBS:-1}" \
-    -gencode arch=compute_80,code=sm_80 -gencode arch=compute_89,code=sm_89 -gencode arch=compute_90,code=sm_90 \
-    --Werror all-warnings -Xptxas=-warn-spills,-warn-lmem-usage \
-    -c "$CSRC/cuda/kernels_instantiate.cu" -o "$OUT/kernels_cuda.o" || status=1
+  local unit
+  for unit in "$CSRC"/cuda/kernels_*.cu; do
+    run_timed "cuda-kernels $(basename "$unit") sm_80,sm_89,sm_90" "$nvcc" -std=c++17 -O3 "${TORCH_NVCC_FLAGS[@]}" \
+      --threads "${MAX_JOBS:-1}" \
+      -gencode arch=compute_80,code=sm_80 -gencode arch=compute_89,code=sm_89 -gencode arch=compute_90,code=sm_90 \
+      --Werror all-warnings -Xptxas=-warn-spills,-warn-lmem-usage \
+      -c "$unit" -o "$OUT/$(basename "$unit" .cu)_cuda.o" || status=1
+  done
   run_timed "cuda-kernels hadamard sm_80,sm_89,sm_90" "$nvcc" -std=c++17 -O3 "${TORCH_NVCC_FLAGS[@]}" \
     --threads "${MAX_JOBS:-1}" \
     -gencode arch=compute_80,code=sm_80 -gencode arch=compute_89,code=sm_89 -gencode arch=compute_90,code=sm_90 \
@@ -120,9 +124,12 @@ check_hip_kernels() {
     { echo "SKIP hip-kernels: hipcc not found (apt-get install hipcc libamdhip64-dev, or set HIPCC)"; return $SKIPPED; }
   echo "note: HIP bindings are not compiled (no ROCm torch headers here); kernels only"
   local status=0
-  HIP_PLATFORM=amd run_timed "hip-kernels gfx90a,gfx940" "$hipcc" -x hip -std=c++17 -O3 "${TORCH_HIPCC_FLAGS[@]}" \
-    --offload-arch=gfx90a --offload-arch=gfx940 -Werror \
-    -c "$CSRC/cuda/kernels_instantiate.cu" -o "$OUT/kernels_hip.o" || status=1
+  local unit
+  for unit in "$CSRC"/cuda/kernels_*.cu; do
+    HIP_PLATFORM=amd run_timed "hip-kernels $(basename "$unit") gfx90a,gfx940" "$hipcc" -x hip -std=c++17 -O3 \
+      "${TORCH_HIPCC_FLAGS[@]}" --offload-arch=gfx90a --offload-arch=gfx940 -Werror \
+      -c "$unit" -o "$OUT/$(basename "$unit" .cu)_hip.o" || status=1
+  done
   HIP_PLATFORM=amd run_timed "hip-kernels hadamard gfx90a,gfx940" "$hipcc" -x hip -std=c++17 -O3 \
     "${TORCH_HIPCC_FLAGS[@]}" --offload-arch=gfx90a --offload-arch=gfx940 -Werror \
     -c "$CSRC/cuda/hadamard_kernels.cu" -o "$OUT/hadamard_hip.o" || status=1
@@ -147,9 +154,12 @@ hipify_python.hipify(project_directory=root, output_directory=root, header_inclu
                      show_progress=False, is_pytorch_extension=True, hipify_extra_files_only=True)
 PY
   local status=0
-  HIP_PLATFORM=amd run_timed "hip-hipify gfx90a" "$hipcc" -x hip -std=c++17 -O3 "${TORCH_HIPCC_FLAGS[@]}" \
-    --offload-arch=gfx90a -Werror -I "$OUT/hipify" \
-    -c "$OUT/hipify/hip/kernels_instantiate.hip" -o "$OUT/kernels_hipified.o" || status=1
+  local unit
+  for unit in "$OUT"/hipify/hip/kernels_*.hip; do
+    HIP_PLATFORM=amd run_timed "hip-hipify $(basename "$unit") gfx90a" "$hipcc" -x hip -std=c++17 -O3 \
+      "${TORCH_HIPCC_FLAGS[@]}" --offload-arch=gfx90a -Werror -I "$OUT/hipify" \
+      -c "$unit" -o "$OUT/$(basename "$unit" .hip)_hipified.o" || status=1
+  done
   HIP_PLATFORM=amd run_timed "hip-hipify hadamard gfx90a" "$hipcc" -x hip -std=c++17 -O3 "${TORCH_HIPCC_FLAGS[@]}" \
     --offload-arch=gfx90a -Werror -I "$OUT/hipify" \
     -c "$OUT/hipify/hip/hadamard_kernels.hip" -o "$OUT/hadamard_hipified.o" || status=1

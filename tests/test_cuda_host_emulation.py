@@ -174,6 +174,12 @@ ATTENTION_CASES = [
     (128, 32, 8, 2, torch.bfloat16, "fp8_e4m3", False, True, [33, 1025]),
     (256, 8, 2, 1, torch.float16, "auto", False, False, [17, 300]),
     (128, 8, 2, 2, torch.float16, "fp8_e4m3", False, False, [512, 1024]),  # partition-sized
+    # Head sizes and GQA groups beyond the usual (any multiple of 16 up to 256, any group):
+    (32, 16, 3, 1, torch.float32, "fp8_e4m3", False, False, [300, 17]),  # group 3 in 4 head slots
+    (48, 8, 14, 2, torch.bfloat16, "fp8_e5m2", True, True, [90, 1]),  # group 7 in 8 slots
+    (160, 16, 12, 1, torch.float16, "fp8_e4m3", False, True, [700]),  # group 12: blocks of 4 heads (d > 128)
+    (192, 32, 4, 2, torch.bfloat16, "auto", False, False, [260, 9]),
+    (256, 16, 8, 2, torch.bfloat16, "fp8_e4m3", False, False, [1500]),  # group 4 at d256, many splits
 ]
 
 
@@ -225,3 +231,30 @@ def test_paged_attention_reports_bad_block_ids_and_lengths(emu):
     assert run([16, 16, 33], 40)[0] == ERROR_SEQ_LEN  # longer than its block table row
     assert run([16, 16, 32], 20)[0] == ERROR_SEQ_LEN  # max_seq_len below a length
     assert run([16, -1, 32], 32)[0] == ERROR_SEQ_LEN
+
+
+@pytest.mark.parametrize("sm_count", [1, 100_000])
+def test_paged_attention_is_the_same_with_few_or_many_splits(emu, sm_count):
+    """The split count follows the GPU's size (attention_splits): one split per sequence on a small GPU, a
+    split per 256 positions on a huge one; the merge must give the same attention either way."""
+    gen = torch.Generator().manual_seed(sm_count)
+    head_size, block_size, num_heads, num_kv_heads, lens = 64, 16, 6, 2, [2000, 255, 257, 16]
+    num_blocks = sum((s + block_size - 1) // block_size for s in lens)
+    k_scale, v_scale = _scales(True, num_kv_heads, gen)
+    caches = _filled_cache(num_blocks, block_size, num_kv_heads, head_size, "fp8_e4m3", torch.bfloat16,
+                           k_scale, v_scale, gen)
+    query = torch.randn(len(lens), num_heads, head_size, generator=gen).to(torch.bfloat16)
+    tables = _block_tables(lens, block_size, num_blocks, gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    expected = torch.empty(query.shape, dtype=torch.float32)
+    reference.paged_attention(expected, query, *caches, num_kv_heads, 0.125, tables, seq_lens, block_size, max(lens),
+                              None, "fp8_e4m3", k_scale, v_scale)
+    out = torch.full(query.shape, float("nan"), dtype=torch.bfloat16)
+    previous = emu.fp8kv_emu_set_sm_count(sm_count)
+    try:
+        error = emu_paged_attention(emu, out, query, *caches, tables, seq_lens, max(lens), None, "fp8_e4m3",
+                                    k_scale, v_scale, 0.125)
+    finally:
+        emu.fp8kv_emu_set_sm_count(previous)
+    assert error == 0
+    torch.testing.assert_close(out.float(), expected, rtol=1.6e-2, atol=1.6e-2)

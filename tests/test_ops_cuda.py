@@ -133,3 +133,121 @@ def test_hadamard_matches_reference(ops, head_size, dtype):
 def test_hadamard_non_contiguous_input(ops, name):
     x = hadamard_tests.strided_views()[name]
     hadamard_tests.assert_matches_reference(ops.hadamard_transform(on_gpu(x)).cpu(), x)
+
+
+# ---- what the GPU kernels take beyond the CPU test cases ------------------------------------------------
+
+# Any head size that is a multiple of 16 up to 256, any GQA group (the kernels group every ratio's heads).
+MORE_CASES = [
+    paged_tests.Case("fp8_e4m3", 32, 16, 6, 2, torch.bfloat16),
+    paged_tests.Case("fp8_e5m2", 48, 8, 7, 1, torch.float16, per_head_scale=True),
+    paged_tests.Case("fp8_e4m3", 160, 16, 12, 1, torch.bfloat16, seq_lens=(700, 3)),
+    paged_tests.Case("auto", 192, 32, 4, 2, torch.float32, alibi=True),
+    paged_tests.Case("fp8_e4m3fnuz", 128, 16, 28, 4, torch.bfloat16, seq_lens=(5000, 1, 64)),
+]
+
+
+@pytest.mark.parametrize("case", MORE_CASES, ids=paged_tests.Case.id)
+def test_more_head_sizes_and_groups_match_reference(ops, case):
+    test_paged_ops_match_reference(ops, case)
+
+
+def test_deferred_error_flag_collects_without_a_wait(ops):
+    """An engine's step hands the ops one flag (set_gpu_error_flag): a bad block id is skipped and reported there,
+    and the op returns without reading it back."""
+    case = paged_tests.Case("fp8_e5m2", 64, 16, 4, 2, seq_lens=(40,))
+    g = gpu_inputs(paged_tests.build(case))
+    g["table"][0, 1] = 10_000
+    flag = torch.zeros(1, dtype=torch.int32, device=GPU)
+    ops.set_gpu_error_flag(flag)
+    try:
+        paged_tests.attention(ops, case, g["ref_caches"], g)  # no raise
+        assert int(flag.item()) & 2
+    finally:
+        ops.set_gpu_error_flag(None)
+    with pytest.raises(RuntimeError, match="outside the cache's blocks"):
+        paged_tests.attention(ops, case, g["ref_caches"], g)
+
+
+def test_attention_replays_from_a_cuda_graph(ops):
+    """Captured once for a max length, replayed with other lengths and cache contents: the eager op's results."""
+    case = paged_tests.Case("fp8_e4m3", 64, 16, 9, 3, torch.bfloat16, seq_lens=(300, 17, 120))
+    b = paged_tests.build(case)
+    g = gpu_inputs(b)
+    caches, out = g["op_caches"], torch.empty_like(g["query"])
+    flag = torch.zeros(1, dtype=torch.int32, device=GPU)
+    ops.set_gpu_error_flag(flag)
+    try:
+        def run():
+            ops.paged_attention(out, g["query"], caches[0], caches[1], case.kv_heads, case.head_size ** -0.5,
+                                g["table"], g["seq_lens"], case.block_size, 512, None, case.kv, g["k_scale"],
+                                g["v_scale"])
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        for lens in ((300, 17, 120), (1, 17, 64), (0, 5, 120), (299, 1, 1)):
+            g["seq_lens"].copy_(torch.tensor(lens, dtype=torch.int32))
+            graph.replay()
+            replayed = out.clone()
+            run()
+            assert torch.equal(replayed, out)
+        assert int(flag.item()) == 0
+    finally:
+        ops.set_gpu_error_flag(None)
+
+
+LAYER_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", LAYER_DTYPES, ids=str)
+def test_layer_ops_match_reference(ops, dtype):
+    """RMSNorm, residual add + RMSNorm, rotary and SiLU-and-mul on the GPU: transformers' formulas (the
+    reference) up to float32 summation order, on the strided views the fused layer hands them."""
+    gen = torch.Generator().manual_seed(3)
+    tokens, hidden, heads, kv_heads, d = 37, 576, 9, 3, 64
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}[dtype]
+
+    def close(got, want):
+        torch.testing.assert_close(got.cpu().float(), want.float(), rtol=tol, atol=tol)
+
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    weight = (torch.rand(hidden, generator=gen) + 0.5).to(dtype)
+    want = torch.empty_like(x)
+    ref.rms_norm(want, x, weight, 1e-5)
+    got = torch.empty_like(on_gpu(x))
+    ops.rms_norm(got, on_gpu(x), on_gpu(weight), 1e-5)
+    close(got, want)
+
+    residual = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    want_x, want_r = x.clone(), residual.clone()
+    ref.fused_add_rms_norm(want_x, want_r, weight, 1e-5)
+    got_x, got_r = on_gpu(x), on_gpu(residual)
+    ops.fused_add_rms_norm(got_x, got_r, on_gpu(weight), 1e-5)
+    close(got_r, want_r)
+    close(got_x, want_x)
+
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=gen).to(dtype)  # one projection's output
+    angles = torch.rand(tokens, d // 2, generator=gen) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1).to(dtype), torch.cat([angles.sin()] * 2, -1).to(dtype)
+    want_qkv = qkv.clone()
+    ref.rotary_embedding_cos_sin(want_qkv[:, :heads * d].view(tokens, heads, d),
+                                 want_qkv[:, heads * d:(heads + kv_heads) * d].view(tokens, kv_heads, d), cos, sin)
+    got_qkv = on_gpu(qkv)
+    ops.rotary_embedding_cos_sin(got_qkv[:, :heads * d].view(tokens, heads, d),
+                                 got_qkv[:, heads * d:(heads + kv_heads) * d].view(tokens, kv_heads, d),
+                                 on_gpu(cos), on_gpu(sin))
+    close(got_qkv, want_qkv)
+
+    gate_up = torch.randn(tokens, 2 * 1536, generator=gen).to(dtype)
+    want = torch.empty(tokens, 1536, dtype=dtype)
+    ref.silu_and_mul(want, gate_up[:, :1536], gate_up[:, 1536:])
+    g = on_gpu(gate_up)
+    got = torch.empty(tokens, 1536, dtype=dtype, device=GPU)
+    ops.silu_and_mul(got, g[:, :1536], g[:, 1536:])
+    close(got, want)

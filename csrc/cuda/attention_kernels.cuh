@@ -1,25 +1,27 @@
-// Paged decode attention over an FP8 (or auto) cache, dequantizing inside the kernel, and its window variant
-// (the newest tokens read from a full-precision ring instead).
+// Paged decode attention over an FP8 (or auto) cache, dequantizing in registers, and its window variant (the
+// newest tokens read from a full-precision ring instead). Flash-decoding: one softmax per warp, kept online.
 //
-// One thread block per (group of query heads of one KV head, sequence, partition of at most kPartitionSize
-// positions): the group's heads share every K/V load and decode (with_heads_per_block). With one partition
-// the block writes the output directly (vLLM's v1); with more, each block writes its unnormalized partial
-// output, its max logit and its sum of exponentials, and a reduce kernel merges them (v2). The window
-// variant always has more: its window partitions come after the paged ones and the merge is one softmax
-// (see "paged_attention_window" below).
+// A thread block takes the query heads of one KV head (up to 8, in kHeads register slots), one sequence and
+// one split of its positions (grid x: KV heads x head blocks, y: sequences, z: splits). Its 4 warps take
+// turns over the split's tiles of 16 positions; each warp keeps a running max, sum and output for its heads,
+// and the warps merge through shared memory at the end. With one split the block writes the output; with
+// more it writes its unnormalized output, max and sum, and a reduce kernel merges the splits.
 //
-// A partition's positions are a Span; where their K/V live is a view (PagedView: the block table of the
-// paged cache; RingView: the window ring). attend() is the one kernel body, written against a view.
+// Q.K: lane (token t = lane % 16, group g = lane / 16) reads 16-dim chunks g, g + 2, ... of token t's key: the
+// key cache keeps a block's tokens' 16-byte chunks side by side ([.., head_size / x, block_size, x]), so a
+// warp's loads are 512 contiguous bytes. The queries sit in shared memory (pre-scaled by scale * k_scale),
+// read by all lanes at once.
+// P.V: lane owns head dims lane, lane + 32, ...; a value row holds a block's tokens side by side, so a tile's
+// 16 values of one dim are one 16-byte load (FP8). The probabilities reach every lane through shared memory.
+// An FP8 cache's next tile is loaded while the current one is computed (its K and V fit in registers twice).
 //
-// Q.K: one thread per token. The key cache keeps each token's 16-byte chunks next to those of the other
-// tokens of its block ([.., head_size / x, block_size, x]), so neighbouring threads read neighbouring
-// 16 bytes and a warp's loads coalesce. The query sits in shared memory, read by all threads at once
-// (a broadcast).
-// P.V: one thread per (head dim, block subset); a value cache row [head dim, block_size] is one wide load.
-// Scales are folded in: logit = (q . codes) * scale * k_scale, out = (p . codes) * v_scale / sum p.
+// Block ids are checked once per split (loaded into shared memory); out-of-range ids, lengths and window
+// starts are reported through the error flag and skipped, never read.
 #pragma once
 
 #include <cmath>
+#include <cstring>
+#include <type_traits>
 
 #include "cache_codec.cuh"
 #include "launch.h"
@@ -27,30 +29,12 @@
 namespace fp8kv::gpu {
 
 constexpr int kAttentionThreads = 128;
-constexpr int kMaxWarps = kAttentionThreads / 32;  // room for warps of 32 (CUDA) or 64 (AMD) lanes
+constexpr int kAttentionWarps = kAttentionThreads / kWarpSize;
+constexpr int kTile = kAttentionTile;
+constexpr int kLaneGroups = kWarpSize / kTile;  // lanes that share one token's dims
+constexpr int kMaxSplitBlocks = kMaxSplitTokens / 8 + 2;  // block ids one split can touch (block size 8)
 
-// kHeads query heads of one KV head per thread block (see with_heads_per_block).
-template <int kHeads>
-struct alignas(16) AttentionShared {
-  float q[kHeads][kMaxHeadSize];
-  float probs[kHeads][kPartitionSize];  // logits, then exp(logit - max)
-  float partial[kHeads][kAttentionThreads + kMaxHeadSize];  // P.V partial sums [split][head dim]
-  float reduce[kMaxWarps];
-};
-
-template <bool kMax, class Thread>
-FP8KV_DEVICE float block_reduce(float v, float* scratch, const Thread& th) {
-  for (int mask = kWarpSize / 2; mask > 0; mask /= 2) {
-    const float other = th.shfl_xor(v, mask);
-    v = kMax ? fmaxf(v, other) : v + other;
-  }
-  if (th.index() % kWarpSize == 0) scratch[th.index() / kWarpSize] = v;
-  th.sync();
-  float r = scratch[0];
-  for (int w = 1; w < kAttentionThreads / kWarpSize; ++w) r = kMax ? fmaxf(r, scratch[w]) : r + scratch[w];
-  th.sync();  // scratch is reused by the next reduction
-  return r;
-}
+FP8KV_DEVICE int min_int(int a, int b) { return a < b ? a : b; }
 
 // exp(x - max) that is 0 for a masked (-inf) entry even when every entry is masked.
 FP8KV_DEVICE float softmax_weight(float x, float max) { return x == -INFINITY ? 0.0f : expf(x - max); }
@@ -62,449 +46,615 @@ FP8KV_DEVICE int checked_in(int v, int lo, int hi, int* error_flag, int error_bi
   return v < lo ? lo : hi;
 }
 
-// Positions [start, end) of one sequence.
-struct Span {
-  int start, end;
-  FP8KV_DEVICE int size() const { return end > start ? end - start : 0; }
-};
-
-// The positions paged_attention's partition `part` covers.
-FP8KV_DEVICE Span partition_span(int part, int end) {
-  const int start = part * kPartitionSize;
-  return {start, end < start + kPartitionSize ? end : start + kPartitionSize};
+FP8KV_DEVICE float load_model_value(const void* base, int64_t i, DType t) {
+  switch (t) {
+    case DType::kF32: return static_cast<const float*>(base)[i];
+    case DType::kBF16: return to_float(static_cast<const bf16_t*>(base)[i]);
+    default: return to_float(static_cast<const half_t*>(base)[i]);
+  }
 }
 
-// ---- where a partition's K/V live --------------------------------------------------------------------
-// A view names the cache of one partition. Its tokens are consecutive in the cache's coordinate c: token i
-// (position span.start + i) is at c = first + i, in block table()[c / BLOCK_SIZE] at offset c % BLOCK_SIZE.
-// The paged cache's coordinate is the position; the window ring's is the ring slot, p - lap (window
-// partitions never cross the ring's wrap). Views hold the kernel parameters by reference and compute
-// addresses where they are used: kept in registers across the kernel, ptxas would spill them.
-
-// The paged cache (FP8 codes with scales, or an auto cache).
-template <typename scalar_t, typename cache_t, Fp8Format kFormat, int BLOCK_SIZE>
-struct PagedView {
-  using Codec = CacheCodec<scalar_t, cache_t, kFormat>;
-  using Cache = cache_t;
-  static constexpr int kBlockSize = BLOCK_SIZE;
-  static constexpr int kErrorBit = kErrorBlockOutOfRange;
-  static constexpr bool kBlockAligned = true;  // first is a multiple of BLOCK_SIZE (partitions are)
-
-  const PagedAttentionArgs<scalar_t, cache_t>& a;
-  int seq, kv_head;
-  Span span;
-  int first;
-
-  FP8KV_DEVICE const int* table() const { return a.block_tables + seq * a.block_table_stride; }
-  FP8KV_DEVICE int num_blocks() const { return a.num_blocks; }
-  FP8KV_DEVICE float k_scale() const { return Codec::scale_of(a.k_scale, a.k_scale_per_head, kv_head); }
-  FP8KV_DEVICE float v_scale() const { return Codec::scale_of(a.v_scale, a.v_scale_per_head, kv_head); }
-  // The key's x-element chunks of the token at `offset` of `block`, BLOCK_SIZE * x elements apart.
-  FP8KV_DEVICE const cache_t* key(int block, int offset) const {
-    return a.key_cache + block * a.key_cache_block_stride + kv_head * a.key_cache_head_stride +
-           offset * Codec::kX;
+FP8KV_DEVICE void store_model_value(void* base, int64_t i, DType t, float v) {
+  switch (t) {
+    case DType::kF32: static_cast<float*>(base)[i] = v; break;
+    case DType::kBF16: static_cast<bf16_t*>(base)[i] = from_float<bf16_t>(v); break;
+    default: static_cast<half_t*>(base)[i] = from_float<half_t>(v); break;
   }
-  // Head dim d of the block's BLOCK_SIZE tokens.
-  FP8KV_DEVICE const cache_t* value_row(int block, int d) const {
-    return a.value_cache + block * a.value_cache_block_stride + kv_head * a.value_cache_head_stride +
-           int64_t(d) * BLOCK_SIZE;
-  }
+}
+
+template <int kHeads, int kMaxD>
+struct alignas(16) AttentionSmem {
+  float q[kHeads][kMaxD];  // pre-scaled queries; after the loop, the warps' merged output
+  float p[kAttentionWarps][kHeads][kTile];  // one tile's probabilities per warp
+  float warp_max[kAttentionWarps][kHeads];
+  float warp_sum[kAttentionWarps][kHeads];
+  int64_t ring_value[kAttentionWarps][kTile];  // the window ring: a tile's tokens' value offsets, -1 masked
+  int block_ids[kMaxSplitBlocks];  // the split's block ids, -1 where out of range
 };
 
-// The window ring: window_t values without scales, laid out as an auto cache.
-template <typename window_t, int BLOCK_SIZE>
-struct RingView {
-  using Codec = CacheCodec<window_t, window_t, Fp8Format::E4M3FN>;
-  using Cache = window_t;
-  static constexpr int kBlockSize = BLOCK_SIZE;
-  static constexpr int kErrorBit = kErrorWindowBlockOutOfRange;
-  static constexpr bool kBlockAligned = false;  // a run of ring slots starts anywhere
-
-  const WindowCache<window_t>& w;
-  int seq, kv_head;
-  Span span;
-  int first;
-
-  FP8KV_DEVICE const int* table() const { return w.block_tables + seq * w.block_table_stride; }
-  FP8KV_DEVICE int num_blocks() const { return w.num_blocks; }
-  FP8KV_DEVICE float k_scale() const { return 1.0f; }
-  FP8KV_DEVICE float v_scale() const { return 1.0f; }
-  FP8KV_DEVICE const window_t* key(int block, int offset) const {
-    return w.key_cache + block * w.key_block_stride + kv_head * w.key_head_stride + offset * Codec::kX;
-  }
-  FP8KV_DEVICE const window_t* value_row(int block, int d) const {
-    return w.value_cache + block * w.value_block_stride + kv_head * w.value_head_stride +
-           int64_t(d) * BLOCK_SIZE;
-  }
+// What every source needs to know of one (KV head, sequence) and the split's positions.
+struct Task {
+  int seq, kv_head, seq_len;
+  int start, end;  // positions of this source: [start, end)
 };
 
-// ---- one thread block's work ---------------------------------------------------------------------------
+// ---- the sources a split reads --------------------------------------------------------------------------
 
-// One (sequence, kHeads heads of one KV head, partition): the queries, what the softmax needs, and where the
-// results go. Output addresses are computed where they are written, from the kernel parameters: kept in
-// registers across the kernel, ptxas would spill them.
-template <typename scalar_t, typename cache_t, int kHeadsPerTask>
-struct HeadTask {
-  static constexpr int kHeads = kHeadsPerTask;
-  const PagedAttentionArgs<scalar_t, cache_t>& a;
-  int head0, seq, part;
-  int seq_len;  // ALiBi biases position p by slope * (p - (seq_len - 1))
+// Element decoding for a cache of cache_t (FP8 codes in kFormat, or a model dtype as is).
+template <typename cache_t, Fp8Format kFormat>
+using DecodeCodec = CacheCodec<std::conditional_t<std::is_same_v<cache_t, uint8_t>, float, cache_t>, cache_t, kFormat>;
 
-  FP8KV_DEVICE int64_t row(int h) const { return int64_t(seq) * a.num_heads + head0 + h; }
-  FP8KV_DEVICE int64_t part_row(int h) const { return row(h) * a.num_partitions + part; }
-  FP8KV_DEVICE const scalar_t* query(int h) const {
-    return a.query + seq * a.query_seq_stride + (head0 + h) * a.query_head_stride;
-  }
-  FP8KV_DEVICE float alibi_slope(int h) const { return a.alibi_slopes ? a.alibi_slopes[head0 + h] : 0.0f; }
-  // With one partition the block writes the normalized output; with more, partials for the reduce kernel.
-  FP8KV_DEVICE bool writes_output() const { return a.num_partitions == 1; }
-  FP8KV_DEVICE void write_output(int h, int d, float v) const {
-    a.out[row(h) * a.head_size + d] = from_float<scalar_t>(v);
-  }
-  FP8KV_DEVICE void write_partial(int h, int d, float acc) const {
-    a.partial_out[part_row(h) * a.head_size + d] = acc;
-  }
-  FP8KV_DEVICE void write_stats(int h, float max_logit, float sum) const {
-    a.partial_max[part_row(h)] = max_logit;
-    a.partial_sum[part_row(h)] = sum;
-  }
-};
+// 16 bytes as four 32-bit words: the compiler keeps them in four registers (as 16 bytes it may give each byte
+// a register of its own).
+using Raw16 = Vec<uint32_t, 4>;
 
-// Softmax-weighted sum of V over the view's span for the task's heads. Each K/V element is loaded and
-// decoded once for all of them.
-template <class View, class Task, class Thread>
-FP8KV_DEVICE void attend(const View& view, const Task& task, AttentionShared<Task::kHeads>& sm,
-                         const Thread& th) {
-  using Codec = typename View::Codec;
-  using cache_t = typename View::Cache;
-  constexpr int H = Task::kHeads;
-  constexpr int X = Codec::kX;
-  constexpr int BLOCK_SIZE = View::kBlockSize;
-  constexpr int NT = kAttentionThreads;
-  const int tid = th.index();
-  const int head_size = task.a.head_size;
-  const int n = view.span.size();
-  if (n == 0) {  // nothing to attend to: an empty sequence, or a partition past its end
-    for (int h = 0; h < H; ++h) {
-      if (task.writes_output()) {
-        for (int d = tid; d < head_size; d += NT) task.write_output(h, d, 0.0f);
-      } else if (tid == 0) {
-        task.write_stats(h, -INFINITY, 0.0f);
+FP8KV_DEVICE Raw16 load_raw16(const uint8_t* p) { return load_vec<uint32_t, 4>(reinterpret_cast<const uint32_t*>(p)); }
+
+// The 16 / sizeof(cache_t) values in one Raw16, as floats.
+template <typename cache_t, Fp8Format kFormat>
+FP8KV_DEVICE void decode_raw16(const Raw16& raw, float* out) {
+  FP8KV_UNROLL
+  for (int w = 0; w < 4; ++w) {
+    const uint32_t word = raw.e[w];
+    if constexpr (std::is_same_v<cache_t, float>) {
+      out[w] = bits_to_float(word);
+    } else if constexpr (std::is_same_v<cache_t, bf16_t>) {
+      out[2 * w] = bits_to_float(word << 16);
+      out[2 * w + 1] = bits_to_float(word & 0xFFFF0000u);
+    } else if constexpr (std::is_same_v<cache_t, half_t>) {
+      out[2 * w] = half_bits_to_float(static_cast<uint16_t>(word & 0xFFFFu));
+      out[2 * w + 1] = half_bits_to_float(static_cast<uint16_t>(word >> 16));
+    } else {
+#if defined(FP8KV_HW_FP8)
+      constexpr bool kPairs = kFormat != Fp8Format::E4M3FNUZ;  // sm_89+: one instruction per pair of codes
+#else
+      constexpr bool kPairs = false;
+#endif
+      if constexpr (kPairs) {
+#if defined(FP8KV_HW_FP8)
+        constexpr auto interp = kFormat == Fp8Format::E5M2 ? __NV_E5M2 : __NV_E4M3;
+        FP8KV_UNROLL
+        for (int half = 0; half < 2; ++half) {
+          const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(
+              static_cast<__nv_fp8x2_storage_t>((word >> (16 * half)) & 0xFFFFu), interp);
+          out[4 * w + 2 * half] = half_bits_to_float(h.x);
+          out[4 * w + 2 * half + 1] = half_bits_to_float(h.y);
+        }
+#endif
+      } else {
+        FP8KV_UNROLL
+        for (int b = 0; b < 4; ++b) out[4 * w + b] = fp8_decode<kFormat>(static_cast<uint8_t>(word >> (8 * b)));
       }
+    }
+  }
+}
+
+// The values of 16 dims (kParts 16-byte parts of 16 / kParts elements) as floats.
+template <typename cache_t, Fp8Format kFormat, int kParts>
+FP8KV_DEVICE void decode16(const Raw16 (&raw)[kParts], float* out) {
+  constexpr int kX = 16 / static_cast<int>(sizeof(cache_t));
+  FP8KV_UNROLL
+  for (int e = 0; e < kParts; ++e) decode_raw16<cache_t, kFormat>(raw[e], out + e * kX);
+}
+
+// The paged cache: position p is in block_ids[p >> shift - first_entry] at offset p & (block_size - 1).
+template <typename cache_t, Fp8Format kFormat>
+struct PagedSource {
+  using Cache = cache_t;
+  static constexpr Fp8Format kFmt = kFormat;
+  static constexpr int kE = static_cast<int>(sizeof(cache_t));
+  static constexpr bool kQuantized = std::is_same_v<cache_t, uint8_t>;
+  static constexpr bool kBlockIds = true;  // preloads the split's block ids
+  // Thread blocks per SM the kernel is built for (its register budget): 3 for the hot FP8 formats, whose
+  // decode is one instruction per pair on sm_89+; 2 (more registers) for the rest.
+  static constexpr int kMinBlocks = kQuantized && kFormat != Fp8Format::E4M3FNUZ ? 3 : 2;
+
+  FP8KV_DEVICE static const CacheRef& cache(const AttentionParams& p) { return p.paged; }
+  FP8KV_DEVICE static int splits(const AttentionParams& p) { return p.paged_splits; }
+  FP8KV_DEVICE static int split_base(const AttentionParams&) { return 0; }
+  FP8KV_DEVICE static float k_scale(const AttentionParams& p, int kv_head) {
+    return kQuantized ? p.k_scale[p.k_scale_per_head ? kv_head : 0] : 1.0f;
+  }
+  FP8KV_DEVICE static float v_scale(const AttentionParams& p, int kv_head) {
+    return kQuantized ? p.v_scale[p.v_scale_per_head ? kv_head : 0] : 1.0f;
+  }
+};
+
+// The window ring (a model dtype, no scales): position p at ring slot p % window_size.
+template <typename window_t>
+struct RingSource {
+  using Cache = window_t;
+  static constexpr Fp8Format kFmt = Fp8Format::E4M3FN;  // unused: not quantized
+  static constexpr int kE = static_cast<int>(sizeof(window_t));
+  static constexpr bool kQuantized = false;
+  static constexpr bool kBlockIds = false;
+  static constexpr int kMinBlocks = 2;
+
+  FP8KV_DEVICE static const CacheRef& cache(const AttentionParams& p) { return p.ring; }
+  FP8KV_DEVICE static int splits(const AttentionParams& p) { return p.ring_splits; }
+  FP8KV_DEVICE static int split_base(const AttentionParams& p) { return p.paged_splits; }
+  FP8KV_DEVICE static float k_scale(const AttentionParams&, int) { return 1.0f; }
+  FP8KV_DEVICE static float v_scale(const AttentionParams&, int) { return 1.0f; }
+};
+
+// The sequence's length and this source's positions, checked (report: one thread per sequence reports).
+template <class Src>
+FP8KV_DEVICE Task make_task(const AttentionParams& p, int seq, int kv_head, bool report) {
+  Task t{seq, kv_head, 0, 0, 0};
+  const int64_t table_capacity = int64_t(p.paged.table_width) * p.paged.block_size;
+  if (p.window_starts == nullptr) {
+    const int capacity = static_cast<int>(table_capacity < p.max_seq_len ? table_capacity : p.max_seq_len);
+    t.seq_len = checked_in(p.seq_lens[seq], 0, capacity, p.error_flag, kErrorSeqLenOutOfRange, report);
+    t.end = t.seq_len;
+    return t;
+  }
+  t.seq_len = checked_in(p.seq_lens[seq], 0, p.max_seq_len, p.error_flag, kErrorSeqLenOutOfRange, report);
+  const int oldest = t.seq_len > p.window_size ? t.seq_len - p.window_size : 0;
+  const int window_start = checked_in(p.window_starts[seq], oldest, t.seq_len, p.error_flag,
+                                      kErrorWindowStartOutOfRange, report);
+  if constexpr (Src::kBlockIds) {
+    const int capacity = static_cast<int>(table_capacity < window_start ? table_capacity : window_start);
+    t.end = checked_in(window_start, 0, capacity, p.error_flag, kErrorSeqLenOutOfRange, report);
+  } else {
+    t.start = window_start;
+    t.end = t.seq_len;
+  }
+  return t;
+}
+
+// ---- the kernel body -------------------------------------------------------------------------------------
+
+template <class Src, int kChunks, int kHeads>
+struct Attention {
+  using cache_t = typename Src::Cache;
+  static constexpr int kE = Src::kE;
+  static constexpr int kMaxD = kChunks * 16;
+  static constexpr int kChunksPerLane = (kChunks + kLaneGroups - 1) / kLaneGroups;
+  static constexpr int kRowsPerLane = (kMaxD + kWarpSize - 1) / kWarpSize;
+  // FP8 tiles are loaded one ahead where two tiles' K and V fit in registers beside the outputs; otherwise
+  // (wider caches, big heads or groups) each 16-byte part is loaded where it is used.
+  static constexpr bool kPrefetch =
+      Src::kBlockIds && kE == 1 && (kChunksPerLane + kRowsPerLane) * 8 + kHeads * kRowsPerLane <= 80;
+  using Smem = AttentionSmem<kHeads, kMaxD>;
+
+  // Where this lane's token of a tile lives.
+  struct Token {
+    int64_t key_base;  // element offset of its block and KV head in the key cache
+    int offset;        // within the block
+    bool ok;           // inside the split and its block id valid
+  };
+
+  // One tile's raw K and V bytes of one lane, loaded ahead (kPrefetch only).
+  struct Regs {
+    Token token;
+    Raw16 k[kPrefetch ? kChunksPerLane : 1][kE];
+    Raw16 v[kPrefetch ? kRowsPerLane : 1][kE];
+  };
+
+  const AttentionParams& p;
+  const CacheRef& c;
+  Smem& sm;
+  Task task;
+  int lane, warp, head_size, first_entry;
+
+  // Element offset of the key / value of block `block` for this KV head.
+  FP8KV_DEVICE int64_t key_base(int block) const {
+    return int64_t(block) * c.key_block_stride + int64_t(task.kv_head) * c.key_head_stride;
+  }
+  FP8KV_DEVICE int64_t value_base(int block) const {
+    return int64_t(block) * c.value_block_stride + int64_t(task.kv_head) * c.value_head_stride;
+  }
+
+  // Block id and offset of position `pos` (-1: out of range, reported).
+  FP8KV_DEVICE int block_of(int pos, int& offset) const {
+    if constexpr (Src::kBlockIds) {
+      offset = pos & (c.block_size - 1);
+      return sm.block_ids[(pos >> c.block_shift) - first_entry];
+    } else {
+      const int slot = pos % p.window_size;
+      offset = slot & (c.block_size - 1);
+      const int block = c.block_tables[int64_t(task.seq) * c.table_stride + (slot >> c.block_shift)];
+      if (block < 0 || block >= c.num_blocks) {
+        report_error(p.error_flag, kErrorWindowBlockOutOfRange);
+        return -1;
+      }
+      return block;
+    }
+  }
+
+  FP8KV_DEVICE Token locate(int tile) const {
+    const int pos = task.start + tile * kTile + lane % kTile;
+    Token t{0, 0, false};
+    const int block = pos < task.end ? block_of(pos, t.offset) : -1;
+    t.ok = block >= 0;
+    t.key_base = key_base(t.ok ? block : 0);
+    return t;
+  }
+
+  // The 16 dims of chunk group + kLaneGroups * i of this lane's token (zero where there is nothing to read).
+  FP8KV_DEVICE void load_key(const Token& t, int i, Raw16 (&out)[kE]) const {
+    const auto* key = static_cast<const uint8_t*>(c.key);
+    const int chunk = lane / kTile + kLaneGroups * i;
+    constexpr int kX = 16 / kE;
+    FP8KV_UNROLL
+    for (int e = 0; e < kE; ++e) {
+      if (chunk * 16 < head_size && t.ok) {
+        const int64_t element = t.key_base + (int64_t(chunk * kE + e) * c.block_size + t.offset) * kX;
+        out[e] = load_raw16(key + element * kE);
+      } else {
+        out[e] = Raw16{};
+      }
+    }
+  }
+
+  // The paged cache's V of one tile for this lane's dim lane + k * kWarpSize: 16 tokens = 16 * kE bytes.
+  FP8KV_DEVICE void load_value(int pos0, int k, Raw16 (&out)[kE]) const {
+    const auto* value = static_cast<const uint8_t*>(c.value);
+    const int first = (pos0 >> c.block_shift) - first_entry;
+    const int offset = pos0 & (c.block_size - 1);
+    const int d = lane + k * kWarpSize;
+    FP8KV_UNROLL
+    for (int e = 0; e < kE; ++e) out[e] = Raw16{};
+    if (d >= head_size) return;
+    if (c.block_size >= kTile) {
+      const int block = sm.block_ids[first];
+      if (block < 0) return;
+      const uint8_t* row = value + (value_base(block) + int64_t(d) * c.block_size + offset) * kE;
+      FP8KV_UNROLL
+      for (int e = 0; e < kE; ++e) out[e] = load_raw16(row + e * 16);
+      return;
+    }
+    // Block size 8: 8 tokens of each of two blocks, 8 * kE bytes each, halves of the 16 * kE.
+    FP8KV_UNROLL
+    for (int half = 0; half < 2; ++half) {
+      const int block = half == 0 || pos0 + 8 < task.end ? sm.block_ids[first + half] : -1;
+      if (block < 0) continue;
+      const uint8_t* row = value + (value_base(block) + int64_t(d) * c.block_size) * kE;
+      FP8KV_UNROLL
+      for (int b = 0; b < 8 * kE; b += 8) {
+        const Vec<uint32_t, 2> part = load_vec<uint32_t, 2>(reinterpret_cast<const uint32_t*>(row + b));
+        const int at = half * 8 * kE + b;  // byte of the 16 * kE
+        out[at / 16].e[(at % 16) / 4] = part.e[0];
+        out[at / 16].e[(at % 16) / 4 + 1] = part.e[1];
+      }
+    }
+  }
+
+  FP8KV_DEVICE void load(int tile, Regs& r) const {
+    r.token = locate(tile);
+    if constexpr (kPrefetch) {
+      FP8KV_UNROLL
+      for (int i = 0; i < kChunksPerLane; ++i) load_key(r.token, i, r.k[i]);
+      FP8KV_UNROLL
+      for (int k = 0; k < kRowsPerLane; ++k) load_value(task.start + tile * kTile, k, r.v[k]);
+    }
+  }
+
+  // The window ring's V of one tile, gathered token by token (its slots wrap and its blocks are small).
+  FP8KV_DEVICE void ring_values(int d, float* out) const {
+    const auto* value = static_cast<const cache_t*>(c.value);
+    using Codec = DecodeCodec<cache_t, Src::kFmt>;
+    FP8KV_UNROLL
+    for (int j = 0; j < kTile; ++j) {
+      const int64_t at = sm.ring_value[warp][j];
+      out[j] = at >= 0 ? Codec::decode(value[at + int64_t(d) * c.block_size]) : 0.0f;
+    }
+  }
+};
+
+template <class Src, int kChunks, int kHeads, class Thread>
+FP8KV_DEVICE void attention_body(const AttentionParams& p, AttentionSmem<kHeads, kChunks * 16>& sm,
+                                 const Thread& th) {
+  using A = Attention<Src, kChunks, kHeads>;
+  using cache_t = typename Src::Cache;
+  constexpr int kMaxD = A::kMaxD;
+  const int tid = th.index();
+  const int group_size = p.num_heads / p.num_kv_heads;
+  const int head_blocks = (group_size + kHeads - 1) / kHeads;
+  const int kv_head = th.block_x() / head_blocks;
+  const int first_head = kv_head * group_size + (th.block_x() % head_blocks) * kHeads;
+  const int heads = min_int(kHeads, kv_head * group_size + group_size - first_head);
+  const int seq = th.block_y(), split = th.block_z();
+  const CacheRef& c = Src::cache(p);
+  const int head_size = p.head_size;
+
+  A a{p, c, sm, make_task<Src>(p, seq, kv_head, tid == 0 && split == 0 && th.block_x() == 0), tid % kWarpSize,
+      tid / kWarpSize, head_size, 0};
+  const Task& task = a.task;
+  const int num_splits = Src::splits(p);
+  const int tiles = (task.end - task.start + kTile - 1) / kTile;
+  const int tiles_per_split = (tiles + num_splits - 1) / num_splits;
+  const int t0 = split * tiles_per_split;
+  const int t1 = min_int(t0 + tiles_per_split, tiles);
+  const bool direct = num_splits == 1 && p.window_starts == nullptr;  // no reduce: write the output here
+  const int64_t row0 = int64_t(seq) * p.num_heads + first_head;  // (seq, first head)
+  const int total_splits = p.paged_splits + (p.window_starts != nullptr ? p.ring_splits : 0);
+  const int part = Src::split_base(p) + split;
+
+  if (t0 >= t1) {  // nothing to attend to: an empty output, or a split the merge weighs 0
+    for (int i = tid; i < heads * head_size; i += kAttentionThreads) {
+      const int h = i / head_size, d = i % head_size;
+      if (direct) {
+        store_model_value(p.out, (row0 + h) * head_size + d, p.out_dtype, 0.0f);
+      } else {
+        p.partial_out[((row0 + h) * total_splits + part) * head_size + d] = 0.0f;
+      }
+    }
+    if (!direct && tid < heads) {
+      p.partial_max[(row0 + tid) * total_splits + part] = -INFINITY;
+      p.partial_sum[(row0 + tid) * total_splits + part] = 0.0f;
     }
     return;
   }
 
-  for (int i = tid; i < H * head_size; i += NT) sm.q[i / head_size][i % head_size] = to_float(task.query(i / head_size)[i % head_size]);
-  th.sync();
-
-  // Q.K, one token per thread.
-  const int* table = view.table();
-  const float logit_scale = task.a.scale * view.k_scale();
-  const int newest = task.seq_len - 1 - view.span.start;  // token index of position seq_len - 1 (ALiBi)
-  float local_max[H], slope[H];  // slopes read once, not per token (a global load each with ALiBi)
-  FP8KV_UNROLL
-  for (int h = 0; h < H; ++h) {
-    local_max[h] = -INFINITY;
-    slope[h] = task.alibi_slope(h);
+  // Queries, pre-scaled; idle head slots are zero.
+  const float q_scale = p.scale * Src::k_scale(p, kv_head);
+  for (int i = tid; i < kHeads * kMaxD; i += kAttentionThreads) {
+    const int h = i / kMaxD, d = i % kMaxD;
+    sm.q[h][d] = h < heads && d < head_size
+                     ? load_model_value(p.query, int64_t(seq) * p.query_seq_stride +
+                                                     int64_t(first_head + h) * p.query_head_stride + d,
+                                        p.query_dtype) * q_scale
+                     : 0.0f;
   }
-  for (int i = tid; i < n; i += NT) {
-    const int coord = view.first + i;
-    const int block = table[coord / BLOCK_SIZE];
-    const bool valid = block >= 0 && block < view.num_blocks();
-    float dot[H] = {};
-    if (valid) {
-      const cache_t* k = view.key(block, coord % BLOCK_SIZE);
-      for (int c = 0; c < head_size / X; ++c) {
-        float kv[X];
-        Codec::template decode_vec<X>(load_vec<cache_t, X>(k + c * BLOCK_SIZE * X), kv);
-        FP8KV_UNROLL
-        for (int h = 0; h < H; ++h) {
-          FP8KV_UNROLL
-          for (int j = 0; j < X; j += 4) {  // 16-byte shared-memory loads: waits on them bound the kernel
-            const Vec<float, 4> qv = load_vec<float, 4>(sm.q[h] + c * X + j);
-            FP8KV_UNROLL
-            for (int e = 0; e < 4; ++e) dot[h] += qv.e[e] * kv[j + e];
-          }
+  if constexpr (Src::kBlockIds) {
+    const int pos_first = task.start + t0 * kTile;
+    const int pos_last = min_int(task.start + t1 * kTile, task.end) - 1;
+    a.first_entry = pos_first >> c.block_shift;
+    const int entries = (pos_last >> c.block_shift) - a.first_entry + 1;
+    const int* table = c.block_tables + int64_t(seq) * c.table_stride + a.first_entry;
+    for (int i = tid; i < entries + 1 && i < kMaxSplitBlocks; i += kAttentionThreads) {
+      int block = -1;
+      if (i < entries) {
+        block = table[i];
+        if (block < 0 || block >= c.num_blocks) {
+          report_error(p.error_flag, kErrorBlockOutOfRange);
+          block = -1;
         }
       }
-    } else {
-      report_error(task.a.error_flag, View::kErrorBit);
+      sm.block_ids[i] = block;
     }
-    FP8KV_UNROLL
-    for (int h = 0; h < H; ++h) {
-      const float logit = valid ? dot[h] * logit_scale + slope[h] * static_cast<float>(i - newest)
-                                : -INFINITY;
-      sm.probs[h][i] = logit;
-      local_max[h] = fmaxf(local_max[h], logit);
-    }
-  }
-  float max_logit[H], sum[H];
-  FP8KV_UNROLL
-  for (int h = 0; h < H; ++h) max_logit[h] = block_reduce<true>(local_max[h], sm.reduce, th);
-
-  float local_sum[H] = {};
-  for (int i = tid; i < n; i += NT) {
-    FP8KV_UNROLL
-    for (int h = 0; h < H; ++h) {
-      const float p = softmax_weight(sm.probs[h][i], max_logit[h]);
-      sm.probs[h][i] = p;
-      local_sum[h] += p;
-    }
-  }
-  FP8KV_UNROLL
-  for (int h = 0; h < H; ++h) sum[h] = block_reduce<false>(local_sum[h], sm.reduce, th);  // publishes probs
-
-  // P.V: thread (d, split) sums table entries first_entry + split, + 2 * split, ... for head dim d.
-  const int splits = NT / head_size > 1 ? NT / head_size : 1;
-  const int first_entry = view.first / BLOCK_SIZE;
-  const int last_entry = (view.first + n - 1) / BLOCK_SIZE;
-  for (int item = tid; item < head_size * splits; item += NT) {
-    const int d = item % head_size;
-    const int split = item / head_size;
-    float acc[H] = {};
-    for (int b = first_entry + split; b <= last_entry; b += splits) {
-      const int block = table[b];
-      if (block < 0 || block >= view.num_blocks()) continue;  // reported by Q.K
-      float values[BLOCK_SIZE];
-      Codec::template decode_vec<BLOCK_SIZE>(load_vec<cache_t, BLOCK_SIZE>(view.value_row(block, d)), values);
-      const int t0 = b * BLOCK_SIZE - view.first;  // token at offset 0 of the block
-      FP8KV_UNROLL
-      for (int h = 0; h < H; ++h) {
-        if constexpr (View::kBlockAligned) {  // t0 is a multiple of BLOCK_SIZE: 16-byte loads of probs
-          FP8KV_UNROLL
-          for (int j = 0; j < BLOCK_SIZE; j += 4) {
-            const Vec<float, 4> p = load_vec<float, 4>(sm.probs[h] + t0 + j);
-            FP8KV_UNROLL
-            for (int e = 0; e < 4; ++e) {
-              if (t0 + j + e < n) acc[h] += p.e[e] * values[j + e];
-            }
-          }
-        } else {
-          FP8KV_UNROLL
-          for (int j = 0; j < BLOCK_SIZE; ++j) {
-            const int t = t0 + j;
-            if (t >= 0 && t < n) acc[h] += sm.probs[h][t] * values[j];
-          }
-        }
-      }
-    }
-    FP8KV_UNROLL
-    for (int h = 0; h < H; ++h) sm.partial[h][split * head_size + d] = acc[h];
   }
   th.sync();
 
+  float slope[kHeads];
   FP8KV_UNROLL
-  for (int h = 0; h < H; ++h) {  // h a constant: sum[h] stays in a register
-    for (int d = tid; d < head_size; d += NT) {
-      float acc = 0.0f;
-      for (int s = 0; s < splits; ++s) acc += sm.partial[h][s * head_size + d];
-      acc *= view.v_scale();
-      if (task.writes_output()) {
-        task.write_output(h, d, sum[h] != 0.0f ? acc / sum[h] : 0.0f);
+  for (int h = 0; h < kHeads; ++h) slope[h] = p.alibi_slopes != nullptr && h < heads ? p.alibi_slopes[first_head + h] : 0.0f;
+  const int newest = task.seq_len - 1;
+
+  float m[kHeads], l[kHeads], acc[kHeads][A::kRowsPerLane];
+  FP8KV_UNROLL
+  for (int h = 0; h < kHeads; ++h) {
+    m[h] = -INFINITY;
+    l[h] = 0.0f;
+    FP8KV_UNROLL
+    for (int k = 0; k < A::kRowsPerLane; ++k) acc[h][k] = 0.0f;
+  }
+
+  const int lane = a.lane, warp = a.warp, token = lane % kTile, group = lane / kTile;
+  typename A::Regs cur, next;
+  int tile = t0 + warp;
+  if (tile < t1) a.load(tile, cur);
+  for (; tile < t1; tile += kAttentionWarps) {
+    const int next_tile = tile + kAttentionWarps;
+    if constexpr (A::kPrefetch) {
+      if (next_tile < t1) a.load(next_tile, next);
+    }
+    const int pos0 = task.start + tile * kTile;
+    const int pos = pos0 + token;
+
+    // Q.K for this lane's token, over this lane's chunks, for every head slot.
+    float dot[kHeads];
+    FP8KV_UNROLL
+    for (int h = 0; h < kHeads; ++h) dot[h] = 0.0f;
+    FP8KV_UNROLL
+    for (int i = 0; i < A::kChunksPerLane; ++i) {
+      const int chunk = group + kLaneGroups * i;
+      if (chunk * 16 >= head_size) continue;
+      float kv[16];
+      if constexpr (A::kPrefetch) {
+        decode16<cache_t, Src::kFmt>(cur.k[i], kv);
       } else {
-        task.write_partial(h, d, acc);
+        Raw16 raw[A::kE];
+        a.load_key(cur.token, i, raw);
+        decode16<cache_t, Src::kFmt>(raw, kv);
+      }
+      FP8KV_UNROLL
+      for (int h = 0; h < kHeads; ++h) {
+        FP8KV_UNROLL
+        for (int j = 0; j < 16; j += 4) {
+          const Vec<float, 4> qv = load_vec<float, 4>(&sm.q[h][chunk * 16 + j]);
+          FP8KV_UNROLL
+          for (int e = 0; e < 4; ++e) dot[h] += qv.e[e] * kv[j + e];
+        }
       }
     }
-  }
-  if (!task.writes_output() && tid == 0) {
-    for (int h = 0; h < H; ++h) task.write_stats(h, max_logit[h], sum[h]);
-  }
-}
-
-// Merge the partitions of one (head, sequence) that cover positions (span_of(p) non-empty):
-// out = sum_p w_p * partial_out_p / sum_p w_p * sum_p with w_p = exp(max_p - max over p).
-template <typename scalar_t, typename cache_t, class Thread, class SpanOf>
-FP8KV_DEVICE void merge_partitions(const PagedAttentionArgs<scalar_t, cache_t>& a, const SpanOf& span_of,
-                                   const Thread& th) {
-  const int head = th.block_x(), seq = th.block_y();
-  const int64_t row = int64_t(seq) * a.num_heads + head;
-  const float* part_max = a.partial_max + row * a.num_partitions;
-  const float* part_sum = a.partial_sum + row * a.num_partitions;
-  const float* part_out = a.partial_out + row * a.num_partitions * a.head_size;
-
-  float max_logit = -INFINITY;
-  for (int p = 0; p < a.num_partitions; ++p) {
-    if (span_of(p).size() > 0) max_logit = fmaxf(max_logit, part_max[p]);
-  }
-  float denom = 0.0f;
-  for (int p = 0; p < a.num_partitions; ++p) {
-    if (span_of(p).size() > 0) denom += softmax_weight(part_max[p], max_logit) * part_sum[p];
-  }
-
-  for (int d = th.index(); d < a.head_size; d += kAttentionThreads) {
-    float acc = 0.0f;
-    for (int p = 0; p < a.num_partitions; ++p) {
-      if (span_of(p).size() == 0) continue;
-      acc += softmax_weight(part_max[p], max_logit) * part_out[p * a.head_size + d];
+    FP8KV_UNROLL
+    for (int h = 0; h < kHeads; ++h) {
+      for (int mask = kTile; mask < kWarpSize; mask *= 2) dot[h] += th.shfl_xor(dot[h], mask);
     }
-    a.out[row * a.head_size + d] = from_float<scalar_t>(denom != 0.0f ? acc / denom : 0.0f);
+
+    // Online softmax over the tile's 16 tokens (lanes t and t + 16 hold the same values).
+    FP8KV_UNROLL
+    for (int h = 0; h < kHeads; ++h) {
+      const float logit = cur.token.ok ? dot[h] + slope[h] * static_cast<float>(pos - newest) : -INFINITY;
+      float tile_max = logit;
+      for (int mask = kTile / 2; mask > 0; mask /= 2) tile_max = fmaxf(tile_max, th.shfl_xor(tile_max, mask));
+      const float m_new = fmaxf(m[h], tile_max);
+      const float weight = softmax_weight(logit, m_new);
+      float tile_sum = weight;
+      for (int mask = kTile / 2; mask > 0; mask /= 2) tile_sum += th.shfl_xor(tile_sum, mask);
+      const float correction = m_new == -INFINITY ? 1.0f : softmax_weight(m[h], m_new);
+      l[h] = l[h] * correction + tile_sum;
+      m[h] = m_new;
+      FP8KV_UNROLL
+      for (int k = 0; k < A::kRowsPerLane; ++k) acc[h][k] *= correction;
+      if (group == 0) sm.p[warp][h][token] = weight;
+    }
+    if constexpr (!Src::kBlockIds) {
+      if (group == 0) {
+        int offset = 0;
+        const int block = cur.token.ok ? a.block_of(pos, offset) : -1;
+        sm.ring_value[warp][token] = block >= 0 ? a.value_base(block) + offset : -1;
+      }
+    }
+    th.sync_warp();
+
+    // P.V for this lane's dims.
+    FP8KV_UNROLL
+    for (int k = 0; k < A::kRowsPerLane; ++k) {
+      const int d = lane + k * kWarpSize;
+      if (d >= head_size) continue;
+      float v[16];
+      if constexpr (A::kPrefetch) {
+        decode16<cache_t, Src::kFmt>(cur.v[k], v);
+      } else if constexpr (Src::kBlockIds) {
+        Raw16 raw[A::kE];
+        a.load_value(pos0, k, raw);
+        decode16<cache_t, Src::kFmt>(raw, v);
+      } else {
+        a.ring_values(d, v);
+      }
+      if (pos0 + kTile > task.end) {  // the last tile: past the end a block holds stale (even NaN) values
+        FP8KV_UNROLL
+        for (int j = 0; j < kTile; ++j) v[j] = pos0 + j < task.end ? v[j] : 0.0f;
+      }
+      FP8KV_UNROLL
+      for (int h = 0; h < kHeads; ++h) {
+        FP8KV_UNROLL
+        for (int j = 0; j < kTile; j += 4) {
+          const Vec<float, 4> pv = load_vec<float, 4>(&sm.p[warp][h][j]);
+          FP8KV_UNROLL
+          for (int e = 0; e < 4; ++e) acc[h][k] += pv.e[e] * v[j + e];
+        }
+      }
+    }
+    th.sync_warp();  // sm.p and sm.ring_value are rewritten by the next tile
+
+    if constexpr (A::kPrefetch) {
+      cur = next;
+    } else {
+      if (next_tile < t1) a.load(next_tile, cur);
+    }
+  }
+
+  // Merge the warps: each one's (max, sum, output) rescaled to the block's max, summed in shared memory.
+  if (lane == 0) {
+    FP8KV_UNROLL
+    for (int h = 0; h < kHeads; ++h) {
+      sm.warp_max[warp][h] = m[h];
+      sm.warp_sum[warp][h] = l[h];
+    }
+  }
+  th.sync();  // also: every warp is done reading sm.q, which now holds the merged output
+  float block_max[kHeads], block_sum[kHeads];
+  FP8KV_UNROLL
+  for (int h = 0; h < kHeads; ++h) {
+    block_max[h] = -INFINITY;
+    for (int w = 0; w < kAttentionWarps; ++w) block_max[h] = fmaxf(block_max[h], sm.warp_max[w][h]);
+    block_sum[h] = 0.0f;
+    for (int w = 0; w < kAttentionWarps; ++w) {
+      block_sum[h] += softmax_weight(sm.warp_max[w][h], block_max[h]) * sm.warp_sum[w][h];
+    }
+  }
+  for (int w = 0; w < kAttentionWarps; ++w) {
+    if (warp == w) {
+      FP8KV_UNROLL
+      for (int h = 0; h < kHeads; ++h) {
+        const float factor = softmax_weight(m[h], block_max[h]);
+        FP8KV_UNROLL
+        for (int k = 0; k < A::kRowsPerLane; ++k) {
+          const int d = lane + k * kWarpSize;
+          if (d >= kMaxD) continue;
+          sm.q[h][d] = (w == 0 ? 0.0f : sm.q[h][d]) + acc[h][k] * factor;
+        }
+      }
+    }
+    th.sync();
+  }
+
+  const float v_scale = Src::v_scale(p, kv_head);
+  FP8KV_UNROLL
+  for (int h = 0; h < kHeads; ++h) {  // h a constant: block_sum[h] stays in a register
+    if (h >= heads) continue;
+    for (int d = tid; d < head_size; d += kAttentionThreads) {
+      const float value = sm.q[h][d] * v_scale;
+      if (direct) {
+        store_model_value(p.out, (row0 + h) * head_size + d, p.out_dtype,
+                          block_sum[h] != 0.0f ? value / block_sum[h] : 0.0f);
+      } else {
+        p.partial_out[((row0 + h) * total_splits + part) * head_size + d] = value;
+      }
+    }
+    if (!direct && tid == 0) {
+      p.partial_max[(row0 + h) * total_splits + part] = block_max[h];
+      p.partial_sum[(row0 + h) * total_splits + part] = block_sum[h];
+    }
   }
 }
 
-// ---- paged_attention -----------------------------------------------------------------------------------
-
-// The sequence length, clamped so that nothing past max_seq_len (the partition count) or the block table
-// row is touched; an out-of-range length is reported.
-template <typename scalar_t, typename cache_t>
-FP8KV_DEVICE int checked_seq_len(const PagedAttentionArgs<scalar_t, cache_t>& a, int seq, bool report) {
-  const int64_t table_capacity = int64_t(a.max_blocks_per_seq) * a.block_size;
-  const int capacity = static_cast<int>(table_capacity < a.max_seq_len ? table_capacity : a.max_seq_len);
-  return checked_in(a.seq_lens[seq], 0, capacity, a.error_flag, kErrorSeqLenOutOfRange, report);
+// Merge the splits of one (head, sequence): out = sum_s w_s out_s / sum_s w_s sum_s, w_s = exp(max_s - max).
+// Empty splits carry max -inf and weigh 0.
+template <class Thread>
+FP8KV_DEVICE void attention_reduce_body(const AttentionParams& p, const Thread& th) {
+  const int head = th.block_x(), seq = th.block_y();
+  const int total_splits = p.paged_splits + (p.window_starts != nullptr ? p.ring_splits : 0);
+  const int64_t row = int64_t(seq) * p.num_heads + head;
+  const float* part_max = p.partial_max + row * total_splits;
+  const float* part_sum = p.partial_sum + row * total_splits;
+  const float* part_out = p.partial_out + row * total_splits * p.head_size;
+  float max_logit = -INFINITY;
+  for (int s = 0; s < total_splits; ++s) max_logit = fmaxf(max_logit, part_max[s]);
+  float denom = 0.0f;
+  for (int s = 0; s < total_splits; ++s) denom += softmax_weight(part_max[s], max_logit) * part_sum[s];
+  for (int d = th.index(); d < p.head_size; d += kAttentionThreads) {
+    float acc = 0.0f;
+    for (int s = 0; s < total_splits; ++s) {
+      const float w = softmax_weight(part_max[s], max_logit);
+      if (w != 0.0f) acc += w * part_out[int64_t(s) * p.head_size + d];
+    }
+    store_model_value(p.out, row * p.head_size + d, p.out_dtype, denom != 0.0f ? acc / denom : 0.0f);
+  }
 }
 
-template <typename scalar_t, typename cache_t, Fp8Format kFormat, int BLOCK_SIZE, int kHeads, class Thread>
-FP8KV_DEVICE void paged_attention_body(const PagedAttentionArgs<scalar_t, cache_t>& a,
-                                       AttentionShared<kHeads>& sm, const Thread& th) {
-  const int head = th.block_x() * kHeads, seq = th.block_y(), part = th.block_z();
-  const int kv_head = head / (a.num_heads / a.num_kv_heads);
-  const int seq_len = checked_seq_len(a, seq, th.index() == 0 && part == 0);
-  const Span span = partition_span(part, seq_len);
-  const PagedView<scalar_t, cache_t, kFormat, BLOCK_SIZE> view{a, seq, kv_head, span, span.start};
-  attend(view, HeadTask<scalar_t, cache_t, kHeads>{a, head, seq, part, seq_len}, sm, th);
-}
-
-template <typename scalar_t, typename cache_t, class Thread>
-FP8KV_DEVICE void paged_attention_reduce_body(const PagedAttentionArgs<scalar_t, cache_t>& a,
-                                              const Thread& th) {
-  const int seq_len = checked_seq_len(a, th.block_y(), false);
-  merge_partitions(a, [&](int p) { return partition_span(p, seq_len); }, th);
-}
-
-// ---- paged_attention_window ----------------------------------------------------------------------------
-// Grid partitions [0, num_fp8_partitions) split the paged positions [0, window_start) as paged_attention
-// does; one kernel attends to them. The window's positions [window_start, seq_len) are at most two runs of
-// consecutive ring slots: run A up to the first position whose slot is 0 again (a multiple of window_size),
-// run B after it. The window partitions split run A, then run B, so that none crosses the wrap; a second
-// kernel attends to them, and the merge takes both kinds. (Two kernels, not one with a branch: holding both
-// paths, one kernel needs more registers, so fewer of its blocks fit on a GPU core.)
-
-// One sequence's split, checked: paged positions [0, paged_end), window positions [window_start, seq_len),
-// run A ending at wrap.
-struct WindowSplit {
-  int seq_len, window_start, paged_end, wrap;
-  int run_a_partitions;
-};
-
-template <typename scalar_t, typename cache_t>
-FP8KV_DEVICE WindowSplit checked_window_split(const PagedAttentionArgs<scalar_t, cache_t>& a,
-                                              const WindowPositions& w, int seq, bool report) {
-  WindowSplit s;
-  s.seq_len = checked_in(a.seq_lens[seq], 0, a.max_seq_len, a.error_flag, kErrorSeqLenOutOfRange, report);
-  const int oldest = s.seq_len > w.window_size ? s.seq_len - w.window_size : 0;
-  s.window_start = checked_in(w.window_starts[seq], oldest, s.seq_len, a.error_flag,
-                              kErrorWindowStartOutOfRange, report);
-  const int64_t table_capacity = int64_t(a.max_blocks_per_seq) * a.block_size;
-  const int capacity = static_cast<int>(table_capacity < s.window_start ? table_capacity : s.window_start);
-  s.paged_end = checked_in(s.window_start, 0, capacity, a.error_flag, kErrorSeqLenOutOfRange, report);
-  const int64_t wrap = (int64_t(s.window_start) / w.window_size + 1) * w.window_size;
-  s.wrap = static_cast<int>(wrap < s.seq_len ? wrap : s.seq_len);
-  s.run_a_partitions = (s.wrap - s.window_start + kPartitionSize - 1) / kPartitionSize;
-  return s;
-}
-
-// Window partition k (counted from the first window partition) and the position its ring slots start at.
-struct RingSpan {
-  Span span;
-  int lap;  // the position ring slot 0 holds: span.start - lap is span.start's ring slot
-};
-
-FP8KV_DEVICE RingSpan window_ring_span(const WindowSplit& s, int k, int window_size) {
-  const bool run_a = k < s.run_a_partitions;
-  const int run_start = run_a ? s.window_start : s.wrap;
-  const int run_end = run_a ? s.wrap : s.seq_len;
-  const int start = run_start + (run_a ? k : k - s.run_a_partitions) * kPartitionSize;
-  const int end = run_end < start + kPartitionSize ? run_end : start + kPartitionSize;
-  return {{start, end}, run_a ? s.window_start - s.window_start % window_size : s.wrap};
-}
-
-// Grid z of the first kernel: paged partition `part`. Only the first partition reports bad arguments.
-template <typename scalar_t, typename cache_t, Fp8Format kFormat, int BLOCK_SIZE, int kHeads, class Thread>
-FP8KV_DEVICE void window_paged_part_body(const PagedAttentionArgs<scalar_t, cache_t>& a,
-                                         const WindowPositions& w, AttentionShared<kHeads>& sm,
-                                         const Thread& th) {
-  const int head = th.block_x() * kHeads, seq = th.block_y(), part = th.block_z();
-  const int kv_head = head / (a.num_heads / a.num_kv_heads);
-  const WindowSplit split = checked_window_split(a, w, seq, th.index() == 0 && part == 0);
-  const Span span = partition_span(part, split.paged_end);
-  const PagedView<scalar_t, cache_t, kFormat, BLOCK_SIZE> view{a, seq, kv_head, span, span.start};
-  attend(view, HeadTask<scalar_t, cache_t, kHeads>{a, head, seq, part, split.seq_len}, sm, th);
-}
-
-// Grid z of the second kernel: window partition k, partition num_fp8_partitions + k of the merge.
-template <typename scalar_t, typename cache_t, typename window_t, int BLOCK_SIZE, int kHeads, class Thread>
-FP8KV_DEVICE void window_ring_part_body(const PagedAttentionArgs<scalar_t, cache_t>& a,
-                                        const WindowPositions& w, const WindowCache<window_t>& ring,
-                                        AttentionShared<kHeads>& sm, const Thread& th) {
-  const int head = th.block_x() * kHeads, seq = th.block_y(), k = th.block_z();
-  const int kv_head = head / (a.num_heads / a.num_kv_heads);
-  const WindowSplit split = checked_window_split(a, w, seq, false);
-  const RingSpan r = window_ring_span(split, k, w.window_size);
-  const RingView<window_t, BLOCK_SIZE> view{ring, seq, kv_head, r.span, r.span.start - r.lap};
-  attend(view, HeadTask<scalar_t, cache_t, kHeads>{a, head, seq, w.num_fp8_partitions + k, split.seq_len}, sm,
-         th);
-}
-
-template <typename scalar_t, typename cache_t, class Thread>
-FP8KV_DEVICE void paged_attention_window_reduce_body(const PagedAttentionArgs<scalar_t, cache_t>& a,
-                                                     const WindowPositions& w, const Thread& th) {
-  const WindowSplit split = checked_window_split(a, w, th.block_y(), false);
-  const auto span_of = [&](int p) {
-    return p < w.num_fp8_partitions ? partition_span(p, split.paged_end)
-                                    : window_ring_span(split, p - w.num_fp8_partitions, w.window_size).span;
+// fn(std::integral_constant<int, kChunks>{}, std::integral_constant<int, kHeads>{}) for a call's head size
+// and GQA group: 16-dim chunks of 4, 8 or 16 (head sizes up to 64, 128, 256) and 1, 4 or 8 head slots
+// (head_slots_for).
+template <class Fn>
+void with_attention_shape(int head_size, int group, const Fn& fn) {
+  const auto by_heads = [&](auto chunks) {
+    const int slots = head_slots_for(group, head_size);
+    if (slots == 1) fn(chunks, std::integral_constant<int, 1>{});
+    else if (slots == 4) fn(chunks, std::integral_constant<int, 4>{});
+    else fn(chunks, std::integral_constant<int, 8>{});
   };
-  merge_partitions(a, span_of, th);
+  if (head_size <= 64) {
+    by_heads(std::integral_constant<int, 4>{});
+  } else if (head_size <= 128) {
+    by_heads(std::integral_constant<int, 8>{});
+  } else {  // at most 4 slots (head_slots_for)
+    if (head_slots_for(group, head_size) == 1) fn(std::integral_constant<int, 16>{}, std::integral_constant<int, 1>{});
+    else fn(std::integral_constant<int, 16>{}, std::integral_constant<int, 4>{});
+  }
 }
 
 #if !defined(FP8KV_PLATFORM_HOST)
-// The kernels name an occupancy floor of 4 blocks per SM (up to 128 registers a thread). Without one, ptxas
-// (CUDA 13) trades a few spilled registers for more resident blocks, kernel by kernel and arch by arch, and
-// the compile check (-warn-spills) rejects any spill; with it, nothing spills on sm_80/89/90 and the
-// attention kernels use 48-61 registers for FP8 caches, 56-80 for 16-bit ones and up to 116 for float32
-// (was 32-47 for FP8 without the floor). Which occupancy decodes faster is for a GPU run to tell. HIP
-// reads a second argument as waves per execution unit, so it gets the thread count only.
+// An occupancy floor of Src::kMinBlocks blocks per SM (2 for 8 head slots, whose outputs take more registers): 3 gives up to ~170 registers a thread, room for an FP8
+// tile's K and V twice (the current one and the next) so that loads stay in flight while a warp computes;
+// without a floor ptxas picks its own trade of spills for occupancy, kernel by kernel. HIP reads a second
+// argument as waves per execution unit, so it gets the thread count only.
 #if defined(FP8KV_PLATFORM_CUDA)
-#define FP8KV_ATTENTION_LAUNCH_BOUNDS __launch_bounds__(kAttentionThreads, 4)
+#define FP8KV_ATTENTION_LAUNCH_BOUNDS(min_blocks) __launch_bounds__(kAttentionThreads, min_blocks)
 #else
-#define FP8KV_ATTENTION_LAUNCH_BOUNDS __launch_bounds__(kAttentionThreads)
+#define FP8KV_ATTENTION_LAUNCH_BOUNDS(min_blocks) __launch_bounds__(kAttentionThreads)
 #endif
 
-template <typename scalar_t, typename cache_t, Fp8Format kFormat, int BLOCK_SIZE, int kHeads>
-__global__ void FP8KV_ATTENTION_LAUNCH_BOUNDS
-    paged_attention_kernel(const PagedAttentionArgs<scalar_t, cache_t> args) {
-  __shared__ AttentionShared<kHeads> smem;
-  paged_attention_body<scalar_t, cache_t, kFormat, BLOCK_SIZE, kHeads>(args, smem, GpuThread{});
+template <class Src, int kChunks, int kHeads>
+__global__ void FP8KV_ATTENTION_LAUNCH_BOUNDS(kHeads > 4 ? 2 : Src::kMinBlocks)
+    attention_kernel(const AttentionParams params) {
+  __shared__ AttentionSmem<kHeads, kChunks * 16> smem;
+  attention_body<Src, kChunks, kHeads>(params, smem, GpuThread{});
 }
-
-template <typename scalar_t, typename cache_t>
-__global__ void FP8KV_ATTENTION_LAUNCH_BOUNDS
-    paged_attention_reduce_kernel(const PagedAttentionArgs<scalar_t, cache_t> args) {
-  paged_attention_reduce_body(args, GpuThread{});
-}
-
-
-template <typename scalar_t, typename cache_t, Fp8Format kFormat, int BLOCK_SIZE, int kHeads>
-__global__ void FP8KV_ATTENTION_LAUNCH_BOUNDS
-    window_paged_part_kernel(const PagedAttentionArgs<scalar_t, cache_t> args, const WindowPositions window) {
-  __shared__ AttentionShared<kHeads> smem;
-  window_paged_part_body<scalar_t, cache_t, kFormat, BLOCK_SIZE, kHeads>(args, window, smem, GpuThread{});
-}
-
-template <typename scalar_t, typename cache_t, typename window_t, int BLOCK_SIZE, int kHeads>
-__global__ void FP8KV_ATTENTION_LAUNCH_BOUNDS
-    window_ring_part_kernel(const PagedAttentionArgs<scalar_t, cache_t> args, const WindowPositions window,
-                            const WindowCache<window_t> ring) {
-  __shared__ AttentionShared<kHeads> smem;
-  window_ring_part_body<scalar_t, cache_t, window_t, BLOCK_SIZE, kHeads>(args, window, ring, smem, GpuThread{});
-}
-
-template <typename scalar_t, typename cache_t>
-__global__ void FP8KV_ATTENTION_LAUNCH_BOUNDS
-    paged_attention_window_reduce_kernel(const PagedAttentionArgs<scalar_t, cache_t> args,
-                                         const WindowPositions window) {
-  paged_attention_window_reduce_body(args, window, GpuThread{});
-}
-
 #endif
 
 }  // namespace fp8kv::gpu

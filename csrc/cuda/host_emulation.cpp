@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <barrier>
+#include <cstring>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -46,6 +47,7 @@ struct HostThread {
   int block_y() const { return by; }
   int block_z() const { return bz; }
   void sync() const { block->block_barrier.arrive_and_wait(); }
+  void sync_warp() const { block->warp_barriers[tid / kWarpSize]->arrive_and_wait(); }
   float shfl_xor(float v, int lane_mask) const {
     const int warp = tid / kWarpSize, lane = tid % kWarpSize;
     float* lanes = &block->exchange[warp * kWarpSize];
@@ -82,13 +84,16 @@ void run_grid(int gx, int gy, int gz, int threads, const Body& body) {
   run_grid(gx, gy, gz, threads, body, [] {});
 }
 
-// A block's shared memory as a GPU hands it over: not zeroed, whatever the previous block left. NaN here, so
-// that a block reading shared memory it did not write shows it in its output.
-template <int kHeads>
-void fill_with_nan(AttentionShared<kHeads>& sm) {
-  static_assert(sizeof(AttentionShared<kHeads>) % sizeof(float) == 0);
-  std::fill_n(reinterpret_cast<float*>(&sm), sizeof(sm) / sizeof(float), NAN);
+// A block's shared memory as a GPU hands it over: not zeroed, whatever the previous block left. All bits set
+// here (NaN floats, -1 ints), so that a block reading shared memory it did not write shows it in its output.
+template <class Smem>
+void poison(Smem& sm) {
+  std::memset(static_cast<void*>(&sm), 0xFF, sizeof(sm));
 }
+
+// The streaming multiprocessors the splits are chosen for (attention_splits); tests may change it to get
+// more or fewer splits for the same shapes.
+int emulated_sm_count = 132;
 
 template <typename scalar_t, typename cache_t, Fp8Format kFormat>
 int reshape_and_cache(const void* key, const void* value, void* key_cache, void* value_cache,
@@ -122,155 +127,167 @@ int reshape_and_cache(const void* key, const void* value, void* key_cache, void*
   return flag;
 }
 
-// Dense buffers of a paged_attention call (the test passes contiguous tensors), and room for partials.
-template <typename scalar_t, typename cache_t>
-struct PagedAttentionCall {
-  PagedAttentionArgs<scalar_t, cache_t> args{};
+// A paged_attention call on dense buffers (the test passes contiguous tensors), as the binding builds it, with
+// room for the partials.
+struct AttentionCall {
+  AttentionParams params{};
   std::vector<float> partial_out, partial_max, partial_sum;
   int flag = 0;
 
-  PagedAttentionCall(void* out, const void* query, const void* key_cache, const void* value_cache,
-                     const int* block_tables, const int* seq_lens, const float* alibi, const float* k_scale,
-                     const float* v_scale, int num_seqs, int num_heads, int num_kv_heads, int head_size,
-                     int num_blocks, int block_size, int max_blocks_per_seq, int max_seq_len, float scale,
-                     bool k_per_head, bool v_per_head, int num_partitions) {
-    PagedAttentionArgs<scalar_t, cache_t>& a = args;
-    a.num_seqs = num_seqs;
-    a.num_heads = num_heads;
-    a.num_kv_heads = num_kv_heads;
-    a.head_size = head_size;
-    a.block_size = block_size;
-    a.num_blocks = num_blocks;
-    a.max_blocks_per_seq = max_blocks_per_seq;
-    a.max_seq_len = max_seq_len;
-    a.num_partitions = num_partitions;
-    a.scale = scale;
-    const size_t rows = size_t(num_seqs) * num_heads * num_partitions;
+  AttentionCall(DType dtype, DType cache, void* out, const void* query, const void* key_cache,
+                const void* value_cache, const int* block_tables, const int* seq_lens, const float* alibi,
+                const float* k_scale, const float* v_scale, int num_seqs, int num_heads, int num_kv_heads,
+                int head_size, int num_blocks, int block_size, int max_blocks_per_seq, int max_seq_len,
+                float scale, bool k_per_head, bool v_per_head) {
+    AttentionParams& p = params;
+    p.out = out;
+    p.out_dtype = p.query_dtype = dtype;
+    p.query = query;
+    p.query_seq_stride = int64_t(num_heads) * head_size;
+    p.query_head_stride = head_size;
+    p.seq_lens = seq_lens;
+    p.alibi_slopes = alibi;
+    p.k_scale = k_scale;
+    p.v_scale = v_scale;
+    p.k_scale_per_head = k_per_head;
+    p.v_scale_per_head = v_per_head;
+    p.error_flag = &flag;
+    p.num_seqs = num_seqs;
+    p.num_heads = num_heads;
+    p.num_kv_heads = num_kv_heads;
+    p.head_size = head_size;
+    p.max_seq_len = max_seq_len;
+    p.scale = scale;
+    p.paged = cache_ref(key_cache, value_cache, cache, block_tables, max_blocks_per_seq, num_blocks, block_size,
+                        num_kv_heads, head_size);
+    p.paged_splits = attention_splits(num_seqs, kv_blocks(), max_seq_len, emulated_sm_count);
+  }
+
+  int kv_blocks() const {
+    return params.num_kv_heads * head_blocks_for(params.num_heads / params.num_kv_heads, params.head_size);
+  }
+
+  static CacheRef cache_ref(const void* key, const void* value, DType dtype, const int* tables, int width,
+                            int num_blocks, int block_size, int num_kv_heads, int head_size) {
+    CacheRef c{};
+    c.key = key;
+    c.value = value;
+    c.dtype = dtype;
+    c.block_tables = tables;
+    c.table_stride = c.table_width = width;
+    c.num_blocks = num_blocks;
+    c.block_size = block_size;
+    while ((1 << c.block_shift) < block_size) ++c.block_shift;
+    c.key_head_stride = c.value_head_stride = int64_t(head_size) * block_size;
+    c.key_block_stride = c.value_block_stride = c.key_head_stride * num_kv_heads;
+    return c;
+  }
+
+  void allocate_partials(int splits) {
+    AttentionParams& p = params;
+    const size_t rows = size_t(p.num_seqs) * p.num_heads * splits;
     // NaN, as uninitialized GPU memory may hold: the merge must not read partials nobody wrote.
-    partial_out.assign(rows * head_size, NAN);
+    partial_out.assign(rows * p.head_size, NAN);
     partial_max.assign(rows, NAN);
     partial_sum.assign(rows, NAN);
-    a.partial_out = partial_out.data();
-    a.partial_max = partial_max.data();
-    a.partial_sum = partial_sum.data();
-    a.out = static_cast<scalar_t*>(out);
-    a.query = static_cast<const scalar_t*>(query);
-    a.key_cache = static_cast<const cache_t*>(key_cache);
-    a.value_cache = static_cast<const cache_t*>(value_cache);
-    a.block_tables = block_tables;
-    a.seq_lens = seq_lens;
-    a.alibi_slopes = alibi;
-    a.k_scale = k_scale;
-    a.v_scale = v_scale;
-    a.error_flag = &flag;
-    a.query_seq_stride = int64_t(num_heads) * head_size;
-    a.query_head_stride = head_size;
-    a.block_table_stride = max_blocks_per_seq;
-    a.key_cache_head_stride = a.value_cache_head_stride = int64_t(head_size) * block_size;
-    a.key_cache_block_stride = a.value_cache_block_stride = a.key_cache_head_stride * num_kv_heads;
-    a.k_scale_per_head = k_per_head;
-    a.v_scale_per_head = v_per_head;
+    p.partial_out = partial_out.data();
+    p.partial_max = partial_max.data();
+    p.partial_sum = partial_sum.data();
   }
 };
 
-// As the launchers of kernels_instantiate.cu: body(th, block size constant) over the (head, seq, partition)
-// grid, then merge(th) over (head, seq) when there are partitions. Blocks run one at a time, so they can
-// share one AttentionShared as consecutive blocks on one GPU core would.
-template <class Body, class Merge>
-int run_attention(int num_heads, int num_kv_heads, int num_seqs, int num_partitions, int block_size,
-                  const Body& body, const Merge& merge) {
-  bool supported = false;
-  with_heads_per_block(num_heads, num_kv_heads, [&](auto heads) {
-    constexpr int kHeads = decltype(heads)::value;
-    AttentionShared<kHeads> shared;
-    supported = with_block_size(block_size, [&](auto bs) {
-      run_grid(
-          num_heads / kHeads, num_seqs, num_partitions, kAttentionThreads,
-          [&](const HostThread& th) { body(th, shared, bs); }, [&] { fill_with_nan(shared); });
-    });
+// As launch_source in attention_launch.cuh: the kernel body over (KV head blocks, sequences, splits).
+template <class Src>
+void run_source(const AttentionParams& p, int splits) {
+  const int group = p.num_heads / p.num_kv_heads;
+  with_attention_shape(p.head_size, group, [&](auto chunks, auto heads) {
+    constexpr int kChunks = decltype(chunks)::value, kHeads = decltype(heads)::value;
+    auto shared = std::make_unique<AttentionSmem<kHeads, kChunks * 16>>();
+    run_grid(
+        p.num_kv_heads * head_blocks_for(group, p.head_size), p.num_seqs, splits, kAttentionThreads,
+        [&](const HostThread& th) { attention_body<Src, kChunks, kHeads>(p, *shared, th); },
+        [&] { poison(*shared); });
   });
-  if (!supported) return -1;
-  if (num_partitions > 1) run_grid(num_heads, num_seqs, 1, kAttentionThreads, merge);
-  return 0;
 }
 
-template <typename scalar_t, typename cache_t, Fp8Format kFormat>
-int paged_attention(void* out, const void* query, const void* key_cache, const void* value_cache,
-                    const int* block_tables, const int* seq_lens, const float* alibi, const float* k_scale,
-                    const float* v_scale, int num_seqs, int num_heads, int num_kv_heads, int head_size,
-                    int num_blocks, int block_size, int max_blocks_per_seq, int max_seq_len, float scale,
-                    bool k_per_head, bool v_per_head) {
-  PagedAttentionCall<scalar_t, cache_t> call(out, query, key_cache, value_cache, block_tables, seq_lens,
-                                             alibi, k_scale, v_scale, num_seqs, num_heads, num_kv_heads,
-                                             head_size, num_blocks, block_size, max_blocks_per_seq,
-                                             max_seq_len, scale, k_per_head, v_per_head,
-                                             num_partitions_for(max_seq_len));
-  const auto& a = call.args;
-  const int status = run_attention(
-      num_heads, num_kv_heads, num_seqs, a.num_partitions, block_size,
-      [&](const HostThread& th, auto& shared, auto bs) {
-        paged_attention_body<scalar_t, cache_t, kFormat, decltype(bs)::value>(a, shared, th);
-      },
-      [&](const HostThread& th) { paged_attention_reduce_body(a, th); });
-  return status < 0 ? status : call.flag;
+void run_reduce(const AttentionParams& p) {
+  run_grid(p.num_heads, p.num_seqs, 1, kAttentionThreads, [&](const HostThread& th) { attention_reduce_body(p, th); });
 }
 
-template <typename scalar_t, typename cache_t, Fp8Format kFormat, typename window_t>
-int paged_attention_window(void* out, const void* query, const void* key_cache, const void* value_cache,
-                           const void* window_key_cache, const void* window_value_cache,
-                           const int* block_tables, const int* window_block_tables, const int* seq_lens,
-                           const int* window_starts, const float* alibi, const float* k_scale,
+template <class Fn>
+void with_paged(DType dtype, const Fn& fn) {
+  switch (dtype) {
+    case DType::kF32: return fn(PagedSource<float, Fp8Format::E4M3FN>{});
+    case DType::kF16: return fn(PagedSource<half_t, Fp8Format::E4M3FN>{});
+    case DType::kBF16: return fn(PagedSource<bf16_t, Fp8Format::E4M3FN>{});
+    case DType::kE4M3FN: return fn(PagedSource<uint8_t, Fp8Format::E4M3FN>{});
+    case DType::kE5M2: return fn(PagedSource<uint8_t, Fp8Format::E5M2>{});
+    case DType::kE4M3FNUZ: return fn(PagedSource<uint8_t, Fp8Format::E4M3FNUZ>{});
+  }
+}
+
+template <class Fn>
+void with_ring(DType dtype, const Fn& fn) {
+  switch (dtype) {
+    case DType::kF32: return fn(RingSource<float>{});
+    case DType::kF16: return fn(RingSource<half_t>{});
+    default: return fn(RingSource<bf16_t>{});
+  }
+}
+
+int paged_attention(DType dtype, DType cache, void* out, const void* query, const void* key_cache,
+                    const void* value_cache, const int* block_tables, const int* seq_lens, const float* alibi,
+                    const float* k_scale, const float* v_scale, int num_seqs, int num_heads, int num_kv_heads,
+                    int head_size, int num_blocks, int block_size, int max_blocks_per_seq, int max_seq_len,
+                    float scale, bool k_per_head, bool v_per_head) {
+  AttentionCall call(dtype, cache, out, query, key_cache, value_cache, block_tables, seq_lens, alibi, k_scale,
+                     v_scale, num_seqs, num_heads, num_kv_heads, head_size, num_blocks, block_size,
+                     max_blocks_per_seq, max_seq_len, scale, k_per_head, v_per_head);
+  const AttentionParams& p = call.params;
+  if (p.paged_splits > 1) call.allocate_partials(p.paged_splits);
+  with_paged(cache, [&](auto src) { run_source<decltype(src)>(p, p.paged_splits); });
+  if (p.paged_splits > 1) run_reduce(p);
+  return call.flag;
+}
+
+int paged_attention_window(DType dtype, DType cache, DType window, void* out, const void* query,
+                           const void* key_cache, const void* value_cache, const void* window_key_cache,
+                           const void* window_value_cache, const int* block_tables, const int* window_block_tables,
+                           const int* seq_lens, const int* window_starts, const float* alibi, const float* k_scale,
                            const float* v_scale, int num_seqs, int num_heads, int num_kv_heads, int head_size,
                            int num_blocks, int num_window_blocks, int block_size, int max_blocks_per_seq,
                            int max_window_blocks_per_seq, int window_size, int max_seq_len, float scale,
                            bool k_per_head, bool v_per_head) {
-  // As the binding: paged partitions for max_seq_len, then the window's.
-  WindowPositions w{};
-  w.window_starts = window_starts;
-  w.window_size = window_size;
-  w.num_fp8_partitions = num_partitions_for(max_seq_len);
-  w.num_window_partitions = num_window_partitions_for(window_size, max_seq_len);
-  PagedAttentionCall<scalar_t, cache_t> call(out, query, key_cache, value_cache, block_tables, seq_lens,
-                                             alibi, k_scale, v_scale, num_seqs, num_heads, num_kv_heads,
-                                             head_size, num_blocks, block_size, max_blocks_per_seq,
-                                             max_seq_len, scale, k_per_head, v_per_head,
-                                             w.num_fp8_partitions + w.num_window_partitions);
-  WindowCache<window_t> ring{};
-  ring.key_cache = static_cast<const window_t*>(window_key_cache);
-  ring.value_cache = static_cast<const window_t*>(window_value_cache);
-  ring.block_tables = window_block_tables;
-  ring.num_blocks = num_window_blocks;
-  ring.block_table_stride = max_window_blocks_per_seq;
-  ring.key_head_stride = ring.value_head_stride = int64_t(head_size) * block_size;
-  ring.key_block_stride = ring.value_block_stride = ring.key_head_stride * num_kv_heads;
-  const auto& a = call.args;
-
-  // As launch_paged_attention_window: the paged part, the window part, then the merge.
-  bool supported = false;
-  with_heads_per_block(num_heads, num_kv_heads, [&](auto heads) {
-    constexpr int kHeads = decltype(heads)::value;
-    AttentionShared<kHeads> shared;
-    supported = with_block_size(block_size, [&](auto bs) {
-      constexpr int kBlockSize = decltype(bs)::value;
-      const auto poison = [&] { fill_with_nan(shared); };
-      run_grid(
-          num_heads / kHeads, num_seqs, w.num_fp8_partitions, kAttentionThreads,
-          [&](const HostThread& th) {
-            window_paged_part_body<scalar_t, cache_t, kFormat, kBlockSize>(a, w, shared, th);
-          },
-          poison);
-      run_grid(
-          num_heads / kHeads, num_seqs, w.num_window_partitions, kAttentionThreads,
-          [&](const HostThread& th) {
-            window_ring_part_body<scalar_t, cache_t, window_t, kBlockSize>(a, w, ring, shared, th);
-          },
-          poison);
-    });
-  });
-  if (!supported) return -1;
-  run_grid(num_heads, num_seqs, 1, kAttentionThreads,
-           [&](const HostThread& th) { paged_attention_window_reduce_body(a, w, th); });
+  AttentionCall call(dtype, cache, out, query, key_cache, value_cache, block_tables, seq_lens, alibi, k_scale,
+                     v_scale, num_seqs, num_heads, num_kv_heads, head_size, num_blocks, block_size,
+                     max_blocks_per_seq, max_seq_len, scale, k_per_head, v_per_head);
+  AttentionParams& p = call.params;
+  p.window_starts = window_starts;
+  p.window_size = window_size;
+  p.ring = AttentionCall::cache_ref(window_key_cache, window_value_cache, window, window_block_tables,
+                                    max_window_blocks_per_seq, num_window_blocks, block_size, num_kv_heads,
+                                    head_size);
+  p.ring_splits = attention_splits(num_seqs, call.kv_blocks(), std::max(1, std::min(window_size, max_seq_len)),
+                                   emulated_sm_count);
+  call.allocate_partials(p.paged_splits + p.ring_splits);
+  with_paged(cache, [&](auto src) { run_source<decltype(src)>(p, p.paged_splits); });
+  with_ring(window, [&](auto src) { run_source<decltype(src)>(p, p.ring_splits); });
+  run_reduce(p);
   return call.flag;
+}
+
+DType model_dtype_code(int dtype) {
+  return dtype == 0 ? DType::kF32 : dtype == 1 ? DType::kF16 : DType::kBF16;
+}
+
+// format: -1 auto (the model dtype), else fp8kv::Fp8Format.
+DType cache_dtype_code(int dtype, int format) {
+  switch (format) {
+    case 0: return DType::kE4M3FN;
+    case 1: return DType::kE5M2;
+    case 2: return DType::kE4M3FNUZ;
+    default: return model_dtype_code(dtype);
+  }
 }
 
 // dtype: 0 float32, 1 float16, 2 bfloat16; fn(a value of that type).
@@ -324,12 +341,11 @@ int fp8kv_emu_paged_attention(int dtype, int format, void* out, const void* quer
                               int max_blocks_per_seq, int max_seq_len, float scale, int k_per_head,
                               int v_per_head) {
   using namespace fp8kv::gpu;
-  return with_types(dtype, format, [&](auto scalar, auto cache, auto fmt) {
-    return paged_attention<decltype(scalar), decltype(cache), decltype(fmt)::value>(
-        out, query, key_cache, value_cache, block_tables, seq_lens, alibi, k_scale, v_scale, num_seqs,
-        num_heads, num_kv_heads, head_size, num_blocks, block_size, max_blocks_per_seq, max_seq_len, scale,
-        k_per_head != 0, v_per_head != 0);
-  });
+  if (dtype < 0 || dtype > 2 || format < -1 || format > 2) return -1;
+  return paged_attention(model_dtype_code(dtype), cache_dtype_code(dtype, format), out, query, key_cache,
+                         value_cache, block_tables, seq_lens, alibi, k_scale, v_scale, num_seqs, num_heads,
+                         num_kv_heads, head_size, num_blocks, block_size, max_blocks_per_seq, max_seq_len, scale,
+                         k_per_head != 0, v_per_head != 0);
 }
 
 // window_dtype: the window cache's, coded as dtype.
@@ -344,16 +360,21 @@ int fp8kv_emu_paged_attention_window(int dtype, int format, int window_dtype, vo
                                      int window_size, int max_seq_len, float scale, int k_per_head,
                                      int v_per_head) {
   using namespace fp8kv::gpu;
-  return with_types(dtype, format, [&](auto scalar, auto cache, auto fmt) {
-    return with_dtype(window_dtype, [&](auto window) {
-      using W = decltype(window);
-      return paged_attention_window<decltype(scalar), decltype(cache), decltype(fmt)::value, W>(
-          out, query, key_cache, value_cache, window_key_cache, window_value_cache, block_tables,
-          window_block_tables, seq_lens, window_starts, alibi, k_scale, v_scale, num_seqs, num_heads,
-          num_kv_heads, head_size, num_blocks, num_window_blocks, block_size, max_blocks_per_seq,
-          max_window_blocks_per_seq, window_size, max_seq_len, scale, k_per_head != 0, v_per_head != 0);
-    });
-  });
+  if (dtype < 0 || dtype > 2 || format < -1 || format > 2 || window_dtype < 0 || window_dtype > 2) return -1;
+  return paged_attention_window(model_dtype_code(dtype), cache_dtype_code(dtype, format),
+                                model_dtype_code(window_dtype), out, query, key_cache, value_cache,
+                                window_key_cache, window_value_cache, block_tables, window_block_tables, seq_lens,
+                                window_starts, alibi, k_scale, v_scale, num_seqs, num_heads, num_kv_heads,
+                                head_size, num_blocks, num_window_blocks, block_size, max_blocks_per_seq,
+                                max_window_blocks_per_seq, window_size, max_seq_len, scale, k_per_head != 0,
+                                v_per_head != 0);
+}
+
+// The multiprocessor count the emulated calls choose their splits for; returns the previous one.
+int fp8kv_emu_set_sm_count(int count) {
+  const int previous = fp8kv::gpu::emulated_sm_count;
+  fp8kv::gpu::emulated_sm_count = count > 0 ? count : 1;
+  return previous;
 }
 
 }  // extern "C"

@@ -1,9 +1,9 @@
 // Torch-free interface between the torch bindings (torch_bindings_cuda.cu) and the kernels
-// (kernels_instantiate.cu): plain pointers, sizes and strides in elements.
+// (kernels_*.cu): plain pointers, sizes and strides in elements.
 //
 // Type arguments: scalar_t is the model dtype (float, gpu::half_t, gpu::bf16_t); cache_t is uint8_t for an
 // FP8 cache, whose format is kFormat, or scalar_t for an "auto" cache (kFormat is then unused and given as
-// Fp8Format::E4M3FN). Every such combination is instantiated once, in kernels_instantiate.cu.
+// Fp8Format::E4M3FN). Every such combination is instantiated once, in the kernels_*.cu files.
 #pragma once
 
 #include <cstdint>
@@ -21,9 +21,12 @@ constexpr int kErrorSeqLenOutOfRange = 4;  // seq_len < 0, > max_seq_len, or pas
 constexpr int kErrorWindowStartOutOfRange = 8;   // outside [max(0, seq_len - window_size), seq_len]
 constexpr int kErrorWindowBlockOutOfRange = 16;  // window_block_tables: an id outside [0, num_window_blocks)
 
-constexpr int kPartitionSize = 512;  // tokens per thread block in paged attention (v2-style partitions)
-constexpr int kMaxHeadSize = 256;
-constexpr int kSupportedHeadSizes[] = {64, 80, 96, 112, 128, 256};
+// Decode attention reads the cache in tiles of kAttentionTile tokens; a thread block attends to one split
+// of a sequence's positions, at most kMaxSplitTokens of them, so that its block ids fit shared memory.
+constexpr int kAttentionTile = 16;
+constexpr int kMaxSplitTokens = 1024;
+constexpr int kMaxHeadSize = 256;   // head sizes: any multiple of 16 up to this
+constexpr int kMaxSplits = 65535;   // grid z
 constexpr int kSupportedBlockSizes[] = {8, 16, 32};
 
 template <typename scalar_t, typename cache_t>
@@ -48,121 +51,116 @@ struct ReshapeAndCacheArgs {
   bool k_scale_per_head, v_scale_per_head;
 };
 
-template <typename scalar_t, typename cache_t>
-struct PagedAttentionArgs {
-  scalar_t* out;             // [num_seqs, num_heads, head_size], contiguous
-  float* partial_out;        // [num_seqs, num_heads, num_partitions, head_size]; unused if 1 partition
-  float* partial_max;        // [num_seqs, num_heads, num_partitions]
-  float* partial_sum;        // [num_seqs, num_heads, num_partitions]
-  const scalar_t* query;     // [num_seqs, num_heads, head_size], last dim contiguous
-  const cache_t* key_cache;  // layouts as above, inner dims contiguous
-  const cache_t* value_cache;
-  const int* block_tables;   // [num_seqs, max_blocks_per_seq], last dim contiguous
-  const int* seq_lens;       // [num_seqs]
-  const float* alibi_slopes;  // [num_heads] or nullptr
-  const float* k_scale;
-  const float* v_scale;
-  int* error_flag;
-  int num_seqs, num_heads, num_kv_heads, head_size, block_size;
-  int num_blocks, max_blocks_per_seq, max_seq_len, num_partitions;
-  float scale;
-  int64_t query_seq_stride, query_head_stride;
-  int64_t block_table_stride;
-  int64_t key_cache_block_stride, key_cache_head_stride;
-  int64_t value_cache_block_stride, value_cache_head_stride;
-  bool k_scale_per_head, v_scale_per_head;
-};
+// The element types the kernels know, at run time: the query / output dtype, and what a cache holds.
+enum class DType : int { kF32 = 0, kF16 = 1, kBF16 = 2, kE4M3FN = 3, kE5M2 = 4, kE4M3FNUZ = 5 };
 
-// paged_attention_window: positions [0, window_start) from the paged cache, as paged_attention reads them,
-// and [window_start, seq_len) from the window cache, a ring of window_t (float, half_t or bf16_t; an "auto"
-// cache layout) where position p sits at ring slot p % window_size, in block
-// window_block_tables[seq][slot / block_size]. Partitions [0, num_fp8_partitions) cover the paged part, the
-// others the window (num_window_partitions); one softmax over all.
+template <typename T>
+FP8KV_HOST_DEVICE constexpr DType dtype_of() {
+  if constexpr (std::is_same_v<T, float>) return DType::kF32;
+  else if constexpr (std::is_same_v<T, bf16_t>) return DType::kBF16;
+  else return DType::kF16;
+}
 
-// Where each sequence's window starts: all that the paged part and the merge need of the window.
-struct WindowPositions {
-  const int* window_starts;  // [num_seqs]
-  int window_size;
-  int num_fp8_partitions, num_window_partitions;
-};
+// The cache type of an (element, format) pair as the bindings name it: uint8_t with a format, or the
+// model dtype itself for an auto cache.
+template <typename cache_t, Fp8Format kFormat>
+constexpr DType cache_dtype_of() {
+  if constexpr (!std::is_same_v<cache_t, uint8_t>) return dtype_of<cache_t>();
+  else if constexpr (kFormat == Fp8Format::E5M2) return DType::kE5M2;
+  else if constexpr (kFormat == Fp8Format::E4M3FNUZ) return DType::kE4M3FNUZ;
+  else return DType::kE4M3FN;
+}
 
-template <typename window_t>
-struct WindowCache {
-  const window_t* key_cache;    // [num_blocks, num_kv_heads, head_size / x, block_size, x]
-  const window_t* value_cache;  // [num_blocks, num_kv_heads, head_size, block_size]
-  const int* block_tables;      // [num_seqs, >= ceil(window_size / block_size)], last dim contiguous
-  int num_blocks;
-  int64_t block_table_stride;
+// One paged cache (or the recent-token window ring, laid out as an auto cache), strides in elements.
+struct CacheRef {
+  const void* key;    // [num_blocks, num_kv_heads, head_size / x, block_size, x]
+  const void* value;  // [num_blocks, num_kv_heads, head_size, block_size]
+  DType dtype;
+  const int* block_tables;  // [num_seqs, table_width], last dim contiguous
+  int64_t table_stride;
+  int table_width;
+  int num_blocks, block_size, block_shift;  // block_size = 1 << block_shift
   int64_t key_block_stride, key_head_stride, value_block_stride, value_head_stride;
 };
 
-template <typename scalar_t, typename cache_t, typename window_t>
-struct PagedAttentionWindowArgs {
-  PagedAttentionArgs<scalar_t, cache_t> paged;  // num_partitions counts both kinds; partials always used
-  WindowPositions positions;
-  WindowCache<window_t> window;
+// One decode-attention call, for the kernels (torch-free, no model dtype in the types: the query and the
+// output are read and written through `query_dtype` / `out_dtype`).
+struct AttentionParams {
+  void* out;  // [num_seqs, num_heads, head_size], contiguous
+  DType out_dtype;
+  const void* query;  // [num_seqs, num_heads, head_size], last dim contiguous
+  DType query_dtype;
+  int64_t query_seq_stride, query_head_stride;
+  // Partial results of each split, [num_seqs, num_heads, total_splits (, head_size)]; unused when a call
+  // has one split and no window.
+  float* partial_out;
+  float* partial_max;
+  float* partial_sum;
+  const int* seq_lens;        // [num_seqs]
+  const float* alibi_slopes;  // [num_heads] or nullptr
+  const float* k_scale;       // [1] or [num_kv_heads]
+  const float* v_scale;
+  bool k_scale_per_head, v_scale_per_head;
+  int* error_flag;
+  int num_seqs, num_heads, num_kv_heads, head_size, max_seq_len;
+  float scale;
+  CacheRef paged;
+  int paged_splits;  // grid z of the paged kernel
+  // paged_attention_window: positions [window_starts[s], seq_len) are read from `ring` (slot p % window_size)
+  // instead of the paged cache, in ring_splits more splits (partials paged_splits ..).
+  const int* window_starts;  // nullptr: no window
+  int window_size;
+  CacheRef ring;
+  int ring_splits;
 };
 
-inline int num_partitions_for(int max_seq_len) {
-  const int n = (max_seq_len + kPartitionSize - 1) / kPartitionSize;
-  return n > 0 ? n : 1;
+// How many splits a call's grid gets: enough thread blocks to fill the GPU about twice (sm_count blocks of
+// 4 per core), none longer than kMaxSplitTokens positions of max_seq_len, and none shorter than 256 unless
+// that is all there is. Depends only on the call's shapes, so a CUDA graph captured for a padded batch keeps
+// a grid that suits every replay.
+inline int attention_splits(int num_seqs, int kv_head_blocks, int max_len, int sm_count) {
+  const int tiles = (max_len + kAttentionTile - 1) / kAttentionTile;
+  const int max_split_tiles = kMaxSplitTokens / kAttentionTile;
+  const int fewest = (tiles + max_split_tiles - 1) / max_split_tiles;
+  const int min_split_tiles = 256 / kAttentionTile;
+  const int most = (tiles + min_split_tiles - 1) / min_split_tiles;
+  const long blocks = long(num_seqs) * kv_head_blocks;
+  const long wanted = blocks > 0 ? (long(sm_count) * 8 + blocks - 1) / blocks : 1;
+  long splits = wanted < most ? wanted : most;
+  if (splits < fewest) splits = fewest;
+  if (splits < 1) splits = 1;
+  return static_cast<int>(splits > kMaxSplits ? kMaxSplits : splits);
 }
 
-// A window holds at most min(window_size, max_seq_len) positions of a sequence, in partitions that do not
-// cross the ring's wrap (attention_kernels.cuh): one more when a sequence can wrap.
-inline int num_window_partitions_for(int window_size, int max_seq_len) {
-  const bool wraps = window_size < max_seq_len;
-  return num_partitions_for(wraps ? window_size : max_seq_len) + (wraps ? 1 : 0);
+// Query heads a thread block takes (of one KV head): 1, 4 or 8 register slots (4 at most for head sizes over
+// 128, whose outputs take twice the registers). A group of 3 runs in 4 slots, one idle: each K/V element is
+// still read and decoded once for the whole group; a group of 12 takes two blocks (8 + 4).
+FP8KV_HOST_DEVICE FP8KV_INLINE int head_slots_for(int group, int head_size) {
+  const int most = head_size > 128 ? 4 : 8;
+  return group == 1 ? 1 : group <= 4 || most == 4 ? 4 : 8;
+}
+// Thread blocks per KV head.
+FP8KV_HOST_DEVICE FP8KV_INLINE int head_blocks_for(int group, int head_size) {
+  const int slots = head_slots_for(group, head_size);
+  return (group + slots - 1) / slots;
 }
 
 // All return the launch error (success when nothing was launched). Preconditions are checked by the
-// binding: supported head/block size, 16-byte aligned caches, sizes within grid limits.
+// binding: head size a multiple of 16 up to kMaxHeadSize, block size 8, 16 or 32, 16-byte aligned caches,
+// sizes within grid limits, partials for paged_splits (+ ring_splits) when there is more than one.
 template <typename scalar_t, typename cache_t, Fp8Format kFormat>
 Error launch_reshape_and_cache(const ReshapeAndCacheArgs<scalar_t, cache_t>& args, Stream stream);
 
-template <typename scalar_t, typename cache_t, Fp8Format kFormat>
-Error launch_paged_attention(const PagedAttentionArgs<scalar_t, cache_t>& args, Stream stream);
+Error launch_paged_attention(const AttentionParams& params, Stream stream);
 
-template <typename scalar_t, typename cache_t, Fp8Format kFormat, typename window_t>
-Error launch_paged_attention_window(const PagedAttentionWindowArgs<scalar_t, cache_t, window_t>& args,
-                                    Stream stream);
-
-// fn(std::integral_constant<int, B>{}) for block size B of kSupportedBlockSizes; false for another size.
-template <class Fn>
-bool with_block_size(int block_size, const Fn& fn) {
-  switch (block_size) {
-    case 8: fn(std::integral_constant<int, 8>{}); return true;
-    case 16: fn(std::integral_constant<int, 16>{}); return true;
-    case 32: fn(std::integral_constant<int, 32>{}); return true;
-    default: return false;
-  }
-}
-
-// Every (scalar_t, cache_t, kFormat) the kernels are built for; X is a macro taking the three.
-// Query heads per attention thread block: 4 where the GQA group is a multiple of 4, so that four heads read
-// and decode each K/V element of their KV head once; otherwise 1.
-constexpr int kGroupedHeads = 4;
-
-template <class Fn>
-void with_heads_per_block(int num_heads, int num_kv_heads, const Fn& fn) {
-  if ((num_heads / num_kv_heads) % kGroupedHeads == 0) {
-    fn(std::integral_constant<int, kGroupedHeads>{});
-  } else {
-    fn(std::integral_constant<int, 1>{});
-  }
-}
+// The same with params.window_starts and params.ring set.
+Error launch_paged_attention_window(const AttentionParams& params, Stream stream);
 
 #define FP8KV_FOR_EACH_CACHE_TYPE_OF(X, scalar_t)                  \
   X(scalar_t, scalar_t, ::fp8kv::Fp8Format::E4M3FN)               \
   X(scalar_t, uint8_t, ::fp8kv::Fp8Format::E4M3FN)                \
   X(scalar_t, uint8_t, ::fp8kv::Fp8Format::E5M2)                  \
   X(scalar_t, uint8_t, ::fp8kv::Fp8Format::E4M3FNUZ)
-
-// The window dtypes of paged_attention_window; X is a macro taking (scalar_t, cache_t, kFormat, window_t).
-#define FP8KV_FOR_EACH_WINDOW_TYPE_OF(X, scalar_t, cache_t, format) \
-  X(scalar_t, cache_t, format, float)                              \
-  X(scalar_t, cache_t, format, ::fp8kv::gpu::half_t)               \
-  X(scalar_t, cache_t, format, ::fp8kv::gpu::bf16_t)
 
 #define FP8KV_FOR_EACH_KERNEL_TYPE(X)                         \
   FP8KV_FOR_EACH_CACHE_TYPE_OF(X, float)                     \

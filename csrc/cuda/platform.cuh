@@ -2,7 +2,7 @@
 // compiles as CUDA (nvcc), as HIP (hipcc, or torch's hipify of this file) and as plain C++20 for the
 // host emulation that tests the kernel logic on machines without a GPU (FP8KV_HOST_EMULATION).
 //
-// Torch-free: this header, the kernel headers and kernels_instantiate.cu never include torch.
+// Torch-free: this header, the kernel headers and kernels_*.cu never include torch.
 #pragma once
 
 #include <cstdint>
@@ -31,6 +31,10 @@
 #define FP8KV_UNROLL _Pragma("unroll")
 #define FP8KV_PLATFORM_CUDA 1
 #endif
+
+// Keeps the compiler from moving shared-memory loads across it: without it, loads of one tile's queries or
+// probabilities that several unrolled iterations share are hoisted and held in registers all at once.
+#define FP8KV_COMPILER_FENCE() asm volatile("" ::: "memory")
 
 // After the runtime headers: under hipcc, fp8.h's __forceinline__ comes from hip_runtime.h.
 #include "../common/fp8.h"
@@ -205,6 +209,13 @@ struct GpuThread {
   FP8KV_DEVICE int block_y() const { return blockIdx.y; }
   FP8KV_DEVICE int block_z() const { return blockIdx.z; }
   FP8KV_DEVICE void sync() const { __syncthreads(); }
+  FP8KV_DEVICE void sync_warp() const {
+#if defined(FP8KV_PLATFORM_ROCM)
+    __builtin_amdgcn_wave_barrier();  // a wavefront runs in lockstep; this orders its shared-memory accesses
+#else
+    __syncwarp();
+#endif
+  }
   FP8KV_DEVICE float shfl_xor(float v, int lane_mask) const {
 #if defined(FP8KV_PLATFORM_ROCM)
     return __shfl_xor(v, lane_mask);

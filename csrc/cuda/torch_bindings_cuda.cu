@@ -1,14 +1,19 @@
 // CUDA (and, through torch's hipify, ROCm) kernels of torch.ops.fp8kv: argument checks, then a launch of the
-// torch-free kernels of kernels_instantiate.cu. Schemas: ../torch_bindings.cpp.
+// torch-free kernels of kernels_*.cu. Schemas: ../torch_bindings.cpp.
 //
 // quantize_fp8 / dequantize_fp8 have no GPU kernels here (they are tools for tests and scale files).
 //
-// Out-of-range slots and block ids: the kernels skip them and set a bit in a device flag, which is read back
-// and raised as an error after the launch (a host sync). While a CUDA graph is being captured the flag
-// cannot be read, so only the skipping protects the cache then.
+// Out-of-range slots and block ids: the kernels skip them and set a bit in a device flag. By default the flag
+// is a fresh tensor read back and raised as an error after the launch (a host sync). An engine that must not
+// wait on every call (a decode step, a CUDA graph) hands the ops its own flag with
+// torch.ops.fp8kv.set_gpu_error_flag(flag): the kernels then set bits in it and nothing is read; the engine
+// reads it at a sync it has anyway (fp8cache/model/runner.py).
 #include "launch.h"  // first: under hipcc the HIP runtime must come before common/fp8.h
+#include "layer_kernels.cuh"
 
 #include <algorithm>
+#include <array>
+#include <mutex>
 #include <optional>
 #include <string>
 
@@ -91,15 +96,60 @@ at::Tensor check_scale(const at::Tensor& scale, const Geometry& g, const at::Dev
   return scale.contiguous();
 }
 
-at::Tensor new_error_flag(const at::Device& device) {
-  return at::zeros({1}, at::TensorOptions().dtype(at::kInt).device(device));
+// Flags handed over with set_gpu_error_flag, per device index (see the top of this file).
+constexpr int kMaxDevices = 64;
+std::mutex deferred_mutex;
+std::array<at::Tensor, kMaxDevices> deferred_flags;
+
+at::Tensor deferred_flag(const at::Device& device) {
+  const std::lock_guard<std::mutex> lock(deferred_mutex);
+  const int index = device.has_index() ? device.index() : 0;
+  return index < kMaxDevices ? deferred_flags[index] : at::Tensor();
 }
 
-// The error bits the kernels reported (see the top of this file); 0 while a CUDA graph is being captured.
-// Blocks until the kernels are done.
-int reported_errors(const at::Tensor& flag) {
+void set_gpu_error_flag(const std::optional<at::Tensor>& flag) {
+  const std::lock_guard<std::mutex> lock(deferred_mutex);
+  if (!flag.has_value()) {
+    for (auto& f : deferred_flags) f = at::Tensor();
+    return;
+  }
+  TORCH_CHECK(flag->is_cuda() && flag->scalar_type() == at::kInt && flag->numel() == 1 && flag->is_contiguous(),
+              "set_gpu_error_flag takes an int32 GPU tensor of one element (or None to read errors per call)");
+  TORCH_CHECK(flag->get_device() < kMaxDevices, "device index ", flag->get_device(), " is too large");
+  deferred_flags[flag->get_device()] = *flag;
+}
+
+// The flag a call's kernels report into: the engine's (deferred) or a new one this call reads back.
+struct ErrorFlag {
+  at::Tensor tensor;
+  bool deferred;
+};
+
+ErrorFlag new_error_flag(const at::Device& device) {
+  at::Tensor deferred = deferred_flag(device);
+  if (deferred.defined()) return {deferred, true};
+  return {at::zeros({1}, at::TensorOptions().dtype(at::kInt).device(device)), false};
+}
+
+// The error bits the kernels reported (see the top of this file); 0 for a deferred flag and while a CUDA
+// graph is being captured. Otherwise blocks until the kernels are done.
+int reported_errors(const ErrorFlag& flag) {
+  if (flag.deferred) return 0;
   if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) return 0;
-  return flag.item<int>();
+  return flag.tensor.item<int>();
+}
+
+// Streaming multiprocessors of a device, asked once.
+int sm_count(const at::Device& device) {
+  static std::array<int, kMaxDevices> counts{};
+  const int index = device.has_index() ? device.index() : 0;
+  if (index >= kMaxDevices) return 132;
+  if (counts[index] == 0) {
+    int n = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, index));
+    counts[index] = n > 0 ? n : 1;
+  }
+  return counts[index];
 }
 
 void raise_reported_errors(int bits, const char* op, int64_t num_slots, int64_t num_blocks) {
@@ -116,7 +166,7 @@ void raise_reported_errors(int bits, const char* op, int64_t num_slots, int64_t 
 template <typename scalar_t, typename cache_t, Fp8Format kFormat>
 void run_reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                            at::Tensor& value_cache, const at::Tensor& slots, const Geometry& g,
-                           const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& flag) {
+                           const at::Tensor& k_scale, const at::Tensor& v_scale, const ErrorFlag& flag) {
   using S = kernel_t<scalar_t>;
   using C = kernel_t<cache_t>;
   ReshapeAndCacheArgs<S, C> a{};
@@ -127,7 +177,7 @@ void run_reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::T
   a.slot_mapping = slots.data_ptr<int64_t>();
   a.k_scale = k_scale.data_ptr<float>();
   a.v_scale = v_scale.data_ptr<float>();
-  a.error_flag = flag.data_ptr<int>();
+  a.error_flag = flag.tensor.data_ptr<int>();
   a.num_tokens = key.size(0);
   a.num_kv_heads = static_cast<int>(g.num_kv_heads);
   a.head_size = static_cast<int>(g.head_size);
@@ -183,7 +233,7 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
     return c.stride(2) == 1 && c.stride(1) == g.head_size ? c : c.contiguous();
   };
   const at::Tensor k = dense(key), v = dense(value);
-  const at::Tensor flag = new_error_flag(device);
+  const ErrorFlag flag = new_error_flag(device);
 #define FP8KV_CALL(scalar_t, cache_t, kFormat)                                                          \
   run_reshape_and_cache<scalar_t, cache_t, fp8_format_of(kFormat)>(k, v, key_cache, value_cache, slots, g, \
                                                                    ks, vs, flag)
@@ -201,23 +251,64 @@ bool is_one_of(int64_t v, const int (&choices)[N]) {
   return false;
 }
 
+DType model_dtype(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::kF32;
+    case at::kBFloat16: return DType::kBF16;
+    default: return DType::kF16;
+  }
+}
+
+DType cache_dtype(const at::Tensor& cache, KVFormat format) {
+  switch (format) {
+    case KVFormat::E4M3FN: return DType::kE4M3FN;
+    case KVFormat::E5M2: return DType::kE5M2;
+    case KVFormat::E4M3FNUZ: return DType::kE4M3FNUZ;
+    default: return model_dtype(cache);
+  }
+}
+
+int block_shift_of(int64_t block_size) {
+  int shift = 0;
+  while ((int64_t(1) << shift) < block_size) ++shift;
+  return shift;
+}
+
+CacheRef cache_ref(const at::Tensor& key_cache, const at::Tensor& value_cache, const Geometry& g, DType dtype,
+                   const at::Tensor& block_tables) {
+  CacheRef c{};
+  c.key = key_cache.data_ptr();
+  c.value = value_cache.data_ptr();
+  c.dtype = dtype;
+  c.block_tables = block_tables.data_ptr<int>();
+  c.table_stride = block_tables.stride(0);
+  c.table_width = static_cast<int>(block_tables.size(1));
+  c.num_blocks = static_cast<int>(g.num_blocks);
+  c.block_size = static_cast<int>(g.block_size);
+  c.block_shift = block_shift_of(g.block_size);
+  c.key_block_stride = key_cache.stride(0);
+  c.key_head_stride = key_cache.stride(1);
+  c.value_block_stride = value_cache.stride(0);
+  c.value_head_stride = value_cache.stride(1);
+  return c;
+}
+
 // The checked arguments of paged_attention (and the paged part of paged_attention_window), dense where the
-// kernels need it.
-struct AttentionInputs {
-  at::Tensor out;     // the op's out
-  at::Tensor result;  // what the kernels write: out itself, or a dense buffer in query's dtype copied into it
-  at::Tensor query, key_cache, value_cache, block_tables, seq_lens, alibi, k_scale, v_scale, flag;
+// kernels need it, and the tensors the launch's pointers point into (kept alive until the launch is queued).
+struct AttentionCall {
+  AttentionParams params{};
+  at::Tensor out, result, query, block_tables, seq_lens, alibi, k_scale, v_scale;
+  at::Tensor window_tables, window_starts, partial_out, partial_max, partial_sum;
+  ErrorFlag flag;
   Geometry g;
-  double scale;
-  int64_t max_seq_len;
 };
 
-AttentionInputs attention_inputs(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
-                                 const at::Tensor& value_cache, const Geometry& g, KVFormat format,
-                                 int64_t num_kv_heads, double scale, const at::Tensor& block_tables,
-                                 const at::Tensor& seq_lens, int64_t block_size, int64_t max_seq_len,
-                                 const std::optional<at::Tensor>& alibi_slopes, const at::Tensor& k_scale,
-                                 const at::Tensor& v_scale) {
+AttentionCall attention_call(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                             const at::Tensor& value_cache, const Geometry& g, KVFormat format,
+                             int64_t num_kv_heads, double scale, const at::Tensor& block_tables,
+                             const at::Tensor& seq_lens, int64_t block_size, int64_t max_seq_len,
+                             const std::optional<at::Tensor>& alibi_slopes, const at::Tensor& k_scale,
+                             const at::Tensor& v_scale) {
   const at::Device device = key_cache.device();
   TORCH_CHECK(query.dim() == 3, "query must be [num_seqs, num_heads, head_size], got ", query.sizes());
   check_model_dtype(query, "query");
@@ -237,8 +328,8 @@ AttentionInputs attention_inputs(at::Tensor& out, const at::Tensor& query, const
               " is not supported by the GPU kernels; use 8, 16 or 32");
   TORCH_CHECK(query.size(2) == g.head_size, "query head_size ", query.size(2), " != cache head_size ",
               g.head_size);
-  TORCH_CHECK(is_one_of(g.head_size, kSupportedHeadSizes), "head_size ", g.head_size,
-              " is not supported by the GPU kernels; supported: 64, 80, 96, 112, 128, 256");
+  TORCH_CHECK(g.head_size % 16 == 0 && g.head_size <= kMaxHeadSize, "head_size ", g.head_size,
+              " is not supported by the GPU kernels: they take any multiple of 16 up to ", kMaxHeadSize);
   const int64_t num_seqs = query.size(0), num_heads = query.size(1);
   TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "num_heads (", num_heads,
               ") must be a multiple of num_kv_heads (", num_kv_heads, ")");
@@ -252,102 +343,72 @@ AttentionInputs attention_inputs(at::Tensor& out, const at::Tensor& query, const
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt, "seq_lens must be int32, got ", seq_lens.scalar_type());
   check_on(block_tables, device, "block_tables");
   check_on(seq_lens, device, "seq_lens");
-  TORCH_CHECK(max_seq_len >= 0 && max_seq_len <= INT32_MAX - kPartitionSize, "max_seq_len = ", max_seq_len,
+  TORCH_CHECK(max_seq_len >= 0 && max_seq_len <= INT32_MAX - kMaxSplitTokens, "max_seq_len = ", max_seq_len,
               " is out of range; pass max(seq_lens)");
-  // Grid limits: y = sequences, z = partitions of max_seq_len.
   TORCH_CHECK(num_seqs <= 65535, "at most 65535 sequences per call, got ", num_seqs);
-  TORCH_CHECK(num_partitions_for(static_cast<int>(max_seq_len)) <= 65535, "max_seq_len ", max_seq_len,
-              " is too long for one call");
   TORCH_CHECK(g.num_blocks <= INT32_MAX, "too many cache blocks: ", g.num_blocks);
-  AttentionInputs in;
-  in.k_scale = check_scale(k_scale, g, device, "k_scale");
-  in.v_scale = check_scale(v_scale, g, device, "v_scale");
+  AttentionCall call;
+  call.g = g;
+  call.k_scale = check_scale(k_scale, g, device, "k_scale");
+  call.v_scale = check_scale(v_scale, g, device, "v_scale");
   if (alibi_slopes.has_value()) {
     TORCH_CHECK(alibi_slopes->numel() == num_heads, "alibi_slopes must have num_heads = ", num_heads,
                 " elements, got shape ", alibi_slopes->sizes());
     check_on(*alibi_slopes, device, "alibi_slopes");
-    in.alibi = alibi_slopes->to(at::kFloat).contiguous();
+    call.alibi = alibi_slopes->to(at::kFloat).contiguous();
   }
-  in.out = out;
-  in.query = query.stride(2) == 1 ? query : query.contiguous();
-  // The kernels write the query's dtype into a dense [seq, head, dim] output.
-  const bool direct = out.scalar_type() == query.scalar_type() && out.is_contiguous();
-  in.result = direct ? out : at::empty(query.sizes(), query.options());
-  in.key_cache = key_cache;
-  in.value_cache = value_cache;
-  in.block_tables = block_tables.stride(1) == 1 ? block_tables : block_tables.contiguous();
-  in.seq_lens = seq_lens.contiguous();
-  in.flag = new_error_flag(device);
-  in.g = g;
-  in.scale = scale;
-  in.max_seq_len = max_seq_len;
-  return in;
+  call.out = out;
+  call.query = query.stride(2) == 1 ? query : query.contiguous();
+  const bool direct = out.is_contiguous();  // the kernels write any model dtype into a dense output
+  call.result = direct ? out : at::empty(query.sizes(), out.options());
+  call.block_tables = block_tables.stride(1) == 1 ? block_tables : block_tables.contiguous();
+  call.seq_lens = seq_lens.contiguous();
+  call.flag = new_error_flag(device);
+
+  AttentionParams& p = call.params;
+  p.out = call.result.data_ptr();
+  p.out_dtype = model_dtype(call.result);
+  p.query = call.query.data_ptr();
+  p.query_dtype = model_dtype(call.query);
+  p.query_seq_stride = call.query.stride(0);
+  p.query_head_stride = call.query.stride(1);
+  p.seq_lens = call.seq_lens.data_ptr<int>();
+  p.alibi_slopes = call.alibi.defined() ? call.alibi.data_ptr<float>() : nullptr;
+  p.k_scale = call.k_scale.data_ptr<float>();
+  p.v_scale = call.v_scale.data_ptr<float>();
+  p.k_scale_per_head = call.k_scale.numel() > 1;
+  p.v_scale_per_head = call.v_scale.numel() > 1;
+  p.error_flag = call.flag.tensor.data_ptr<int>();
+  p.num_seqs = static_cast<int>(num_seqs);
+  p.num_heads = static_cast<int>(num_heads);
+  p.num_kv_heads = static_cast<int>(num_kv_heads);
+  p.head_size = static_cast<int>(g.head_size);
+  p.max_seq_len = static_cast<int>(max_seq_len);
+  p.scale = static_cast<float>(scale);
+  p.paged = cache_ref(key_cache, value_cache, g, cache_dtype(key_cache, format), call.block_tables);
+  const int kv_blocks = static_cast<int>(num_kv_heads) *
+                        head_blocks_for(static_cast<int>(num_heads / num_kv_heads), static_cast<int>(g.head_size));
+  p.paged_splits = attention_splits(p.num_seqs, kv_blocks, p.max_seq_len, sm_count(device));
+  return call;
 }
 
-// The float32 partial results of a launch with several partitions; they must outlive the launch call.
-struct Partials {
-  at::Tensor out, max, sum;
-};
-
-template <typename S, typename C>
-PagedAttentionArgs<S, C> paged_attention_args(const AttentionInputs& in, int num_partitions,
-                                              Partials& partials) {
-  PagedAttentionArgs<S, C> a{};
-  a.num_seqs = static_cast<int>(in.query.size(0));
-  a.num_heads = static_cast<int>(in.query.size(1));
-  a.num_kv_heads = static_cast<int>(in.g.num_kv_heads);
-  a.head_size = static_cast<int>(in.g.head_size);
-  a.block_size = static_cast<int>(in.g.block_size);
-  a.num_blocks = static_cast<int>(in.g.num_blocks);
-  a.max_blocks_per_seq = static_cast<int>(in.block_tables.size(1));
-  a.max_seq_len = static_cast<int>(in.max_seq_len);
-  a.num_partitions = num_partitions;
-  a.scale = static_cast<float>(in.scale);
-  if (num_partitions > 1) {
-    const auto f32 = in.query.options().dtype(at::kFloat);
-    partials.out = at::empty({a.num_seqs, a.num_heads, num_partitions, a.head_size}, f32);
-    partials.max = at::empty({a.num_seqs, a.num_heads, num_partitions}, f32);
-    partials.sum = at::empty({a.num_seqs, a.num_heads, num_partitions}, f32);
-    a.partial_out = partials.out.data_ptr<float>();
-    a.partial_max = partials.max.data_ptr<float>();
-    a.partial_sum = partials.sum.data_ptr<float>();
-  }
-  a.out = reinterpret_cast<S*>(in.result.data_ptr());
-  a.query = reinterpret_cast<const S*>(in.query.data_ptr());
-  a.key_cache = reinterpret_cast<const C*>(in.key_cache.data_ptr());
-  a.value_cache = reinterpret_cast<const C*>(in.value_cache.data_ptr());
-  a.block_tables = in.block_tables.data_ptr<int>();
-  a.seq_lens = in.seq_lens.data_ptr<int>();
-  a.alibi_slopes = in.alibi.defined() ? in.alibi.data_ptr<float>() : nullptr;
-  a.k_scale = in.k_scale.data_ptr<float>();
-  a.v_scale = in.v_scale.data_ptr<float>();
-  a.error_flag = in.flag.data_ptr<int>();
-  a.query_seq_stride = in.query.stride(0);
-  a.query_head_stride = in.query.stride(1);
-  a.block_table_stride = in.block_tables.stride(0);
-  a.key_cache_block_stride = in.key_cache.stride(0);
-  a.key_cache_head_stride = in.key_cache.stride(1);
-  a.value_cache_block_stride = in.value_cache.stride(0);
-  a.value_cache_head_stride = in.value_cache.stride(1);
-  a.k_scale_per_head = in.k_scale.numel() > 1;
-  a.v_scale_per_head = in.v_scale.numel() > 1;
-  return a;
+// Partials for `splits` per (sequence, head); they must outlive the launch call (the stream keeps their memory
+// through the caching allocator).
+void allocate_partials(AttentionCall& call, int splits) {
+  AttentionParams& p = call.params;
+  const auto f32 = call.query.options().dtype(at::kFloat);
+  call.partial_out = at::empty({p.num_seqs, p.num_heads, splits, p.head_size}, f32);
+  call.partial_max = at::empty({p.num_seqs, p.num_heads, splits}, f32);
+  call.partial_sum = at::empty({p.num_seqs, p.num_heads, splits}, f32);
+  p.partial_out = call.partial_out.data_ptr<float>();
+  p.partial_max = call.partial_max.data_ptr<float>();
+  p.partial_sum = call.partial_sum.data_ptr<float>();
 }
 
 // Copies the result into out if the kernels could not write it directly. Returns the reported error bits.
-int finish_attention(const AttentionInputs& in) {
-  if (!in.result.is_same(in.out)) in.out.copy_(in.result);
-  return reported_errors(in.flag);
-}
-
-template <typename scalar_t, typename cache_t, Fp8Format kFormat>
-void run_paged_attention(const AttentionInputs& in) {
-  using S = kernel_t<scalar_t>;
-  using C = kernel_t<cache_t>;
-  Partials partials;
-  const int num_partitions = num_partitions_for(static_cast<int>(in.max_seq_len));
-  const auto a = paged_attention_args<S, C>(in, num_partitions, partials);
-  C10_CUDA_CHECK((launch_paged_attention<S, C, kFormat>(a, c10::cuda::getCurrentCUDAStream())));
+int finish_attention(const AttentionCall& call) {
+  if (!call.result.is_same(call.out)) call.out.copy_(call.result);
+  return reported_errors(call.flag);
 }
 
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
@@ -359,38 +420,29 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   const KVFormat format = parse_kv_cache_dtype(kv_cache_dtype, kDeviceDefaultFp8);
   const Geometry g = check_caches(key_cache, value_cache, format);
   const c10::cuda::OptionalCUDAGuard guard(key_cache.device());
-  const AttentionInputs in = attention_inputs(out, query, key_cache, value_cache, g, format, num_kv_heads,
-                                              scale, block_tables, seq_lens, block_size, max_seq_len,
-                                              alibi_slopes, k_scale, v_scale);
-#define FP8KV_CALL(scalar_t, cache_t, kFormat) \
-  run_paged_attention<scalar_t, cache_t, fp8_format_of(kFormat)>(in)
-  FP8KV_DISPATCH_BY_KV_CACHE_DTYPE(query.scalar_type(), kv_cache_dtype, FP8KV_CALL);
-#undef FP8KV_CALL
-  raise_reported_errors(finish_attention(in), "paged_attention", g.num_blocks * g.block_size, g.num_blocks);
+  AttentionCall call = attention_call(out, query, key_cache, value_cache, g, format, num_kv_heads, scale,
+                                      block_tables, seq_lens, block_size, max_seq_len, alibi_slopes, k_scale,
+                                      v_scale);
+  if (call.params.paged_splits > 1) allocate_partials(call, call.params.paged_splits);
+  C10_CUDA_CHECK(launch_paged_attention(call.params, c10::cuda::getCurrentCUDAStream()));
+  raise_reported_errors(finish_attention(call), "paged_attention", g.num_blocks * g.block_size, g.num_blocks);
 }
 
 // ---- paged_attention_window -------------------------------------------------------------------------------
 
-// The checked window arguments (the window cache may hold another model dtype than the query).
-struct WindowInputs {
-  at::Tensor key_cache, value_cache, block_tables, starts;
-  Geometry g;
-  int64_t window_size;
-};
-
-WindowInputs window_inputs(const AttentionInputs& in, const at::Tensor& window_key_cache,
-                           const at::Tensor& window_value_cache, const at::Tensor& window_block_tables,
-                           const at::Tensor& window_starts, int64_t window_size) {
-  const at::Device device = in.key_cache.device();
-  const int64_t num_seqs = in.query.size(0);
+void add_window(AttentionCall& call, const at::Tensor& window_key_cache, const at::Tensor& window_value_cache,
+                const at::Tensor& window_block_tables, const at::Tensor& window_starts, int64_t window_size) {
+  const at::Device device = window_key_cache.device();
+  AttentionParams& p = call.params;
+  const int64_t num_seqs = p.num_seqs;
   check_model_dtype(window_key_cache, "window_key_cache");
-  TORCH_CHECK(window_key_cache.device() == device, "window_key_cache is on ", window_key_cache.device(),
-              " but the caches are on ", device, "; move it with .to(", device, ")");
+  TORCH_CHECK(window_key_cache.device() == call.query.device(), "window_key_cache is on ", window_key_cache.device(),
+              " but the caches are on ", call.query.device(), "; move it with .to(", call.query.device(), ")");
   const Geometry w = check_caches(window_key_cache, window_value_cache, KVFormat::AUTO, "window_");
-  TORCH_CHECK(w.num_kv_heads == in.g.num_kv_heads && w.head_size == in.g.head_size &&
-                  w.block_size == in.g.block_size,
+  TORCH_CHECK(w.num_kv_heads == call.g.num_kv_heads && w.head_size == call.g.head_size &&
+                  w.block_size == call.g.block_size,
               "the window cache ", window_key_cache.sizes(), " must have the cache's num_kv_heads = ",
-              in.g.num_kv_heads, ", head_size = ", in.g.head_size, " and block_size = ", in.g.block_size);
+              call.g.num_kv_heads, ", head_size = ", call.g.head_size, " and block_size = ", call.g.block_size);
   TORCH_CHECK(w.num_blocks <= INT32_MAX, "too many window cache blocks: ", w.num_blocks);
   TORCH_CHECK(window_block_tables.dim() == 2 && window_block_tables.size(0) == num_seqs,
               "window_block_tables must be [num_seqs=", num_seqs, ", max_blocks], got ",
@@ -407,69 +459,26 @@ WindowInputs window_inputs(const AttentionInputs& in, const at::Tensor& window_k
   TORCH_CHECK(window_block_tables.size(1) >= ring_blocks, "window_block_tables has ",
               window_block_tables.size(1), " columns but a ring of window_size = ", window_size, " needs ",
               ring_blocks);
-  // Grid z: the paged partitions and the window's.
-  const int max_seq_len = static_cast<int>(in.max_seq_len);
-  const int window_partitions = num_window_partitions_for(static_cast<int>(window_size), max_seq_len);
-  TORCH_CHECK(num_partitions_for(max_seq_len) + window_partitions <= 65535, "max_seq_len ", max_seq_len,
+  call.window_tables = window_block_tables.stride(1) == 1 ? window_block_tables : window_block_tables.contiguous();
+  call.window_starts = window_starts.contiguous();
+  p.window_starts = call.window_starts.data_ptr<int>();
+  p.window_size = static_cast<int>(window_size);
+  p.ring = cache_ref(window_key_cache, window_value_cache, w, model_dtype(window_key_cache), call.window_tables);
+  const int longest = static_cast<int>(std::min<int64_t>(window_size, p.max_seq_len));
+  const int kv_blocks = p.num_kv_heads * head_blocks_for(p.num_heads / p.num_kv_heads, p.head_size);
+  p.ring_splits = attention_splits(p.num_seqs, kv_blocks, std::max(longest, 1), sm_count(device));
+  TORCH_CHECK(int64_t(p.paged_splits) + p.ring_splits <= kMaxSplits, "max_seq_len ", p.max_seq_len,
               " is too long for one call");
-  WindowInputs win;
-  win.key_cache = window_key_cache;
-  win.value_cache = window_value_cache;
-  win.block_tables =
-      window_block_tables.stride(1) == 1 ? window_block_tables : window_block_tables.contiguous();
-  win.starts = window_starts.contiguous();
-  win.g = w;
-  win.window_size = window_size;
-  return win;
-}
-
-template <typename scalar_t, typename cache_t, Fp8Format kFormat, typename window_t>
-void run_paged_attention_window(const AttentionInputs& in, const WindowInputs& win) {
-  using S = kernel_t<scalar_t>;
-  using C = kernel_t<cache_t>;
-  using W = kernel_t<window_t>;
-  const int max_seq_len = static_cast<int>(in.max_seq_len);
-  const int window_size = static_cast<int>(win.window_size);
-  PagedAttentionWindowArgs<S, C, W> a{};
-  WindowPositions& positions = a.positions;
-  positions.window_starts = win.starts.data_ptr<int>();
-  positions.window_size = window_size;
-  positions.num_fp8_partitions = num_partitions_for(max_seq_len);
-  positions.num_window_partitions = num_window_partitions_for(window_size, max_seq_len);
-  Partials partials;
-  a.paged = paged_attention_args<S, C>(
-      in, positions.num_fp8_partitions + positions.num_window_partitions, partials);
-  WindowCache<W>& ring = a.window;
-  ring.key_cache = reinterpret_cast<const W*>(win.key_cache.data_ptr());
-  ring.value_cache = reinterpret_cast<const W*>(win.value_cache.data_ptr());
-  ring.block_tables = win.block_tables.data_ptr<int>();
-  ring.num_blocks = static_cast<int>(win.g.num_blocks);
-  ring.block_table_stride = win.block_tables.stride(0);
-  ring.key_block_stride = win.key_cache.stride(0);
-  ring.key_head_stride = win.key_cache.stride(1);
-  ring.value_block_stride = win.value_cache.stride(0);
-  ring.value_head_stride = win.value_cache.stride(1);
-  C10_CUDA_CHECK((launch_paged_attention_window<S, C, kFormat, W>(a, c10::cuda::getCurrentCUDAStream())));
-}
-
-template <typename scalar_t, typename cache_t, Fp8Format kFormat>
-void run_paged_attention_window(const AttentionInputs& in, const WindowInputs& win) {
-  switch (win.key_cache.scalar_type()) {
-    case at::kFloat: return run_paged_attention_window<scalar_t, cache_t, kFormat, float>(in, win);
-    case at::kHalf: return run_paged_attention_window<scalar_t, cache_t, kFormat, c10::Half>(in, win);
-    case at::kBFloat16: return run_paged_attention_window<scalar_t, cache_t, kFormat, c10::BFloat16>(in, win);
-    default: TORCH_CHECK(false, "window_key_cache must be float32, bfloat16 or float16");
-  }
 }
 
 // Raises what the window kernels reported; names the first bad window_starts entry (read back here, on
 // the error path only).
-void raise_reported_window_errors(int bits, const AttentionInputs& in, const WindowInputs& win) {
+void raise_reported_window_errors(int bits, const AttentionCall& call) {
   if (bits & kErrorWindowStartOutOfRange) {
-    const at::Tensor lens = in.seq_lens.cpu(), starts = win.starts.cpu();
+    const at::Tensor lens = call.seq_lens.cpu(), starts = call.window_starts.cpu();
     for (int64_t s = 0; s < lens.size(0); ++s) {
       const int64_t len = lens.data_ptr<int>()[s], start = starts.data_ptr<int>()[s];
-      const int64_t lowest = std::max<int64_t>(0, len - win.window_size);
+      const int64_t lowest = std::max<int64_t>(0, len - call.params.window_size);
       TORCH_CHECK(lowest <= start && start <= len, "window_starts[", s, "] = ", start,
                   " must lie in [max(0, seq_lens[", s, "] - window_size), seq_lens[", s, "]] = [", lowest,
                   ", ", len, "]");
@@ -483,11 +492,11 @@ void raise_reported_window_errors(int bits, const AttentionInputs& in, const Win
               "paged_attention_window: window_starts must lie in [max(0, seq_lens - window_size), seq_lens]");
   TORCH_CHECK(!(bits & kErrorBlockOutOfRange),
               "paged_attention_window: block_tables holds a block id outside the cache's blocks [0, ",
-              in.g.num_blocks, ") below window_starts; those blocks were not read.");
+              call.g.num_blocks, ") below window_starts; those blocks were not read.");
   TORCH_CHECK(!(bits & kErrorWindowBlockOutOfRange),
               "paged_attention_window: window_block_tables holds a block id outside the window cache's "
-              "blocks [0, ", win.g.num_blocks, ") for a ring slot of [window_starts, seq_lens); those blocks "
-              "were not read.");
+              "blocks [0, ", call.params.ring.num_blocks, ") for a ring slot of [window_starts, seq_lens); those "
+              "blocks were not read.");
 }
 
 void paged_attention_window(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
@@ -500,27 +509,173 @@ void paged_attention_window(at::Tensor& out, const at::Tensor& query, const at::
                             const at::Tensor& k_scale, const at::Tensor& v_scale) {
   TORCH_CHECK(window_size >= 1, "window_size = ", window_size,
               " must be >= 1; call paged_attention when there is no window");
-  TORCH_CHECK(window_size <= INT32_MAX - kPartitionSize, "window_size = ", window_size, " is too large");
+  TORCH_CHECK(window_size <= INT32_MAX - kMaxSplitTokens, "window_size = ", window_size, " is too large");
   const KVFormat format = parse_kv_cache_dtype(kv_cache_dtype, kDeviceDefaultFp8);
   const Geometry g = check_caches(key_cache, value_cache, format);
   const c10::cuda::OptionalCUDAGuard guard(key_cache.device());
-  const AttentionInputs in = attention_inputs(out, query, key_cache, value_cache, g, format, num_kv_heads,
-                                              scale, block_tables, seq_lens, block_size, max_seq_len,
-                                              alibi_slopes, k_scale, v_scale);
-  const WindowInputs win = window_inputs(in, window_key_cache, window_value_cache, window_block_tables,
-                                         window_starts, window_size);
-#define FP8KV_CALL(scalar_t, cache_t, kFormat) \
-  run_paged_attention_window<scalar_t, cache_t, fp8_format_of(kFormat)>(in, win)
-  FP8KV_DISPATCH_BY_KV_CACHE_DTYPE(query.scalar_type(), kv_cache_dtype, FP8KV_CALL);
-#undef FP8KV_CALL
-  raise_reported_window_errors(finish_attention(in), in, win);
+  AttentionCall call = attention_call(out, query, key_cache, value_cache, g, format, num_kv_heads, scale,
+                                      block_tables, seq_lens, block_size, max_seq_len, alibi_slopes, k_scale,
+                                      v_scale);
+  add_window(call, window_key_cache, window_value_cache, window_block_tables, window_starts, window_size);
+  allocate_partials(call, call.params.paged_splits + call.params.ring_splits);
+  C10_CUDA_CHECK(launch_paged_attention_window(call.params, c10::cuda::getCurrentCUDAStream()));
+  raise_reported_window_errors(finish_attention(call), call);
+}
+
+// ---- decoder-layer elementwise ops ---------------------------------------------------------------------
+
+// [rows, n] view of a tensor whose last dim is contiguous and whose other dims collapse to one row stride.
+struct RowView {
+  int64_t rows, n, stride;
+};
+
+RowView row_view(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_cuda(), name, " must be on a GPU, got ", t.device());
+  check_model_dtype(t, name);
+  TORCH_CHECK(t.dim() >= 1 && t.stride(-1) == 1, name, " must have a contiguous last dim, got strides ",
+              t.strides());
+  const int64_t n = t.size(-1);
+  int64_t rows = 1;
+  for (int64_t d = 0; d + 1 < t.dim(); ++d) rows *= t.size(d);
+  // Rows are evenly spaced when every leading dim's stride is the next one's stride times its size.
+  int64_t stride = t.dim() >= 2 ? t.stride(-2) : n;
+  for (int64_t d = t.dim() - 3; d >= 0; --d) {
+    TORCH_CHECK(t.stride(d) == t.stride(d + 1) * t.size(d + 1) || t.size(d) == 1, name,
+                " must be [rows, n] with evenly spaced rows, got shape ", t.sizes(), " strides ", t.strides());
+  }
+  return {rows, n, stride};
+}
+
+void check_like(const at::Tensor& t, const char* name, const at::Tensor& ref, const char* ref_name) {
+  TORCH_CHECK(t.device() == ref.device(), name, " is on ", t.device(), " but ", ref_name, " is on ", ref.device());
+  TORCH_CHECK(t.scalar_type() == ref.scalar_type(), name, " is ", t.scalar_type(), " but ", ref_name, " is ",
+              ref.scalar_type());
+}
+
+template <typename F>
+void with_kernel_type(at::ScalarType t, const F& fn) {
+  switch (t) {
+    case at::kFloat: return fn(float{});
+    case at::kBFloat16: return fn(bf16_t{});
+    default: return fn(half_t{});
+  }
+}
+
+void rms_norm(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight, double epsilon) {
+  const RowView x = row_view(input, "input"), o = row_view(out, "out");
+  check_like(out, "out", input, "input");
+  check_like(weight, "weight", input, "input");
+  TORCH_CHECK(o.rows == x.rows && o.n == x.n && weight.numel() == x.n && weight.is_contiguous(),
+              "rms_norm: out ", out.sizes(), ", input ", input.sizes(), " and weight ", weight.sizes(), " differ");
+  const c10::cuda::OptionalCUDAGuard guard(input.device());
+  with_kernel_type(input.scalar_type(), [&](auto type) {
+    using T = decltype(type);
+    RowsArgs<T> a{};
+    a.out = reinterpret_cast<T*>(out.data_ptr());
+    a.input = reinterpret_cast<const T*>(input.data_ptr());
+    a.weight = reinterpret_cast<const T*>(weight.data_ptr());
+    a.rows = x.rows;
+    a.n = x.n;
+    a.out_stride = o.stride;
+    a.input_stride = x.stride;
+    a.epsilon = static_cast<float>(epsilon);
+    C10_CUDA_CHECK(launch_rms_norm(a, c10::cuda::getCurrentCUDAStream()));
+  });
+}
+
+void fused_add_rms_norm(at::Tensor& input, at::Tensor& residual, const at::Tensor& weight, double epsilon) {
+  const RowView x = row_view(input, "input"), r = row_view(residual, "residual");
+  check_like(residual, "residual", input, "input");
+  check_like(weight, "weight", input, "input");
+  TORCH_CHECK(r.rows == x.rows && r.n == x.n && weight.numel() == x.n && weight.is_contiguous(),
+              "fused_add_rms_norm: input ", input.sizes(), ", residual ", residual.sizes(), " and weight ",
+              weight.sizes(), " differ");
+  const c10::cuda::OptionalCUDAGuard guard(input.device());
+  with_kernel_type(input.scalar_type(), [&](auto type) {
+    using T = decltype(type);
+    RowsArgs<T> a{};
+    a.out = reinterpret_cast<T*>(input.data_ptr());
+    a.residual = reinterpret_cast<T*>(residual.data_ptr());
+    a.weight = reinterpret_cast<const T*>(weight.data_ptr());
+    a.rows = x.rows;
+    a.n = x.n;
+    a.out_stride = x.stride;
+    a.residual_stride = r.stride;
+    a.epsilon = static_cast<float>(epsilon);
+    C10_CUDA_CHECK(launch_fused_add_rms_norm(a, c10::cuda::getCurrentCUDAStream()));
+  });
+}
+
+void rotary_embedding_cos_sin(at::Tensor& query, at::Tensor& key, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && query.size(0) == key.size(0) && query.size(2) == key.size(2),
+              "query and key must be [tokens, heads, head_size], got ", query.sizes(), " and ", key.sizes());
+  TORCH_CHECK(query.stride(2) == 1 && key.stride(2) == 1, "query and key need a contiguous last dim");
+  const int64_t d = query.size(2);
+  TORCH_CHECK(d % 2 == 0, "head_size ", d, " must be even for rotary embeddings");
+  check_like(key, "key", query, "query");
+  check_like(cos, "cos", query, "query");
+  check_like(sin, "sin", query, "query");
+  TORCH_CHECK(cos.dim() == 2 && sin.dim() == 2 && cos.size(0) == query.size(0) && cos.size(1) == d &&
+                  sin.sizes() == cos.sizes() && cos.stride(1) == 1 && sin.stride(1) == 1,
+              "cos and sin must be [tokens, head_size] with a contiguous last dim, got ", cos.sizes(), " and ",
+              sin.sizes());
+  const c10::cuda::OptionalCUDAGuard guard(query.device());
+  with_kernel_type(query.scalar_type(), [&](auto type) {
+    using T = decltype(type);
+    RotaryArgs<T> a{};
+    a.query = reinterpret_cast<T*>(query.data_ptr());
+    a.key = reinterpret_cast<T*>(key.data_ptr());
+    a.cos = reinterpret_cast<const T*>(cos.data_ptr());
+    a.sin = reinterpret_cast<const T*>(sin.data_ptr());
+    a.tokens = query.size(0);
+    a.heads = static_cast<int>(query.size(1));
+    a.kv_heads = static_cast<int>(key.size(1));
+    a.d = static_cast<int>(d);
+    a.query_token_stride = query.stride(0);
+    a.query_head_stride = query.stride(1);
+    a.key_token_stride = key.stride(0);
+    a.key_head_stride = key.stride(1);
+    a.cos_stride = cos.stride(0);
+    a.sin_stride = sin.stride(0);
+    C10_CUDA_CHECK(launch_rotary(a, c10::cuda::getCurrentCUDAStream()));
+  });
+}
+
+void silu_and_mul(at::Tensor& out, const at::Tensor& gate, const at::Tensor& up) {
+  const RowView o = row_view(out, "out"), g = row_view(gate, "gate"), u = row_view(up, "up");
+  check_like(gate, "gate", out, "out");
+  check_like(up, "up", out, "out");
+  TORCH_CHECK(o.rows == g.rows && o.rows == u.rows && o.n == g.n && o.n == u.n, "silu_and_mul: out ",
+              out.sizes(), ", gate ", gate.sizes(), " and up ", up.sizes(), " differ");
+  const c10::cuda::OptionalCUDAGuard guard(out.device());
+  with_kernel_type(out.scalar_type(), [&](auto type) {
+    using T = decltype(type);
+    SiluMulArgs<T> a{};
+    a.out = reinterpret_cast<T*>(out.data_ptr());
+    a.gate = reinterpret_cast<const T*>(gate.data_ptr());
+    a.up = reinterpret_cast<const T*>(up.data_ptr());
+    a.rows = o.rows;
+    a.n = o.n;
+    a.out_stride = o.stride;
+    a.gate_stride = g.stride;
+    a.up_stride = u.stride;
+    C10_CUDA_CHECK(launch_silu_and_mul(a, c10::cuda::getCurrentCUDAStream()));
+  });
 }
 
 }  // namespace
 }  // namespace fp8kv::gpu
 
+TORCH_LIBRARY_FRAGMENT(fp8kv, m) {
+  m.def("set_gpu_error_flag(Tensor? flag) -> ()", &fp8kv::gpu::set_gpu_error_flag);
+}
+
 TORCH_LIBRARY_IMPL(fp8kv, CUDA, m) {
   m.impl("reshape_and_cache", &fp8kv::gpu::reshape_and_cache);
   m.impl("paged_attention", &fp8kv::gpu::paged_attention);
   m.impl("paged_attention_window", &fp8kv::gpu::paged_attention_window);
+  m.impl("rms_norm", &fp8kv::gpu::rms_norm);
+  m.impl("fused_add_rms_norm", &fp8kv::gpu::fused_add_rms_norm);
+  m.impl("rotary_embedding_cos_sin", &fp8kv::gpu::rotary_embedding_cos_sin);
+  m.impl("silu_and_mul", &fp8kv::gpu::silu_and_mul);
 }
