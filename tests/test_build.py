@@ -86,6 +86,7 @@ def test_cache_dir_precedence(monkeypatch, tmp_path: Path):
 def test_missing_compiler_is_a_clear_error(monkeypatch, tmp_path: Path):
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.setenv("CXX", "no-such-compiler")
+    monkeypatch.setattr(_build.shutil, "which", lambda name: None)  # not even /usr/bin/g++
     with pytest.raises(RuntimeError, match=r"no C\+\+ compiler found: install g\+\+ .* or set CXX"):
         _build._compiler()
 
@@ -113,6 +114,7 @@ def test_compile_holds_the_lock(monkeypatch, tmp_path: Path):
 
     monkeypatch.setattr(_build, "_compile", fake_compile)
     monkeypatch.setattr(_build, "check_errors_raise", lambda *args: None)  # nothing was compiled
+    monkeypatch.setattr(_build.torch.ops, "load_library", lambda path: None)
     result = _build.load_library()
     assert seen == {"locked": True}
     assert result.compiled
@@ -161,3 +163,67 @@ def test_library_that_crashes_on_an_error_is_removed_and_the_fix_named(monkeypat
     with pytest.raises(RuntimeError, match=r"built with /opt/gcc/bin/g\+\+ .*signal 11.*CXX=/usr/bin/g\+\+"):
         _build.check_errors_raise(library, "/opt/gcc/bin/g++")
     assert not library.exists()
+
+
+def _fake_build(monkeypatch, tmp_path: Path, compilers: list[str], broken: set[str]) -> list[str]:
+    """load_library with fake compiles: compilers in `broken` build a library that fails its self-check."""
+    monkeypatch.setenv("FP8KV_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(_build, "_loaded", None)
+    messages: list[str] = []
+    monkeypatch.setattr(_build, "_notify", lambda callback, message: messages.append(message))
+    monkeypatch.setattr(_build, "_compilers", lambda: list(compilers))
+    monkeypatch.setattr(_build, "_compile", lambda *args: None)
+
+    def check(library, cxx):
+        if cxx in broken:
+            raise RuntimeError(f"the op library built with {cxx} does not survive an op's argument error")
+
+    monkeypatch.setattr(_build, "check_errors_raise", check)
+    monkeypatch.setattr(_build.torch.ops, "load_library", lambda path: None)
+    return messages
+
+
+def test_a_compiler_whose_library_fails_its_check_gives_way_to_the_next(monkeypatch, tmp_path: Path):
+    """A CUDA image's relocated g++ (/opt/gcc) links another libstdc++: its library crashes on an op's error.
+    The build goes on with the system compiler instead of asking the user for CXX=/usr/bin/g++."""
+    messages = _fake_build(monkeypatch, tmp_path, ["/opt/gcc/bin/g++", "/usr/bin/g++"], {"/opt/gcc/bin/g++"})
+    result = _build.load_library(device="cpu")
+    assert result.compiled
+    assert any("/opt/gcc/bin/g++" in m and "trying the next compiler" in m for m in messages)
+    assert "/usr/bin/g++" in messages[-1]
+
+
+def test_no_working_compiler_is_an_error_naming_each(monkeypatch, tmp_path: Path):
+    _fake_build(monkeypatch, tmp_path, ["/a/g++", "/b/g++"], {"/a/g++", "/b/g++"})
+    with pytest.raises(RuntimeError, match=r"(?s)no compiler here builds a working op library.*/a/g\+\+.*/b/g\+\+"):
+        _build.load_library(device="cpu")
+
+
+def test_a_killed_compile_leaves_no_lock_that_blocks_the_next(monkeypatch, tmp_path: Path):
+    """torch's build leaves a `lock` file when its process is killed mid-compile; every later build of that
+    key used to wait on it forever."""
+    _fake_build(monkeypatch, tmp_path, ["c++"], set())
+    key = _build._build_key(_build.source_dir(), ["-O3", "-std=c++17", "-fopenmp", "-Wall", "-Wno-unused-function",
+                                                  *_build._isa_cflags("native")], [], "native", "c++", False)
+    stale = tmp_path / "ops" / f"fp8kv_ops_{key}" / "lock"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("")
+    seen = {}
+    monkeypatch.setattr(_build, "_compile", lambda name, root, build_dir, *args: seen.setdefault(
+        "lock", (Path(build_dir) / "lock").exists()))
+    _build.load_library(device="cpu")
+    assert seen == {"lock": False}
+
+
+def test_cpu_device_builds_no_gpu_sources_and_a_gpu_without_nvcc_says_so(monkeypatch):
+    assert not _build._wants_gpu("cpu") and not _build._wants_gpu(torch_device("meta"))
+    monkeypatch.setattr(_build, "_gpu_compiler", lambda: None)
+    with pytest.raises(RuntimeError, match=r"need nvcc .*or run with --device cpu"):
+        _build._wants_gpu("cuda")
+    assert not _build._wants_gpu(None)  # auto: no compiler, no GPU sources
+
+
+def torch_device(name: str):
+    import torch
+
+    return torch.device(name)

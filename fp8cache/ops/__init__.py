@@ -8,26 +8,28 @@ from __future__ import annotations
 import torch
 
 from fp8cache.ops import reference
-from fp8cache.ops.reference import allocate_kv_cache
+from fp8cache.ops.cache_layout import allocate_kv_cache
 
 __all__ = ["allocate_kv_cache", "build", "dequantize_fp8", "fused_add_rms_norm", "load", "paged_attention",
            "paged_attention_window", "quantize_fp8", "reference", "reshape_and_cache", "rms_norm",
            "rotary_embedding_cos_sin", "silu_and_mul"]
 
 
-def load() -> object:
-    """Compile (once per source hash) and load the op library; returns torch.ops.fp8kv."""
-    from fp8cache.ops import _build
+def load(device: torch.device | str | None = None) -> object:
+    """Compile (once per source hash) and load the op library; returns torch.ops.fp8kv. device: what it must
+    run on (a CPU device builds no GPU sources; None: the GPU too when torch sees one and nvcc is here)."""
+    from fp8cache.ops import _build, fake
 
-    _build.load_library()
+    _build.load_library(device=device)
+    fake.register()
     return torch.ops.fp8kv
 
 
-def build(verbose: bool = False, progress_callback=None) -> str:
+def build(verbose: bool = False, progress_callback=None, device: torch.device | str | None = None) -> str:
     """Compile (unless cached) and load the op library; returns its path (used by `fp8kv build`)."""
     from fp8cache.ops import _build
 
-    return _build.build(verbose=verbose, progress_callback=progress_callback)
+    return _build.build(verbose=verbose, progress_callback=progress_callback, device=device)
 
 
 def quantize_fp8(x: torch.Tensor, kv_cache_dtype: str, scale: torch.Tensor) -> torch.Tensor:

@@ -8,14 +8,19 @@ Environment:
   FP8KV_CACHE_DIR   fp8kv's cache root; built libraries live in its ops/ folder
                     (default $XDG_CACHE_HOME/fp8kv/ops or ~/.cache/fp8kv/ops)
   FP8KV_CPU_ISA     native (default) | avx512 | avx2 | scalar: force a lower CPU path, e.g. for testing
-  CXX               the C++ compiler (default: c++, g++ or clang++ on PATH)
+  CXX, CC           the C++ / C compiler (default: c++, g++ or clang++ on PATH; if the library one builds
+                    fails its self-check, the next one is tried, e.g. the system g++ after a relocated one)
   MAX_JOBS          parallel compile jobs (torch's ninja convention)
+
+The CUDA (or ROCm) sources are compiled only for a GPU device: `load_library(device)` with a CPU device builds
+the CPU ops alone, so a GPU host without nvcc still runs on its CPU.
 """
 
 from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import logging
 import os
 import platform
@@ -126,11 +131,58 @@ def _isa_cflags(isa: str) -> list[str]:
     return ["-march=native"]
 
 
+def _compilers() -> list[str]:
+    """C++ compilers to try, in order, each once: $CXX, then c++, g++, the system g++, clang++ on PATH."""
+    found: list[str] = []
+    for candidate in (os.environ.get("CXX"), "c++", "g++", "/usr/bin/g++", "clang++"):
+        path = shutil.which(candidate) if candidate else None
+        if path and os.path.realpath(path) not in {os.path.realpath(f) for f in found}:
+            found.append(path)
+    if not found:
+        raise RuntimeError("no C++ compiler found: install g++ (apt-get install g++) or set CXX")
+    return found
+
+
 def _compiler() -> str:
-    for candidate in (os.environ.get("CXX"), "c++", "g++", "clang++"):
-        if candidate and shutil.which(candidate):
-            return shutil.which(candidate)
-    raise RuntimeError("no C++ compiler found: install g++ (apt-get install g++) or set CXX")
+    return _compilers()[0]
+
+
+def _c_compiler_for(cxx: str) -> str | None:
+    """The C compiler beside a C++ one (g++ -> gcc, clang++ -> clang, c++ -> cc): nvcc's host compiler."""
+    directory, name = os.path.split(cxx)
+    for suffix, c_name in (("g++", "gcc"), ("clang++", "clang"), ("c++", "cc")):
+        if name.endswith(suffix):
+            sibling = os.path.join(directory, name[: -len(suffix)] + c_name)
+            return sibling if os.access(sibling, os.X_OK) else None
+    return None
+
+
+def _gpu_compiler() -> str | None:
+    """nvcc (CUDA) or hipcc (ROCm) for this torch, None if there is none."""
+    from torch.utils import cpp_extension
+
+    if getattr(torch.version, "hip", None):
+        home, tool = getattr(cpp_extension, "ROCM_HOME", None), "hipcc"
+    else:
+        home, tool = getattr(cpp_extension, "CUDA_HOME", None), "nvcc"
+    if home and os.access(os.path.join(home, "bin", tool), os.X_OK):
+        return os.path.join(home, "bin", tool)
+    return shutil.which(tool)
+
+
+def _wants_gpu(device: torch.device | str | None) -> bool:
+    """Whether the library must hold the GPU ops: for a GPU device; for none (auto), when torch sees a GPU and
+    its compiler is here."""
+    if device is not None and str(device) != "auto":
+        device = torch.device(device)
+        if device.type in ("cpu", "meta"):
+            return False
+        if _gpu_compiler() is None:
+            raise RuntimeError(f"the GPU ops for {device} need "
+                               f"{'hipcc (ROCm)' if getattr(torch.version, 'hip', None) else 'nvcc (the CUDA toolkit)'}"
+                               ", which is not installed here; install it, or run with --device cpu")
+        return True
+    return torch.cuda.is_available() and _gpu_compiler() is not None
 
 
 def _compiler_version(cxx: str) -> str:
@@ -146,9 +198,9 @@ def _check_ninja() -> None:
         raise RuntimeError("ninja not found: the op library is compiled with ninja; run `pip install ninja`")
 
 
-def _cuda_sources(root: Path) -> list[Path]:
-    """CUDA (or, on a ROCm torch, hipified) sources: only with a usable GPU and only if there are any."""
-    if not torch.cuda.is_available():
+def _cuda_sources(root: Path, with_gpu: bool) -> list[Path]:
+    """CUDA (or, on a ROCm torch, hipified) sources, when the library is built for a GPU."""
+    if not with_gpu:
         return []
     return sorted((root / "cuda").glob("*.cu")) if (root / "cuda").is_dir() else []
 
@@ -191,44 +243,75 @@ def _notify(callback: Callable[[str], None] | None, message: str) -> None:
         callback(message)
 
 
-def build(verbose: bool = False, progress_callback: Callable[[str], None] | None = None) -> str:
+def build(verbose: bool = False, progress_callback: Callable[[str], None] | None = None,
+          device: torch.device | str | None = None) -> str:
     """Compile (unless cached) and load the op library into this process; returns its path."""
-    return load_library(verbose=verbose, progress_callback=progress_callback).path
+    return load_library(verbose=verbose, progress_callback=progress_callback, device=device).path
 
 
-def load_library(verbose: bool = False,
-                 progress_callback: Callable[[str], None] | None = None) -> BuildResult:
-    """Idempotent per process: later calls return the library the first call loaded."""
+def load_library(verbose: bool = False, progress_callback: Callable[[str], None] | None = None,
+                 device: torch.device | str | None = None) -> BuildResult:
+    """Idempotent per process: later calls return the library the first call loaded (one op library per
+    process: a CPU-only one cannot grow GPU ops later, which is an error naming the fix)."""
     global _loaded
     if _loaded is not None:
+        # Asked for no device in particular (the ops' wrappers, tests): whatever this process loaded.
+        if not _loaded.with_cuda and device is not None and str(device) != "auto" and _wants_gpu(device):
+            raise RuntimeError(f"this process loaded the fp8kv op library without its GPU sources "
+                               f"({_loaded.path}), so it cannot run on {device}; start a new process for the GPU")
         return _loaded
     start = time.perf_counter()
     root = source_dir()
     isa = requested_isa()
-    cxx = _compiler()
     cflags = ["-O3", "-std=c++17", "-fopenmp", "-Wall", "-Wno-unused-function", *_isa_cflags(isa)]
-    cuda = _cuda_sources(root)
+    cuda = _cuda_sources(root, _wants_gpu(device))
     cuda_cflags = _extra_cuda_cflags(root) if cuda else []
+    failures: list[str] = []
+    for cxx in _compilers():
+        library, compiled, error = _library_for(root, cflags, cuda, cuda_cflags, isa, cxx, verbose, progress_callback)
+        if error is None:
+            break
+        failures.append(error)
+        _notify(progress_callback, f"{error}; trying the next compiler")
+    else:
+        raise RuntimeError(failures[-1] if len(failures) == 1 else
+                           "no compiler here builds a working op library:\n" + "\n".join(failures))
+    torch.ops.load_library(str(library))
+    _loaded = BuildResult(str(library), compiled, time.perf_counter() - start, isa, bool(cuda))
+    verb = "compiled" if compiled else "reused cached"
+    _notify(progress_callback, f"{verb} fp8kv op library ({_compiled_isa(isa)} CPU path"
+            f"{', CUDA' if cuda else ''}, {cxx}) in {_loaded.seconds:.1f}s: {library}")
+    return _loaded
+
+
+def _library_for(root: Path, cflags: list[str], cuda: list[Path], cuda_cflags: list[str], isa: str, cxx: str,
+                 verbose: bool, progress_callback) -> tuple[Path, bool, str | None]:
+    """(path, compiled now, why it failed or None): the cached library of this compiler, else one compiled
+    and checked in child processes, so a broken one never enters this process."""
     key = _build_key(root, cflags, cuda_cflags, isa, cxx, bool(cuda))
     name = f"fp8kv_ops_{key}"
     build_dir = cache_dir() / name
     library = build_dir / f"{name}.so"
-    compiled = False
-    if not library.is_file():
-        build_dir.mkdir(parents=True, exist_ok=True)
-        with open(cache_dir() / f"{name}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be compiling this very key
-            if not library.is_file():
-                _compile(name, root, build_dir, cflags, cuda, cuda_cflags, cxx, verbose, progress_callback)
-                check_errors_raise(library, cxx)
-                compiled = True
-    if not compiled:
-        torch.ops.load_library(str(library))
-    _loaded = BuildResult(str(library), compiled, time.perf_counter() - start, isa, bool(cuda))
-    verb = "compiled" if compiled else "reused cached"
-    _notify(progress_callback, f"{verb} fp8kv op library ({_compiled_isa(isa)} CPU path"
-            f"{', CUDA' if cuda else ''}) in {_loaded.seconds:.1f}s: {library}")
-    return _loaded
+    if library.is_file():
+        return library, False, None
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(cache_dir() / f"{name}.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # another process compiles this very key: wait for it, and say so
+            _notify(progress_callback, f"waiting for another process that compiles the fp8kv op library ({name})")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if library.is_file():
+            return library, False, None
+        # A compile killed mid-way leaves torch's own lock file, on which every later build would wait forever;
+        # holding our lock, nobody else is building here.
+        (build_dir / "lock").unlink(missing_ok=True)
+        _compile(name, root, build_dir, cflags, cuda, cuda_cflags, cxx, verbose, progress_callback)
+        try:
+            check_errors_raise(library, cxx)
+        except RuntimeError as exc:
+            return library, True, str(exc)
+    return library, True, None
 
 
 # An op that fails with a message holding numbers: the C++ exception and its string formatting must reach
@@ -275,24 +358,53 @@ def _compiled_isa(requested: str) -> str:
 def _compile(name: str, root: Path, build_dir: Path, cflags: list[str], cuda: list[Path],
              cuda_cflags: list[str], cxx: str, verbose: bool,
              progress_callback: Callable[[str], None] | None) -> None:
-    from torch.utils import cpp_extension
-
+    """Compile in a child process (which loads the library to finish; this process loads it only once it
+    passed its check). Ctrl-C stops the child and the compilers it started."""
     _check_ninja()
     sources = [root / "torch_bindings.cpp", *sorted((root / "cpu").glob("*.cpp")), *cuda]
     _notify(progress_callback, f"compiling the fp8kv op library ({len(sources)} sources, once per "
-            f"source version; about a minute) into {build_dir}")
-    os.environ.setdefault("CXX", cxx)
+            f"source version; about a minute{' (several with the GPU sources)' if cuda else ''}) with {cxx} "
+            f"into {build_dir}")
+    spec = {"name": name, "sources": [str(s) for s in sources], "cflags": cflags + (["-DFP8KV_WITH_CUDA"] if cuda else []),
+            "cuda_cflags": cuda_cflags, "root": str(root), "build_dir": str(build_dir), "verbose": verbose}
+    env = dict(os.environ, CXX=cxx)
+    cc = _c_compiler_for(cxx)
+    if cc is not None:
+        env["CC"] = cc  # nvcc's host compiler, so that both halves link one libstdc++
+    child = subprocess.Popen([sys.executable, "-m", "fp8cache.ops._build", json.dumps(spec)], env=env,
+                             stdout=None if verbose else subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
+    try:
+        output, _ = child.communicate()
+    except BaseException:  # Ctrl-C or a kill of this process: take the compilers down too
+        _kill_group(child)
+        raise
+    if child.returncode != 0:
+        tail = (output or "").strip()[-3000:]
+        raise RuntimeError(f"compiling the fp8kv op library with {cxx} failed (exit {child.returncode})"
+                           + (f":\n{tail}" if tail else "; run `fp8kv build --verbose` for the compiler output"))
+
+
+def _kill_group(child: subprocess.Popen) -> None:
+    import signal
+
+    try:
+        os.killpg(child.pid, signal.SIGTERM)
+        child.wait(timeout=10)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(child.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _compile_in_this_process(spec: dict) -> None:
+    from torch.utils import cpp_extension
+
     cpp_extension.load(
-        name=name,
-        sources=[str(s) for s in sources],
-        extra_cflags=cflags + (["-DFP8KV_WITH_CUDA"] if cuda else []),
-        extra_cuda_cflags=cuda_cflags,
-        extra_ldflags=["-fopenmp"],
-        extra_include_paths=[str(root)],
-        build_directory=str(build_dir),
-        is_python_module=False,
-        verbose=verbose,
-    )
+        name=spec["name"], sources=spec["sources"], extra_cflags=spec["cflags"],
+        extra_cuda_cflags=spec["cuda_cflags"], extra_ldflags=["-fopenmp"], extra_include_paths=[spec["root"]],
+        build_directory=spec["build_dir"], is_python_module=False, verbose=spec["verbose"])
 
 
 def library_path() -> str | None:
@@ -302,3 +414,7 @@ def library_path() -> str | None:
 
 def last_build() -> BuildResult | None:
     return _loaded
+
+
+if __name__ == "__main__":  # the compile child of _compile
+    _compile_in_this_process(json.loads(sys.argv[1]))

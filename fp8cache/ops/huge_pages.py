@@ -25,7 +25,7 @@ MADV_HUGEPAGE = 14  # linux/mman.h
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """torch.zeros on the CPU, on huge pages when it spans some.
+    """torch.zeros on the CPU, on huge pages when it spans some, its pages faulted in only when first used.
 
     A large tensor gets its own anonymous mapping, 2 MiB-aligned: torch's allocator may hand out freed heap
     memory whose pages are already touched (4 KiB pages, which the advice no longer changes); seen after a
@@ -42,7 +42,8 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     # The tensor holds the mapping (a buffer export) and unmaps it when the tensor is freed.
     tensor = torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=offset)
     advise(tensor)
-    return tensor.view(dtype).view(shape).zero_()  # fault the pages in now, as torch.zeros would
+    # Untouched: a fresh private mapping reads as zeros, and its pages cost memory only once written.
+    return tensor.view(dtype).view(shape)
 
 
 def advise(tensor: torch.Tensor) -> bool:

@@ -8,28 +8,7 @@ from __future__ import annotations
 import torch
 
 from fp8cache import formats
-from fp8cache.ops import huge_pages
-
-
-def cache_x(cache_dtype: torch.dtype) -> int:
-    """Elements per 16-byte chunk of the key cache's innermost dimension."""
-    return 16 // torch.empty((), dtype=cache_dtype).element_size()
-
-
-def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
-                      kv_cache_dtype: str, model_dtype: torch.dtype,
-                      device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    backend = formats.backend_of(device)
-    storage = formats.cache_storage_dtype(kv_cache_dtype, model_dtype, backend)
-    x = cache_x(storage)
-    if head_size % x:
-        raise ValueError(f"head_size {head_size} must be a multiple of {x} for this cache dtype")
-    key_shape = (num_blocks, num_kv_heads, head_size // x, block_size, x)
-    value_shape = (num_blocks, num_kv_heads, head_size, block_size)
-    if torch.device(device).type == "cpu":  # blocks are read scattered: huge pages spare the TLB
-        return huge_pages.zeros(key_shape, storage), huge_pages.zeros(value_shape, storage)
-    return (torch.zeros(key_shape, dtype=storage, device=device),
-            torch.zeros(value_shape, dtype=storage, device=device))
+from fp8cache.ops.cache_layout import allocate_kv_cache, cache_x  # noqa: F401 (the tests' allocator too)
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, fmt: formats.Fp8Format) -> torch.Tensor:
