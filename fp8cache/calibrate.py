@@ -295,7 +295,7 @@ def collect_statistics(model: torch.nn.Module, samples: list[list[int]], kv_rota
     model.set_attn_implementation(ATTENTION_NAME)
     with torch.inference_mode(), _observing(stats):
         for ids in samples:
-            model(input_ids=torch.tensor([ids], device=device), use_cache=False, logits_to_keep=1)
+            model(input_ids=torch.tensor([ids]).to(device), use_cache=False, logits_to_keep=1)
             if on_sample is not None:
                 on_sample(len(ids))
     stats.check_complete()
@@ -390,7 +390,7 @@ class CalibrationResult:
 
 def calibrate(model: str | None, dataset: str | None = None, kv_cache_dtype: str = "fp8", num_samples: int = 32,
               max_seq_len: int | None = None, granularity: str = "head", kv_rotation: str = "none",
-              statistic: str = DEFAULT_STATISTIC, dtype: str = "auto", device: str = "cpu",
+              statistic: str = DEFAULT_STATISTIC, dtype: str = "auto", device: str = "auto",
               tokenizer: str | None = None, trust_remote_code: bool = False, progress: bool = False,
               on_samples: Callable[[int], Callable[[int], None]] | None = None) -> CalibrationResult:
     """Scales for `model` from `dataset` (None: the default text of read_samples). max_seq_len None: DEFAULT_MAX_SEQ_LEN or the model's limit if lower.

@@ -11,7 +11,7 @@ DEFAULT_KV_RECENT_WINDOW = 32
 class EngineConfig:
     model: str | None = None  # None: the embedded default model (DESIGN section 6)
     tokenizer: str | None = None  # None: same folder as the model
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: float32 on CPU)
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: float32 on CPU, the checkpoint's on GPU)
     kv_cache_dtype: str = "auto"
     quantization_param_path: str | None = None
     calculate_kv_scales: bool = False
@@ -20,16 +20,20 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own limit
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    kv_cache_memory: int | str | None = None  # bytes or "2GiB"; None: a fraction of free memory
+    # bytes or "2GiB"; None: what max_num_seqs x max_model_len need, capped by what the device can give
+    # (kv_cache_memory_fraction of the host's available memory; on a GPU, gpu_memory_utilization)
+    kv_cache_memory: int | str | None = None
     kv_cache_memory_fraction: float = 0.3
+    gpu_memory_utilization: float = 0.9  # share of the GPU's memory fp8kv may use in all (vLLM's name)
     enable_prefix_caching: bool = True
     seed: int = 0
     trust_remote_code: bool = False
-    device: str = "cpu"
+    device: str = "auto"  # auto (first GPU, else CPU) | cpu | cuda | cuda:N
     # Newest tokens per sequence whose K/V are also kept in the model dtype (0: plain FP8 cache);
     # None: DEFAULT_KV_RECENT_WINDOW for FP8 caches, 0 for auto.
     kv_recent_window: int | None = None
     # dtype of that window: auto = the model dtype (exactly the auto cache for the newest tokens);
     # bfloat16 / float16 halve a float32 model's window memory.
     kv_recent_window_dtype: str = "auto"
+    enforce_eager: bool = False  # GPU: run decode steps op by op instead of replaying CUDA graphs (vLLM's name)
     tensor_parallel_size: int = 1  # ranks sharing the model; > 1 needs RANK/WORLD_SIZE/MASTER_* env

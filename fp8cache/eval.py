@@ -21,9 +21,10 @@ import torch
 
 from fp8cache import formats
 from fp8cache.config import EngineConfig
+from fp8cache.device import resolve_device
 from fp8cache.model import kv_cache
 from fp8cache.model.batch import SeqChunk, StepBatch, window_slot
-from fp8cache.model.loader import load_model, resolve_dtype
+from fp8cache.model.loader import load_model
 from fp8cache.model.runner import ModelRunner
 
 EVAL_TEXT_ENV = "FP8KV_EVAL_TEXT"
@@ -66,13 +67,15 @@ def evaluate(config: EngineConfig, text_path: str | None = None, windows: int = 
                          f"window_len={window_len}")
     log = _logger(progress)
     text = read_text(locate_eval_text(text_path))
+    config = replace(config, device=str(resolve_device(config.device)))
     loaded = load_model(config, progress=progress)
     tokens = loaded.tokenizer(text)["input_ids"]
     if len(tokens) < windows * window_len:
         raise ValueError(f"the text has {len(tokens)} tokens, fewer than windows * window_len = "
                          f"{windows * window_len}; use fewer or shorter windows")
-    baseline = ModelRunner(_window_config(config, loaded.hf_config, window_len, "auto"), log, loaded)
-    tested = ModelRunner(_window_config(config, loaded.hf_config, window_len, config.kv_cache_dtype), log,
+    dtype = next(loaded.model.parameters()).dtype
+    baseline = ModelRunner(_window_config(config, loaded.hf_config, window_len, "auto", dtype), log, loaded)
+    tested = ModelRunner(_window_config(config, loaded.hf_config, window_len, config.kv_cache_dtype, dtype), log,
                          loaded)
     totals = {"nll_base": 0.0, "nll_fp8": 0.0, "kl": 0.0, "agree": 0, "tokens": 0}
     with _progress_bar(progress, windows) as advance:
@@ -92,17 +95,18 @@ def evaluate(config: EngineConfig, text_path: str | None = None, windows: int = 
         "scales_source": tested.scales_source,
         "kv_recent_window": tested.kv_recent_window,
         "kv_recent_window_dtype": str(tested.window_dtype).removeprefix("torch."),
+        "device": str(tested.device),
     }
 
 
-def _window_config(config: EngineConfig, hf_config: object, window_len: int, kv_cache_dtype: str) -> EngineConfig:
+def _window_config(config: EngineConfig, hf_config: object, window_len: int, kv_cache_dtype: str,
+                   dtype: torch.dtype) -> EngineConfig:
     """The user's config with a cache of exactly one window (slots 0..window_len-1, reused per window)."""
     blocks = -(-window_len // config.block_size)
     backend = formats.backend_of(config.device)
     num_heads = hf_config.num_attention_heads
     shape = (hf_config.num_hidden_layers, getattr(hf_config, "num_key_value_heads", None) or num_heads,
              getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads)
-    dtype = resolve_dtype(config.dtype, config.device)
     memory = blocks * config.block_size * kv_cache.bytes_per_token(*shape, kv_cache_dtype, dtype, backend)
     if kv_cache_dtype != formats.AUTO and config.kv_recent_window != 0:
         # Room for one seat of the recent-token ring at its largest: the runner caps the window (given, or
@@ -131,9 +135,9 @@ def runner_batch(ids: list[int], runner: ModelRunner) -> StepBatch:
 
 
 def _score_window(baseline: ModelRunner, tested: ModelRunner, ids: list[int], totals: dict) -> None:
-    targets = torch.tensor(ids[1:], dtype=torch.long)
     base = torch.log_softmax(baseline.execute(runner_batch(ids, baseline), all_logits=True)[:-1], -1)
     fp8 = torch.log_softmax(tested.execute(runner_batch(ids, tested), all_logits=True)[:-1], -1)
+    targets = torch.tensor(ids[1:], dtype=torch.long).to(base.device, non_blocking=True)
     totals["nll_base"] += float(-base.gather(1, targets[:, None]).sum())
     totals["nll_fp8"] += float(-fp8.gather(1, targets[:, None]).sum())
     totals["kl"] += float((base.exp() * (base - fp8)).sum())

@@ -50,8 +50,11 @@ class KVCacheDtypeError(ValueError):
 
 
 def backend_of(device: torch.device | str | None = None) -> str:
-    """The kernel backend that serves `device`: cpu, cuda or rocm."""
-    device = torch.device(device or "cpu")
+    """The kernel backend that serves `device`: cpu, cuda or rocm (any other device stands in for a GPU)."""
+    if device is None or isinstance(device, str):
+        from fp8cache.device import resolve_device
+
+        device = resolve_device(device or "cpu")
     if device.type == "cpu":
         return "cpu"
     return "rocm" if getattr(torch.version, "hip", None) else "cuda"

@@ -13,6 +13,7 @@ import math
 import os
 import re
 import stat
+import struct
 import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -109,9 +110,11 @@ class KVScales:
         h = hashlib.sha256(f"{self.fmt_name}|{self.rotation}|{self.num_layers}".encode())
         for tensors in (self.k, self.v):
             for t in tensors:
-                data = t.detach().to("cpu", torch.float32).contiguous()
-                h.update(str(tuple(data.shape)).encode())
-                h.update(data.numpy().tobytes())
+                data = t.detach().to("cpu", torch.float32).reshape(-1)
+                h.update(str(tuple(t.shape)).encode())
+                # The values' float32 bits, as a list (a tensor subclass, e.g. under FakeTensorMode in the
+                # GPU-path tests, has no numpy view).
+                h.update(struct.pack(f"<{data.numel()}f", *data.tolist()))
         return h.hexdigest()[:16]
 
     def for_format(self, name: str) -> KVScales:

@@ -10,7 +10,7 @@ import torch
 from fp8cache.config import EngineConfig
 from fp8cache.eval import evaluate, locate_eval_text, read_text
 
-KEYS = {"kv_cache_dtype", "ppl", "baseline_ppl", "kl", "top1_agreement", "tokens", "windows", "scales_source",
+KEYS = {"kv_cache_dtype", "device", "ppl", "baseline_ppl", "kl", "top1_agreement", "tokens", "windows", "scales_source",
         "kv_recent_window", "kv_recent_window_dtype"}
 
 

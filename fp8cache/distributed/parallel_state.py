@@ -81,10 +81,13 @@ def read_env(tensor_parallel_size: int) -> tuple[int, int]:
 
 
 def rank_device(config: EngineConfig, rank: int) -> str:
-    """Each rank its own GPU: a bare "cuda" becomes cuda:LOCAL_RANK (else rank modulo the GPUs here)."""
-    device = torch.device(config.device)
+    """Each rank its own GPU: a bare "cuda" (or "auto" with a GPU) becomes cuda:LOCAL_RANK (else rank modulo
+    the GPUs here)."""
+    from fp8cache.device import resolve_device
+
+    device = resolve_device(config.device)
     if device.type != "cuda" or device.index is not None:
-        return config.device
+        return str(device)
     local = os.environ.get("LOCAL_RANK")
     index = _env_int("LOCAL_RANK", local) if local is not None else rank % max(torch.cuda.device_count(), 1)
     return f"cuda:{index}"

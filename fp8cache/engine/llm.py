@@ -77,10 +77,12 @@ class LLM:
         if isinstance(size, int) and size > 1:
             rank = parallel_state.env_rank()
             if rank is None:
+                from fp8cache.device import resolve_device
                 from fp8cache.distributed.group import TensorParallelGroup
                 from fp8cache.distributed.sharding import check_model_divisible
 
-                check_model_divisible(config)  # before the workers start and each load the weights
+                resolve_device(config.device)  # before the workers start and each load the weights
+                check_model_divisible(config)
                 self.tp_group = TensorParallelGroup.start([config], log=log)
                 runner = self.tp_group.runners[0]
             elif rank != 0:

@@ -15,8 +15,23 @@ from fp8cache.engine.sequence import Sequence
 
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
         self.generator = torch.Generator()
         self.generator.manual_seed(seed)
+        self._device_generators: dict[torch.device, torch.Generator] = {}
+
+    def _generator_for(self, device: torch.device) -> torch.Generator | None:
+        """The CPU generator for CPU logits; on a GPU one of its own, so that the noise is drawn where the
+        logits are instead of copied there (a batch x vocabulary copy every step)."""
+        if device.type == "cpu":
+            return self.generator
+        if device.type == "meta":  # a stand-in device (tests): no data, no generator
+            return None
+        if device not in self._device_generators:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(self.seed)
+            self._device_generators[device] = generator
+        return self._device_generators[device]
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]) -> list[int]:
         if logits.shape[0] != len(seqs):
@@ -34,15 +49,17 @@ class Sampler:
             probs = sampling_probs(logits, seqs)
             greedy_rows = torch.tensor(greedy, device=logits.device)
             tokens = torch.where(greedy_rows, tokens, self.draw(probs, seqs))
-        return tokens.tolist()
+        return tokens.cpu().tolist()  # one copy, one wait for the device
 
     def draw(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        q = torch.empty(probs.shape, dtype=probs.dtype).exponential_(generator=self.generator)
+        q = torch.empty(probs.shape, dtype=probs.dtype, device=probs.device)
+        q.exponential_(generator=self._generator_for(probs.device))
         for i, seq in enumerate(seqs):
-            if seq.generator is not None and not seq.params.greedy:
-                q[i].exponential_(generator=seq.generator)
+            if seq.generator is not None and not seq.params.greedy:  # a seeded request: its own CPU generator
+                row = torch.empty(probs.shape[1], dtype=probs.dtype).exponential_(generator=seq.generator)
+                q[i].copy_(row)
         q.clamp_(min=torch.finfo(q.dtype).tiny)  # q == 0 would make a p == 0 token win (0/0 = nan)
-        return (probs / q.to(probs.device)).argmax(dim=-1)
+        return (probs / q).argmax(dim=-1)
 
 
 def _edits_logits(seq: Sequence, eos_token_ids: set[int]) -> bool:

@@ -120,12 +120,15 @@ class SequenceGuide:
 
     def allowed(self, vocab_size: int) -> torch.Tensor:
         """Bool [vocab_size] (the model's logits width): the tokens that continue a match."""
+        import numpy as np
         import torch  # here, so that grammar compile workers need not import torch
 
-        words = torch.zeros((max(vocab_size, self.tokenizer_size) + 31) // 32, dtype=torch.int32)
-        self.automaton.write_mask_into(words.data_ptr(), words.numel(), 4)
-        bits = (words.unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1
-        return bits.flatten()[:vocab_size].bool()
+        # The automaton writes through a raw pointer: into numpy's memory, which is host memory whatever torch
+        # mode is active (tests run the GPU paths under FakeTensorMode, whose tensors hold no data).
+        words = np.zeros((max(vocab_size, self.tokenizer_size) + 31) // 32, dtype=np.uint32)
+        self.automaton.write_mask_into(words.ctypes.data, words.size, 4)
+        bits = np.unpackbits(words.view(np.uint8), bitorder="little")[:vocab_size]
+        return torch.from_numpy(bits.astype(bool))
 
     def advance(self, token_id: int) -> None:
         self.automaton.advance(token_id, return_tokens=False)

@@ -19,13 +19,15 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fp8cache.model.batch import StepBatch
+from fp8cache.model import step_metadata
+from fp8cache.model.batch import StepBatch, window_slot
 from fp8cache.model.window_attention import WindowSplit, split_window_attention, window_split
 from fp8cache.ops import reference
-from fp8cache.ops.reference import gather_kv_blocks, gather_window_at, window_index
+from fp8cache.ops.reference import gather_kv_blocks
 from fp8cache.rotation import NONE, apply_rotation
 
 ATTENTION_NAME = "fp8kv_paged"
@@ -102,8 +104,8 @@ class ForwardContext:
     query_lens: list[int]
     context_lens: list[int]
     block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]
-    decode_seqs: torch.Tensor  # int64 indices of the seqs with query_len 1
-    decode_tokens: torch.Tensor  # int64 their tokens' indices in the packed stream
+    num_decode: int  # seqs with query_len 1
+    decode_tokens: torch.Tensor | None  # int64 their tokens' indices in the packed stream (None: all_decode)
     decode_context_lens: torch.Tensor  # int32
     max_decode_len: int
     prefill_seqs: list[int]
@@ -121,6 +123,7 @@ class ForwardContext:
     window_floors: list[int] | None = None  # per seq: positions below came from the prefix cache (FP8 only)
     decode_window_starts: torch.Tensor | None = None  # int32: first position each decode reads from the window
     prefill_groups: list[PrefillGroup] = field(default_factory=list)  # prefill_seqs by shape
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)  # the caller's arrays, on the device
 
 
 def build_forward_context(batch: StepBatch, ops: object, gather_kv: Callable,
@@ -128,86 +131,177 @@ def build_forward_context(batch: StepBatch, ops: object, gather_kv: Callable,
                           v_scales: list[torch.Tensor], kv_cache_dtype: str, block_size: int,
                           device: torch.device | str = "cpu", rotation: str = NONE,
                           window_size: int = 0,
-                          window_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> ForwardContext:
-    """The step's tensors from a StepBatch (sequences in order, tokens packed)."""
+                          window_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                          extra: dict[str, np.ndarray] | None = None,
+                          metadata_buffer: torch.Tensor | None = None, table_width: int | None = None,
+                          max_decode_len: int | None = None) -> ForwardContext:
+    """The step's tensors from a StepBatch (sequences in order, tokens packed). Every index the step needs is
+    computed on the host and reaches the device in one copy (step_metadata); `extra` arrays (the runner's
+    token ids, positions, ...) ride along and come back as ctx.extra.
+
+    A CUDA graph's step keeps its shapes and its buffer: metadata_buffer (the device buffer to copy into),
+    table_width (block table columns) and max_decode_len (the attention's max_seq_len) fix them."""
+    device = torch.device(device)
     seqs = batch.seqs
-    starts, offset = [], 0
-    for s in seqs:
-        starts.append(offset)
-        offset += s.query_len
-    tables = torch.zeros(len(seqs), max(len(s.block_table) for s in seqs), dtype=torch.int32)
-    for i, s in enumerate(seqs):
-        # Entries past a table's end stay 0 and are never read: only blocks below
-        # ceil(context_len / block_size) are.
-        tables[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+    use_rows = ROW_PREFILL and ops is not reference
+    arrays, starts, plans = step_arrays(batch, kv_caches, block_size, window_size, window_caches, use_rows,
+                                        extra, table_width)
+    views = step_metadata.to_device(arrays, device, into=metadata_buffer)
     decode = [i for i, s in enumerate(seqs) if s.query_len == 1]
     all_decode = len(decode) == len(seqs)
-    decode_seqs = torch.tensor(decode, dtype=torch.long, device=device)
-    tables = tables.to(device)
     ctx = ForwardContext(
         ops=ops, gather_kv=gather_kv, kv_caches=kv_caches, k_scales=list(k_scales), v_scales=list(v_scales),
-        kv_cache_dtype=kv_cache_dtype, block_size=block_size,
-        slot_mapping=torch.tensor(batch.slot_mapping, dtype=torch.long, device=device),
-        query_starts=starts, query_lens=[s.query_len for s in seqs], context_lens=[s.context_len for s in seqs],
-        block_tables=tables, decode_seqs=decode_seqs,
-        decode_block_tables=tables if all_decode else tables.index_select(0, decode_seqs), all_decode=all_decode,
-        decode_tokens=torch.tensor([starts[i] for i in decode], dtype=torch.long, device=device),
-        decode_context_lens=torch.tensor([seqs[i].context_len for i in decode], dtype=torch.int32,
-                                         device=device),
-        max_decode_len=max((seqs[i].context_len for i in decode), default=0),
+        kv_cache_dtype=kv_cache_dtype, block_size=block_size, slot_mapping=views["slot_mapping"],
+        query_starts=starts.tolist(), query_lens=[s.query_len for s in seqs], context_lens=[s.context_len for s in seqs],
+        block_tables=views["block_tables"], num_decode=len(decode),
+        decode_block_tables=views["block_tables"] if all_decode else views["decode_block_tables"],
+        all_decode=all_decode, decode_tokens=views.get("decode_tokens"),
+        decode_context_lens=views["decode_context_lens"],
+        max_decode_len=max_decode_len if max_decode_len is not None
+        else max((seqs[i].context_len for i in decode), default=0),
         prefill_seqs=[i for i, s in enumerate(seqs) if s.query_len > 1], rotation=rotation,
-        **(_window_fields(batch, decode, decode_seqs, window_size, window_caches, device) if window_size else {}))
-    ctx.prefill_groups = _prefill_groups(ctx)
+        extra={name: views[name] for name in extra or {}})
+    if window_size:
+        ctx.window_size, ctx.window_caches = window_size, window_caches
+        ctx.window_slot_mapping, ctx.window_block_tables = views["window_slot_mapping"], views["window_block_tables"]
+        ctx.decode_window_block_tables = views["window_block_tables"] if all_decode \
+            else views["decode_window_block_tables"]
+        ctx.decode_window_starts = views["decode_window_starts"]
+        ctx.window_floors = [s.window_floor for s in seqs]
+    ctx.prefill_groups = [_prefill_group(ctx, n, plan, views, use_rows) for n, plan in enumerate(plans)]
     return ctx
 
 
-def _window_fields(batch: StepBatch, decode: list[int], decode_seqs: torch.Tensor, window_size: int,
-                   window_caches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device | str) -> dict:
+def step_arrays(batch: StepBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
+                window_size: int, window_caches, use_rows: bool, extra: dict[str, np.ndarray] | None = None,
+                table_width: int | None = None) -> tuple[dict[str, np.ndarray], np.ndarray, list[_PrefillPlan]]:
+    """(the step's host arrays by name, each sequence's first token, its prefill groups). Two batches of the
+    same shapes give arrays of the same names, shapes and order: the same packed layout."""
     seqs = batch.seqs
-    starts = [max(seqs[i].context_len - window_size, seqs[i].window_floor) for i in decode]
-    tables = torch.tensor([s.window_block_table for s in seqs], dtype=torch.int32, device=device)
-    decode_tables = tables if len(decode) == len(seqs) else tables.index_select(0, decode_seqs)
-    return {"window_size": window_size, "window_caches": window_caches,
-            "window_slot_mapping": torch.tensor(batch.window_slot_mapping, dtype=torch.long, device=device),
-            "window_block_tables": tables, "decode_window_block_tables": decode_tables,
-            "window_floors": [s.window_floor for s in seqs],
-            "decode_window_starts": torch.tensor(starts, dtype=torch.int32, device=device)}
+    query_lens = [s.query_len for s in seqs]
+    starts = np.concatenate(([0], np.cumsum(query_lens)[:-1])).astype(np.int64)
+    decode = [i for i, s in enumerate(seqs) if s.query_len == 1]
+    all_decode = len(decode) == len(seqs)
+    tables = _block_table_array([s.block_table for s in seqs], kv_caches[0][0].shape[0], table_width)
+    arrays: dict[str, np.ndarray] = {
+        "slot_mapping": np.asarray(batch.slot_mapping, dtype=np.int64), "block_tables": tables,
+        "decode_context_lens": np.asarray([seqs[i].context_len for i in decode], dtype=np.int32)}
+    if not all_decode:
+        arrays["decode_tokens"] = starts[decode]
+        arrays["decode_block_tables"] = tables[decode]
+    if window_size:
+        arrays.update(_window_arrays(batch, decode, all_decode, window_size, window_caches))
+    plans = _prefill_plans(seqs, starts, window_size, use_rows)
+    for n, plan in enumerate(plans):
+        arrays.update(_group_arrays(n, plan, batch, tables, block_size, window_size, window_caches))
+    arrays.update(extra or {})
+    return arrays, starts, plans
 
 
-def _prefill_groups(ctx: ForwardContext) -> list[PrefillGroup]:
+def _block_table_array(rows: list[list[int]], num_blocks: int, width: int | None = None) -> np.ndarray:
+    """int32 [rows, longest (or width)]; entries past a row's end stay 0 and are never read (only blocks below
+    ceil(context_len / block_size) are). Ids are checked here, on the host, so no kernel ever sees one
+    outside the cache."""
+    longest = max(len(r) for r in rows)
+    if width is not None and width < longest:
+        raise ValueError(f"a block table of {longest} blocks does not fit the {width} columns of this step")
+    tables = np.zeros((len(rows), width or longest), dtype=np.int32)
+    for i, row in enumerate(rows):
+        tables[i, :len(row)] = row
+    if tables.size and (int(tables.min()) < 0 or int(tables.max()) >= num_blocks):
+        raise IndexError(f"block table holds a block id outside [0, {num_blocks})")
+    return tables
+
+
+def _window_arrays(batch: StepBatch, decode: list[int], all_decode: bool, window_size: int,
+                   window_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, np.ndarray]:
+    seqs = batch.seqs
+    tables = _block_table_array([s.window_block_table for s in seqs], window_caches[0][0].shape[0])
+    arrays = {"window_slot_mapping": np.asarray(batch.window_slot_mapping, dtype=np.int64),
+              "window_block_tables": tables,
+              "decode_window_starts": np.asarray([max(seqs[i].context_len - window_size, seqs[i].window_floor)
+                                                  for i in decode], dtype=np.int32)}
+    if not all_decode:
+        arrays["decode_window_block_tables"] = tables[decode]
+    return arrays
+
+
+@dataclass
+class _PrefillPlan:
+    """A prefill group's host-side shape: which sequences, their chunk, and where its keys come from."""
+
+    seqs: list[int]
+    q_len: int
+    ctx_len: int
+    floor: int
+    starts: np.ndarray  # int64 [n]: each chunk's first token in the packed stream
+
+    @property
+    def prefix(self) -> int:
+        return self.ctx_len - self.q_len
+
+    def cached_len(self, window_size: int) -> int:
+        """Keys [0, cached_len) come from the paged cache; with a window no row reads a position at or past
+        the last row's full-precision start from the cache."""
+        if not window_size:
+            return self.ctx_len
+        return min(max(self.ctx_len - window_size, self.floor), self.ctx_len)
+
+    def first_recent(self, window_size: int) -> int:
+        """The chunk's first row's first full-precision position."""
+        return max(self.prefix - window_size + 1, self.floor)
+
+    @property
+    def consecutive(self) -> bool:
+        return bool(np.all(self.starts == self.starts[0] + self.q_len * np.arange(len(self.seqs))))
+
+
+def _prefill_plans(seqs, starts: np.ndarray, window_size: int, use_rows: bool) -> list[_PrefillPlan]:
     by_shape: dict[tuple[int, int, int], list[int]] = {}
-    for i in ctx.prefill_seqs:
-        floor = max(ctx.window_floors[i], 0) if ctx.window_size else 0
-        by_shape.setdefault((ctx.query_lens[i], ctx.context_lens[i], floor), []).append(i)
-    return [_prefill_group(ctx, seqs, *shape) for shape, seqs in by_shape.items()]
+    for i, s in enumerate(seqs):
+        if s.query_len > 1:
+            floor = max(s.window_floor, 0) if window_size else 0
+            by_shape.setdefault((s.query_len, s.context_len, floor), []).append(i)
+    return [_PrefillPlan(group, q, c, f, starts[group]) for (q, c, f), group in by_shape.items()]
 
 
-def _prefill_group(ctx: ForwardContext, seqs: list[int], q_len: int, ctx_len: int, floor: int) -> PrefillGroup:
-    prefix = ctx_len - q_len
+def _group_arrays(n: int, plan: _PrefillPlan, batch: StepBatch, tables: np.ndarray, block_size: int,
+                  window_size: int, window_caches) -> dict[str, np.ndarray]:
+    arrays = {f"g{n}.tokens": (plan.starts[:, None] + np.arange(plan.q_len)).reshape(-1),
+              f"g{n}.seqs": np.asarray(plan.seqs, dtype=np.int64)}
+    cached_len = plan.cached_len(window_size)
+    arrays[f"g{n}.block_ids"] = tables[plan.seqs, :-(-cached_len // block_size)].astype(np.int64)
+    if window_size:
+        window_cache = window_caches[0][0]
+        slots = [window_slot(batch.seqs[i].window_block_table, p, window_size, block_size)
+                 for i in plan.seqs for p in range(plan.first_recent(window_size), plan.prefix)]
+        slots = np.asarray(slots, dtype=np.int64)
+        limit = window_cache.shape[0] * window_cache.shape[3]
+        if slots.size and (int(slots.min()) < 0 or int(slots.max()) >= limit):
+            raise IndexError(f"window block table holds a block id outside [0, {window_cache.shape[0]})")
+        arrays[f"g{n}.earlier_blocks"], arrays[f"g{n}.earlier_offsets"] = slots // block_size, slots % block_size
+    return arrays
+
+
+def _prefill_group(ctx: ForwardContext, n: int, plan: _PrefillPlan, views: dict[str, torch.Tensor],
+                   use_rows: bool) -> PrefillGroup:
+    q_len, ctx_len, floor, prefix = plan.q_len, plan.ctx_len, plan.floor, plan.prefix
     device = ctx.block_tables.device
-    first = ctx.query_starts[seqs[0]]
-    consecutive = all(ctx.query_starts[i] == first + n * q_len for n, i in enumerate(seqs))
-    starts = torch.tensor([ctx.query_starts[i] for i in seqs], dtype=torch.long, device=device)
-    tokens = (starts[:, None] + torch.arange(q_len, device=device)).reshape(-1)
     rows = torch.arange(q_len, device=device)[:, None] + prefix  # query row r sits at position prefix + r
     positions = torch.arange(ctx_len, device=device)[None, :]
-    use_rows = ROW_PREFILL and device.type == "cpu" and ctx.ops is not reference
     # The rows need no mask: each is a decode query over its own positions.
     mask = positions <= rows if prefix and not use_rows else None
-    earlier, cached_len, split, row_queries = None, ctx_len, None, None
+    earlier, split, row_queries = None, None, None
+    cached_len = plan.cached_len(ctx.window_size)
+    seq_index = views[f"g{n}.seqs"]
     if ctx.window_size:
         # Each row reads one key per position: from the window if within its last window_size positions (and
-        # computed by this sequence), else from the cache. Both sets go into one softmax. No row reads a
-        # position at or past the last row's full-precision start from the cache, so the cache keys stop there.
-        cached_len = min(max(ctx_len - ctx.window_size, floor), ctx_len)
-        first_recent = max(prefix - ctx.window_size + 1, floor)  # the chunk's first row's first full position
-        window_cache = ctx.window_caches[0][0]
-        index = [window_index(ctx.window_block_tables[i], first_recent, prefix, ctx.window_size,
-                              window_cache.shape[0], window_cache.shape[3]) for i in seqs]
-        earlier = (torch.cat([b for b, _ in index]), torch.cat([o for _, o in index]))
+        # computed by this sequence), else from the cache. Both sets go into one softmax.
+        first_recent = plan.first_recent(ctx.window_size)
+        earlier = (views[f"g{n}.earlier_blocks"], views[f"g{n}.earlier_offsets"])
         full_from = torch.clamp(rows - ctx.window_size + 1, min=floor)
         if use_rows:
-            row_queries = _row_queries(ctx, seqs, q_len, ctx_len, first_recent, full_from)
+            row_queries = _row_queries(ctx, seq_index, len(plan.seqs), q_len, ctx_len, first_recent, full_from)
         elif SPLIT_WINDOW_ATTENTION and device.type == "cpu":  # the split parts need no dense mask
             split = window_split(ctx.window_size, q_len, prefix, first_recent, full_from, device)
         else:
@@ -215,20 +309,18 @@ def _prefill_group(ctx: ForwardContext, seqs: list[int], q_len: int, ctx_len: in
             mask = torch.cat([positions[:, :cached_len] < full_from,
                               (recent_positions >= full_from) & (recent_positions <= rows)], 1)
     elif use_rows:
-        row_queries = _row_queries(ctx, seqs, q_len, ctx_len)
-    block_ids = ctx.block_tables[seqs, :-(-cached_len // ctx.block_size)].long()
-    num_blocks = ctx.kv_caches[0][0].shape[0]
-    if block_ids.numel() and (bool((block_ids < 0).any()) or bool((block_ids >= num_blocks).any())):
-        raise IndexError(f"block table holds a block id outside [0, {num_blocks})")
-    return PrefillGroup(seqs, tokens, q_len, cached_len, block_ids, mask, earlier, split, row_queries,
-                        (first, first + len(seqs) * q_len) if consecutive else None)
+        row_queries = _row_queries(ctx, seq_index, len(plan.seqs), q_len, ctx_len)
+    first = int(plan.starts[0])
+    return PrefillGroup(plan.seqs, views[f"g{n}.tokens"], q_len, cached_len, views[f"g{n}.block_ids"], mask,
+                        earlier, split, row_queries,
+                        (first, first + len(plan.seqs) * q_len) if plan.consecutive else None)
 
 
-def _row_queries(ctx: ForwardContext, seqs: list[int], q_len: int, ctx_len: int, first_recent: int = 0,
-                 full_from: torch.Tensor | None = None) -> RowQueries:
-    n, prefix, bs = len(seqs), ctx_len - q_len, ctx.block_size
+def _row_queries(ctx: ForwardContext, seq_index: torch.Tensor, n: int, q_len: int, ctx_len: int,
+                 first_recent: int = 0, full_from: torch.Tensor | None = None) -> RowQueries:
+    prefix, bs = ctx_len - q_len, ctx.block_size
     device = ctx.block_tables.device
-    rows = RowQueries(ctx.block_tables[seqs].repeat_interleave(q_len, 0),
+    rows = RowQueries(ctx.block_tables.index_select(0, seq_index).repeat_interleave(q_len, 0),
                       torch.arange(prefix + 1, ctx_len + 1, dtype=torch.int32, device=device).repeat(n), ctx_len)
     if full_from is None:
         return rows
@@ -293,13 +385,13 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scalin
     window = ctx.window_caches[layer] if ctx.window_size else None
     # A prefill chunk's rows see their predecessors' full-precision K/V, which this step's window writes
     # may overwrite in the ring: read them first.
-    earlier = [gather_window_at(window[0], window[1], g.earlier_index) for g in ctx.prefill_groups] if window else []
+    earlier = [_gather_ring(window[0], window[1], g.earlier_index) for g in ctx.prefill_groups] if window else []
     ctx.ops.reshape_and_cache(k, v, key_cache, value_cache, ctx.slot_mapping, ctx.kv_cache_dtype,
                               k_scale, v_scale)
     if window:
         ctx.ops.reshape_and_cache(k, v, window[0], window[1], ctx.window_slot_mapping, "auto", k_scale, v_scale)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous: the decode op writes into it
-    if ctx.decode_seqs.numel():
+    if ctx.num_decode:
         _decode(ctx, q, out, key_cache, value_cache, k_scale, v_scale, scaling, window)
     for n, group in enumerate(ctx.prefill_groups):
         _prefill(ctx, group, q, k, v, out, key_cache, value_cache, k_scale, v_scale, scaling,
@@ -307,6 +399,16 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scalin
     if ctx.rotation != NONE:
         out = apply_rotation(out, ctx.rotation)
     return out
+
+
+def _gather_ring(window_key_cache: torch.Tensor, window_value_cache: torch.Tensor,
+                 index: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 K and V [n, kv_heads, d] at ring (blocks, offsets) of the window caches."""
+    num_kv_heads, head_size = window_key_cache.shape[1], window_value_cache.shape[2]
+    blocks, offsets = index
+    k = window_key_cache[blocks, :, :, offsets, :].reshape(-1, num_kv_heads, head_size)
+    v = window_value_cache[blocks, :, :, offsets]
+    return k.to(torch.float32), v.to(torch.float32)
 
 
 def decode_step_args(layer: int) -> tuple | None:
@@ -336,7 +438,8 @@ def _decode(ctx: ForwardContext, q: torch.Tensor, out: torch.Tensor, key_cache: 
             value_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor, scaling: float,
             window: tuple[torch.Tensor, torch.Tensor] | None) -> None:
     if ctx.all_decode:  # the packed rows are the decode rows already: write the output in place
-        query, result = q.contiguous(), out
+        # The GPU op reads rows of any stride (q is a column view of the merged q/k/v projection).
+        query, result = (q.contiguous() if q.device.type == "cpu" else q), out
     else:
         query = q.index_select(0, ctx.decode_tokens)
         result = torch.empty_like(query)

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fp8cache.model import attention
@@ -66,9 +67,11 @@ class FusedDecoderLayer:
         self.layer_idx, self.scaling, self.head_dim = attn.layer_idx, attn.scaling, attn.head_dim
         self.input_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
         self.o_proj, self.down_proj = attn.o_proj, mlp.down_proj
-        self.qkv = _projections(attn.q_proj, attn.k_proj, attn.v_proj)
-        self.gate_up = _projections(mlp.gate_proj, mlp.up_proj)
-        self.decode_args = _decode_layer_args(layer) if ops.compiled else None
+        on_gpu = layer.input_layernorm.weight.device.type != "cpu"
+        project = _device_projections if on_gpu else _projections
+        self.qkv = project(attn.q_proj, attn.k_proj, attn.v_proj)
+        self.gate_up = project(mlp.gate_proj, mlp.up_proj)
+        self.decode_args = _decode_layer_args(layer) if ops.compiled and not on_gpu else None
         self.decode_op = torch.ops.fp8kv.decode_layer.default if self.decode_args is not None else None
         self.decode_dtype = self.input_norm.weight.dtype  # the dtype its packed weights were made for
 
@@ -106,6 +109,25 @@ def _projections(*linears: nn.Module) -> Callable[[torch.Tensor], list[torch.Ten
         bounds, packed = merged.bounds, merged.packed
         return lambda x: [y[:, start:stop] for y in (packed(x),) for start, stop in bounds]
     return lambda x: [m(x) for m in linears]
+
+
+def _device_projections(*linears: nn.Linear) -> Callable[[torch.Tensor], list[torch.Tensor]]:
+    """On a GPU: the siblings' weights (and biases) as one matrix, each linear's weight a view of its rows (no
+    memory added), so q/k/v and gate/up are one matmul each; x -> column views of its output."""
+    if any(type(m) is not nn.Linear for m in linears) or len({m.weight.dtype for m in linears}) != 1 or \
+            len({m.bias is None for m in linears}) != 1:
+        return lambda x: [m(x) for m in linears]
+    weight = torch.cat([m.weight.detach() for m in linears])
+    bias = torch.cat([m.bias.detach() for m in linears]) if linears[0].bias is not None else None
+    sizes, start = [], 0
+    for m in linears:
+        rows = m.out_features
+        m.weight = nn.Parameter(weight[start:start + rows], requires_grad=False)
+        if bias is not None:
+            m.bias = nn.Parameter(bias[start:start + rows], requires_grad=False)
+        sizes.append(rows)
+        start += rows
+    return lambda x: F.linear(x, weight, bias).split(sizes, dim=-1)
 
 
 def _decode_layer_args(layer: nn.Module) -> tuple | None:
@@ -158,9 +180,10 @@ def supports(layer: nn.Module) -> bool:
 
 
 def install(model: nn.Module, compiled: bool) -> int:
-    """Give every supported decoder layer of a CPU `model` the lean forward (or, with FP8KV_FUSED_LAYERS=0,
-    give back transformers' forward); returns how many layers run the lean one. Runners sharing a model
-    share its layers: the last one installed decides which ops they call."""
+    """Give every supported decoder layer of `model` the lean forward (or, with FP8KV_FUSED_LAYERS=0, give
+    back transformers' forward); returns how many layers run the lean one. On a GPU only with the compiled
+    ops (their CUDA kernels). Runners sharing a model share its layers: the last one installed decides which
+    ops they call."""
     enabled = os.environ.get("FP8KV_FUSED_LAYERS", "1").strip() != "0"
     ops = layer_ops(compiled) if enabled else None
     count = 0

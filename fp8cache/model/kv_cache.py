@@ -82,13 +82,28 @@ WINDOW_BUDGET_SHARE = 16
 
 def plan_cache(kv_cache_memory: int | str | None, kv_cache_memory_fraction: float, block_size: int,
                token_bytes: int, window_size: int = 0, window_token_bytes: int = 0,
-               max_num_seqs: int = 1, max_model_len: int = 0) -> CachePlan:
-    """Blocks of the FP8 (or auto) cache, and window seats, that fit the budget together."""
-    budget, source = _budget(kv_cache_memory, kv_cache_memory_fraction)
+               max_num_seqs: int = 1, max_model_len: int = 0, device_limit: DeviceLimit | None = None) -> CachePlan:
+    """Blocks of the FP8 (or auto) cache, and window seats, that fit the budget together.
+
+    The budget is kv_cache_memory when given; else what max_num_seqs sequences of max_model_len tokens need
+    (with their window seats), capped by what the device can give (`device_limit`; by default
+    kv_cache_memory_fraction of the host's available memory)."""
+    seat_bytes = -(-window_size // block_size) * block_size * window_token_bytes if window_size > 0 else 0
+    if kv_cache_memory is not None:
+        budget, source = parse_memory_size(kv_cache_memory), "kv_cache_memory"
+    else:
+        limit = device_limit or host_limit(kv_cache_memory_fraction)
+        need = max_num_seqs * (_sequence_bytes(max_model_len, block_size, token_bytes) + seat_bytes)
+        if max_model_len > 0 and need <= limit.bytes:
+            budget, source = need, f"sized for max_num_seqs {max_num_seqs} x max_model_len {max_model_len}"
+        else:
+            budget, source = limit.bytes, limit.source
+        if budget <= 0:
+            raise ValueError(f"no memory is left for the KV cache ({limit.source}); "
+                             "free memory, raise the limit or give kv_cache_memory")
     seats = blocks_per_seat = window_bytes = 0
     if window_size > 0:
         blocks_per_seat = -(-window_size // block_size)
-        seat_bytes = blocks_per_seat * block_size * window_token_bytes
         seats = max(1, min(max_num_seqs, window_seats(budget, block_size, token_bytes, seat_bytes, max_model_len)))
         window_bytes = seats * seat_bytes
     num_blocks = (budget - window_bytes) // (block_size * token_bytes)
@@ -102,20 +117,40 @@ def plan_cache(kv_cache_memory: int | str | None, kv_cache_memory_fraction: floa
                      window_bytes)
 
 
+def _sequence_bytes(max_model_len: int, block_size: int, token_bytes: int) -> int:
+    return -(-max_model_len // block_size) * block_size * token_bytes if max_model_len > 0 else 0
+
+
 def window_seats(budget: int, block_size: int, token_bytes: int, seat_bytes: int, max_model_len: int) -> int:
     """Seats before the max_num_seqs cap (see WINDOW_BUDGET_SHARE); max_model_len 0: unknown."""
-    sequence_bytes = -(-max_model_len // block_size) * block_size * token_bytes if max_model_len > 0 else 0
+    sequence_bytes = _sequence_bytes(max_model_len, block_size, token_bytes)
     full = budget // (sequence_bytes + seat_bytes) if sequence_bytes else 0
     return max(full, budget // WINDOW_BUDGET_SHARE // seat_bytes)
 
 
-def _budget(kv_cache_memory: int | str | None, kv_cache_memory_fraction: float) -> tuple[int, str]:
-    if kv_cache_memory is not None:
-        return parse_memory_size(kv_cache_memory), "kv_cache_memory"
-    fraction = kv_cache_memory_fraction
+@dataclass(frozen=True)
+class DeviceLimit:
+    """The most the KV cache may take on its device, and how that was decided (for the startup line)."""
+
+    bytes: int
+    source: str
+
+
+def host_limit(fraction: float) -> DeviceLimit:
     if not isinstance(fraction, (int, float)) or isinstance(fraction, bool) or not 0 < fraction <= 1:
         raise ValueError(f"kv_cache_memory_fraction={fraction!r} must be a number in (0, 1]")
-    return int(available_memory_bytes() * fraction), f"{fraction:g} of available memory"
+    return DeviceLimit(int(available_memory_bytes() * fraction), f"capped at {fraction:g} of available memory")
+
+
+def gpu_limit(device: torch.device, utilization: float, reserve_bytes: int) -> DeviceLimit:
+    """vLLM's --gpu-memory-utilization: the cache gets what is left of `utilization` of the GPU's memory after
+    what is in use now (weights, other processes) and `reserve_bytes` for the forward pass's activations."""
+    if not isinstance(utilization, (int, float)) or isinstance(utilization, bool) or not 0 < utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization={utilization!r} must be a number in (0, 1]")
+    free, total = torch.cuda.mem_get_info(device)
+    left = int(utilization * total) - (total - free) - reserve_bytes
+    return DeviceLimit(left, f"{utilization:g} of {total / 2**30:.1f} GiB GPU memory, "
+                             f"{(total - free) / 2**30:.2f} GiB in use, {reserve_bytes / 2**30:.2f} GiB for activations")
 
 
 def allocate_caches(allocate: Callable, num_layers: int, num_blocks: int, block_size: int,

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fp8cache.config import EngineConfig
+from fp8cache.device import default_model_dtype, resolve_device
 
 # Tensor names that carry KV cache scales (DESIGN section 3); transformers drops these as unknown weights.
 SCALE_TENSOR_SUFFIXES = ("self_attn.kv_scale", "self_attn.k_scale", "self_attn.v_scale",
@@ -70,14 +71,16 @@ def safetensors_files(path: str) -> list[str]:
     return sorted(glob.glob(os.path.join(path, "*.safetensors")))
 
 
-def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
-    """Model dtype for config.dtype: auto is float32 on CPU."""
+def resolve_dtype(name: str, device: str | torch.device = "cpu",
+                  checkpoint_dtype: torch.dtype | None = None) -> torch.dtype:
+    """Model dtype for config.dtype: auto is float32 on CPU, the checkpoint's 16-bit dtype on a GPU
+    (fp8cache.device.default_model_dtype)."""
     if name == "auto":
-        return torch.float32
+        return default_model_dtype(resolve_device(device), checkpoint_dtype)
     if name not in DTYPES:
         raise ValueError(f"dtype {name!r} is not known; valid: auto, {', '.join(DTYPES)}")
     dtype = DTYPES[name]
-    if torch.device(device).type == "cpu" and dtype not in _CPU_DTYPES:
+    if resolve_device(device).type == "cpu" and dtype not in _CPU_DTYPES:
         raise ValueError(f"dtype {name!r} is not supported on CPU; use auto, float32 or bfloat16")
     return dtype
 
@@ -100,16 +103,29 @@ def read_config_dict(path: str) -> dict:
         return json.load(f)
 
 
-def load_model(config: EngineConfig, progress: bool = True) -> LoadedModel:
+def checkpoint_dtype(hf_config: object) -> torch.dtype | None:
+    """The dtype the checkpoint's config.json names (transformers 5 calls it `dtype`, 4 `torch_dtype`)."""
+    for name in ("dtype", "torch_dtype"):
+        value = getattr(hf_config, name, None)
+        if isinstance(value, str):
+            value = DTYPES.get(value)
+        if isinstance(value, torch.dtype):
+            return value
+    return None
+
+
+def load_model(config: EngineConfig, progress: bool = True, on_device: bool = True) -> LoadedModel:
+    """on_device=False keeps the weights on the CPU (a tensor-parallel rank shards them there first, so that
+    only its share ever reaches its GPU)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model_path(config.model, progress=progress)
-    dtype = resolve_dtype(config.dtype, config.device)
     remote = bool(config.trust_remote_code)
     try:
         hf_config = AutoConfig.from_pretrained(path, trust_remote_code=remote, local_files_only=True)
     except ValueError as e:  # unknown model_type, or custom code without trust_remote_code
         raise ModelLoadError(f"cannot read the model config in {path!r}: {e}") from e
+    dtype = resolve_dtype(config.dtype, config.device, checkpoint_dtype(hf_config))
     tokenizer_path = config.tokenizer or path
     try:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=remote,
@@ -120,5 +136,7 @@ def load_model(config: EngineConfig, progress: bool = True) -> LoadedModel:
     model = AutoModelForCausalLM.from_pretrained(
         path, config=hf_config, dtype=dtype, use_safetensors=True, trust_remote_code=remote,
         local_files_only=True)
-    model.to(config.device).eval()
+    model.eval()
+    if on_device:
+        model.to(resolve_device(config.device))
     return LoadedModel(model, tokenizer, model.config, path, read_scale_tensors(path))

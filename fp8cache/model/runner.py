@@ -2,29 +2,41 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from fp8cache import formats, ops
 from fp8cache import scales as kv_scales
 from fp8cache.config import DEFAULT_KV_RECENT_WINDOW, EngineConfig
+from fp8cache.device import describe as describe_device
+from fp8cache.device import resolve_device
 from fp8cache.distributed import parallel_state, sharding
 from fp8cache.distributed import worker as tp_worker
-from fp8cache.model import attention, fused_layer, kv_cache, malloc_tuning, packed_linear
+from fp8cache.model import (
+    attention,
+    cuda_graph,
+    fused_layer,
+    gpu_errors,
+    kv_cache,
+    malloc_tuning,
+    packed_linear,
+)
 from fp8cache.model.batch import StepBatch
 from fp8cache.model.loader import DTYPES, LoadedModel, load_model, read_config_dict
 from fp8cache.rotation import rotation_matrix
 
 
-def select_ops(log: Callable[[str], None]) -> tuple[object, Callable]:
+def select_ops(log: Callable[[str], None], device: torch.device | None = None) -> tuple[object, Callable]:
     """(ops namespace, gather_kv): the compiled ops, or the pure-torch reference if FP8KV_REFERENCE_OPS=1."""
     if os.environ.get("FP8KV_REFERENCE_OPS") == "1":
         log("Using the pure-torch reference ops (FP8KV_REFERENCE_OPS=1): slow, for testing")
         return ops.reference, ops.reference.gather_kv
-    ops.load()
+    ops.load(device)
     # A compiled gather is used when the ops library offers one; the reference reads the same bytes.
     return ops, getattr(ops, "gather_kv", ops.reference.gather_kv)
 
@@ -33,23 +45,29 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, log: Callable[[str], None] = print,
                  loaded: LoadedModel | None = None):
         """`loaded` lets several runners share one model's weights (eval compares caches this way)."""
+        config = dataclasses.replace(config, device=str(resolve_device(config.device)))
         config, self.tp = parallel_state.initialize(config)  # single process: unchanged config, rank 0 of 1
         self.config, self.log = config, log
         self.device = torch.device(config.device)
         backend = formats.backend_of(self.device)
+        log(f"device: {describe_device(self.device)}")
         self.kv_cache_dtype = formats.resolve_kv_cache_dtype(config.kv_cache_dtype, backend)
         if config.kv_scales_granularity not in kv_scales.GRANULARITIES:
             raise ValueError(f"kv_scales_granularity={config.kv_scales_granularity!r} is not known; valid: "
                              f"{', '.join(kv_scales.GRANULARITIES)}")
-        loaded = loaded or load_model(config)
+        # A tensor-parallel rank shards on the host first, so only its share of the weights reaches its GPU.
+        loaded = loaded or load_model(config, on_device=not self.tp.is_parallel)
         self.model, self.tokenizer, self.hf_config = loaded.model, loaded.tokenizer, loaded.hf_config
         self.model_path = loaded.model_path
         if self.tp.is_parallel:  # keep only this rank's heads and MLP columns
             sharding.shard_model(self.model, self.hf_config, self.tp.rank, self.tp.world_size)
+            self.model.to(self.device)
             if self.tp.is_driver:
                 tp_worker.register_driver()
         self.dtype = next(self.model.parameters()).dtype
-        self._ops, self._gather_kv = select_ops(log)
+        self._ops, self._gather_kv = select_ops(log, self.device)
+        self._describe_ops(log)
+        self._kernel_errors = gpu_errors.for_device(self.device) if self._ops is ops else None
         packed = packed_linear.pack_linears(self.model, self.device, compiled_ops=self._ops is ops)
         if packed:
             panels = any(getattr(m, "panels", False) for m in self.model.modules())
@@ -63,7 +81,7 @@ class ModelRunner:
         self._read_shapes()
         self.max_model_len = self._resolve_max_model_len()
         self.eos_token_ids = self._eos_token_ids()
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" or self._ops is ops:  # on a GPU the lean layers need the compiled kernels
             fused = fused_layer.install(self.model, compiled=self._ops is ops)
             if fused:
                 log(f"{fused} decoder layers run fp8kv's fused forward (FP8KV_FUSED_LAYERS=0 keeps transformers')")
@@ -71,8 +89,22 @@ class ModelRunner:
         self.kv_recent_window = self._resolve_recent_window()
         self.window_dtype = self._resolve_window_dtype()
         self._init_cache(backend)
+        self._graphs = self._decode_graphs()
 
     # ---- setup -------------------------------------------------------------------------------------
+
+    def _describe_ops(self, log: Callable[[str], None]) -> None:
+        from fp8cache.ops import _build
+
+        built = _build.last_build()
+        if self._ops is not ops or built is None:
+            return
+        where = "CPU and CUDA kernels" if built.with_cuda else "CPU kernels only"
+        log(f"op library: {built.path} ({where}, CPU path {built.isa})")
+        if self.device.type == "cuda" and not built.with_cuda:
+            raise RuntimeError(f"the fp8kv op library at {built.path} was built without its CUDA sources, so it "
+                               f"cannot run on {self.device}; rebuild it on this machine with `fp8kv build` "
+                               "(needs nvcc, or hipcc on ROCm)")
 
     def _read_shapes(self) -> None:
         cfg = self.hf_config
@@ -165,6 +197,8 @@ class ModelRunner:
         self.scales, self.scales_source, self.kv_rotation = scales, scales.source, scales.rotation
         self._k_scales = [t.to(self.device, torch.float32).contiguous() for t in scales.k]
         self._v_scales = [t.to(self.device, torch.float32).contiguous() for t in scales.v]
+        if getattr(self, "_graphs", None) is not None:
+            self._graphs.invalidate()  # they read the old scale tensors
 
     def _init_cache(self, backend: str) -> None:
         self.bytes_per_token = kv_cache.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_size,
@@ -173,7 +207,8 @@ class ModelRunner:
                                                       formats.AUTO, self.window_dtype, backend)
         plan = kv_cache.plan_cache(self.config.kv_cache_memory, self.config.kv_cache_memory_fraction,
                                    self.block_size, self.bytes_per_token, self.kv_recent_window,
-                                   window_token_bytes, self.config.max_num_seqs, self.max_model_len)
+                                   window_token_bytes, self.config.max_num_seqs, self.max_model_len,
+                                   self._device_limit())
         # Rank 0 hands out block ids, so every rank needs at least as many blocks as rank 0 plans.
         plan.num_blocks = parallel_state.all_reduce_min_int(plan.num_blocks)
         if plan.window_seats:
@@ -189,6 +224,51 @@ class ModelRunner:
         for line in kv_cache.describe(plan, self.kv_cache_dtype, self.max_model_len, self.config.max_num_seqs,
                                       self.dtype, self.window_dtype):
             self.log(line)
+
+    def _decode_graphs(self) -> cuda_graph.DecodeGraphs | None:
+        """CUDA graphs for decode steps: on a GPU with the compiled ops and fp8kv's lean layers (whose steps
+        never wait for the GPU), unless enforce_eager."""
+        if self.device.type != "cuda" or self.config.enforce_eager or self._ops is not ops or self.tp.is_parallel:
+            return None
+        if not any(isinstance(m.__dict__.get("forward"), fused_layer.FusedDecoderLayer) for m in self.model.modules()):
+            return None
+        self.log("decode steps replay CUDA graphs (captured per padded batch size on first use; --enforce-eager "
+                 "runs them op by op)")
+        table_width = -(-self.max_model_len // self.block_size)
+        return cuda_graph.DecodeGraphs(self.device, self.config.max_num_seqs, table_width, self.max_model_len,
+                                       self._build_context, lambda ids, pos, ctx: self._forward(ids, pos, None, ctx),
+                                       self.log)
+
+    def _build_context(self, batch: StepBatch, extra: dict[str, np.ndarray] | None = None, arrays_only: bool = False,
+                       **shape) -> attention.ForwardContext | dict[str, np.ndarray]:
+        if arrays_only:
+            return attention.step_arrays(batch, self.kv_caches, self.block_size, self.kv_recent_window,
+                                         self.window_caches, attention.ROW_PREFILL and self._ops is not ops.reference,
+                                         extra, shape.get("table_width"))[0]
+        return attention.build_forward_context(
+            batch, ops=self._ops, gather_kv=self._gather_kv, kv_caches=self.kv_caches,
+            k_scales=self._k_scales, v_scales=self._v_scales, kv_cache_dtype=self.kv_cache_dtype,
+            block_size=self.block_size, device=self.device, rotation=self.kv_rotation,
+            window_size=self.kv_recent_window, window_caches=self.window_caches, extra=extra, **shape)
+
+    def _device_limit(self) -> kv_cache.DeviceLimit | None:
+        """What the cache may take on a GPU (None: the host's share, see kv_cache.plan_cache)."""
+        if self.device.type != "cuda":
+            return None
+        return kv_cache.gpu_limit(self.device, self.config.gpu_memory_utilization, self._activation_bytes())
+
+    def _activation_bytes(self) -> int:
+        """A bound on what one forward pass of max_num_batched_tokens tokens allocates besides the cache: the
+        widest layer's temporaries (hidden, q/k/v, gate/up in the model dtype, attention's float32 scratch)
+        and float32 logits for the rows that keep them. The caching allocator keeps what it once held, so
+        this is kept free for it, with 256 MiB for the CUDA context's own growth (graphs, cuBLAS)."""
+        cfg, tokens = self.hf_config, self.config.max_num_batched_tokens
+        element = torch.empty((), dtype=self.dtype).element_size()
+        heads = cfg.num_attention_heads // self.tp.world_size
+        width = (4 * cfg.hidden_size + (heads + 2 * self.num_kv_heads) * self.head_size
+                 + 3 * getattr(cfg, "intermediate_size", 4 * cfg.hidden_size) // self.tp.world_size)
+        logits_rows = max(self.config.max_num_seqs, tokens)  # prompt logprobs keep every fed row
+        return tokens * width * element * 2 + 2 * logits_rows * cfg.vocab_size * 4 + (256 << 20)
 
     @property
     def cache_fingerprint(self) -> str:
@@ -214,29 +294,41 @@ class ModelRunner:
             return self._execute(batch, all_logits)
 
     def _execute(self, batch: StepBatch, all_logits: bool) -> torch.Tensor:
-        ctx = attention.build_forward_context(
-            batch, ops=self._ops, gather_kv=self._gather_kv, kv_caches=self.kv_caches,
-            k_scales=self._k_scales, v_scales=self._v_scales, kv_cache_dtype=self.kv_cache_dtype,
-            block_size=self.block_size, device=self.device,
-            rotation=self.kv_rotation,
-            window_size=self.kv_recent_window, window_caches=self.window_caches)
+        if self._kernel_errors is not None:
+            self._kernel_errors.check()  # what an earlier step's kernels reported, now that it has landed
+        rows = None if all_logits else self._logits_rows(batch)
         calculating = self.scales is None and self.kv_cache_dtype != formats.AUTO
+        if self._graphs is not None and rows is None and not calculating and not all_logits:
+            logits = self._graphs.run(batch)
+            if logits is not None:
+                if self._kernel_errors is not None:
+                    self._kernel_errors.after_step()
+                return logits
+        extra = {"input_ids": np.asarray(batch.token_ids, dtype=np.int64)[None],
+                 "positions": np.asarray(batch.positions, dtype=np.int64)[None]}
+        if rows is not None:
+            extra["logits_rows"] = rows
+        ctx = self._build_context(batch, extra)
         amax: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         if calculating:
             ctx.calculate_scales = self._scale_calculator(ctx.slot_mapping, amax)
-        input_ids = torch.tensor([batch.token_ids], dtype=torch.long, device=self.device)
-        positions = torch.tensor([batch.positions], dtype=torch.long, device=self.device)
-        keep = self._logits_index(batch, all_logits)
-        with torch.inference_mode(), attention.forward_context(ctx):
-            if self._takes_logits_to_keep:
-                logits = self.model(input_ids=input_ids, position_ids=positions, use_cache=False,
-                                    logits_to_keep=keep).logits[0]
-            else:  # older remote-code models: project every position, then pick
-                logits = self.model(input_ids=input_ids, position_ids=positions, use_cache=False).logits[0]
-                logits = logits if all_logits else logits[keep]
+        logits = self._forward(ctx.extra["input_ids"], ctx.extra["positions"], ctx.extra.get("logits_rows"), ctx)
         if calculating:
             self._finish_calculation(amax)
-        return logits.to(torch.float32)
+        if self._kernel_errors is not None:
+            self._kernel_errors.after_step()
+        return logits if logits.dtype == torch.float32 else logits.to(torch.float32)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None,
+                 ctx: attention.ForwardContext) -> torch.Tensor:
+        """The model's logits [rows, vocab] (every position when rows is None) in the model dtype."""
+        with torch.inference_mode(), attention.forward_context(ctx):
+            if self._takes_logits_to_keep:
+                return self.model(input_ids=input_ids, position_ids=positions, use_cache=False,
+                                  logits_to_keep=0 if rows is None else rows).logits[0]
+            # older remote-code models: project every position, then pick
+            logits = self.model(input_ids=input_ids, position_ids=positions, use_cache=False).logits[0]
+            return logits if rows is None else logits.index_select(0, rows)
 
     def _check_batch(self, batch: StepBatch) -> None:
         n = len(batch.token_ids)
@@ -266,9 +358,9 @@ class ModelRunner:
                 raise ValueError(f"seq {i}: block_table of {len(s.block_table)} blocks cannot hold "
                                  f"context_len {s.context_len} with block_size {self.block_size}")
 
-    def _logits_index(self, batch: StepBatch, all_logits: bool) -> int | torch.Tensor:
-        if all_logits:
-            return 0  # transformers: 0 keeps every position
+    @staticmethod
+    def _logits_rows(batch: StepBatch) -> np.ndarray | None:
+        """The packed rows whose logits the step returns; None when that is every row (a decode step)."""
         rows, offset = [], 0
         for s in batch.seqs:
             if s.prompt_logits:
@@ -276,18 +368,20 @@ class ModelRunner:
             elif s.want_logits:
                 rows.append(offset + s.query_len - 1)
             offset += s.query_len
-        return torch.tensor(rows, dtype=torch.long, device=self.device)
+        return None if len(rows) == offset else np.asarray(rows, dtype=np.int64)
 
     # ---- calculate_kv_scales -----------------------------------------------------------------------
 
     def _scale_calculator(self, slot_mapping: torch.Tensor,
                           amax: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> attention.ScaleCalculator:
-        valid = slot_mapping >= 0  # padding tokens are not stored, so they do not shape the scales
+        # Padding tokens are not stored, so they do not shape the scales (a mask, not a boolean index: no
+        # wait for the device to count the valid rows).
+        padding = (slot_mapping < 0)[:, None, None]
         fmt, granularity = self.kv_cache_dtype, self.config.kv_scales_granularity
 
         def calculate(layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            k_amax = k[valid].abs().amax(dim=(0, 2)).to(torch.float32)  # per KV head
-            v_amax = v[valid].abs().amax(dim=(0, 2)).to(torch.float32)
+            k_amax = k.abs().masked_fill(padding, 0).amax(dim=(0, 2)).to(torch.float32)  # per KV head
+            v_amax = v.abs().masked_fill(padding, 0).amax(dim=(0, 2)).to(torch.float32)
             if granularity == "tensor" and self.tp.is_parallel:  # one scale per layer across all ranks' heads
                 k_amax = parallel_state.all_reduce_max(k_amax.max().reshape(1))
                 v_amax = parallel_state.all_reduce_max(v_amax.max().reshape(1))

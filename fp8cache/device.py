@@ -1,0 +1,67 @@
+"""Which device the engine runs on, and what that device's defaults are.
+
+`auto` (the default everywhere) is the first GPU torch can use (CUDA, or ROCm, which torch also calls
+"cuda"), else the CPU. Every device but the CPU takes the GPU code paths: "meta" stands in for a GPU in
+tests that run the engine under torch's FakeTensorMode (CUDA's device rules, no data).
+"""
+
+from __future__ import annotations
+
+import torch
+
+AUTO = "auto"
+CHOICES_HELP = "auto (the first GPU if torch sees one, else the CPU), cpu, cuda or cuda:N"
+
+
+class DeviceError(ValueError):
+    """A device the user asked for that this machine cannot give."""
+
+
+def resolve_device(name: str | torch.device | None) -> torch.device:
+    """The torch.device behind a --device value; raises DeviceError naming the fix."""
+    if name is None or (isinstance(name, str) and name.strip().lower() in ("", AUTO)):
+        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError) as exc:
+        raise DeviceError(f"--device {name!r} is not a device; use {CHOICES_HELP}") from exc
+    if device.type in ("cpu", "meta"):
+        return device
+    if device.type != "cuda":
+        raise DeviceError(f"--device {name!r}: fp8kv runs on {CHOICES_HELP}")
+    if not torch.cuda.is_available():
+        build = "a CPU-only build of torch" if torch.version.cuda is None and torch.version.hip is None \
+            else "no usable GPU or driver"
+        raise DeviceError(f"--device {name!r}: torch sees no GPU here ({build}); use --device cpu or auto")
+    count = torch.cuda.device_count()
+    index = 0 if device.index is None else device.index
+    if index >= count:
+        raise DeviceError(f"--device {name!r}: this machine has {count} GPU(s), cuda:0 to cuda:{count - 1}")
+    return torch.device("cuda", index)
+
+
+def is_gpu(device: torch.device | str) -> bool:
+    """GPU code paths: every device but the CPU (meta included, see the module docstring)."""
+    return torch.device(device).type != "cpu"
+
+
+def describe(device: torch.device) -> str:
+    """One line for the startup log: the device, and for a GPU its name and memory."""
+    if device.type != "cuda":
+        return str(device)
+    props = torch.cuda.get_device_properties(device)
+    free, total = torch.cuda.mem_get_info(device)
+    kind = "ROCm" if torch.version.hip else f"CUDA {torch.version.cuda}"
+    return (f"{device} ({props.name}, {total / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free, "
+            f"{props.multi_processor_count} SMs, {kind})")
+
+
+def default_model_dtype(device: torch.device, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
+    """--dtype auto: float32 on the CPU (the README's quality and speed figures), the checkpoint's 16-bit
+    dtype on a GPU, bfloat16 for a float32 checkpoint there (float16's range overflows in some models'
+    activations; vLLM picks float16 here, TGI bfloat16)."""
+    if device.type == "cpu":
+        return torch.float32
+    if checkpoint_dtype in (torch.bfloat16, torch.float16):
+        return checkpoint_dtype
+    return torch.bfloat16
