@@ -133,6 +133,16 @@ def _machine_line(rows: list[dict]) -> str:
     return f"{m.get('cpu', '?')}, {m.get('threads', '?')} threads, torch {m.get('torch', '?')}"
 
 
+def _device(name: str) -> str:
+    """--device checked before any engine is built (one line, not a traceback, when there is no GPU)."""
+    from fp8cache.device import DeviceError, resolve_device
+
+    try:
+        return str(resolve_device(name))
+    except DeviceError as exc:
+        raise click.BadParameter(str(exc), param_hint="--device") from exc
+
+
 def _set_threads(threads: int | None) -> None:
     if threads is not None:
         import torch
@@ -157,7 +167,7 @@ _DTYPE_OPT = click.option("--kv-cache-dtype", "kv_cache_dtypes", multiple=True, 
                           help="Cache dtypes to measure side by side: repeat the option or give a comma list.")
 _MODEL_DTYPE_OPT = click.option("--dtype", default="auto", show_default=True,
                                 type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
-                                help="Model dtype (auto: float32 on CPU).")
+                                help="Model dtype (auto: float32 on CPU, the checkpoint's 16-bit dtype on a GPU).")
 _THREADS_OPT = click.option("--threads", default=None, type=click.IntRange(1),
                             help="torch threads for every engine in the run (default: torch's own choice). "
                                  "On a busy machine fewer threads than cores avoids oversubscription.")
@@ -168,6 +178,9 @@ _WINDOW_DTYPE_OPT = click.option("--kv-recent-window-dtype", default="auto", sho
                                  type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
                                  help="dtype of the recent-token window (auto: the model dtype).")
 _JSON_OPT = click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON on stdout.")
+_DEVICE_OPT = click.option("--device", default="auto", show_default=True,
+                           help="auto (the first GPU if torch sees one, else the CPU), cpu, cuda or cuda:N; the "
+                                "transformers peer runs there too.")
 _PLOT_OPT = click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
                          help="Write a PNG of the figures (needs `pip install fp8kv[plot]`).")
 _TEXT_OPT = click.option("--text", "text_path", type=click.Path(dir_okay=False), default=None,
@@ -215,11 +228,12 @@ def _check_text(text_path: str | None) -> str:
 @_WINDOW_DTYPE_OPT
 @_THREADS_OPT
 @_TEXT_OPT
+@_DEVICE_OPT
 @_JSON_OPT
 @_PLOT_OPT
 def throughput(model, num_prompts, input_len, output_len, kv_cache_dtypes, compare, repeats, dtype, peer_dtype,
                kv_cache_memory, max_num_seqs, max_num_batched_tokens, num_shard, kv_recent_window,
-               kv_recent_window_dtype, threads, text_path, as_json, plot_path) -> None:
+               kv_recent_window_dtype, threads, text_path, device, as_json, plot_path) -> None:
     """Offline throughput per kv-cache dtype (and transformers with --compare hf), measured in one run."""
     from fp8cache.bench import plot
     from fp8cache.bench import throughput as bench
@@ -228,12 +242,13 @@ def throughput(model, num_prompts, input_len, output_len, kv_cache_dtypes, compa
     windows = None if kv_recent_window is None else _int_list(kv_recent_window, "--kv-recent-window", 0, "0,32")
     _check_plot(plot_path)
     text_path = _check_text(text_path)
+    device = _device(device)
     _set_threads(threads)
     rows, interrupted = _collect(lambda bar: bench.iter_throughput(
         model, tuple(dtypes), num_prompts, input_len, output_len, tuple(compare), repeats, dtype,
         kv_cache_memory, max_num_seqs, max_num_batched_tokens, progress=bar, log=_log, num_shard=num_shard,
         threads_per_rank=threads, kv_recent_window=windows, kv_recent_window_dtype=kv_recent_window_dtype,
-        peer_dtype=peer_dtype, text_path=text_path))
+        peer_dtype=peer_dtype, device=device, text_path=text_path))
     bench.add_ratios(rows)
     shards = f", fp8kv over {num_shard} tensor-parallel ranks" if num_shard > 1 else ""
     table = Table(title=f"offline throughput, {num_prompts} prompts, {input_len} in / {output_len} out"
@@ -270,11 +285,12 @@ def throughput(model, num_prompts, input_len, output_len, kv_cache_dtypes, compa
 @_WINDOW_DTYPE_OPT
 @_THREADS_OPT
 @_TEXT_OPT
+@_DEVICE_OPT
 @_JSON_OPT
 @_PLOT_OPT
 def capacity(model, kv_cache_memory, contexts, output_len, kv_cache_dtypes, max_num_seqs,
              max_num_batched_tokens, block_size, repeats, dtype, kv_recent_window, kv_recent_window_dtype, threads,
-             text_path, as_json, plot_path) -> None:
+             text_path, device, as_json, plot_path) -> None:
     """Tokens that fit a KV-cache budget per dtype, the largest batch per context, and its throughput."""
     from fp8cache.bench import capacity as bench
     from fp8cache.bench import plot
@@ -283,11 +299,13 @@ def capacity(model, kv_cache_memory, contexts, output_len, kv_cache_dtypes, max_
     context_list = _int_list(contexts, "--context")
     _check_plot(plot_path)
     text_path = _check_text(text_path)
+    device = _device(device)
     _set_threads(threads)
     rows, interrupted = _collect(lambda bar: bench.iter_capacity(
         model, tuple(dtypes), kv_cache_memory, tuple(context_list), output_len, max_num_seqs,
         max_num_batched_tokens, int(block_size), dtype, repeats, progress=bar, log=_log,
-        kv_recent_window=kv_recent_window, kv_recent_window_dtype=kv_recent_window_dtype, text_path=text_path))
+        kv_recent_window=kv_recent_window, kv_recent_window_dtype=kv_recent_window_dtype, text_path=text_path,
+        device=device))
     bench.add_ratios(rows)
     table = Table(title=f"capacity at a {kv_cache_memory} KV cache, {output_len} output tokens per sequence\n"
                         f"{_machine_line(rows)}")

@@ -45,7 +45,8 @@ console = Console(stderr=True)
               help="Also write a copy of the model carrying k_scale/v_scale tensors and kv_cache_torch_dtype.")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
               help="Dtype the model runs in (auto: float32 on CPU).")
-@click.option("--device", default="cpu", help="torch device: cpu, cuda, ...")
+@click.option("--device", default="auto", show_default=True,
+              help="auto (the first GPU if torch sees one, else the CPU), cpu, cuda or cuda:N.")
 @click.option("--tokenizer", metavar="PATH", help="Tokenizer folder, if not the model's.")
 @click.option("--kv-recent-window", type=click.IntRange(min=0), default=None,
               help="Record the recent-token window (newest tokens kept in full precision) to use with these scales; "

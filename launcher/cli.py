@@ -25,16 +25,20 @@ def main() -> None:
 
 @main.command()
 @click.option("--verbose", is_flag=True, help="Show the compiler's output.")
-def build(verbose: bool) -> None:
+@click.option("--device", default="auto", show_default=True,
+              help="What the ops must run on: auto (the GPU ops too when torch sees a GPU and nvcc is here), "
+                   "cpu (no GPU sources), cuda.")
+def build(verbose: bool, device: str) -> None:
     """Compile the ops for this machine ahead of time (e.g. systemd ExecStartPre=)."""
     from fp8cache.ops import _build
 
     try:
         with console.status("compiling fp8kv ops for this machine (first time takes a minute)..."):
-            path = _build.build(verbose=verbose)
+            path = _build.build(verbose=verbose, device=None if device == "auto" else device)
     except RuntimeError as exc:
         fail(str(exc))
-    console.print(f"[green]ops ready:[/] {path}")
+    built = _build.last_build()
+    console.print(f"[green]ops ready:[/] {path} ({'CPU and GPU' if built.with_cuda else 'CPU'} kernels)")
 
 
 @main.group()
@@ -65,8 +69,9 @@ def _parse_shapes(text: str) -> list[tuple[int, int]]:
               help="Untimed calls of a twin of each case right before its timed call (0: none, each call "
                    "then runs in the wake of the case before it).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON list of rows on stdout.")
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
-              help="Where the caches live and the kernels run (cuda: the GPU build of the ops).")
+@click.option("--device", default="auto", show_default=True,
+              help="Where the caches live and the kernels run: auto (the first GPU if torch sees one, else the "
+                   "CPU), cpu, cuda or cuda:N.")
 def bench_kernels(shapes: str, num_heads: int, num_kv_heads: int, head_size: int, block_size: int,
                   repeats: int, settle_ms: float, as_json: bool, device: str) -> None:
     """Decode attention per kv-cache dtype vs torch SDPA on a dense float32 cache."""
@@ -76,11 +81,14 @@ def bench_kernels(shapes: str, num_heads: int, num_kv_heads: int, head_size: int
 
     if num_heads % num_kv_heads:
         raise click.BadParameter("must divide --num-heads", param_hint="--num-kv-heads")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise click.BadParameter("torch sees no GPU here (a CPU build of torch, or no driver); use --device cpu",
-                                 param_hint="--device")
+    from fp8cache.device import DeviceError, resolve_device
+
+    try:
+        device = resolve_device(device)
+    except DeviceError as exc:
+        raise click.BadParameter(str(exc), param_hint="--device") from exc
     info = machine.describe()
-    where = torch.cuda.get_device_name() if device == "cuda" else f"{info['threads']} threads"
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{info['threads']} threads"
     console.print(f"machine: {info['cpu']}, {where}, torch {info['torch']}")
     with console.status("measuring...") as status:
         rows = kernels.run_kernel_bench(
@@ -93,8 +101,9 @@ def bench_kernels(shapes: str, num_heads: int, num_kv_heads: int, head_size: int
         return
     bandwidths = sorted({round(r["read_bw_gbps"], 1) for r in rows})
     read_bw = f"{bandwidths[0]}" if len(bandwidths) == 1 else f"{bandwidths[0]}-{bandwidths[-1]}"
+    probe = rows[0]["bandwidth_probe"] if rows else "read"
     table = Table(title=f"decode attention, {num_heads} heads / {num_kv_heads} KV heads, d{head_size}, "
-                        f"read bandwidth {read_bw} GB/s (measured taking turns with each shape's cases)")
+                        f"{probe} bandwidth {read_bw} GB/s (measured taking turns with each shape's cases)")
     for col in ("impl", "kv cache", "dtype", "batch", "context", "ms", "KV GB/s", "% of bw"):
         table.add_column(col, justify="right")
     for r in rows:
@@ -118,12 +127,14 @@ def bench_kernels(shapes: str, num_heads: int, num_kv_heads: int, head_size: int
               help="Newest tokens per position read in full precision (0: plain FP8; default 32 for FP8).")
 @click.option("--kv-recent-window-dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
               default="auto", show_default=True, help="dtype of that window (auto: the model dtype).")
+@click.option("--device", default="auto", show_default=True,
+              help="auto (the first GPU if torch sees one, else the CPU), cpu, cuda or cuda:N.")
 @click.option("--windows", default=6, show_default=True, help="Number of consecutive windows.")
 @click.option("--window-len", default=1024, show_default=True, help="Tokens per window.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 def eval_command(model: str | None, kv_cache_dtype: str, quantization_param_path: str | None,
                  calculate_kv_scales: bool, dtype: str, text_path: str | None, kv_recent_window: int | None,
-                 kv_recent_window_dtype: str, windows: int, window_len: int, as_json: bool) -> None:
+                 kv_recent_window_dtype: str, device: str, windows: int, window_len: int, as_json: bool) -> None:
     """Measure what an FP8 cache costs in quality (decode-faithful perplexity, KL, top-1 agreement)."""
     from fp8cache.config import EngineConfig
     from fp8cache.eval import evaluate
@@ -132,7 +143,8 @@ def eval_command(model: str | None, kv_cache_dtype: str, quantization_param_path
     config = EngineConfig(model=model, kv_cache_dtype=kv_cache_dtype, dtype=dtype,
                           quantization_param_path=quantization_param_path,
                           calculate_kv_scales=calculate_kv_scales, enable_prefix_caching=False,
-                          kv_recent_window=kv_recent_window, kv_recent_window_dtype=kv_recent_window_dtype)
+                          kv_recent_window=kv_recent_window, kv_recent_window_dtype=kv_recent_window_dtype,
+                          device=device)
     try:
         check_engine_scales(config)  # a bad scales file fails now, not after the model loads
         result = evaluate(config, text_path=text_path, windows=windows, window_len=window_len,
@@ -142,7 +154,7 @@ def eval_command(model: str | None, kv_cache_dtype: str, quantization_param_path
     if as_json:
         click.echo(json.dumps(result))
         return
-    table = Table(title=f"{result['kv_cache_dtype']} vs auto float32, {result['tokens']} tokens "
+    table = Table(title=f"{result['kv_cache_dtype']} vs auto {dtype}, {result['tokens']} tokens on {result['device']} "
                         f"({result['windows']} windows), scales: {result['scales_source']}, "
                         f"recent window: {result['kv_recent_window']}"
                         + (f" ({result['kv_recent_window_dtype']})" if result["kv_recent_window"] else ""))

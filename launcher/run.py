@@ -77,11 +77,18 @@ _ENGINE_OPTIONS = [
     option("--max-num-batched-tokens", type=click.IntRange(min=1), default=2048,
            help="Most tokens in one engine step (longer prompts are prefilled in chunks)."),
     option("--kv-cache-memory", metavar="SIZE",
-           help="Memory for the KV cache: 2GiB, 512MiB or bytes (default: a share of free memory)."),
+           help="Memory for the KV cache: 2GiB, 512MiB or bytes (default: what max-num-seqs x max-model-len "
+                "need, capped at 0.3 of free host memory or, on a GPU, by --gpu-memory-utilization)."),
     option("--enable-prefix-caching/--no-enable-prefix-caching", default=True,
            help="Reuse the cached blocks of shared prompt prefixes."),
     option("--seed", type=int, default=0, help="Engine random seed."),
-    option("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ..."),
+    option("--device", default="auto",
+           help="auto (the first GPU if torch sees one, else the CPU), cpu, cuda or cuda:N."),
+    option("--gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True), default=0.9,
+           help="On a GPU: the share of its memory fp8kv may use in all; the KV cache gets what the weights and "
+                "activations leave of it (capped at what max-num-seqs x max-model-len need)."),
+    option("--enforce-eager", is_flag=True,
+           help="On a GPU: run decode steps op by op instead of replaying CUDA graphs."),
     option("--trust-remote-code", is_flag=True,
            help="Allow Python code shipped in the model folder to run (off: transformers' own "
                 "architectures only)."),
@@ -148,6 +155,7 @@ def engine_config(model: str | None, kw: dict):
         max_model_len=kw["max_model_len"], max_num_seqs=kw["max_num_seqs"],
         max_num_batched_tokens=kw["max_num_batched_tokens"], kv_cache_memory=_memory(kw["kv_cache_memory"]),
         enable_prefix_caching=kw["enable_prefix_caching"], seed=kw["seed"], device=kw["device"],
+        gpu_memory_utilization=kw["gpu_memory_utilization"], enforce_eager=kw["enforce_eager"],
         trust_remote_code=kw["trust_remote_code"])
 
 
@@ -195,12 +203,14 @@ def run(model: str | None, **kw) -> None:
 
     check_engine_scales(config)  # a bad scales file fails now, not after the model loads (in every rank)
     if rank is None:  # one machine: start the ranks and watch them (rank 0 serves HTTP)
+        from fp8cache.device import resolve_device
         from fp8cache.distributed.sharding import check_model_divisible
         from fp8cache.server.listener import ListenError, check_listen
         from fp8cache.server.serve import EXIT_PORT_IN_USE
         from launcher.supervisor import supervise
 
         # What would fail in every rank after its model load is refused here, once, before any starts.
+        resolve_device(config.device)
         check_model_divisible(config)
         try:
             check_listen(kw["host"], kw["port"])

@@ -173,3 +173,20 @@ def test_ctrl_c_while_calibrate_loads_exits_130(tmp_path, tiny_llama_path):
         if proc.poll() is None:
             proc.kill()
 
+
+# -- a device torch cannot give --------------------------------------------------------------------------
+
+NO_SUCH_GPU = "cuda:99"  # absent on every machine: a CPU-only torch sees no GPU, a GPU host has fewer
+
+
+@pytest.mark.parametrize("command", ["run", "run --num-shard 2", "generate", "calibrate"])
+def test_a_device_torch_cannot_use_is_one_line(tiny_llama_path, tmp_path, command):
+    args = {"run": ["run", tiny_llama_path, "--port", "0"],
+            "run --num-shard 2": ["run", tiny_llama_path, "--port", "0", "--num-shard", "2"],
+            "generate": ["generate", tiny_llama_path, "the city", "--max-tokens", "2"],
+            "calibrate": ["calibrate", tiny_llama_path, "-o", str(tmp_path / "scales.json")]}[command]
+    done = _fp8kv(*args, "--device", NO_SUCH_GPU)
+    output = done.stdout + done.stderr
+    assert done.returncode == 2, output
+    assert f"--device {NO_SUCH_GPU!r}" in output and "cpu" in output  # the problem, and a device that works
+    assert "Traceback" not in output and "[rank" not in output and "Loading weights" not in output, output

@@ -47,14 +47,15 @@ def iter_capacity(model: str | None = None, kv_cache_dtypes: tuple[str, ...] = (
                   output_len: int = 128, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                   block_size: int = 16, dtype: str = "auto", repeats: int = 1, text_path: str | None = None,
                   progress: Progress | None = None, log: Callable[[str], None] = print,
-                  kv_recent_window: int | None = None, kv_recent_window_dtype: str = "auto") -> Iterator[dict]:
+                  kv_recent_window: int | None = None, kv_recent_window_dtype: str = "auto",
+                  device: str = "auto") -> Iterator[dict]:
     """Yield one row per (context, dtype). The dtypes of one context take turns, `repeats` rounds of
     fresh prompts, so drift on a shared machine hits them alike; a row reports the median round."""
     dtypes = check_kv_cache_dtypes(list(kv_cache_dtypes))
     contexts = _check_contexts(contexts, output_len)
     if max_num_seqs < 1 or repeats < 1:
         raise ValueError(f"max_num_seqs={max_num_seqs} and repeats={repeats} must both be >= 1")
-    engines = build_engines(model, dtypes, log, dtype=dtype, kv_cache_memory=kv_cache_memory,
+    engines = build_engines(model, dtypes, log, dtype=dtype, device=device, kv_cache_memory=kv_cache_memory,
                             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                             block_size=block_size, max_model_len=max(contexts), kv_recent_window=kv_recent_window,
                             kv_recent_window_dtype=kv_recent_window_dtype)

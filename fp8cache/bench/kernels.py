@@ -33,11 +33,14 @@ class KernelCase:
     dtype: torch.dtype  # query / model dtype; the auto cache uses it too
 
 
-def default_cases() -> list[KernelCase]:
+def default_cases(device: torch.device | str = "cpu") -> list[KernelCase]:
+    """Every FP8 format and the auto caches; the peer is torch SDPA over a dense cache: float32 on a CPU (its
+    fast path there), bfloat16 on a GPU (flash attention over twice the bytes of FP8: the fair peer)."""
     bf16, f32 = torch.bfloat16, torch.float32
+    peer = f32 if torch.device(device).type == "cpu" else bf16
     return [KernelCase("fp8kv", "fp8_e4m3", bf16), KernelCase("fp8kv", "fp8_e5m2", bf16),
             KernelCase("fp8kv", "fp8_e4m3fnuz", bf16), KernelCase("fp8kv", "auto", bf16),
-            KernelCase("fp8kv", "auto", f32), KernelCase("torch_sdpa", "auto", f32)]
+            KernelCase("fp8kv", "auto", f32), KernelCase("torch_sdpa", "auto", peer)]
 
 
 def _fill_cache(cache: torch.Tensor, kv_cache_dtype: str, gen: torch.Generator) -> None:
@@ -93,7 +96,8 @@ def _case(case: KernelCase, batch: int, context: int, num_heads: int, num_kv_hea
 
 
 def _calls_per_timing(device: torch.device) -> int:
-    return 1 if device.type == "cpu" else GPU_CALLS_PER_TIMING
+    """One call on a CPU (and on a stand-in device in tests), a CUDA graph of GPU_CALLS_PER_TIMING on a GPU."""
+    return GPU_CALLS_PER_TIMING if device.type == "cuda" else 1
 
 
 def _timed_calls(run, device: torch.device):
@@ -118,6 +122,9 @@ def _timed_calls(run, device: torch.device):
         graph.replay()
         machine.synchronize(device)
 
+    # The graph holds no reference to the case's tensors (caches, query, output): the closure must, or they
+    # are freed and the replays read and write freed memory (an illegal memory access, seen on an H100).
+    replay.case = run
     return replay
 
 
@@ -126,10 +133,10 @@ def run_kernel_bench(shapes=DEFAULT_SHAPES, cases=None, num_heads: int = 32, num
                      on_row=None, device: torch.device | str = "cpu") -> list[dict]:
     """One row per (case, batch, context); each row carries the read bandwidth measured in this run.
     settle_ms: untimed calls of a twin of each case before its timed call (0: none, and no twins)."""
-    cases = cases or default_cases()
     device = torch.device(device)
+    cases = cases or default_cases(device)
     calls = _calls_per_timing(device)
-    ops.load()
+    ops.load(device)
     read, read_bytes = machine.read_probe(device=device)
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -145,7 +152,7 @@ def run_kernel_bench(shapes=DEFAULT_SHAPES, cases=None, num_heads: int = 32, num
                    "dtype": str(case.dtype).removeprefix("torch."), "batch": batch, "context": context,
                    "num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_size": head_size,
                    "block_size": block_size, "device": device.type, "ms": ms, "kv_gbps": kv_bytes / ms / 1e6,
-                   "read_bw_gbps": read_bw}
+                   "read_bw_gbps": read_bw, "bandwidth_probe": machine.probe_kind(device)}
             rows.append(row)
             if on_row:
                 on_row(row)

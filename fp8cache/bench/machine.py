@@ -30,11 +30,26 @@ def synchronize(device: torch.device | str = "cpu") -> None:
         torch.cuda.synchronize(device)
 
 
+def probe_kind(device: torch.device | str = "cpu") -> str:
+    """What read_probe measures there: "read" on a CPU, "copy" (bytes read plus bytes written) on a GPU, the
+    figure GPU bandwidth is usually quoted as and what a device copy reaches."""
+    return "read" if torch.device(device).type == "cpu" else "copy"
+
+
 def read_probe(num_bytes: int = 512 * 1024 * 1024, device: torch.device | str = "cpu"):
-    """(fn, bytes): fn reads `bytes` of the device's main memory (all CPU threads on a CPU), a reduction over a
-    buffer far larger than its caches, and waits for it; time it for the read bandwidth."""
+    """(fn, bytes): on a CPU fn reads `bytes` of main memory (all threads), a reduction over a buffer far
+    larger than its caches; on a GPU it copies a 2 GiB buffer into another, and bytes counts both the reads and
+    the writes (probe_kind). fn waits for the device; time it for the bandwidth."""
     if torch.device(device).type != "cpu":
-        num_bytes *= 8  # GPU L2 caches run to tens of MB
+        src = torch.ones(2 * 2**30 // 4, dtype=torch.float32, device=device)  # far past the GPU's L2
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+
+        def copy() -> None:
+            dst.copy_(src)
+            synchronize(device)
+
+        return copy, 2 * src.numel() * 4
     buf = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
     buf.sum()  # fault the pages in
 

@@ -154,14 +154,19 @@ def run_batch(engine, prompts: list[list[int]], output_len: int,
 
 
 def run_transformers(model, prompts: list[list[int]], output_len: int, pad_token_id: int) -> BatchResult:
-    """One batched `generate` call: left padding, greedy, exactly output_len new tokens per prompt."""
+    """One batched `generate` call: left padding, greedy, exactly output_len new tokens per prompt, on the
+    model's device."""
+    device = next(model.parameters()).device
     width = max(len(p) for p in prompts)
     input_ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in prompts], dtype=torch.long)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long)
+    input_ids, mask = input_ids.to(device), mask.to(device)
+    machine.synchronize(device)
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=output_len,
                              min_new_tokens=output_len, do_sample=False, pad_token_id=pad_token_id)
+    machine.synchronize(device)
     elapsed = time.perf_counter() - start
     new_tokens = out.shape[1] - width  # min_new_tokens keeps EOS away, so no row stops early
     return BatchResult(elapsed, len(prompts), sum(len(p) for p in prompts), len(prompts) * new_tokens)
@@ -189,7 +194,8 @@ def iter_throughput(model: str | None = None, kv_cache_dtypes: tuple[str, ...] =
                     progress: Progress | None = None, log: Callable[[str], None] = print,
                     num_shard: int = 1, threads_per_rank: int | None = None,
                     kv_recent_window: int | list[int] | None = None,
-                    kv_recent_window_dtype: str = "auto", peer_dtype: str = "same") -> Iterator[dict]:
+                    kv_recent_window_dtype: str = "auto", peer_dtype: str = "same",
+                    device: str = "auto") -> Iterator[dict]:
     """Yield one row per fp8kv kv-cache dtype, then one per peer, each after its last timed run.
     peer_dtype: the transformers peer's model dtype, "same" as the fp8kv engines' or a dtype name.
     num_shard: tensor-parallel ranks of the fp8kv engines (threads_per_rank: torch threads of each worker).
@@ -205,7 +211,7 @@ def iter_throughput(model: str | None = None, kv_cache_dtypes: tuple[str, ...] =
         raise ValueError(f"unknown peer(s) {', '.join(unknown)} for --compare; valid: {', '.join(PEERS)}")
     if peer_dtype != "same" and peer_dtype not in PEER_DTYPES:
         raise ValueError(f"peer_dtype={peer_dtype!r} is not known; valid: same, {', '.join(PEER_DTYPES)}")
-    with open_engines(model, dtypes, log, num_shard, threads_per_rank, dtype=dtype,
+    with open_engines(model, dtypes, log, num_shard, threads_per_rank, dtype=dtype, device=device,
                       kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                       max_num_batched_tokens=max_num_batched_tokens, windows=windows,
                       kv_recent_window_dtype=kv_recent_window_dtype) as engines:
@@ -221,8 +227,11 @@ def _race(engines: dict[str, object], num_prompts: int, input_len: int, output_l
     contestants = [_engine_contestant(label, e, num_shard) for label, e in engines.items()]
     if "hf" in compare:
         contestants.append(_transformers_contestant(
-            runner.model_path, runner.dtype if peer_dtype == "same" else PEER_DTYPES[peer_dtype]))
-    sets = _prompt_sets(runner.tokenizer, text_path, num_prompts, input_len, repeats)
+            runner.model_path, runner.dtype if peer_dtype == "same" else PEER_DTYPES[peer_dtype], runner.device))
+    # On a GPU the warm-up runs the timed batch size, so the decode steps' CUDA graphs are captured before
+    # the clock starts.
+    warmup = num_prompts if runner.device.type == "cuda" else min(num_prompts, 4)
+    sets = _prompt_sets(runner.tokenizer, text_path, num_prompts, input_len, repeats, warmup)
     for c in contestants:
         c.run(sets[0], WARMUP_OUTPUT_LEN, None)
     info = machine.describe()
@@ -264,12 +273,14 @@ def cache_figures(runner) -> dict:
             "window_bytes": plan.window_bytes}
 
 
-def _transformers_contestant(model_path: str, model_dtype: torch.dtype) -> _Contestant:
+def _transformers_contestant(model_path: str, model_dtype: torch.dtype,
+                             device: torch.device | str = "cpu") -> _Contestant:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    # Its own copy of the weights: fp8kv's runners replace the attention of the model they share.
+    # Its own copy of the weights, on fp8kv's device: fp8kv's runners replace the attention of the model
+    # they share.
     hf_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=model_dtype,
-                                                    local_files_only=True).eval()
+                                                    local_files_only=True).eval().to(device)
     tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
@@ -324,11 +335,11 @@ def add_ratios(rows: list[dict]) -> list[dict]:
 
 
 def _prompt_sets(tokenizer, text_path: str | None, num_prompts: int, input_len: int,
-                 repeats: int) -> list[list[list[int]]]:
+                 repeats: int, warmup: int | None = None) -> list[list[list[int]]]:
     """[warm-up prompts, then one set per repeat]: fresh prompts each, so none is a prefix-cache hit."""
     source = PromptSource(tokenizer, text_path)
-    return [source.take(min(num_prompts, 4), input_len)] + [source.take(num_prompts, input_len)
-                                                            for _ in range(repeats)]
+    first = source.take(min(num_prompts, 4) if warmup is None else warmup, input_len)
+    return [first] + [source.take(num_prompts, input_len) for _ in range(repeats)]
 
 
 def _check_lengths(num_prompts: int, input_len: int, output_len: int, repeats: int) -> None:
