@@ -34,7 +34,8 @@ def build(verbose: bool, device: str) -> None:
 
     try:
         with console.status("compiling fp8kv ops for this machine (first time takes a minute)..."):
-            path = _build.build(verbose=verbose, device=None if device == "auto" else device)
+            path = _build.build(verbose=verbose, device=None if device == "auto" else device,
+                                progress_callback=lambda line: console.print(line, style="dim", markup=False))
     except RuntimeError as exc:
         fail(str(exc))
     built = _build.last_build()

@@ -227,3 +227,17 @@ def torch_device(name: str):
     import torch
 
     return torch.device(name)
+
+
+def test_compilers_linking_this_process_libstdcxx_come_first(monkeypatch):
+    """On a CUDA image whose g++ is a relocated one (/opt/gcc, its own libstdc++), the system compiler, which
+    links the libstdc++ Python runs on, is tried first: no failed build before the working one."""
+    monkeypatch.setenv("CXX", "/opt/gcc/bin/g++")
+    monkeypatch.setattr(_build.shutil, "which", lambda name: {"/opt/gcc/bin/g++": "/opt/gcc/bin/g++",
+                                                             "c++": "/usr/bin/c++"}.get(name))
+    monkeypatch.setattr(_build, "_loaded_libstdcxx", lambda: "/usr/lib/libstdc++.so.6.0.30")
+    links = {"/opt/gcc/bin/g++": "/opt/gcc/lib64/libstdc++.so.6.0.33", "/usr/bin/c++": "/usr/lib/libstdc++.so.6.0.30"}
+    monkeypatch.setattr(_build, "_libstdcxx_of", links.get)
+    assert _build._compilers() == ["/usr/bin/c++", "/opt/gcc/bin/g++"]
+    monkeypatch.setattr(_build, "_loaded_libstdcxx", lambda: None)  # unknown: $CXX first, as asked
+    assert _build._compilers() == ["/opt/gcc/bin/g++", "/usr/bin/c++"]

@@ -132,7 +132,8 @@ def _isa_cflags(isa: str) -> list[str]:
 
 
 def _compilers() -> list[str]:
-    """C++ compilers to try, in order, each once: $CXX, then c++, g++, the system g++, clang++ on PATH."""
+    """C++ compilers to try, in order, each once: $CXX, then c++, g++, the system g++, clang++ on PATH; those
+    that link the libstdc++ this process runs on first (a library linked to another one crashes here)."""
     found: list[str] = []
     for candidate in (os.environ.get("CXX"), "c++", "g++", "/usr/bin/g++", "clang++"):
         path = shutil.which(candidate) if candidate else None
@@ -140,7 +141,33 @@ def _compilers() -> list[str]:
             found.append(path)
     if not found:
         raise RuntimeError("no C++ compiler found: install g++ (apt-get install g++) or set CXX")
-    return found
+    loaded = _loaded_libstdcxx()
+    if loaded is None:
+        return found
+    return sorted(found, key=lambda cxx: _libstdcxx_of(cxx) not in (None, loaded))  # stable: ties keep order
+
+
+def _loaded_libstdcxx() -> str | None:
+    """The libstdc++ mapped into this process (torch brought it), None where that cannot be read."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.split()[-1]
+                if "libstdc++.so" in path:
+                    return os.path.realpath(path)
+    except OSError:
+        pass
+    return None
+
+
+def _libstdcxx_of(cxx: str) -> str | None:
+    """The libstdc++ a compiler links against (its -print-file-name), None if it does not say."""
+    try:
+        out = subprocess.run([cxx, "-print-file-name=libstdc++.so.6"], capture_output=True, text=True, timeout=30,
+                             check=False).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return os.path.realpath(out) if os.path.isabs(out) and os.path.exists(out) else None
 
 
 def _compiler() -> str:
