@@ -26,6 +26,13 @@ DEFAULT_GRACEFUL_TIMEOUT = 30.0
 
 def _fail(message: str, code: int = 2) -> None:
     console.print(f"[bold red]error:[/] {message}", highlight=False)
+    distributed = sys.modules.get("torch.distributed")
+    if distributed is not None and distributed.is_available() and distributed.is_initialized():
+        # A tensor-parallel rank (a model too large for its cache, say) ends without interpreter teardown, where
+        # gloo's threads can abort it (SIGABRT) instead of exiting with this status.
+        from fp8cache.distributed import parallel_state
+
+        parallel_state.exit_rank(code)
     sys.exit(code)
 
 
