@@ -157,7 +157,17 @@ def test_generate_with_two_shards_prints_the_one_rank_text(tiny_llama_path):
 # ---- fp8kv bench throughput --num-shard 2 -----------------------------------------------------------------
 
 
-def test_bench_throughput_over_two_shards_adds_up(tiny_llama_path):
+@pytest.fixture(params=["probe", "packed"])
+def linear_packing(request, monkeypatch):
+    """Whether the CPU linears are packed is decided by a timing probe at load; "packed" forces it. The engines
+    of one bench share one loaded model, and a packed one holds shape-only meta buffers: the second engine's
+    runner used to try to move them (and rank 0's failure then left the workers waiting in a collective)."""
+    if request.param == "packed":
+        monkeypatch.setenv("FP8KV_PACK_LINEARS", "1")
+    return request.param
+
+
+def test_bench_throughput_over_two_shards_adds_up(tiny_llama_path, linear_packing):
     from launcher import bench_commands
 
     num_prompts, input_len, output_len = 2, 8, 4

@@ -76,6 +76,9 @@ class TensorParallelGroup:
             group.runners = [DriverRunner(r, i, group) for i, r in enumerate(runners)]
         except BaseException as exc:
             died = group.dead_worker(_EXIT_WAIT_S) if not isinstance(exc, WorkerDiedError) else None
+            # The workers may be inside a collective of the runners' start (a cache size all-reduce, say) that
+            # rank 0 will never join: a stop message would wait for them forever. Terminate them instead.
+            group.broken = f"rank 0 failed while the runners started ({type(exc).__name__}: {exc})"
             group.close()
             # Rank 0's own configuration error is the one to show; a collective's failure means a worker died.
             if died is not None and not isinstance(exc, (ValueError, KeyboardInterrupt)):

@@ -61,7 +61,10 @@ class ModelRunner:
         self.model_path = loaded.model_path
         if self.tp.is_parallel:  # keep only this rank's heads and MLP columns
             sharding.shard_model(self.model, self.hf_config, self.tp.rank, self.tp.world_size)
-            self.model.to(self.device)
+            if next(self.model.parameters()).device != self.device:
+                # Only a model that is not there yet (runners sharing one loaded model: the first moved it; a
+                # CPU model's packed linears keep shape-only meta buffers, which cannot be moved).
+                self.model.to(self.device)
             if self.tp.is_driver:
                 tp_worker.register_driver()
         self.dtype = next(self.model.parameters()).dtype
