@@ -27,6 +27,7 @@ from fp8cache.model import step_metadata
 from fp8cache.model.batch import StepBatch, window_slot
 from fp8cache.model.window_attention import WindowSplit, split_window_attention, window_split
 from fp8cache.ops import reference
+from fp8cache.ops.cache_layout import gather_window_at
 from fp8cache.ops.reference import gather_kv_blocks
 from fp8cache.rotation import NONE, apply_rotation
 
@@ -143,7 +144,7 @@ def build_forward_context(batch: StepBatch, ops: object, gather_kv: Callable,
     table_width (block table columns) and max_decode_len (the attention's max_seq_len) fix them."""
     device = torch.device(device)
     seqs = batch.seqs
-    use_rows = ROW_PREFILL and ops is not reference
+    use_rows = uses_row_prefill(ops)
     arrays, starts, plans = step_arrays(batch, kv_caches, block_size, window_size, window_caches, use_rows,
                                         extra, table_width)
     views = step_metadata.to_device(arrays, device, into=metadata_buffer)
@@ -170,6 +171,11 @@ def build_forward_context(batch: StepBatch, ops: object, gather_kv: Callable,
         ctx.window_floors = [s.window_floor for s in seqs]
     ctx.prefill_groups = [_prefill_group(ctx, n, plan, views, use_rows) for n, plan in enumerate(plans)]
     return ctx
+
+
+def uses_row_prefill(ops: object) -> bool:
+    """Whether prefill rows go through the compiled decode ops (RowQueries) rather than a read-back and SDPA."""
+    return ROW_PREFILL and ops is not reference
 
 
 def step_arrays(batch: StepBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
@@ -385,7 +391,7 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scalin
     window = ctx.window_caches[layer] if ctx.window_size else None
     # A prefill chunk's rows see their predecessors' full-precision K/V, which this step's window writes
     # may overwrite in the ring: read them first.
-    earlier = [_gather_ring(window[0], window[1], g.earlier_index) for g in ctx.prefill_groups] if window else []
+    earlier = [gather_window_at(window[0], window[1], g.earlier_index) for g in ctx.prefill_groups] if window else []
     ctx.ops.reshape_and_cache(k, v, key_cache, value_cache, ctx.slot_mapping, ctx.kv_cache_dtype,
                               k_scale, v_scale)
     if window:
@@ -399,16 +405,6 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scalin
     if ctx.rotation != NONE:
         out = apply_rotation(out, ctx.rotation)
     return out
-
-
-def _gather_ring(window_key_cache: torch.Tensor, window_value_cache: torch.Tensor,
-                 index: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 K and V [n, kv_heads, d] at ring (blocks, offsets) of the window caches."""
-    num_kv_heads, head_size = window_key_cache.shape[1], window_value_cache.shape[2]
-    blocks, offsets = index
-    k = window_key_cache[blocks, :, :, offsets, :].reshape(-1, num_kv_heads, head_size)
-    v = window_value_cache[blocks, :, :, offsets]
-    return k.to(torch.float32), v.to(torch.float32)
 
 
 def decode_step_args(layer: int) -> tuple | None:

@@ -246,7 +246,7 @@ class ModelRunner:
                        **shape) -> attention.ForwardContext | dict[str, np.ndarray]:
         if arrays_only:
             return attention.step_arrays(batch, self.kv_caches, self.block_size, self.kv_recent_window,
-                                         self.window_caches, attention.ROW_PREFILL and self._ops is not ops.reference,
+                                         self.window_caches, attention.uses_row_prefill(self._ops),
                                          extra, shape.get("table_width"))[0]
         return attention.build_forward_context(
             batch, ops=self._ops, gather_kv=self._gather_kv, kv_caches=self.kv_caches,

@@ -36,3 +36,14 @@ def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_
         return huge_pages.zeros(key_shape, storage), huge_pages.zeros(value_shape, storage)
     return (torch.zeros(key_shape, dtype=storage, device=device),
             torch.zeros(value_shape, dtype=storage, device=device))
+
+
+def gather_window_at(window_key_cache: torch.Tensor, window_value_cache: torch.Tensor,
+                     index: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of an auto-layout cache (the recent-token window ring) at slots (blocks, offsets), float32
+    [n, kv_heads, head_size]."""
+    num_kv_heads, head_size = window_key_cache.shape[1], window_value_cache.shape[2]
+    blocks, offsets = index
+    k = window_key_cache[blocks, :, :, offsets, :].reshape(-1, num_kv_heads, head_size)
+    v = window_value_cache[blocks, :, :, offsets]
+    return k.to(torch.float32), v.to(torch.float32)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from fp8cache import formats
-from fp8cache.ops.cache_layout import allocate_kv_cache, cache_x  # noqa: F401 (the tests' allocator too)
+from fp8cache.ops.cache_layout import allocate_kv_cache, cache_x, gather_window_at  # noqa: F401 (tests use them too)
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, fmt: formats.Fp8Format) -> torch.Tensor:
@@ -146,16 +146,6 @@ def window_index(window_block_table: torch.Tensor | list[int], start: int, end: 
     if slots.numel() and (bool((slots < 0).any()) or bool((slots >= num_blocks * block_size).any())):
         raise IndexError(f"window block table holds a block id outside [0, {num_blocks})")
     return slots // block_size, slots % block_size
-
-
-def gather_window_at(window_key_cache: torch.Tensor, window_value_cache: torch.Tensor,
-                     index: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V at a window_index (blocks, offsets), float32 [n, heads, d]."""
-    num_kv_heads, head_size = window_key_cache.shape[1], window_value_cache.shape[2]
-    blocks, offsets = index
-    k = window_key_cache[blocks, :, :, offsets, :].reshape(-1, num_kv_heads, head_size)
-    v = window_value_cache[blocks, :, :, offsets]
-    return k.to(torch.float32), v.to(torch.float32)
 
 
 def paged_attention_window(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
