@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
-from fp8cache import formats, rotation
-from fp8cache import scales as kv_scales
 from fp8cache.config import EngineConfig
+from fp8cache.kvcache import formats, rotation
+from fp8cache.kvcache import scales as kv_scales
 
 STATISTICS = ("amax", "percentile", "mse")
 DEFAULT_STATISTIC = "mse"

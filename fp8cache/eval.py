@@ -19,10 +19,9 @@ from dataclasses import replace
 
 import torch
 
-from fp8cache import formats
 from fp8cache.config import EngineConfig
 from fp8cache.device import resolve_device
-from fp8cache.model import kv_cache
+from fp8cache.kvcache import formats, sizing
 from fp8cache.model.batch import SeqChunk, StepBatch, window_slot
 from fp8cache.model.loader import load_model
 from fp8cache.model.runner import ModelRunner
@@ -107,11 +106,11 @@ def _window_config(config: EngineConfig, hf_config: object, window_len: int, kv_
     num_heads = hf_config.num_attention_heads
     shape = (hf_config.num_hidden_layers, getattr(hf_config, "num_key_value_heads", None) or num_heads,
              getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads)
-    memory = blocks * config.block_size * kv_cache.bytes_per_token(*shape, kv_cache_dtype, dtype, backend)
+    memory = blocks * config.block_size * sizing.bytes_per_token(*shape, kv_cache_dtype, dtype, backend)
     if kv_cache_dtype != formats.AUTO and config.kv_recent_window != 0:
         # Room for one seat of the recent-token ring at its largest: the runner caps the window (given, or
         # recorded in the scales file) at max_model_len = window_len, and its dtype is at most 4 bytes.
-        memory += blocks * config.block_size * kv_cache.bytes_per_token(*shape, formats.AUTO, torch.float32, backend)
+        memory += blocks * config.block_size * sizing.bytes_per_token(*shape, formats.AUTO, torch.float32, backend)
     return replace(config, kv_cache_dtype=kv_cache_dtype, max_model_len=window_len, max_num_seqs=1,
                    kv_cache_memory=memory)
 

@@ -11,10 +11,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from fp8cache import formats
 from fp8cache.calibrate import DEFAULT_STATISTIC, STATISTICS
-from fp8cache.rotation import ROTATIONS
-from fp8cache.scales import GRANULARITIES
+from fp8cache.kvcache import formats
+from fp8cache.kvcache.rotation import ROTATIONS
+from fp8cache.kvcache.scales import GRANULARITIES
 from launcher.supervisor import owns_its_children
 
 console = Console(stderr=True)

@@ -139,7 +139,7 @@ def eval_command(model: str | None, kv_cache_dtype: str, quantization_param_path
     """Measure what an FP8 cache costs in quality (decode-faithful perplexity, KL, top-1 agreement)."""
     from fp8cache.config import EngineConfig
     from fp8cache.eval import evaluate
-    from fp8cache.scales import check_engine_scales
+    from fp8cache.kvcache.scales import check_engine_scales
 
     config = EngineConfig(model=model, kv_cache_dtype=kv_cache_dtype, dtype=dtype,
                           quantization_param_path=quantization_param_path,

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import click
 from rich.console import Console
 
-from fp8cache.formats import KV_CACHE_DTYPES
+from fp8cache.kvcache.formats import KV_CACHE_DTYPES
 from launcher.supervisor import owns_its_children
 
 console = Console(stderr=True)
@@ -206,7 +206,7 @@ def run(model: str | None, **kw) -> None:
     rank = parallel_state.env_rank() if num_shard > 1 else 0
     config = dataclasses.replace(engine_config(_model(model, kw["model_option"]), kw),
                                  tensor_parallel_size=num_shard)
-    from fp8cache.scales import check_engine_scales
+    from fp8cache.kvcache.scales import check_engine_scales
 
     check_engine_scales(config)  # a bad scales file fails now, not after the model loads (in every rank)
     if rank is None:  # one machine: start the ranks and watch them (rank 0 serves HTTP)
@@ -298,7 +298,7 @@ def generate(args: tuple[str, ...], **kw) -> None:
     num_shard = kw.pop("num_shard")
     config = dataclasses.replace(engine_config(_model(model, kw["model_option"]), kw),
                                  tensor_parallel_size=num_shard)
-    from fp8cache.scales import check_engine_scales
+    from fp8cache.kvcache.scales import check_engine_scales
 
     check_engine_scales(config)  # a bad scales file fails now, not after the model loads (in every rank)
 
@@ -447,7 +447,7 @@ def _memory_max(kv_cache_memory: str | None, model: str | None) -> int | None:
     checkpoint runs in float32 on the CPU) + MEMORY_HEADROOM. None when the budget or the weights are unknown."""
     if kv_cache_memory is None or model is None or not os.path.isdir(model):
         return None
-    from fp8cache.model.kv_cache import parse_memory_size
+    from fp8cache.kvcache.sizing import parse_memory_size
 
     weights = sum(os.path.getsize(os.path.join(model, f)) for f in os.listdir(model)
                   if f.endswith((".safetensors", ".bin", ".pt")))

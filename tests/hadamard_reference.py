@@ -1,6 +1,6 @@
 """An independent Hadamard matrix for the rotation tests, without scipy (not a dependency of fp8kv).
 
-fp8cache.rotation builds Sylvester's matrix by doubling; this one uses the closed form of the same
+fp8cache.kvcache.rotation builds Sylvester's matrix by doubling; this one uses the closed form of the same
 (Walsh) matrix, H[i, j] = (-1) ** popcount(i & j), which is also what scipy.linalg.hadamard returns."""
 
 from __future__ import annotations

@@ -14,12 +14,12 @@ from click.testing import CliRunner
 from hadamard_reference import walsh_hadamard
 
 from fp8cache import calibrate as cal
-from fp8cache import formats
 from fp8cache.config import EngineConfig
 from fp8cache.eval import evaluate, locate_eval_text, read_text
+from fp8cache.kvcache import formats
+from fp8cache.kvcache.scales import load_scales_file, scales_from_checkpoint
 from fp8cache.model.loader import load_model, read_config_dict
 from fp8cache.model.runner import ModelRunner
-from fp8cache.scales import load_scales_file, scales_from_checkpoint
 from launcher.calibrate_command import calibrate as calibrate_command
 
 SAMPLES, SEQ_LEN = 2, 96

@@ -242,7 +242,7 @@ def test_prefix_caching_same_tokens_and_fewer_prefill_tokens(loaded, auto_run):
 
 
 def test_preemption_with_a_tiny_cache_gives_the_same_tokens(loaded, auto_run):
-    from fp8cache.model.kv_cache import bytes_per_token
+    from fp8cache.kvcache.sizing import bytes_per_token
 
     per_token = bytes_per_token(30, 3, 64, "auto", torch.float32, "cpu")
     engine = make_engine(loaded, kv_cache_memory=4 * 16 * per_token)  # 64 tokens of cache

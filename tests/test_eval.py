@@ -57,7 +57,7 @@ def test_recent_window_as_long_as_the_text_has_no_divergence(default_model_path)
 
 def test_eval_sizes_the_window_a_scales_file_records(tmp_path, default_model_path):
     """A scales file made for a window wider than the default: eval uses it, and the cache has room for it."""
-    from fp8cache.scales import KVScales, write_scales_file
+    from fp8cache.kvcache.scales import KVScales, write_scales_file
 
     ones = [torch.ones(3) for _ in range(30)]  # the default model: 30 layers, 3 KV heads
     path = tmp_path / "scales.json"

@@ -1,11 +1,11 @@
-"""fp8cache.formats against DESIGN section 2 and torch's own float8 dtypes."""
+"""fp8cache.kvcache.formats against DESIGN section 2 and torch's own float8 dtypes."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from fp8cache import formats
+from fp8cache.kvcache import formats
 
 ALL_CODES = torch.arange(256, dtype=torch.uint8)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp8cache import formats
+from fp8cache.kvcache import formats
 
 FORMATS = list(formats.FP8_FORMATS.values())
 SCALES = [1.0, 0.0173, 3.7, 2.0 ** -10]

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp8cache import rotation
-from fp8cache.rotation import apply_rotation, hadamard_matrix, rotate
+from fp8cache.kvcache import rotation
+from fp8cache.kvcache.rotation import apply_rotation, hadamard_matrix, rotate
 
 REPO = Path(__file__).resolve().parents[1]
 HEAD_SIZES = [64, 80, 96, 112, 128, 256]  # DESIGN section 4; 80/96/112 are block-diagonal

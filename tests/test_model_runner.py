@@ -12,11 +12,12 @@ import torch
 from numerics import assert_logits_close
 from safetensors.torch import load_file, save_file
 
-from fp8cache import formats, ops
+from fp8cache import ops
 from fp8cache.config import EngineConfig
-from fp8cache.model import attention, kv_cache
+from fp8cache.kvcache import formats, sizing
+from fp8cache.kvcache.sizing import parse_memory_size, plan_cache
+from fp8cache.model import attention
 from fp8cache.model.batch import SeqChunk, StepBatch
-from fp8cache.model.kv_cache import parse_memory_size, plan_cache
 from fp8cache.model.loader import ModelLoadError, load_model
 from fp8cache.model.runner import ModelRunner
 from fp8cache.ops import reference
@@ -436,7 +437,7 @@ def test_default_cache_is_sized_by_need_within_the_host_share():
     windowed = plan_cache(None, 0.3, 16, 1000, window_size=32, window_token_bytes=2000, max_num_seqs=4,
                           max_model_len=250)
     assert windowed.capacity_tokens == 4 * 256 and windowed.window_seats == 4
-    capped = plan_cache(None, 1e-9, 16, 1000, max_num_seqs=4, max_model_len=250, device_limit=kv_cache.DeviceLimit(
+    capped = plan_cache(None, 1e-9, 16, 1000, max_num_seqs=4, max_model_len=250, device_limit=sizing.DeviceLimit(
         64_000, "a test cap"))
     assert capped.budget_bytes == 64_000 and capped.budget_source == "a test cap"
 
@@ -445,10 +446,10 @@ def test_gpu_budget_leaves_room_for_weights_activations_and_the_utilization(monk
     """vLLM's gpu_memory_utilization: of 0.9 of the GPU, what is in use now and the activations are not the
     cache's."""
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 * 2**30, 80 * 2**30))
-    limit = kv_cache.gpu_limit(torch.device("cuda", 0), 0.9, 2 * 2**30)
+    limit = sizing.gpu_limit(torch.device("cuda", 0), 0.9, 2 * 2**30)
     assert limit.bytes == int(0.9 * 80 * 2**30) - 20 * 2**30 - 2 * 2**30
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
-        kv_cache.gpu_limit(torch.device("cuda", 0), 1.5, 0)
+        sizing.gpu_limit(torch.device("cuda", 0), 1.5, 0)
 
 
 def test_cache_is_sized_from_kv_cache_memory(tiny_loaded):

@@ -16,11 +16,12 @@ from fp8cache.engine.llm_engine import LLMEngine
 from fp8cache.engine.sampling_params import SamplingParams
 from fp8cache.engine.scheduler import Scheduler
 from fp8cache.engine.sequence import Sequence
-from fp8cache.engine.window_pool import WindowPool
 from fp8cache.eval import runner_batch, window_batch
-from fp8cache.model import attention, kv_cache
+from fp8cache.kvcache import sizing
+from fp8cache.kvcache.sizing import WINDOW_BUDGET_SHARE, plan_cache
+from fp8cache.kvcache.window_pool import WindowPool
+from fp8cache.model import attention
 from fp8cache.model.batch import SeqChunk, StepBatch, window_slot
-from fp8cache.model.kv_cache import WINDOW_BUDGET_SHARE, plan_cache
 from fp8cache.model.loader import load_model
 from fp8cache.model.runner import ModelRunner
 from fp8cache.ops import reference
@@ -384,7 +385,7 @@ def test_preemption_recomputes_the_window_and_gives_the_same_tokens(loaded, shar
     """A cache too small for all sequences preempts and recomputes (refilling the ring); the tokens equal
     those of a cache big enough for all, and nothing leaks."""
     # Seats for all 4 sequences beside only 16 blocks: more seats than the default share of so small a budget.
-    monkeypatch.setattr(kv_cache, "WINDOW_BUDGET_SHARE", 2)
+    monkeypatch.setattr(sizing, "WINDOW_BUDGET_SHARE", 2)
     kw = {"kv_cache_dtype": "fp8_e4m3", "kv_recent_window": 8, "enable_prefix_caching": False, "max_num_seqs": 4}
     _, roomy = run_engine(loaded, shared_prompts, 10, **kw)
     block = 2 * 2 * 2 * 64 * BLOCK  # layers * K/V * kv heads * head size * tokens, 1 byte each
@@ -417,7 +418,7 @@ def test_prefix_caching_on_and_off_agree_and_abort_frees_the_seat(loaded, shared
 def test_window_recorded_in_the_scales_file_is_used_unless_one_is_given(loaded, tmp_path):
     import json
 
-    from fp8cache import scales as kv_scales
+    from fp8cache.kvcache import scales as kv_scales
 
     scales = kv_scales.ones(2, "fp8_e4m3")
     path = tmp_path / "scales.json"

@@ -1,4 +1,4 @@
-"""fp8cache.scales against DESIGN section 3: files, checkpoints, precedence, computed scales."""
+"""fp8cache.kvcache.scales against DESIGN section 3: files, checkpoints, precedence, computed scales."""
 
 from __future__ import annotations
 
@@ -11,9 +11,8 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from fp8cache import formats
-from fp8cache.ops import reference
-from fp8cache.scales import (
+from fp8cache.kvcache import formats
+from fp8cache.kvcache.scales import (
     MAX_SCALE,
     MAX_SCALES_FILE_BYTES,
     MIN_SCALE,
@@ -27,6 +26,7 @@ from fp8cache.scales import (
     scales_from_checkpoint,
     write_scales_file,
 )
+from fp8cache.ops import reference
 
 FORMAT_NAMES = list(formats.FP8_FORMATS)
 HYPOTHESIS = settings(max_examples=40, deadline=None,
@@ -420,7 +420,7 @@ def test_a_link_to_an_endless_device_is_refused_unread(tmp_path):
     os.symlink("/dev/zero", path)
     # In a child with an address-space cap: reading /dev/zero to the end must fail the test, not the machine.
     code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))\n"
-            "from fp8cache.scales import ScalesFileError, load_scales_file\n"
+            "from fp8cache.kvcache.scales import ScalesFileError, load_scales_file\n"
             "try:\n    load_scales_file(sys.argv[1], 3, 2, 'fp8_e4m3')\n"
             "except ScalesFileError as e:\n    print(e)\n")
     done = subprocess.run([sys.executable, "-c", code, str(path)], check=False, capture_output=True, text=True,

@@ -1,7 +1,7 @@
 // Fast Walsh-Hadamard transform over the head dimension (kv rotation "hadamard"), shared by the CPU, CUDA
 // and HIP ops. Torch-free; usable on host and device.
 //
-// The matrix is fp8cache/rotation.py's: for a row of d values, H = block_diag(S_b, ..., S_b) / sqrt(b), where
+// The matrix is fp8cache/kvcache/rotation.py's: for a row of d values, H = block_diag(S_b, ..., S_b) / sqrt(b), where
 // b is the largest power of two dividing d (at least kHadamardMinBlock, else the head size is refused) and
 // S_b is the Sylvester Hadamard matrix, S_1 = [1], S_2n = [[S_n, S_n], [S_n, -S_n]], so that
 // S_b[i][j] = (-1)^popcount(i & j). The transform computes the row vector x H.

@@ -1,4 +1,4 @@
-// torch.ops.fp8kv.hadamard_transform(Tensor x) -> Tensor: x [..., d] times fp8cache/rotation.py's Hadamard
+// torch.ops.fp8kv.hadamard_transform(Tensor x) -> Tensor: x [..., d] times fp8cache/kvcache/rotation.py's Hadamard
 // matrix H (block-diagonal for head sizes that are not a power of two), in x's dtype: the same as
 // `(x.float() @ H).to(x.dtype)` up to float32 rounding, in O(d log d) per row instead of O(d^2).
 //

@@ -1,4 +1,4 @@
-// GPU kernel of torch.ops.fp8kv.hadamard_transform (x [..., d] -> x @ H, fp8cache/rotation.py's matrix):
+// GPU kernel of torch.ops.fp8kv.hadamard_transform (x [..., d] -> x @ H, fp8cache/kvcache/rotation.py's matrix):
 // common/hadamard.h's butterfly spread over the lanes of a warp. Torch-free, like the other kernel headers:
 // it compiles as CUDA, as HIP, and as plain C++ for the host emulation (FP8KV_HOST_EMULATION).
 //

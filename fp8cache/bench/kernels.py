@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fp8cache import formats, ops
+from fp8cache import ops
 from fp8cache.bench import machine
+from fp8cache.kvcache import formats
 
 DEFAULT_SHAPES = ((1, 512), (1, 16384), (8, 2048), (8, 8192), (32, 512), (32, 4096))
 GPU_CALLS_PER_TIMING = 50

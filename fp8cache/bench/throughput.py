@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fp8cache import formats
 from fp8cache.bench import machine
 from fp8cache.bench.prompts import PromptSource
+from fp8cache.kvcache import formats
 
 # progress(label, done, total): called as output tokens are generated
 Progress = Callable[[str, int, int], None]

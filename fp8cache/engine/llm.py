@@ -61,7 +61,7 @@ class LLM:
 
     def _start(self, config: EngineConfig, log: Callable[[str], None] | None) -> None:
         from fp8cache.distributed import parallel_state
-        from fp8cache.scales import check_engine_scales
+        from fp8cache.kvcache.scales import check_engine_scales
 
         check_engine_scales(config)  # a bad scales file fails before workers start or weights load
 

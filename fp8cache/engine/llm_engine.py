@@ -27,7 +27,7 @@ from fp8cache.engine.sampling_params import SamplingParams
 from fp8cache.engine.scheduler import Scheduler
 from fp8cache.engine.sequence import Sequence
 from fp8cache.engine.structured_output import factory_for
-from fp8cache.engine.window_pool import WindowPool
+from fp8cache.kvcache.window_pool import WindowPool
 from fp8cache.logger import configure_default_logging, log_function
 
 

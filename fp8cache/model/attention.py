@@ -23,13 +23,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fp8cache.kvcache.layout import gather_window_at
+from fp8cache.kvcache.rotation import NONE, apply_rotation
 from fp8cache.model import step_metadata
 from fp8cache.model.batch import StepBatch, window_slot
 from fp8cache.model.window_attention import WindowSplit, split_window_attention, window_split
 from fp8cache.ops import reference
-from fp8cache.ops.cache_layout import gather_window_at
 from fp8cache.ops.reference import gather_kv_blocks
-from fp8cache.rotation import NONE, apply_rotation
 
 ATTENTION_NAME = "fp8kv_paged"
 # Windowed prefill on CPU as WindowSplit parts (False: one dense-mask SDPA, as on other devices; tests compare).

@@ -10,25 +10,25 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from fp8cache import formats, ops
-from fp8cache import scales as kv_scales
+from fp8cache import ops
 from fp8cache.config import DEFAULT_KV_RECENT_WINDOW, EngineConfig
 from fp8cache.device import describe as describe_device
 from fp8cache.device import resolve_device
 from fp8cache.distributed import parallel_state, sharding
 from fp8cache.distributed import worker as tp_worker
+from fp8cache.kvcache import formats, sizing
+from fp8cache.kvcache import scales as kv_scales
+from fp8cache.kvcache.rotation import rotation_matrix
 from fp8cache.model import (
     attention,
     cuda_graph,
     fused_layer,
     gpu_errors,
-    kv_cache,
     malloc_tuning,
     packed_linear,
 )
 from fp8cache.model.batch import StepBatch
 from fp8cache.model.loader import DTYPES, LoadedModel, load_model, read_config_dict
-from fp8cache.rotation import rotation_matrix
 
 
 def select_ops(log: Callable[[str], None], device: torch.device | None = None) -> tuple[object, Callable]:
@@ -74,8 +74,7 @@ class ModelRunner:
         packed = packed_linear.pack_linears(self.model, self.device, compiled_ops=self._ops is ops)
         if packed:
             panels = any(getattr(m, "panels", False) for m in self.model.modules())
-            log(f"{packed} linear layers packed for {'fp8kv float32 panels' if panels else 'oneDNN'} "
-                "(FP8KV_PACK_LINEARS=0 keeps them plain)")
+            log(f"{packed} linear layers packed for {'fp8kv panels' if panels else 'oneDNN'}")
         if self.device.type == "cpu":
             malloc_tuning.keep_freed_memory_mapped()
         attention.install(self.model)
@@ -87,7 +86,7 @@ class ModelRunner:
         if self.device.type == "cpu" or self._ops is ops:  # on a GPU the lean layers need the compiled kernels
             fused = fused_layer.install(self.model, compiled=self._ops is ops)
             if fused:
-                log(f"{fused} decoder layers run fp8kv's fused forward (FP8KV_FUSED_LAYERS=0 keeps transformers')")
+                log(f"{fused} decoder layers run fp8kv's fused forward")
         self._init_scales(loaded)
         self.kv_recent_window = self._resolve_recent_window()
         self.window_dtype = self._resolve_window_dtype()
@@ -204,28 +203,28 @@ class ModelRunner:
             self._graphs.invalidate()  # they read the old scale tensors
 
     def _init_cache(self, backend: str) -> None:
-        self.bytes_per_token = kv_cache.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_size,
-                                                        self.kv_cache_dtype, self.dtype, backend)
-        window_token_bytes = kv_cache.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_size,
-                                                      formats.AUTO, self.window_dtype, backend)
-        plan = kv_cache.plan_cache(self.config.kv_cache_memory, self.config.kv_cache_memory_fraction,
-                                   self.block_size, self.bytes_per_token, self.kv_recent_window,
-                                   window_token_bytes, self.config.max_num_seqs, self.max_model_len,
-                                   self._device_limit())
+        self.bytes_per_token = sizing.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_size,
+                                                      self.kv_cache_dtype, self.dtype, backend)
+        window_token_bytes = sizing.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_size,
+                                                    formats.AUTO, self.window_dtype, backend)
+        plan = sizing.plan_cache(self.config.kv_cache_memory, self.config.kv_cache_memory_fraction,
+                                 self.block_size, self.bytes_per_token, self.kv_recent_window,
+                                 window_token_bytes, self.config.max_num_seqs, self.max_model_len,
+                                 self._device_limit())
         # Rank 0 hands out block ids, so every rank needs at least as many blocks as rank 0 plans.
         plan.num_blocks = parallel_state.all_reduce_min_int(plan.num_blocks)
         if plan.window_seats:
             plan.window_seats = parallel_state.all_reduce_min_int(plan.window_seats)
         self.cache_plan = plan
         self.num_blocks, self.capacity_tokens = plan.num_blocks, plan.capacity_tokens
-        self.kv_caches = kv_cache.allocate_caches(
+        self.kv_caches = sizing.allocate_caches(
             ops.allocate_kv_cache, self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads,
             self.head_size, self.kv_cache_dtype, self.dtype, str(self.device))
-        self.window_caches = kv_cache.allocate_caches(
+        self.window_caches = sizing.allocate_caches(
             ops.allocate_kv_cache, self.num_layers, plan.window_num_blocks, self.block_size, self.num_kv_heads,
             self.head_size, formats.AUTO, self.window_dtype, str(self.device)) if plan.window_seats else None
-        for line in kv_cache.describe(plan, self.kv_cache_dtype, self.max_model_len, self.config.max_num_seqs,
-                                      self.dtype, self.window_dtype):
+        for line in sizing.describe(plan, self.kv_cache_dtype, self.max_model_len, self.config.max_num_seqs,
+                                    self.dtype, self.window_dtype):
             self.log(line)
 
     def _decode_graphs(self) -> cuda_graph.DecodeGraphs | None:
@@ -254,11 +253,11 @@ class ModelRunner:
             block_size=self.block_size, device=self.device, rotation=self.kv_rotation,
             window_size=self.kv_recent_window, window_caches=self.window_caches, extra=extra, **shape)
 
-    def _device_limit(self) -> kv_cache.DeviceLimit | None:
-        """What the cache may take on a GPU (None: the host's share, see kv_cache.plan_cache)."""
+    def _device_limit(self) -> sizing.DeviceLimit | None:
+        """What the cache may take on a GPU (None: the host's share, see sizing.plan_cache)."""
         if self.device.type != "cuda":
             return None
-        return kv_cache.gpu_limit(self.device, self.config.gpu_memory_utilization, self._activation_bytes())
+        return sizing.gpu_limit(self.device, self.config.gpu_memory_utilization, self._activation_bytes())
 
     def _activation_bytes(self) -> int:
         """A bound on what one forward pass of max_num_batched_tokens tokens allocates besides the cache: the

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from fp8cache.kvcache.layout import allocate_kv_cache
 from fp8cache.ops import reference
-from fp8cache.ops.cache_layout import allocate_kv_cache
 
 __all__ = ["allocate_kv_cache", "build", "dequantize_fp8", "fused_add_rms_norm", "load", "paged_attention",
            "paged_attention_window", "quantize_fp8", "reference", "reshape_and_cache", "rms_norm",

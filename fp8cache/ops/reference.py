@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from fp8cache import formats
-from fp8cache.ops.cache_layout import allocate_kv_cache, cache_x, gather_window_at  # noqa: F401 (tests use them too)
+from fp8cache.kvcache import formats
+from fp8cache.kvcache.layout import allocate_kv_cache, cache_x, gather_window_at  # noqa: F401 (tests use them too)
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, fmt: formats.Fp8Format) -> torch.Tensor:

@@ -177,7 +177,7 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
     from fp8cache.server.metrics import ServerMetrics
 
     if not isinstance(options.structured_output_memory, int):
-        from fp8cache.model.kv_cache import parse_memory_size
+        from fp8cache.kvcache.sizing import parse_memory_size
 
         options = dataclasses.replace(options, structured_output_memory=parse_memory_size(
             options.structured_output_memory, "--structured-output-memory"))

@@ -1,7 +1,7 @@
 """Seats in the recent-token window cache: each running sequence holds one while it runs.
 
 With kv_recent_window N > 0 every sequence keeps its newest N tokens' K/V in the model dtype as well, in a
-ring of ceil(N / block_size) window blocks (see fp8cache.ops.reference.paged_attention_window). The ring
+ring of ceil(N / block_size) window blocks (see fp8cache.kvcache.layout.window_index). The ring
 never grows, so a seat is a fixed set of window blocks handed out at admission and returned when the
 sequence finishes, is aborted or is preempted. Prefix caching shares only FP8 blocks; the window is per
 sequence.
@@ -9,7 +9,10 @@ sequence.
 
 from __future__ import annotations
 
-from fp8cache.engine.sequence import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the engine package imports the runner; a cache module must not pull that in
+    from fp8cache.engine.sequence import Sequence
 
 
 class WindowPool:

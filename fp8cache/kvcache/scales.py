@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fp8cache import formats
+from fp8cache.kvcache import formats
 
 if TYPE_CHECKING:
     from fp8cache.config import EngineConfig
@@ -70,7 +70,7 @@ class KVScales:
     v: list[torch.Tensor]
     fmt_name: str  # canonical kv-cache-dtype the scales apply to ("fp8_e4m3", ...)
     source: str  # for people: "file scales.json", "checkpoint", ...
-    rotation: str = "none"  # "hadamard": k and v are scales of K H and V H (fp8cache.rotation)
+    rotation: str = "none"  # "hadamard": k and v are scales of K H and V H (fp8cache.kvcache.rotation)
     # Rotated scales only: per layer, one scale for the UNROTATED K and V together. It is what the plain vLLM
     # `scaling_factor` of a rotated file holds, for readers that know no rotation and apply it to unrotated
     # K/V; fp8kv itself uses k and v. None for unrotated scales (their plain scale is max(k, v)).
