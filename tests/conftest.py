@@ -12,8 +12,19 @@ TINY_WORDS = ["the", "a", "of", "to", "and", "in", "is", "was", "it", "for", "on
               "music", "river", "team", "school", "book", "house", "water"]
 
 
+def pytest_addoption(parser) -> None:
+    parser.addoption("--cpu-isa", default=None, choices=["avx512", "avx2", "scalar"],
+                     help="run against the op library built for this lower CPU path (the tests of other paths "
+                          "start pytest in a child process with it)")
+
+
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "slow: takes more than about 10 s (leave out with -m 'not slow')")
+    if config.getoption("--cpu-isa"):
+        # One op library per process: the asked-for path must be the first one loaded.
+        from fp8cache import ops
+
+        ops.load("cpu", cpu_isa=config.getoption("--cpu-isa"))
 
 
 @pytest.fixture(scope="session")

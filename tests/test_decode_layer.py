@@ -30,7 +30,7 @@ def panels(monkeypatch):
 
 def use_layout(monkeypatch, layout: str) -> str:
     """Packs every projection in `layout`'s way; returns the model dtype. Skips where oneDNN cannot."""
-    monkeypatch.setenv("FP8KV_PACK_LINEARS", "1")
+    monkeypatch.setattr(packed_linear, "packing_pays", lambda *a: True)
     monkeypatch.setenv("FP8KV_REFERENCE_OPS", "0")
     packing, dtype = layout.split("-")
     monkeypatch.setattr(packed_linear, "panels_available", lambda *dtype: packing == "panels")
@@ -41,12 +41,15 @@ def use_layout(monkeypatch, layout: str) -> str:
 
 def make_runner(path: str, monkeypatch, native: bool, kv_cache_dtype: str, window: int,
                 dtype: str = "float32") -> ModelRunner:
-    monkeypatch.setenv("FP8KV_DECODE_LAYER", "1" if native else "0")
+    """native=False: the fused layers' Python sequence of ops instead of the one decode_layer call."""
     # Its own layers: runners do not share them.
     loaded = load_model(EngineConfig(model=path, dtype=dtype), progress=False)
     config = EngineConfig(model=path, dtype=dtype, kv_cache_dtype=kv_cache_dtype, block_size=BLOCK,
                           kv_cache_memory="16MiB", kv_recent_window=window, max_num_seqs=4)
-    return ModelRunner(config, log=lambda msg: None, loaded=loaded)
+    with monkeypatch.context() as patch:
+        if not native:
+            patch.setattr(fused_layer, "_decode_layer_args", lambda layer: None)
+        return ModelRunner(config, log=lambda msg: None, loaded=loaded)
 
 
 def count_native_calls(runner: ModelRunner) -> list[int]:

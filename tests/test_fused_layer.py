@@ -94,11 +94,14 @@ def test_layer_ops_refuse_bad_inputs():
 # ---- the fused forward in the runner ----------------------------------------------------------------
 
 def runner_for(path: str, monkeypatch, fused: bool, dtype: str = "float32") -> ModelRunner:
-    monkeypatch.setenv("FP8KV_FUSED_LAYERS", "1" if fused else "0")
+    """A runner with fp8kv's fused layers, or (fused=False) with transformers' own: the reference."""
     loaded = load_model(EngineConfig(model=path, dtype=dtype), progress=False)  # its own layers
     config = EngineConfig(model=path, dtype=dtype, kv_cache_dtype="auto", block_size=16, kv_cache_memory="16MiB",
                           max_model_len=64)
-    return ModelRunner(config, log=lambda msg: None, loaded=loaded)
+    with monkeypatch.context() as patch:
+        if not fused:
+            patch.setattr(fused_layer, "install", lambda model, compiled: 0)
+        return ModelRunner(config, log=lambda msg: None, loaded=loaded)
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -131,14 +134,10 @@ def test_bfloat16_fused_layers_stay_with_transformers(tiny_llama_path, monkeypat
     assert_logits_close(got, want, atol=0.02 * want.abs().max().item())  # bfloat16: a few rounding flips
 
 
-def test_switch_off_gives_back_transformers_forward(tiny_llama_path, monkeypatch):
-    monkeypatch.setenv("FP8KV_FUSED_LAYERS", "1")
+def test_installing_twice_wraps_transformers_forward_once(tiny_llama_path):
     loaded = load_model(EngineConfig(model=tiny_llama_path), progress=False)
     assert fused_layer.install(loaded.model, compiled=True) == loaded.hf_config.num_hidden_layers
     assert fused_layer.install(loaded.model, compiled=False) == loaded.hf_config.num_hidden_layers  # again: once
     layer = decoder_layers(loaded.model)[0]
     assert layer.forward.original.__func__ is type(layer).forward
-    monkeypatch.setenv("FP8KV_FUSED_LAYERS", "0")
-    assert fused_layer.install(loaded.model, compiled=True) == 0
-    assert "forward" not in layer.__dict__
 

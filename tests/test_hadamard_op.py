@@ -152,7 +152,7 @@ def test_apply_rotation_names_and_sizes():
 
 # ---- the other CPU code paths ----------------------------------------------------------------------------
 
-@pytest.mark.skipif(os.environ.get("FP8KV_CPU_ISA") is not None, reason="already inside an ISA run")
+@pytest.mark.skipif("config.getoption('--cpu-isa')", reason="already inside an ISA run")
 @pytest.mark.parametrize("isa", ["scalar", "avx2"])
 def test_other_isa_builds(isa):
     """The library built for a lower CPU path (its own cache key; tests/test_ops_cpu.py builds the same ones)
@@ -160,10 +160,10 @@ def test_other_isa_builds(isa):
     flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").is_file() else []
     if isa == "avx2" and not ("avx2" in flags and "avx512f" in flags):
         pytest.skip("avx2 is only a separate path on an AVX-512 machine")
-    env = dict(os.environ, FP8KV_CPU_ISA=isa, PYTHONPATH=os.pathsep.join(
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--cpu-isa", isa, __file__, "-k",
          "op_equals or other_head_sizes or own_inverse or non_contiguous"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=1800, check=False)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]

@@ -256,20 +256,19 @@ def test_bfloat16_queries_match_reference_and_the_float32_query_path(ops, case):
     assert attention_error(got_bf16, got_f32) <= 8e-3
 
 
-def test_bf16_dot_switch(ops, monkeypatch):
-    """FP8KV_CPU_BF16_DOT=0 puts bfloat16 queries on the float path: bit for bit the float32 query's result,
-    rounded. Left on, a CPU with AVX512-BF16 takes the dot-product path, whose bfloat16 probabilities
-    change some outputs."""
+def test_bf16_queries_take_the_dot_product_path(ops):
+    """bfloat16 queries over an FP8 cache stay within bfloat16 rounding of the float32 query's result. On a
+    CPU with AVX512-BF16 they take the dot-product path, whose bfloat16 probabilities change some outputs:
+    the result is then not just the float32 one rounded."""
     case = BF16_CASES[4]
     b = filled_by_ops(ops, case)
     want = float32_query_attention(ops, case, b).to(torch.bfloat16)
-    monkeypatch.setenv("FP8KV_CPU_BF16_DOT", "0")
-    assert torch.equal(attention(ops, case, b["op_caches"], b), want)
-    monkeypatch.delenv("FP8KV_CPU_BF16_DOT")
     got = attention(ops, case, b["op_caches"], b)
     assert attention_error(got, want) <= 8e-3
     if ops.cpu_isa() == "avx512" and _cpu_has("avx512_bf16"):
         assert not torch.equal(got, want)
+    else:
+        assert torch.equal(got, want)
 
 
 SMOKE = [CASES[0], CASES[1], CASES[2], CASES[5], CASES[13]]
@@ -281,8 +280,8 @@ def test_smoke(ops, case):
     test_ops_match_reference(ops, case)
 
 
-def test_isa_is_what_was_asked_for(ops):
-    asked = os.environ.get("FP8KV_CPU_ISA", "native")
+def test_isa_is_what_was_asked_for(ops, request):
+    asked = request.config.getoption("--cpu-isa") or "native"
     if asked in ("scalar", "avx2", "avx512"):
         assert ops.cpu_isa() == asked
 
@@ -294,7 +293,7 @@ def _cpu_has(flag: str) -> bool:
         return False
 
 
-@pytest.mark.skipif(os.environ.get("FP8KV_CPU_ISA") is not None, reason="already inside an ISA run")
+@pytest.mark.skipif("config.getoption('--cpu-isa')", reason="already inside an ISA run")
 @pytest.mark.parametrize("isa", ["scalar", "avx2"])
 def test_other_isa_builds(isa):
     """The op library built for a lower CPU path (its own cache key) passes the FP8 conversion tests
@@ -302,10 +301,10 @@ def test_other_isa_builds(isa):
     is registered per process, so this runs pytest in a child process."""
     if isa == "avx2" and not (_cpu_has("avx2") and _cpu_has("avx512f")):
         pytest.skip("avx2 is only a separate path on an AVX-512 machine")
-    env = dict(os.environ, FP8KV_CPU_ISA=isa, PYTHONPATH=os.pathsep.join(
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)),
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--cpu-isa", isa, str(Path(__file__)),
          str(Path(__file__).with_name("test_fp8_conversion.py")), "-k",
          "test_smoke or test_isa_is_what_was_asked_for or conversion"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=1800, check=False)

@@ -78,16 +78,15 @@ def test_float32_models_are_packed_where_the_probe_finds_it_faster(tiny_llama_pa
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
 
-def test_the_switch_forces_or_stops_packing(tiny_llama_path, monkeypatch):
-    monkeypatch.setattr(packed_linear, "packing_pays", lambda *a: pytest.fail("the switch skips the probe"))
-    monkeypatch.setenv("FP8KV_PACK_LINEARS", "1")
-    fp32 = load_model(EngineConfig(model=tiny_llama_path, dtype="float32"), progress=False).model
-    assert packed_linear.pack_linears(fp32, torch.device("cpu")) > 0
-    monkeypatch.setenv("FP8KV_PACK_LINEARS", "0")
-    for dtype in ("float32", "bfloat16"):
-        model = load_model(EngineConfig(model=tiny_llama_path, dtype=dtype), progress=False).model
-        assert packed_linear.pack_linears(model, torch.device("cpu")) == 0
-        assert any(type(m) is nn.Linear for m in model.modules())
+def test_bfloat16_models_are_packed_without_the_probe(tiny_llama_path, monkeypatch):
+    """Only float32 packing is a close call worth measuring; bfloat16 always gains."""
+    monkeypatch.setattr(packed_linear, "packing_pays", lambda *a: pytest.fail("bfloat16 needs no probe"))
+    model = load_model(EngineConfig(model=tiny_llama_path, dtype="bfloat16"), progress=False).model
+    if not packed_linear.packing_works(torch.bfloat16):
+        pytest.skip("this torch build or CPU cannot run oneDNN's packed bfloat16 linear")
+    linears = sum(type(m) is nn.Linear for m in model.modules())
+    assert packed_linear.pack_linears(model, torch.device("cpu")) == linears
+    assert not any(type(m) is nn.Linear for m in model.modules())
 
 
 def test_packing_pays_follows_the_measured_times(monkeypatch):
@@ -98,7 +97,7 @@ def test_packing_pays_follows_the_measured_times(monkeypatch):
         return slow
 
     shapes = frozenset({(64, 48), (48, 64)})
-    measure = packed_linear.packing_pays.__wrapped__  # the measurement itself, not its per-process memo
+    measure = packed_linear.measure_packing  # the measurement itself, not its memo or its file
     ops.load()
     for panels in (False, True):
         monkeypatch.setattr(packed_linear.PackedLinear, "forward", slowed(packed_linear.PackedLinear.forward))
@@ -114,6 +113,27 @@ def test_packing_pays_is_measured_once_per_process(monkeypatch):
     first = packed_linear.packing_pays(shapes)
     monkeypatch.setattr(packed_linear, "_best_time", lambda *a, **k: pytest.fail("measured twice"))
     assert packed_linear.packing_pays(shapes) is first
+
+
+def test_packing_pays_is_measured_once_per_machine(monkeypatch, tmp_path):
+    """The answer is kept beside the op library: a new process (here: the memo cleared) reads it back."""
+    monkeypatch.setenv("FP8KV_CACHE_DIR", str(tmp_path))
+    shapes = frozenset({(40, 24), (24, 40)})
+    answers = iter([True, False])
+    monkeypatch.setattr(packed_linear, "measure_packing", lambda *a: next(answers))
+    packed_linear.packing_pays.cache_clear()
+    try:
+        assert packed_linear.packing_pays(shapes) is True
+        packed_linear.packing_pays.cache_clear()
+        assert packed_linear.packing_pays(shapes) is True  # read back, not measured again (that says False)
+        assert packed_linear.packing_pays(shapes, True) is False  # another question: measured
+        assert (tmp_path / "ops" / "probes.json").is_file()
+        (tmp_path / "ops" / "probes.json").write_text("{half a file")
+        packed_linear.packing_pays.cache_clear()
+        monkeypatch.setattr(packed_linear, "measure_packing", lambda *a: False)
+        assert packed_linear.packing_pays(shapes) is False  # a damaged file is measured over
+    finally:
+        packed_linear.packing_pays.cache_clear()
 
 
 def _siblings(bias: bool, dtype: torch.dtype) -> list[nn.Linear]:
@@ -153,9 +173,9 @@ def test_merged_siblings_give_each_its_own_output(bias):
 
 
 def test_pack_linears_merges_attention_and_mlp_projections(tiny_llama_path, monkeypatch):
-    monkeypatch.setenv("FP8KV_PACK_LINEARS", "1")
+    monkeypatch.setattr(packed_linear, "packing_pays", lambda *a: True)
     config = EngineConfig(model=tiny_llama_path, dtype="float32")
-    plain, merged, separate = (load_model(config, progress=False).model for _ in range(3))
+    plain, merged = (load_model(config, progress=False).model for _ in range(2))
     linears = sum(type(m) is nn.Linear for m in merged.modules())
     assert packed_linear.pack_linears(merged, torch.device("cpu")) == linears
     layer = merged.model.layers[0]
@@ -163,15 +183,10 @@ def test_pack_linears_merges_attention_and_mlp_projections(tiny_llama_path, monk
     assert isinstance(layer.mlp.gate_up_proj, packed_linear.MergedLinear)
     assert all(isinstance(getattr(layer.self_attn, n), packed_linear.LinearSlice) for n in ("q_proj", "k_proj", "v_proj"))
     assert isinstance(layer.self_attn.o_proj, packed_linear.PackedLinear)
-    monkeypatch.setenv("FP8KV_MERGE_PROJECTIONS", "0")
-    assert packed_linear.pack_linears(separate, torch.device("cpu")) == linears
-    assert not any(isinstance(m, packed_linear.MergedLinear) for m in separate.modules())
     ids = torch.tensor([[5, 9, 14, 3, 22, 7, 40, 11]])
     with torch.no_grad():
         want = plain(input_ids=ids).logits
-        for model in (merged, separate):
-            torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=1e-4,
-                                       atol=1e-4 * want.abs().max().item())
+        torch.testing.assert_close(merged(input_ids=ids).logits, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
 
 # ---- fp8kv's float32 panel kernel (torch.ops.fp8kv.linear_f32) ------------------------------------------
@@ -208,12 +223,29 @@ def test_linear_f32_refuses_bad_inputs():
         lib.linear_f32_pack(torch.randn(20, 8).bfloat16())
 
 
-def test_float32_panels_switch_back_to_onednn(tiny_llama_path, monkeypatch):
-    ops.load()
-    monkeypatch.setenv("FP8KV_PACK_LINEARS", "1")
-    monkeypatch.setenv("FP8KV_LINEAR_F32", "0")
+FEATURES = {  # CPU kinds: (op library path, AVX512-BF16, AMX) -> (float32 kernel, bfloat16 kernel)
+    "epyc-zen4-zen5": (("avx512", True, False), ("panels", "panels")),
+    "xeon-amx": (("avx512", True, True), ("panels", "onednn")),
+    "avx512-without-bf16": (("avx512", False, False), ("panels", "onednn")),
+    "avx2": (("avx2", False, False), ("onednn", "onednn")),
+    "portable": (("scalar", False, False), ("onednn", "onednn")),
+    "no-op-library": (("", False, False), ("onednn", "onednn")),
+}
+
+
+@pytest.mark.parametrize("kind", FEATURES)
+def test_each_cpu_kind_gets_its_linear_kernels(kind):
+    features, (f32, bf16) = FEATURES[kind]
+    features = packed_linear.CpuFeatures(*features)
+    assert packed_linear.linear_kernel(torch.float32, features) == f32
+    assert packed_linear.linear_kernel(torch.bfloat16, features) == bf16
+    assert packed_linear.linear_kernel(torch.float16, features) == "onednn"
+
+
+def test_float32_without_panels_packs_for_onednn(tiny_llama_path, monkeypatch):
+    monkeypatch.setattr(packed_linear, "packing_pays", lambda *a: True)
     model = load_model(EngineConfig(model=tiny_llama_path, dtype="float32"), progress=False).model
-    assert packed_linear.pack_linears(model, torch.device("cpu"), compiled_ops=True) > 0
+    assert packed_linear.pack_linears(model, torch.device("cpu"), compiled_ops=False) > 0
     assert not any(m.panels for m in model.modules() if isinstance(m, packed_linear.PackedLinear))
 
 
@@ -254,20 +286,23 @@ def test_linear_bf16_refuses_bad_inputs():
         lib.linear_bf16_pack(torch.randn(20, 8))
 
 
-def test_bfloat16_models_use_panels_where_available_and_the_switch_keeps_onednn(tiny_llama_path, monkeypatch):
+@pytest.mark.parametrize("kind", ["epyc-zen4-zen5", "xeon-amx"])
+def test_bfloat16_models_follow_the_cpu_kind_and_each_kernel_is_right(tiny_llama_path, monkeypatch, kind):
+    """A forced feature set picks its kernel (the panels' portable path runs on any CPU), and either kernel
+    gives transformers' logits within bfloat16 rounding."""
     ops.load()
+    if not packed_linear.packing_works(torch.bfloat16):
+        pytest.skip("this torch build or CPU cannot run oneDNN's packed bfloat16 linear")
     plain = load_model(EngineConfig(model=tiny_llama_path, dtype="bfloat16"), progress=False).model
     ids = torch.tensor([[5, 9, 14, 3, 22, 7, 40, 11]])
     with torch.no_grad():
         want = plain(input_ids=ids).logits.float()
-    for switch in ("1", "0"):
-        monkeypatch.setenv("FP8KV_LINEAR_BF16", switch)
-        model = load_model(EngineConfig(model=tiny_llama_path, dtype="bfloat16"), progress=False).model
-        assert packed_linear.pack_linears(model, torch.device("cpu"), compiled_ops=True) > 0
-        panels = (switch == "1" and torch.ops.fp8kv.cpu_isa() == "avx512" and torch.ops.fp8kv.cpu_bf16_dot()
-                  and not packed_linear._cpu_has_amx())
-        assert packed_linear.panels_available(torch.bfloat16) == panels
-        assert all(m.panels == panels for m in model.modules() if isinstance(m, packed_linear.PackedLinear))
-        with torch.no_grad():
-            got = model(input_ids=ids).logits.float()
-        assert (got - want).abs().max() <= 0.02 * want.abs().max()
+    monkeypatch.setattr(packed_linear, "cpu_features", lambda: packed_linear.CpuFeatures(*FEATURES[kind][0]))
+    panels = FEATURES[kind][1][1] == "panels"
+    model = load_model(EngineConfig(model=tiny_llama_path, dtype="bfloat16"), progress=False).model
+    assert packed_linear.pack_linears(model, torch.device("cpu"), compiled_ops=True) > 0
+    assert packed_linear.panels_available(torch.bfloat16) == panels
+    assert all(m.panels == panels for m in model.modules() if isinstance(m, packed_linear.PackedLinear))
+    with torch.no_grad():
+        got = model(input_ids=ids).logits.float()
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()

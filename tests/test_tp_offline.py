@@ -21,6 +21,7 @@ from transformers import AutoConfig
 from fp8cache import LLM, SamplingParams
 from fp8cache.config import EngineConfig
 from fp8cache.distributed.group import WorkerDiedError
+from fp8cache.model import packed_linear
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = ["the city of the river was", "a house by the water"]
@@ -163,7 +164,7 @@ def linear_packing(request, monkeypatch):
     of one bench share one loaded model, and a packed one holds shape-only meta buffers: the second engine's
     runner used to try to move them (and rank 0's failure then left the workers waiting in a collective)."""
     if request.param == "packed":
-        monkeypatch.setenv("FP8KV_PACK_LINEARS", "1")
+        monkeypatch.setattr(packed_linear, "packing_pays", lambda *a: True)
     return request.param
 
 

@@ -179,17 +179,18 @@ def test_smoke(ops, case):
     test_window_attention_matches_reference(ops, case)
 
 
-@pytest.mark.skipif(os.environ.get("FP8KV_CPU_ISA") is not None, reason="already inside an ISA run")
+@pytest.mark.skipif("config.getoption('--cpu-isa')", reason="already inside an ISA run")
 @pytest.mark.parametrize("isa", ["scalar", "avx2"])
 def test_other_isa_builds(isa):
     """The smoke cases against a lower CPU path's build (as in test_ops_cpu.py; a child process because the
     library is registered per process). There the portable kernel runs every partition, ring runs included."""
     if isa == "avx2" and not (_cpu_has("avx2") and _cpu_has("avx512f")):
         pytest.skip("avx2 is only a separate path on an AVX-512 machine")
-    env = dict(os.environ, FP8KV_CPU_ISA=isa, PYTHONPATH=os.pathsep.join(
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)), "-k", "test_smoke"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--cpu-isa", isa, str(Path(__file__)), "-k",
+         "test_smoke"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=1800, check=False)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert f"{len(SMOKE)} passed" in result.stdout

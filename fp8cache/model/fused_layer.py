@@ -12,15 +12,14 @@ In a decode step (every sequence has one new token) of a layer whose projections
 or oneDNN's layout, packed_linear.py), the whole sequence runs as one compiled call
 (torch.ops.fp8kv.decode_layer: the same kernels in the same order, so bitwise the same result, without ~25
 Python-level calls per layer; default model, 16 sequences, float32: 26.4 -> 23.4 ms per step's layers,
-median). FP8KV_DECODE_LAYER=0 keeps the Python sequence.
+median).
 
 The model's own forward still runs the layers, the rotary embedding and the final norm; only each
-decoder layer's `forward` is replaced (FP8KV_FUSED_LAYERS=0 keeps transformers' layers).
+decoder layer's `forward` is replaced.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -133,8 +132,8 @@ def _device_projections(*linears: nn.Linear) -> Callable[[torch.Tensor], list[to
 def _decode_layer_args(layer: nn.Module) -> tuple | None:
     """decode_layer's weight arguments (weights, biases, shape, eps) when every projection of `layer` is packed
     one way (fp8kv's float32 panels or oneDNN's layout; q/k/v and gate/up merged) and the norms hold the
-    weights' dtype, else None. FP8KV_DECODE_LAYER=0: None."""
-    if os.environ.get("FP8KV_DECODE_LAYER", "1").strip() == "0" or not hasattr(torch.ops.fp8kv, "decode_layer"):
+    weights' dtype, else None."""
+    if not hasattr(torch.ops.fp8kv, "decode_layer"):
         return None
     attn, mlp = layer.self_attn, layer.mlp
     qkv, gate_up = _merged(attn.q_proj, attn.k_proj, attn.v_proj), _merged(mlp.gate_proj, mlp.up_proj)
@@ -180,19 +179,13 @@ def supports(layer: nn.Module) -> bool:
 
 
 def install(model: nn.Module, compiled: bool) -> int:
-    """Give every supported decoder layer of `model` the lean forward (or, with FP8KV_FUSED_LAYERS=0, give
-    back transformers' forward); returns how many layers run the lean one. On a GPU only with the compiled
-    ops (their CUDA kernels). Runners sharing a model share its layers: the last one installed decides which
-    ops they call."""
-    enabled = os.environ.get("FP8KV_FUSED_LAYERS", "1").strip() != "0"
-    ops = layer_ops(compiled) if enabled else None
+    """Give every supported decoder layer of `model` the lean forward; returns how many layers run it. On a
+    GPU only with the compiled ops (their CUDA kernels). Runners sharing a model share its layers: the last
+    one installed decides which ops they call."""
+    ops = layer_ops(compiled)
     count = 0
     for layer in model.modules():
-        if not supports(layer):
-            continue
-        if enabled:
+        if supports(layer):
             layer.forward = FusedDecoderLayer(layer, ops)
             count += 1
-        elif isinstance(layer.__dict__.get("forward"), FusedDecoderLayer):
-            del layer.forward  # the class's forward again
     return count

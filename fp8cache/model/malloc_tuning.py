@@ -25,11 +25,11 @@ _applied = False
 
 def keep_freed_memory_mapped() -> bool:
     """Raise glibc's mmap and trim thresholds for this process, once. Returns whether they are raised: not
-    with FP8KV_TUNE_MALLOC=0, when the user set glibc's own MALLOC_* variables, or off glibc."""
+    when the user set glibc's own MALLOC_* variables (theirs decide), or off glibc."""
     global _applied
     if _applied:
         return True
-    if os.environ.get("FP8KV_TUNE_MALLOC", "1").strip() == "0" or any(v in os.environ for v in USER_SETTINGS):
+    if any(v in os.environ for v in USER_SETTINGS):
         return False
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False

@@ -13,26 +13,28 @@ AVX512-BF16 and no AMX), else to oneDNN; float32 only where a probe at load find
 for the model's own shapes. On an AMD EPYC (Zen 5), MKL's sgemm runs at ~200 GFLOP/s and oneDNN's packed
 float32 at ~450; fp8kv's kernels match oneDNN at prefill and keep memory busier at decode (default model's 30
 layers, 16 rows: float32 12.2 vs 15.2 ms, bfloat16 5.6 vs 9.6 ms). On an Intel Xeon with AMX, oneDNN was
-faster than F.linear at decode but up to 20% slower at prefill. FP8KV_PACK_LINEARS=0 keeps every nn.Linear as
-it is; FP8KV_PACK_LINEARS=1 packs float32 models without the probe; FP8KV_LINEAR_F32=0 / FP8KV_LINEAR_BF16=0
-pack float32 / bfloat16 for oneDNN instead of fp8kv's kernels.
+faster than F.linear at decode but up to 20% slower at prefill. Which kernel a dtype gets is decided by the
+CPU's features (`linear_kernel`); where they don't decide it (float32: fp8kv's or oneDNN's packing against
+MKL's F.linear), a probe measures it once per machine and the answer is cached beside the op library.
 
 Sibling projections that read one input in one forward (q/k/v, gate/up) are packed as one weight
 (MergedLinear): one oneDNN call and one pass over the input instead of three or two. Decode-sized batches
 gain, prefill does not change (the default model's layer matmuls, 30 layers streamed from memory, 16 rows:
-float32 18.7 -> 16.0 ms, bfloat16 11.1 -> 9.2 ms). FP8KV_MERGE_PROJECTIONS=0 packs them one by one.
+float32 18.7 -> 16.0 ms, bfloat16 11.1 -> 9.2 ms).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from fp8cache.ops import probes
 
 # oneDNN picks its blocking for this many rows; decode batches are what the packing is for.
 _BATCH_HINT = 16
@@ -134,8 +136,7 @@ def pack_linears(model: nn.Module, device: torch.device, compiled_ops: bool = Fa
     """Replace the nn.Linear modules of a bfloat16 or float32 CPU model by PackedLinear (float32 only where
     packing_pays); returns how many were. compiled_ops: fp8kv's op library is loaded (its float32 kernel
     may be used)."""
-    switch = os.environ.get("FP8KV_PACK_LINEARS")
-    if device.type != "cpu" or switch == "0":
+    if device.type != "cpu":
         return 0
     targets = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
                if type(child) is nn.Linear and child.weight.dtype in (torch.bfloat16, torch.float32)]
@@ -145,31 +146,51 @@ def pack_linears(model: nn.Module, device: torch.device, compiled_ops: bool = Fa
     panels = compiled_ops and panels_available(*dtypes)
     if not panels and not packing_works(*dtypes):
         return 0
-    if dtypes == {torch.float32} and switch != "1":
+    if dtypes == {torch.float32}:
         shapes = frozenset(tuple(getattr(parent, name).weight.shape) for parent, name in targets)
         if not packing_pays(shapes, panels):
             return 0
     count = len(targets)
     with torch.no_grad():
-        if os.environ.get("FP8KV_MERGE_PROJECTIONS") != "0":
-            targets = _merge_siblings(targets, panels)
+        targets = _merge_siblings(targets, panels)
         for parent, name in targets:
             setattr(parent, name, PackedLinear(getattr(parent, name), panels))
     _return_freed_memory()
     return count
 
 
+@dataclass(frozen=True)
+class CpuFeatures:
+    """What decides the linear kernels: the op library's CPU path (avx512, avx2, scalar; "" without the op
+    library), its AVX512-BF16 dot product, and AMX tiles."""
+
+    isa: str
+    bf16_dot: bool
+    amx: bool
+
+
+def cpu_features() -> CpuFeatures:
+    """This machine's features, as the loaded op library sees them."""
+    lib = torch.ops.fp8kv
+    if not hasattr(lib, "cpu_isa"):
+        return CpuFeatures("", False, _cpu_has_amx())
+    return CpuFeatures(lib.cpu_isa(), bool(lib.cpu_bf16_dot()), _cpu_has_amx())
+
+
+def linear_kernel(dtype: torch.dtype, features: CpuFeatures) -> str:
+    """"panels" (fp8kv's kernels) or "onednn" for `dtype` weights on a CPU with `features`. fp8kv's panels need
+    AVX-512 (their portable paths are for correctness, not speed); bfloat16 ones also the AVX512-BF16 dot
+    product, and lose to oneDNN's AMX kernels, which multiply prefill batches several times faster."""
+    if features.isa != "avx512" or dtype not in (torch.float32, torch.bfloat16):
+        return "onednn"
+    if dtype == torch.bfloat16 and (not features.bf16_dot or features.amx):
+        return "onednn"
+    return "panels"
+
+
 def panels_available(dtype: torch.dtype = torch.float32) -> bool:
-    """fp8kv's panel kernel for `dtype` is compiled with AVX-512 here (bfloat16: with AVX512-BF16; the portable
-    paths are for correctness, not speed) and not switched off (FP8KV_LINEAR_F32=0, FP8KV_LINEAR_BF16=0)."""
-    switch, op = {torch.float32: ("FP8KV_LINEAR_F32", "linear_f32"),
-                  torch.bfloat16: ("FP8KV_LINEAR_BF16", "linear_bf16")}.get(dtype, (None, None))
-    if switch is None or os.environ.get(switch, "1").strip() == "0" or not hasattr(torch.ops.fp8kv, op):
-        return False
-    if torch.ops.fp8kv.cpu_isa() != "avx512":
-        return False
-    # bfloat16 on a CPU with AMX: oneDNN's AMX kernels multiply prefill batches several times faster.
-    return dtype != torch.bfloat16 or (torch.ops.fp8kv.cpu_bf16_dot() and not _cpu_has_amx())
+    """fp8kv's panel kernel is what `dtype` weights get on this machine (the op library is loaded)."""
+    return linear_kernel(dtype, cpu_features()) == "panels"
 
 
 @functools.cache
@@ -209,9 +230,16 @@ _PROBE_MAX_WEIGHT = 1 << 22
 @functools.cache
 def packing_pays(shapes: frozenset[tuple[int, int]], panels: bool = False) -> bool:
     """Whether packed float32 weights (fp8kv's panels or oneDNN's layout) multiply faster than F.linear on this
-    machine, summed over the given
-    (out_features, in_features) shapes at a decode-sized and a prefill-sized batch (best of three each).
-    Measured once per process and set of shapes: runners of one model must not differ by a close call."""
+    machine for these (out_features, in_features) shapes. Measured once per machine (the answer is kept in
+    probes.json beside the op library, keyed by the CPU, torch and the shapes) and memoized per process:
+    runners of one model must not differ by a close call, and a start should not pay for the probe again."""
+    return probes.remembered(["float32 packing pays", panels, sorted(shapes)],
+                             lambda: measure_packing(shapes, panels))
+
+
+def measure_packing(shapes: frozenset[tuple[int, int]], panels: bool = False) -> bool:
+    """packing_pays's measurement: packed against F.linear, summed over up to six of the shapes at a
+    decode-sized and a prefill-sized batch (best of three each)."""
     probe = sorted(s for s in shapes if s[0] * s[1] <= _PROBE_MAX_WEIGHT)[:6] or [(512, 512)]
     generator = torch.Generator().manual_seed(0)
     plain = packed = 0.0

@@ -74,8 +74,7 @@ class ModelRunner:
         packed = packed_linear.pack_linears(self.model, self.device, compiled_ops=self._ops is ops)
         if packed:
             panels = any(getattr(m, "panels", False) for m in self.model.modules())
-            log(f"{packed} linear layers packed for {'fp8kv float32 panels' if panels else 'oneDNN'} "
-                "(FP8KV_PACK_LINEARS=0 keeps them plain)")
+            log(f"{packed} linear layers packed for {'fp8kv panels' if panels else 'oneDNN'}")
         if self.device.type == "cpu":
             malloc_tuning.keep_freed_memory_mapped()
         attention.install(self.model)
@@ -87,7 +86,7 @@ class ModelRunner:
         if self.device.type == "cpu" or self._ops is ops:  # on a GPU the lean layers need the compiled kernels
             fused = fused_layer.install(self.model, compiled=self._ops is ops)
             if fused:
-                log(f"{fused} decoder layers run fp8kv's fused forward (FP8KV_FUSED_LAYERS=0 keeps transformers')")
+                log(f"{fused} decoder layers run fp8kv's fused forward")
         self._init_scales(loaded)
         self.kv_recent_window = self._resolve_recent_window()
         self.window_dtype = self._resolve_window_dtype()

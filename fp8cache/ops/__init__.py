@@ -15,12 +15,13 @@ __all__ = ["allocate_kv_cache", "build", "dequantize_fp8", "fused_add_rms_norm",
            "rotary_embedding_cos_sin", "silu_and_mul"]
 
 
-def load(device: torch.device | str | None = None) -> object:
+def load(device: torch.device | str | None = None, cpu_isa: str | None = None) -> object:
     """Compile (once per source hash) and load the op library; returns torch.ops.fp8kv. device: what it must
-    run on (a CPU device builds no GPU sources; None: the GPU too when torch sees one and nvcc is here)."""
+    run on (a CPU device builds no GPU sources; None: the GPU too when torch sees one and nvcc is here).
+    cpu_isa: avx512, avx2 or scalar instead of this CPU's best path (tests of the lower paths)."""
     from fp8cache.ops import _build, fake
 
-    _build.load_library(device=device)
+    _build.load_library(device=device, cpu_isa=cpu_isa)
     fake.register()
     return torch.ops.fp8kv
 

@@ -7,7 +7,6 @@ any change to the sources rebuilds. A file lock keeps two processes from compili
 Environment:
   FP8KV_CACHE_DIR   fp8kv's cache root; built libraries live in its ops/ folder
                     (default $XDG_CACHE_HOME/fp8kv/ops or ~/.cache/fp8kv/ops)
-  FP8KV_CPU_ISA     native (default) | avx512 | avx2 | scalar: force a lower CPU path, e.g. for testing
   CXX, CC           the C++ / C compiler (default: c++, g++ or clang++ on PATH; if the library one builds
                     fails its self-check, the next one is tried, e.g. the system g++ after a relocated one)
   MAX_JOBS          parallel compile jobs (torch's ninja convention)
@@ -71,10 +70,12 @@ def cache_dir() -> Path:
     return Path(base) / "fp8kv" / "ops"
 
 
-def requested_isa() -> str:
-    isa = os.environ.get("FP8KV_CPU_ISA", "native").strip().lower() or "native"
+def requested_isa(cpu_isa: str | None = None) -> str:
+    """The CPU path to build: `native` (the best this CPU runs) unless a lower one is asked for by name,
+    which the tests do to check the AVX2 and portable paths on an AVX-512 machine."""
+    isa = (cpu_isa or "native").strip().lower() or "native"
     if isa not in CPU_ISAS:
-        raise ValueError(f"FP8KV_CPU_ISA={isa!r} is not one of: {', '.join(CPU_ISAS)}")
+        raise ValueError(f"CPU path {isa!r} is not one of: {', '.join(CPU_ISAS)}")
     return isa
 
 
@@ -112,21 +113,26 @@ def _cpu_identity() -> str:
     return "\n".join(lines) or platform.processor()
 
 
+def cpu_identity_hash() -> str:
+    """A short stable name for this CPU model and its features (keys of measurements kept on disk)."""
+    return hashlib.sha256(_cpu_identity().encode()).hexdigest()[:16]
+
+
 def _isa_cflags(isa: str) -> list[str]:
     x86 = platform.machine().lower() in ("x86_64", "amd64", "i686")
     if isa == "scalar":
         return ["-DFP8KV_FORCE_SCALAR"]
     if not x86:
         if isa in ("avx512", "avx2"):
-            raise RuntimeError(f"FP8KV_CPU_ISA={isa} needs an x86-64 CPU; this is {platform.machine()}")
+            raise RuntimeError(f"the {isa} CPU path needs an x86-64 CPU; this is {platform.machine()}")
         return ["-mcpu=native"]
     flags = _cpu_flags()
     if isa == "avx512" and not {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vbmi"} <= flags:
-        raise RuntimeError("FP8KV_CPU_ISA=avx512 needs AVX-512 F/BW/VL/DQ/VBMI, which this CPU lacks; "
+        raise RuntimeError("the avx512 CPU path needs AVX-512 F/BW/VL/DQ/VBMI, which this CPU lacks; "
                            "use native or avx2")
     if isa == "avx2":
         if flags and "avx2" not in flags:
-            raise RuntimeError("FP8KV_CPU_ISA=avx2 but this CPU lacks AVX2; use native or scalar")
+            raise RuntimeError("the avx2 CPU path needs AVX2, which this CPU lacks; use native or scalar")
         return ["-march=native", "-mno-avx512f"]
     return ["-march=native"]
 
@@ -271,17 +277,21 @@ def _notify(callback: Callable[[str], None] | None, message: str) -> None:
 
 
 def build(verbose: bool = False, progress_callback: Callable[[str], None] | None = None,
-          device: torch.device | str | None = None) -> str:
+          device: torch.device | str | None = None, cpu_isa: str | None = None) -> str:
     """Compile (unless cached) and load the op library into this process; returns its path."""
-    return load_library(verbose=verbose, progress_callback=progress_callback, device=device).path
+    return load_library(verbose=verbose, progress_callback=progress_callback, device=device, cpu_isa=cpu_isa).path
 
 
 def load_library(verbose: bool = False, progress_callback: Callable[[str], None] | None = None,
-                 device: torch.device | str | None = None) -> BuildResult:
+                 device: torch.device | str | None = None, cpu_isa: str | None = None) -> BuildResult:
     """Idempotent per process: later calls return the library the first call loaded (one op library per
-    process: a CPU-only one cannot grow GPU ops later, which is an error naming the fix)."""
+    process: a CPU-only one cannot grow GPU ops later, which is an error naming the fix). cpu_isa: a CPU path
+    other than the native one (avx512, avx2, scalar), for tests of the lower paths."""
     global _loaded
     if _loaded is not None:
+        if cpu_isa is not None and requested_isa(cpu_isa) != _loaded.isa:
+            raise RuntimeError(f"this process loaded the {_loaded.isa} CPU path of the fp8kv op library; "
+                               f"start a new process for the {cpu_isa} one")
         # Asked for no device in particular (the ops' wrappers, tests): whatever this process loaded.
         if not _loaded.with_cuda and device is not None and str(device) != "auto" and _wants_gpu(device):
             raise RuntimeError(f"this process loaded the fp8kv op library without its GPU sources "
@@ -289,7 +299,7 @@ def load_library(verbose: bool = False, progress_callback: Callable[[str], None]
         return _loaded
     start = time.perf_counter()
     root = source_dir()
-    isa = requested_isa()
+    isa = requested_isa(cpu_isa)
     cflags = ["-O3", "-std=c++17", "-fopenmp", "-Wall", "-Wno-unused-function", *_isa_cflags(isa)]
     cuda = _cuda_sources(root, _wants_gpu(device))
     cuda_cflags = _extra_cuda_cflags(root) if cuda else []
