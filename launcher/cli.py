@@ -169,7 +169,9 @@ def eval_command(model: str | None, kv_cache_dtype: str, quantization_param_path
 def _register_commands() -> None:
     from launcher.bench_commands import capacity, serve, throughput
     from launcher.calibrate_command import calibrate
-    from launcher.run import generate, run, systemd_unit
+    from launcher.generate_command import generate
+    from launcher.run import run
+    from launcher.systemd_command import systemd_unit
 
     for command in (run, generate, systemd_unit, calibrate):
         main.add_command(command)

@@ -15,7 +15,7 @@ import pytest
 from server_process import fp8kv_command
 
 from fp8cache.server.notify import Notifier, sd_notify, watchdog_interval
-from launcher.run import render_gpu_dropin, render_unit
+from launcher.systemd import render_gpu_dropin, render_unit
 
 REPO = Path(__file__).resolve().parent.parent
 UNITS = REPO / "scripts" / "systemd"

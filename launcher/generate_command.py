@@ -1,0 +1,127 @@
+"""`fp8kv generate`: one completion streamed to stdout, no server (with --num-shard N, over N ranks)."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import TYPE_CHECKING
+
+import click
+from rich.console import Console
+
+from launcher.options import engine_config, engine_errors, engine_options, fail, option, pick_model
+from launcher.supervisor import owns_its_children
+
+if TYPE_CHECKING:
+    from fp8cache.engine.llm_engine import LLMEngine
+
+console = Console(stderr=True)
+
+
+@click.command("generate", context_settings={"show_default": True})
+@click.argument("args", nargs=-1, required=True, metavar="[MODEL] PROMPT")
+@option("--max-tokens", type=click.IntRange(min=1), default=128, help="Most tokens to generate.")
+@option("--temperature", type=click.FloatRange(min=0), default=0.0,
+        help="Sampling temperature; 0 is greedy (the default: reproducible).")
+@option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, help="Nucleus sampling mass.")
+@option("--top-k", type=click.IntRange(min=-1), default=-1, help="Sample among the k likeliest tokens (-1: off).")
+@option("--min-p", type=click.FloatRange(0, 1), default=0.0,
+        help="Drop tokens below min-p times the top probability.")
+@option("--repetition-penalty", type=click.FloatRange(min=0, min_open=True), default=1.0,
+        help="Penalty on tokens already present (1: off).")
+@option("--presence-penalty", type=click.FloatRange(-2, 2), default=0.0, help="OpenAI presence penalty.")
+@option("--frequency-penalty", type=click.FloatRange(-2, 2), default=0.0, help="OpenAI frequency penalty.")
+@option("--sampling-seed", type=int, help="Seed of this request's sampling.")
+@option("--stop", multiple=True, help="Stop string (repeatable).")
+@option("--ignore-eos", is_flag=True, help="Keep generating past the end-of-sequence token.")
+@option("--chat/--no-chat", default=None,
+        help="Wrap PROMPT in the tokenizer's chat template as a user turn (default: when the tokenizer has one; "
+             "LLM.generate() in Python does not, LLM.chat() does).")
+@option("--num-shard", "--tensor-parallel-size", "num_shard", type=click.IntRange(min=1), default=1,
+        help="Tensor-parallel ranks: this process is rank 0 and starts the others itself. With "
+             "RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set (several machines, torchrun) this process is that "
+             "one rank.")
+@engine_options
+@owns_its_children
+@engine_errors
+def generate(args: tuple[str, ...], **kw) -> None:
+    """Generate from PROMPT ('-' reads standard input) without a server, streaming text to stdout.
+
+    PROMPT is sent as a chat message when the tokenizer has a chat template (like LLM.chat(), unlike
+    LLM.generate(), which sends text as given): use --no-chat to have the model continue PROMPT instead.
+
+    Example: fp8kv generate "What is the capital of France?" --kv-cache-dtype fp8 --max-tokens 32
+    """
+    if len(args) > 2:
+        raise click.UsageError(f"expected [MODEL] PROMPT, got {len(args)} arguments; quote the prompt")
+    model, prompt = (args[0], args[1]) if len(args) == 2 else (None, args[0])
+    from fp8cache.distributed import parallel_state
+    from fp8cache.distributed.group import WorkerDiedError
+    from fp8cache.engine.llm import LLM
+
+    num_shard = kw.pop("num_shard")
+    config = dataclasses.replace(engine_config(pick_model(model, kw["model_option"]), kw),
+                                 tensor_parallel_size=num_shard)
+    from fp8cache.kvcache.scales import check_engine_scales
+
+    check_engine_scales(config)  # a bad scales file fails now, not after the model loads (in every rank)
+
+    def log(msg: str) -> None:
+        from rich.markup import escape
+
+        console.print(f"[dim]{escape(msg)}[/]", highlight=False)  # worker lines start "[rank 1]"
+
+    if num_shard > 1 and (parallel_state.env_rank() or 0) > 0:  # one worker rank of an outside launcher
+        from fp8cache.model.tp_ranks import run_worker
+        from fp8cache.server.notify import Notifier
+
+        parallel_state.exit_rank(run_worker(config, log=log, on_ready=lambda status: Notifier().ready(status)))
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    try:
+        with console.status("loading the model..."):
+            llm = LLM.from_config(config, log=log)  # with --num-shard N, also starts and stops ranks 1..N-1
+        with llm:
+            _generate(llm.engine, prompt, kw)
+    except WorkerDiedError as exc:
+        fail(str(exc), code=1)
+
+
+def _generate(engine: LLMEngine, prompt: str, kw: dict) -> None:
+    from fp8cache.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(
+        temperature=kw["temperature"], top_p=kw["top_p"], top_k=kw["top_k"], min_p=kw["min_p"],
+        repetition_penalty=kw["repetition_penalty"], presence_penalty=kw["presence_penalty"],
+        frequency_penalty=kw["frequency_penalty"], seed=kw["sampling_seed"], stop=list(kw["stop"]) or None,
+        max_tokens=kw["max_tokens"], ignore_eos=kw["ignore_eos"])
+    tok = engine.tokenizer
+    chat = kw["chat"] if kw["chat"] is not None else bool(getattr(tok, "chat_template", None))
+    if chat:
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                       add_generation_prompt=True)
+        engine.add_request("generate", text, params, prompt_token_ids=tok.encode(text, add_special_tokens=False))
+    else:
+        engine.add_request("generate", prompt, params)
+    stream_to_stdout(engine, "generate")
+
+
+def stream_to_stdout(engine: LLMEngine, request_id: str) -> None:
+    """Step the engine until it is idle, writing request_id's new text as it comes; Ctrl-C aborts it."""
+    printed = 0
+    finish = None
+    try:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id != request_id:
+                    continue
+                text = out.outputs[0].text
+                sys.stdout.write(text[printed:])
+                sys.stdout.flush()
+                printed = len(text)
+                finish = out.outputs[0].finish_reason
+    except KeyboardInterrupt:
+        engine.abort_request(request_id)
+        finish = "interrupted"
+    sys.stdout.write("\n")
+    console.print(f"[dim]finish reason: {finish}[/]", highlight=False)
