@@ -104,6 +104,12 @@ def _cpu_flags() -> set[str]:
     return set(_first_cpu_lines().get("flags", "").split())
 
 
+def cpu_feature_names() -> set[str]:
+    """The CPU's feature names as /proc/cpuinfo spells them: x86 `flags` and Arm `Features` together."""
+    fields = _first_cpu_lines()
+    return set(fields.get("flags", "").split()) | set(fields.get("Features", "").split())
+
+
 def _cpu_identity() -> str:
     """What -march=native / -mcpu=native compile for: the first CPU's model and feature lines. A cache
     directory that moves to another machine (a shared home, a copied image) must not hand it a library

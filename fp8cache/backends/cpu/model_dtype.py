@@ -1,0 +1,78 @@
+"""`--dtype auto` on a CPU: float32 or bfloat16, whichever runs a model faster on this CPU.
+
+A decode step streams every weight from memory, so bfloat16's half-size weights win wherever the CPU multiplies
+bfloat16 natively (AMX, AVX512-BF16, Arm's BF16): `fp8kv bench throughput` (16 x 256 in / 128 out) gave 1.9x
+the float32 throughput on an Intel Xeon with AMX and 1.4x on an AMD EPYC with AVX512-BF16. Without such instructions oneDNN converts bfloat16 to float32 as it multiplies, and whether the
+halved bytes pay for that depends on the CPU, so a short measurement decides, once per machine (ops/probes.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from fp8cache.ops import _build, probes
+
+# /proc/cpuinfo feature names of native bfloat16 multiplies, best first, with the names people know them by.
+NATIVE_BF16 = (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX512-BF16"), ("bf16", "Arm BF16"))
+# The measurement: a decoder layer's projections at a SmolLM2-sized width, a decode-sized and a prefill-sized
+# batch (the latter weighted per row like decode ones, as packing's probe does).
+_SHAPES = ((1728, 576), (576, 576), (576, 1536), (1536, 576))
+_ROWS = ((16, 1.0), (256, 16 / 256))
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    dtype: torch.dtype
+    reason: str
+
+    def describe(self) -> str:
+        return f"{str(self.dtype).removeprefix('torch.')} ({self.reason})"
+
+
+def choose(features: set[str], bfloat16_faster: Callable[[], bool]) -> DtypeChoice:
+    """The model dtype for a CPU with `features`; bfloat16_faster() is asked only where they don't decide."""
+    for flag, name in NATIVE_BF16:
+        if flag in features:
+            return DtypeChoice(torch.bfloat16, f"auto: this CPU multiplies bfloat16 natively ({name})")
+    if bfloat16_faster():
+        return DtypeChoice(torch.bfloat16, "auto: no native bfloat16 multiply, but bfloat16 measured faster here")
+    return DtypeChoice(torch.float32, "auto: no native bfloat16 multiply, and float32 measured faster here")
+
+
+@functools.cache
+def cpu_auto_dtype() -> DtypeChoice:
+    """This machine's choice (memoized: every engine of a process gets the same answer)."""
+    return choose(_build.cpu_feature_names(),
+                  lambda: probes.remembered(["bfloat16 model faster"], measure_bfloat16_faster))
+
+
+def measure_bfloat16_faster(repeats: int = 3) -> bool:
+    """Whether F.linear over bfloat16 weights beats float32 ones at decoder shapes (best of `repeats`)."""
+    generator = torch.Generator().manual_seed(0)
+    totals = {}
+    with torch.no_grad():
+        for dtype in (torch.float32, torch.bfloat16):
+            total = 0.0
+            for out_features, in_features in _SHAPES:
+                weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
+                for rows, share in _ROWS:
+                    x = torch.randn(rows, in_features, generator=generator).to(dtype)
+                    total += share * _best_time(x, weight, repeats)
+            totals[dtype] = total
+    return totals[torch.bfloat16] < totals[torch.float32]
+
+
+def _best_time(x: torch.Tensor, weight: torch.Tensor, repeats: int) -> float:
+    F.linear(x, weight)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        F.linear(x, weight)
+        best = min(best, time.perf_counter() - start)
+    return best

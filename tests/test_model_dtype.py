@@ -1,0 +1,69 @@
+"""--dtype auto on a CPU: the CPU's features pick bfloat16 where it multiplies bfloat16 natively; elsewhere a
+measurement, kept per machine, decides."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp8cache.backends.cpu import model_dtype
+
+EPYC_ZEN4 = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vbmi"}
+XEON_AMX = {"avx512f", "avx512bw", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16"}
+AVX2_ONLY = {"avx", "avx2", "fma"}
+ARM_BF16 = {"fp", "asimd", "bf16", "sve"}
+ARM_PLAIN = {"fp", "asimd"}
+
+
+def never_measured() -> bool:
+    pytest.fail("the features decide: nothing to measure")
+
+
+@pytest.mark.parametrize("features,reason", [(XEON_AMX, "AMX-BF16"), (EPYC_ZEN4, "AVX512-BF16"),
+                                             (ARM_BF16, "Arm BF16")])
+def test_native_bfloat16_picks_bfloat16_without_measuring(features, reason):
+    choice = model_dtype.choose(features, never_measured)
+    assert choice.dtype == torch.bfloat16
+    assert reason in choice.reason and reason in choice.describe()
+
+
+@pytest.mark.parametrize("features", [AVX2_ONLY, ARM_PLAIN, set()])
+@pytest.mark.parametrize("faster", [True, False])
+def test_without_native_bfloat16_the_measurement_decides(features, faster):
+    asked = []
+    choice = model_dtype.choose(features, lambda: asked.append(1) or faster)
+    assert asked == [1]
+    assert choice.dtype == (torch.bfloat16 if faster else torch.float32)
+    assert "measured" in choice.reason
+
+
+def test_the_measurement_compares_the_two_dtypes(monkeypatch):
+    """measure_bfloat16_faster follows the times it sees, at every shape and batch it tries."""
+    seen = []
+
+    def timed(slow_dtype):
+        def best_time(x, weight, repeats):
+            assert x.dtype == weight.dtype
+            seen.append((x.dtype, x.shape[0], tuple(weight.shape)))
+            return 2.0 if x.dtype == slow_dtype else 1.0
+        return best_time
+
+    monkeypatch.setattr(model_dtype, "_best_time", timed(torch.bfloat16))
+    assert model_dtype.measure_bfloat16_faster() is False
+    assert len(seen) == 2 * len(model_dtype._SHAPES) * len(model_dtype._ROWS)
+    monkeypatch.setattr(model_dtype, "_best_time", timed(torch.float32))
+    assert model_dtype.measure_bfloat16_faster() is True
+    x, weight = torch.randn(3, 8), torch.randn(4, 8)
+    monkeypatch.undo()
+    assert model_dtype._best_time(x, weight, repeats=2) > 0
+
+
+def test_this_machine_gets_an_answer_once(monkeypatch, tmp_path):
+    monkeypatch.setenv("FP8KV_CACHE_DIR", str(tmp_path))
+    model_dtype.cpu_auto_dtype.cache_clear()
+    try:
+        first = model_dtype.cpu_auto_dtype()
+        assert first.dtype in (torch.float32, torch.bfloat16)
+        assert model_dtype.cpu_auto_dtype() is first
+    finally:
+        model_dtype.cpu_auto_dtype.cache_clear()
