@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from fp8cache import ops
+from fp8cache.backends.cuda import cuda_graph, gpu_errors
 from fp8cache.config import DEFAULT_KV_RECENT_WINDOW, EngineConfig
 from fp8cache.device import describe as describe_device
 from fp8cache.device import resolve_device
@@ -21,9 +22,7 @@ from fp8cache.kvcache import scales as kv_scales
 from fp8cache.kvcache.rotation import rotation_matrix
 from fp8cache.model import (
     attention,
-    cuda_graph,
     fused_layer,
-    gpu_errors,
     malloc_tuning,
     packed_linear,
 )
