@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 from fp8cache.engine.outputs import Logprob
-from fp8cache.server import protocol as P
+from fp8cache.server.protocol.chat import ChatLogprobs, ChatTokenLogprob, ChatTopLogprob
+from fp8cache.server.protocol.completions import CompletionLogprobs
+from fp8cache.server.protocol.outputs import PromptLogprob, PromptLogprobs
+from fp8cache.server.protocol.tgi import TGIToken
 
 # JSON has no -inf: a token the model rules out entirely is reported as this (as vLLM does).
 LOWEST_LOGPROB = -9999.0
@@ -21,10 +24,10 @@ def _top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
 
 def completion_logprobs(
     entries: list[dict[int, Logprob] | None], tokens: list[int], k: int, offset: int = 0, first_text: str = ""
-) -> P.CompletionLogprobs:
+) -> CompletionLogprobs:
     """offset: where the first token's text starts (token texts laid end to end, as vLLM counts). An entry
     of None (an echoed prompt's first token, whose text is first_text) has no logprobs."""
-    out = P.CompletionLogprobs(text_offset=[], token_logprobs=[], tokens=[], top_logprobs=[])
+    out = CompletionLogprobs(text_offset=[], token_logprobs=[], tokens=[], top_logprobs=[])
     for entry, token in zip(entries, tokens):
         chosen = entry[token] if entry is not None else None
         text = chosen.decoded_token if chosen is not None else first_text
@@ -41,7 +44,7 @@ def completion_logprobs(
     return out
 
 
-def end_offset(logprobs: P.CompletionLogprobs | None, offset: int = 0) -> int:
+def end_offset(logprobs: CompletionLogprobs | None, offset: int = 0) -> int:
     """Where text after these tokens starts."""
     if logprobs is None or not logprobs.tokens:
         return offset
@@ -49,12 +52,12 @@ def end_offset(logprobs: P.CompletionLogprobs | None, offset: int = 0) -> int:
 
 
 def join(
-    first: P.CompletionLogprobs | None, second: P.CompletionLogprobs | None
-) -> P.CompletionLogprobs | None:
+    first: CompletionLogprobs | None, second: CompletionLogprobs | None
+) -> CompletionLogprobs | None:
     if first is None or second is None:
         return first or second
-    return P.CompletionLogprobs(
-        **{name: getattr(first, name) + getattr(second, name) for name in P.CompletionLogprobs.model_fields}
+    return CompletionLogprobs(
+        **{name: getattr(first, name) + getattr(second, name) for name in CompletionLogprobs.model_fields}
     )
 
 
@@ -63,18 +66,18 @@ def _chat_token(logprob: Logprob) -> dict:
     return {"token": text, "logprob": _value(logprob), "bytes": list(text.encode("utf-8"))}
 
 
-def chat_logprobs(entries: list[dict[int, Logprob]], tokens: list[int], k: int) -> P.ChatLogprobs:
+def chat_logprobs(entries: list[dict[int, Logprob]], tokens: list[int], k: int) -> ChatLogprobs:
     content = [
-        P.ChatTokenLogprob(
+        ChatTokenLogprob(
             **_chat_token(entry[token]),
-            top_logprobs=[P.ChatTopLogprob(**_chat_token(lp)) for _, lp in _top(entry, k)],
+            top_logprobs=[ChatTopLogprob(**_chat_token(lp)) for _, lp in _top(entry, k)],
         )
         for entry, token in zip(entries, tokens)
     ]
-    return P.ChatLogprobs(content=content)
+    return ChatLogprobs(content=content)
 
 
-def prompt_logprobs(entries: list[dict[int, Logprob] | None] | None) -> P.PromptLogprobs | None:
+def prompt_logprobs(entries: list[dict[int, Logprob] | None] | None) -> PromptLogprobs | None:
     """vLLM's prompt_logprobs field: each prompt token's dict (the token and its top k), ids as keys."""
     if entries is None:
         return None
@@ -82,7 +85,7 @@ def prompt_logprobs(entries: list[dict[int, Logprob] | None] | None) -> P.Prompt
         None
         if entry is None
         else {
-            str(token): P.PromptLogprob(logprob=_value(lp), rank=lp.rank, decoded_token=lp.decoded_token)
+            str(token): PromptLogprob(logprob=_value(lp), rank=lp.rank, decoded_token=lp.decoded_token)
             for token, lp in entry.items()
         }
         for entry in entries
@@ -93,8 +96,8 @@ def token_logprob(entry: dict[int, Logprob], token_id: int) -> float:
     return _value(entry[token_id])
 
 
-def tgi_top_tokens(entry: dict[int, Logprob], k: int, special: set[int]) -> list[P.TGIToken]:
+def tgi_top_tokens(entry: dict[int, Logprob], k: int, special: set[int]) -> list[TGIToken]:
     return [
-        P.TGIToken(id=token_id, text=lp.decoded_token, logprob=_value(lp), special=token_id in special)
+        TGIToken(id=token_id, text=lp.decoded_token, logprob=_value(lp), special=token_id in special)
         for token_id, lp in _top(entry, k)
     ]

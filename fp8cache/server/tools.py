@@ -9,17 +9,17 @@ import uuid
 from typing import Any
 
 from fp8cache.engine.structured_output import StructuredOutputsParams
-from fp8cache.server import protocol as P
+from fp8cache.server.protocol.chat import FunctionCall, NamedToolChoice, Tool, ToolCall
 
 
 def structured_outputs(
-    tools: list[P.Tool], choice: Any, parallel: bool = True
+    tools: list[Tool], choice: Any, parallel: bool = True
 ) -> StructuredOutputsParams | None:
     """The constraint a tool_choice puts on the output; None for "none" (and no tools). parallel=False: one
     call at most (OpenAI's parallel_tool_calls)."""
     if not tools or choice in (None, "none"):
         return None
-    if isinstance(choice, P.NamedToolChoice):
+    if isinstance(choice, NamedToolChoice):
         return StructuredOutputsParams(json=_parameters(_named(tools, choice.function.name)))
     calls = [
         {
@@ -38,10 +38,10 @@ def structured_outputs(
     return StructuredOutputsParams(json=array)
 
 
-def tool_calls(tools: list[P.Tool], choice: Any, text: str) -> list[P.ToolCall]:
+def tool_calls(tools: list[Tool], choice: Any, text: str) -> list[ToolCall]:
     """The calls in a finished output (a named call's arguments are the whole text). Output cut short (by
     max_tokens) is not valid JSON: a 'required' call list then comes back empty."""
-    if isinstance(choice, P.NamedToolChoice):
+    if isinstance(choice, NamedToolChoice):
         return [_call(choice.function.name, text)]
     try:
         calls = json.loads(text)
@@ -50,15 +50,15 @@ def tool_calls(tools: list[P.Tool], choice: Any, text: str) -> list[P.ToolCall]:
     return [_call(c["name"], json.dumps(c["parameters"])) for c in calls]
 
 
-def _named(tools: list[P.Tool], name: str) -> P.Tool:
+def _named(tools: list[Tool], name: str) -> Tool:
     return next(t for t in tools if t.function.name == name)  # the request's validator checked the name
 
 
-def _parameters(tool: P.Tool) -> dict:
+def _parameters(tool: Tool) -> dict:
     return tool.function.parameters or {"type": "object", "properties": {}}
 
 
-def _call(name: str, arguments: str) -> P.ToolCall:
-    return P.ToolCall(
-        id=f"chatcmpl-tool-{uuid.uuid4().hex}", function=P.FunctionCall(name=name, arguments=arguments)
+def _call(name: str, arguments: str) -> ToolCall:
+    return ToolCall(
+        id=f"chatcmpl-tool-{uuid.uuid4().hex}", function=FunctionCall(name=name, arguments=arguments)
     )
