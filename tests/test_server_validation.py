@@ -285,7 +285,7 @@ def test_a_whole_oversized_body_in_one_message_is_refused_without_waiting():
 
     from starlette.requests import Request
 
-    from fp8cache.server import app as server_app
+    from fp8cache.server import parsing as server_app
     from fp8cache.server import protocol as P
 
     sent = []

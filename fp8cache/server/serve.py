@@ -172,9 +172,11 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
     """Load the engine, serve until a signal or an engine crash; the process exit code."""
     from fp8cache.engine.llm_engine import LLMEngine
     from fp8cache.engine.sampling_params import SamplingParams
-    from fp8cache.server.app import LOOPBACK_HOSTS, AppState, ModelInfo, ServerSettings, create_app
+    from fp8cache.server.app import create_app
     from fp8cache.server.async_engine import AsyncEngine
     from fp8cache.server.metrics import ServerMetrics
+    from fp8cache.server.middleware import LOOPBACK_HOSTS
+    from fp8cache.server.state import AppState, ModelInfo, ServerSettings
 
     if not isinstance(options.structured_output_memory, int):
         from fp8cache.kvcache.sizing import parse_memory_size

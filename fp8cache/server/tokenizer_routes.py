@@ -7,35 +7,31 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from fp8cache.server import protocol as P
-from fp8cache.server.app import (
-    _check_model,
-    _state,
-    _tokenize,
-    parse,
-    read_json,
-    validated,
-)
-from fp8cache.server.openai_routes import _render_chat
+from fp8cache.server.chat_template import render_chat
+from fp8cache.server.parsing import parse, read_json, validated
+from fp8cache.server.protocol.request_error import RequestError
+from fp8cache.server.protocol.tokenize import DetokenizeRequest, TGITokenizeRequest, TokenizeRequest
+from fp8cache.server.state import app_state, run_tokenizer
+from fp8cache.server.validation import check_model
 
 
 async def tokenize(request: Request) -> Response:
     """POST /tokenize: TGI's ({"inputs": ...}: tokens with their character spans) or vLLM's ({"prompt": ...}
     or {"messages": ...}: ids, count, max_model_len); the body tells which."""
-    state = _state(request)
+    state = app_state(request)
     body = await read_json(request, state.settings.max_request_bytes)
     tok = state.info.tokenizer
     if "inputs" in body:
-        text = validated(P.TGITokenizeRequest, body).inputs
-        spans = await _tokenize(state, lambda: _token_spans(tok, text), size=len(text))
+        text = validated(TGITokenizeRequest, body).inputs
+        spans = await run_tokenizer(state, lambda: _token_spans(tok, text), size=len(text))
         return JSONResponse([{"id": t, "text": piece, "start": start, "stop": stop} for t, piece, start, stop in spans])
-    req: P.TokenizeRequest = validated(P.TokenizeRequest, body)
-    _check_model(state, req.model)
+    req: TokenizeRequest = validated(TokenizeRequest, body)
+    check_model(state, req.model)
     if req.messages is not None:
-        ids = await _render_chat(state, req.messages, req.add_generation_prompt, bool(req.add_special_tokens))
+        ids = await render_chat(state, req.messages, req.add_generation_prompt, bool(req.add_special_tokens))
     else:
         special = req.add_special_tokens is not False
-        ids = await _tokenize(state, lambda: tok.encode(req.prompt, add_special_tokens=special), size=len(req.prompt))
+        ids = await run_tokenizer(state, lambda: tok.encode(req.prompt, add_special_tokens=special), size=len(req.prompt))
     return JSONResponse({"count": len(ids), "max_model_len": state.info.max_model_len, "tokens": ids,
                          "token_strs": None})
 
@@ -57,12 +53,12 @@ def _token_spans(tok: Any, text: str) -> list[tuple[int, str, int, int]]:
 
 
 async def detokenize(request: Request) -> Response:
-    state = _state(request)
-    req: P.DetokenizeRequest = await parse(request, P.DetokenizeRequest)
-    _check_model(state, req.model)
+    state = app_state(request)
+    req: DetokenizeRequest = await parse(request, DetokenizeRequest)
+    check_model(state, req.model)
     bad = [t for t in req.tokens if t >= state.info.vocab_size]
     if bad:
-        raise P.RequestError(f"tokens: token id {bad[0]} is outside the vocabulary (0..{state.info.vocab_size - 1})",
-                             param="tokens", code="invalid_value")
-    text = await _tokenize(state, lambda: state.info.tokenizer.decode(req.tokens), size=len(req.tokens))
+        raise RequestError(f"tokens: token id {bad[0]} is outside the vocabulary (0..{state.info.vocab_size - 1})",
+                           param="tokens", code="invalid_value")
+    text = await run_tokenizer(state, lambda: state.info.tokenizer.decode(req.tokens), size=len(req.tokens))
     return JSONResponse({"prompt": text})
