@@ -75,7 +75,8 @@ def generate(args: tuple[str, ...], **kw) -> None:
         from fp8cache.model.tp_ranks import run_worker
         from fp8cache.server.notify import Notifier
 
-        parallel_state.exit_rank(run_worker(config, log=log, on_ready=lambda status: Notifier().ready(status)))
+        parallel_state.exit_rank(run_worker(config, log=log,
+                                            on_ready=lambda status: Notifier().ready(status)))
     if prompt == "-":
         prompt = sys.stdin.read()
     try:

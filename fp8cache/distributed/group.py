@@ -2,8 +2,9 @@
 
 LLM(tensor_parallel_size=N), `fp8kv generate --num-shard N` and `fp8kv bench throughput --num-shard N` all
 run on a TensorParallelGroup. The ranks meet over a TCPStore that rank 0 hosts on 127.0.0.1; each worker
-gets the engine configs as JSON, builds the same runners in the same order (worker.build_runners, as
-`fp8kv run`'s ranks do) and serves rank 0's steps until told to stop. Rank 0 watches its workers: one that
+gets the engine configs as JSON, builds the same runners in the same order with the builder rank 0 was given
+(fp8cache/model/tp_ranks.py's build_runners, passed here by module and name, since this package imports no
+model code) and serves rank 0's steps until told to stop. Rank 0 watches its workers: one that
 dies becomes a WorkerDiedError naming the rank, how it ended and its last output, not a hang or a bare
 gloo message. Workers exit when rank 0 closes the group, when rank 0's process ends (atexit, or its
 connections closing), or when their parent process is gone.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import importlib
 import json
 import os
 import subprocess
@@ -37,6 +39,12 @@ _EXIT_WAIT_S = 2.0  # a gloo error arrives as the dead worker's sockets close; i
 _POLL_S = 0.05
 _JOINED_KEY = "fp8kv/joined/{rank}"
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Builds one rank's runners from the engine configs, in order: (configs, log) -> runners.
+RunnerBuilder = Callable[[Sequence[EngineConfig], Callable[[str], None]], list]
+# For callers that still start a group without naming a builder (engine/llm.py and bench/throughput.py, until
+# they call fp8cache.model.tp_ranks.start_group); with sharding.check_model_divisible, the only places this
+# package still names the model side.
+_DEFAULT_BUILDER = "fp8cache.model.tp_ranks:build_runners"
 
 
 class WorkerDiedError(RuntimeError):
@@ -57,12 +65,16 @@ class TensorParallelGroup:
 
     @classmethod
     def start(cls, configs: Sequence[EngineConfig], log: Callable[[str], None] = print,
-              threads_per_rank: int | None = None) -> TensorParallelGroup:
+              threads_per_rank: int | None = None,
+              build_runners: RunnerBuilder | None = None) -> TensorParallelGroup:
         """Start ranks 1..N-1, join them as rank 0, and build one runner per config on every rank.
 
         threads_per_rank: torch threads of each worker (default: OMP_NUM_THREADS when set, else this
-        machine's cores shared out over the ranks)."""
+        machine's cores shared out over the ranks). build_runners: a module-level function, since each worker
+        imports it by name (fp8cache.model.tp_ranks.start_group passes fp8cache's)."""
         world = _check_configs(configs)
+        builder = _builder_name(build_runners) if build_runners is not None else _DEFAULT_BUILDER
+        build = build_runners or _import_builder(builder)
         if parallel_state.get().is_parallel:
             raise RuntimeError(f"this process already runs a tensor-parallel group of "
                                f"{parallel_state.get().world_size} ranks; close that LLM (llm.close(), or use"
@@ -70,9 +82,9 @@ class TensorParallelGroup:
         group = cls(world, log)
         atexit.register(group.close)
         try:
-            group._spawn(configs, _worker_threads(configs[0], world, threads_per_rank))
+            group._spawn(configs, _worker_threads(configs[0], world, threads_per_rank), builder)
             group._join(configs[0])
-            runners = tp_worker.build_runners(configs, log)
+            runners = build(configs, log)
             group.runners = [DriverRunner(r, i, group) for i, r in enumerate(runners)]
         except BaseException as exc:
             died = group.dead_worker(_EXIT_WAIT_S) if not isinstance(exc, WorkerDiedError) else None
@@ -88,10 +100,11 @@ class TensorParallelGroup:
 
     # ---- starting --------------------------------------------------------------------------------------
 
-    def _spawn(self, configs: Sequence[EngineConfig], threads: int | None) -> None:
+    def _spawn(self, configs: Sequence[EngineConfig], threads: int | None, builder: str) -> None:
         self._store = dist.TCPStore(LOOPBACK, 0, self.world_size, is_master=True, wait_for_workers=False,
                                     timeout=timedelta(seconds=JOIN_TIMEOUT_S))
-        spec = json.dumps({"configs": [dataclasses.asdict(c) for c in configs], "threads": threads})
+        spec = json.dumps({"configs": [dataclasses.asdict(c) for c in configs], "threads": threads,
+                           "builder": builder})
         path = os.pathsep.join(p for p in (_PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p)
         for rank in range(1, self.world_size):
             env = rank_env(rank, self.world_size, self._store.port, PYTHONPATH=path)
@@ -234,6 +247,20 @@ def _worker_threads(config: EngineConfig, world: int, wanted: int | None) -> int
     return max(1, (os.cpu_count() or 1) // world)  # rank 0 keeps its own setting
 
 
+def _builder_name(build: RunnerBuilder) -> str:
+    """"module:function", for a worker process to import."""
+    name = getattr(build, "__qualname__", "")
+    if not name or "<" in name:  # a lambda or a nested function: no worker could import it
+        raise ValueError(f"build_runners={build!r} must be a module-level function; each worker rank imports "
+                         "it by name")
+    return f"{build.__module__}:{name}"
+
+
+def _import_builder(name: str) -> RunnerBuilder:
+    module, _, attr = name.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
 def _died_message(died: RankProcess, when: str) -> str:
     when = f" {when}" if when else ""
     first, *rest = died.describe_failure().split("\n", 1)
@@ -249,6 +276,7 @@ def worker_main(spec_json: str) -> int:
     """A rank > 0 started by TensorParallelGroup: join rank 0, build the runners, serve steps; exit code."""
     spec = json.loads(spec_json)
     configs = [EngineConfig(**c) for c in spec["configs"]]
+    build = _import_builder(spec["builder"])
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
     _exit_with_parent()
@@ -257,7 +285,7 @@ def worker_main(spec_json: str) -> int:
                           timeout=timedelta(seconds=JOIN_TIMEOUT_S))
     store.set(_JOINED_KEY.format(rank=rank), "1")
     parallel_state.join(rank, world, torch.device(parallel_state.rank_device(configs[0], rank)), store)
-    runners = tp_worker.build_runners(configs, log=print)
+    runners = build(configs, print)
     print(f"rank {rank} of {world} ready", flush=True)
     steps = tp_worker.serve_steps([r.execute for r in runners])
     print(f"rank {rank}: stopped by rank 0 after {steps} steps", flush=True)

@@ -63,23 +63,11 @@ def check_divisible(hf_config: object, tp_size: int) -> None:
 
 
 def check_model_divisible(config: EngineConfig) -> None:
-    """check_divisible from the model's config.json alone, before any rank is started: a --num-shard the
-    heads do not allow is then one error, not one traceback per rank after each loaded the weights. A config
-    that cannot be read here is left for the ranks to report."""
-    size = config.tensor_parallel_size
-    if not isinstance(size, int) or size <= 1:
-        return
-    from transformers import AutoConfig
+    """fp8cache.model.tp_ranks.check_model_divisible, under the name engine/llm.py still imports (it reads the
+    model folder, which is the model side's to find); remove once that import names tp_ranks."""
+    from fp8cache.model.tp_ranks import check_model_divisible as check
 
-    from fp8cache.model.loader import resolve_model_path
-
-    path = resolve_model_path(config.model)
-    try:
-        hf_config = AutoConfig.from_pretrained(path, trust_remote_code=bool(config.trust_remote_code),
-                                               local_files_only=True)
-    except (OSError, ValueError):
-        return
-    check_divisible(hf_config, size)
+    check(config)
 
 
 def shard_model(model: nn.Module, hf_config: object, tp_rank: int, tp_size: int) -> None:

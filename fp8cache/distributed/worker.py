@@ -1,9 +1,12 @@
-"""The step channel between rank 0 and the other ranks, and the loop those ranks run.
+"""The step channel between rank 0 and the other ranks.
 
-Rank 0 broadcasts each StepBatch before computing it; every other rank receives it and runs the same step on
-its own slice of the model, so the all_reduces inside the forward pass meet. A None message ends the loop.
+Rank 0 broadcasts each step's batch before computing it; every other rank receives it and runs the same step
+on its own slice of the model, so the all_reduces inside the forward pass meet. A None message ends the loop.
 A rank may hold several runners on one copy of the weights (the bench's cache dtypes side by side): every
 rank builds them in the same order, and each step names its runner by that index.
+
+What a step is and what runs it is the model side's (fp8cache/model/tp_ranks.py builds the runners and runs
+a worker rank's loop): a batch is an opaque picklable object here, and a runner one callable.
 """
 
 from __future__ import annotations
@@ -11,18 +14,15 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
-import signal
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch.distributed as dist
 
-from fp8cache.config import EngineConfig
 from fp8cache.distributed import parallel_state
-from fp8cache.model.batch import StepBatch
 
-Execute = Callable[[StepBatch, bool], object]  # a runner's execute(batch, all_logits)
+Execute = Callable[[object, bool], object]  # a runner's execute(batch, all_logits)
 _STOP = None
 _STOP_WAIT_S = 60.0  # how long the stop message waits for a step in flight
 _GOODBYE_WAIT_S = 30.0  # how long the ranks wait for each other after the stop message
@@ -52,7 +52,7 @@ def selected_runner(index: int) -> Iterator[None]:
 
 
 @contextmanager
-def driver_step(batch: StepBatch, all_logits: bool) -> Iterator[None]:
+def driver_step(batch: object, all_logits: bool) -> Iterator[None]:
     """Rank 0: send the step to the workers, then compute it (inside the block) while no stop can cut in."""
     global steps_sent
     state = parallel_state.get()
@@ -122,32 +122,3 @@ def serve_steps(execute: Execute | Sequence[Execute]) -> int:
         executes[index](batch, all_logits)
         steps += 1
 
-
-def build_runners(configs: Sequence[EngineConfig], log: Callable[[str], None] = print) -> list:
-    """This rank's ModelRunners, one per config, in order; several share one loaded copy of the weights."""
-    from fp8cache.model.loader import load_model
-    from fp8cache.model.runner import ModelRunner
-
-    configs = [parallel_state.initialize(c)[0] for c in configs]  # this rank's device in each
-    loaded = load_model(configs[0]) if len(configs) > 1 else None
-    return [ModelRunner(c, log=log, loaded=loaded) for c in configs]
-
-
-def run_worker(config: EngineConfig, log: Callable[[str], None] = print) -> int:
-    """A rank > 0 of `fp8kv run --num-shard N`: load this rank's slice, report ready, serve steps; exit code."""
-    from fp8cache.server.notify import Notifier
-
-    (runner,) = build_runners([config], log)
-    state = parallel_state.get()
-    if state.is_driver:
-        raise RuntimeError("run_worker is for ranks > 0; rank 0 runs the engine")
-    # A stop signal now waits for rank 0's stop message: rank 0 drains its requests first, and those need
-    # this rank's share of every step. (The launcher sends SIGKILL if that takes too long.)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda s, f: log(f"{signal.Signals(s).name} received: stopping when rank 0 does"))
-    Notifier().ready(f"tensor-parallel rank {state.rank} of {state.world_size} ready")
-    log(f"rank {state.rank} of {state.world_size} ready")
-    steps = serve_steps(runner.execute)
-    log(f"rank {state.rank}: stopped by rank 0 after {steps} steps")
-    parallel_state.destroy()
-    return 0

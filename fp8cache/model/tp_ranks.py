@@ -1,0 +1,72 @@
+"""Tensor parallelism, model side: the runners every rank builds and the loop a worker rank runs.
+
+fp8cache.distributed starts the rank processes, joins the process groups and carries each step from rank 0
+to the others, but knows nothing of models; this module hands it ModelRunners. Rank 0 runs the engine (and,
+with `fp8kv run`, the HTTP server); every other rank runs run_worker, or the offline group's worker
+(fp8cache/distributed/group.py), which calls build_runners by name in the new process.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable, Sequence
+
+from fp8cache.config import EngineConfig
+from fp8cache.distributed import parallel_state
+from fp8cache.distributed import worker as step_channel
+from fp8cache.distributed.group import TensorParallelGroup
+from fp8cache.distributed.sharding import check_divisible
+from fp8cache.model.loader import load_model, resolve_model_path
+from fp8cache.model.runner import ModelRunner
+
+
+def build_runners(configs: Sequence[EngineConfig], log: Callable[[str], None] = print) -> list[ModelRunner]:
+    """This rank's ModelRunners, one per config, in order; several share one loaded copy of the weights."""
+    configs = [parallel_state.initialize(c)[0] for c in configs]  # this rank's device in each
+    loaded = load_model(configs[0]) if len(configs) > 1 else None
+    return [ModelRunner(c, log=log, loaded=loaded) for c in configs]
+
+
+def start_group(configs: Sequence[EngineConfig], log: Callable[[str], None] = print,
+                threads_per_rank: int | None = None) -> TensorParallelGroup:
+    """This process as rank 0 of a new offline group whose ranks each build these configs' runners."""
+    return TensorParallelGroup.start(configs, log, threads_per_rank, build_runners=build_runners)
+
+
+def run_worker(config: EngineConfig, log: Callable[[str], None] = print,
+               on_ready: Callable[[str], object] | None = None) -> int:
+    """A rank > 0 of `fp8kv run --num-shard N` (or of an outside launcher): load this rank's slice, report
+    ready (on_ready gets a status line: the launcher's sd_notify), serve rank 0's steps; the exit code."""
+    (runner,) = build_runners([config], log)
+    state = parallel_state.get()
+    if state.is_driver:
+        raise RuntimeError("run_worker is for ranks > 0; rank 0 runs the engine")
+    # A stop signal now waits for rank 0's stop message: rank 0 drains its requests first, and those need
+    # this rank's share of every step. (The launcher sends SIGKILL if that takes too long.)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda s, f: log(f"{signal.Signals(s).name} received: stopping when rank 0 does"))
+    if on_ready is not None:
+        on_ready(f"tensor-parallel rank {state.rank} of {state.world_size} ready")
+    log(f"rank {state.rank} of {state.world_size} ready")
+    steps = step_channel.serve_steps(runner.execute)
+    log(f"rank {state.rank}: stopped by rank 0 after {steps} steps")
+    parallel_state.destroy()
+    return 0
+
+
+def check_model_divisible(config: EngineConfig) -> None:
+    """check_divisible from the model's config.json alone, before any rank is started: a --num-shard the
+    heads do not allow is then one error, not one traceback per rank after each loaded the weights. A config
+    that cannot be read here is left for the ranks to report."""
+    size = config.tensor_parallel_size
+    if not isinstance(size, int) or size <= 1:
+        return
+    from transformers import AutoConfig
+
+    path = resolve_model_path(config.model)
+    try:
+        hf_config = AutoConfig.from_pretrained(path, trust_remote_code=bool(config.trust_remote_code),
+                                               local_files_only=True)
+    except (OSError, ValueError):
+        return
+    check_divisible(hf_config, size)
