@@ -1,0 +1,80 @@
+"""`fp8kv bench kernels`: decode attention per kv-cache dtype against torch SDPA, as a table or --json.
+
+The measuring is fp8cache.bench.kernels'; the other bench commands are in bench_commands.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+console = Console(stderr=True)
+
+
+def _parse_shapes(text: str) -> list[tuple[int, int]]:
+    shapes = []
+    for item in text.split(","):
+        try:
+            batch, context = item.split("x")
+            shapes.append((int(batch), int(context)))
+        except ValueError:
+            raise click.BadParameter(f"{item!r} is not BATCHxCONTEXT, e.g. 8x8192", param_hint="--shapes")
+    return shapes
+
+
+@click.command("kernels")
+@click.option("--shapes", default="1x512,1x16384,8x2048,8x8192,32x512,32x4096", show_default=True,
+              help="Comma-separated BATCHxCONTEXT pairs.")
+@click.option("--num-heads", default=32, show_default=True)
+@click.option("--num-kv-heads", default=8, show_default=True)
+@click.option("--head-size", default=128, show_default=True)
+@click.option("--block-size", default=16, show_default=True)
+@click.option("--repeats", default=5, show_default=True, help="Timed repeats per row (median).")
+@click.option("--settle-ms", default=20.0, show_default=True, type=click.FloatRange(min=0),
+              help="Untimed calls of a twin of each case right before its timed call (0: none, each call "
+                   "then runs in the wake of the case before it).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON list of rows on stdout.")
+@click.option("--device", default="auto", show_default=True,
+              help="Where the caches live and the kernels run: auto (the first GPU if torch sees one, else the "
+                   "CPU), cpu, cuda or cuda:N.")
+def bench_kernels(shapes: str, num_heads: int, num_kv_heads: int, head_size: int, block_size: int,
+                  repeats: int, settle_ms: float, as_json: bool, device: str) -> None:
+    """Decode attention per kv-cache dtype vs torch SDPA on a dense float32 cache."""
+    import torch
+
+    from fp8cache.bench import kernels, machine
+
+    if num_heads % num_kv_heads:
+        raise click.BadParameter("must divide --num-heads", param_hint="--num-kv-heads")
+    from fp8cache.device import DeviceError, resolve_device
+
+    try:
+        device = resolve_device(device)
+    except DeviceError as exc:
+        raise click.BadParameter(str(exc), param_hint="--device") from exc
+    info = machine.describe()
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{info['threads']} threads"
+    console.print(f"machine: {info['cpu']}, {where}, torch {info['torch']}")
+    with console.status("measuring...") as status:
+        rows = kernels.run_kernel_bench(
+            _parse_shapes(shapes), num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+            block_size=block_size, repeats=repeats, settle_ms=settle_ms, device=device,
+            on_row=lambda r: status.update(f"measured {r['impl']} {r['kv_cache_dtype']} "
+                                           f"b{r['batch']} ctx{r['context']}: {r['ms']:.2f} ms"))
+    if as_json:
+        click.echo(json.dumps(rows, indent=1))
+        return
+    bandwidths = sorted({round(r["read_bw_gbps"], 1) for r in rows})
+    read_bw = f"{bandwidths[0]}" if len(bandwidths) == 1 else f"{bandwidths[0]}-{bandwidths[-1]}"
+    probe = rows[0]["bandwidth_probe"] if rows else "read"
+    table = Table(title=f"decode attention, {num_heads} heads / {num_kv_heads} KV heads, d{head_size}, "
+                        f"{probe} bandwidth {read_bw} GB/s (measured taking turns with each shape's cases)")
+    for col in ("impl", "kv cache", "dtype", "batch", "context", "ms", "KV GB/s", "% of bw"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(r["impl"], r["kv_cache_dtype"], r["dtype"], str(r["batch"]), str(r["context"]),
+                      f"{r['ms']:.3f}", f"{r['kv_gbps']:.1f}", f"{100 * r['kv_gbps'] / r['read_bw_gbps']:.0f}%")
+    Console().print(table)

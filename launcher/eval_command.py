@@ -1,0 +1,70 @@
+"""`fp8kv eval`: what an FP8 cache costs in quality, as a table or --json (the measuring is fp8cache.eval)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+console = Console(stderr=True)
+
+
+def _fail(message: str) -> None:
+    console.print(f"[bold red]error:[/] {message}")
+    sys.exit(2)
+
+
+@click.command("eval")
+@click.argument("model", required=False)
+@click.option("--kv-cache-dtype", default="fp8_e4m3", show_default=True,
+              help="Cache to measure against the auto float32 baseline: fp8, fp8_e4m3, fp8_e5m2, "
+                   "fp8_e4m3fnuz (or auto).")
+@click.option("--quantization-param-path", type=click.Path(dir_okay=False),
+              help="KV scales JSON (vLLM schema); default: checkpoint scales, else 1.0.")
+@click.option("--calculate-kv-scales", is_flag=True, help="Compute scales from the first window.")
+@click.option("--dtype", default="float32", show_default=True, help="Model dtype: float32 or bfloat16.")
+@click.option("--text", "text_path", type=click.Path(dir_okay=False),
+              help="Plain-text file to score (default: the WikiText-2 test text).")
+@click.option("--kv-recent-window", type=click.IntRange(min=0), default=None,
+              help="Newest tokens per position read in full precision (0: plain FP8; default 32 for FP8).")
+@click.option("--kv-recent-window-dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+              default="auto", show_default=True, help="dtype of that window (auto: the model dtype).")
+@click.option("--device", default="auto", show_default=True,
+              help="auto (the first GPU if torch sees one, else the CPU), cpu, cuda or cuda:N.")
+@click.option("--windows", default=6, show_default=True, help="Number of consecutive windows.")
+@click.option("--window-len", default=1024, show_default=True, help="Tokens per window.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+def eval_command(model: str | None, kv_cache_dtype: str, quantization_param_path: str | None,
+                 calculate_kv_scales: bool, dtype: str, text_path: str | None, kv_recent_window: int | None,
+                 kv_recent_window_dtype: str, device: str, windows: int, window_len: int, as_json: bool) -> None:
+    """Measure what an FP8 cache costs in quality (decode-faithful perplexity, KL, top-1 agreement)."""
+    from fp8cache.config import EngineConfig
+    from fp8cache.eval import evaluate
+    from fp8cache.kvcache.scales import check_engine_scales
+
+    config = EngineConfig(model=model, kv_cache_dtype=kv_cache_dtype, dtype=dtype,
+                          quantization_param_path=quantization_param_path,
+                          calculate_kv_scales=calculate_kv_scales, enable_prefix_caching=False,
+                          kv_recent_window=kv_recent_window, kv_recent_window_dtype=kv_recent_window_dtype,
+                          device=device)
+    try:
+        check_engine_scales(config)  # a bad scales file fails now, not after the model loads
+        result = evaluate(config, text_path=text_path, windows=windows, window_len=window_len,
+                          progress=not as_json)
+    except (ValueError, OSError) as exc:
+        _fail(str(exc))
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    table = Table(title=f"{result['kv_cache_dtype']} vs auto {dtype}, {result['tokens']} tokens on {result['device']} "
+                        f"({result['windows']} windows), scales: {result['scales_source']}, "
+                        f"recent window: {result['kv_recent_window']}"
+                        + (f" ({result['kv_recent_window_dtype']})" if result["kv_recent_window"] else ""))
+    for col in ("kv cache", "PPL", "baseline PPL", "KL", "top-1 agree"):
+        table.add_column(col, justify="right")
+    table.add_row(result["kv_cache_dtype"], f"{result['ppl']:.3f}", f"{result['baseline_ppl']:.3f}",
+                  f"{result['kl']:.5f}", f"{100 * result['top1_agreement']:.2f}%")
+    Console().print(table)
