@@ -1,39 +1,26 @@
-// kv_cache_dtype string + model dtype -> template instantiation (for the op bindings; includes torch).
+// KV cache format code + model dtype -> template instantiation (for the op bindings; includes torch).
 //
-//   FP8KV_DISPATCH_BY_KV_CACHE_DTYPE(src_scalar_type, kv_cache_dtype, FN)
+//   FP8KV_DISPATCH_BY_KV_FORMAT(src_scalar_type, format, FN)
 //
 // calls FN(scalar_t, cache_t, kFormat) with
 //   scalar_t: float, c10::BFloat16 or c10::Half (the query / key / model dtype, src_scalar_type),
-//   cache_t:  uint8_t for the FP8 formats, scalar_t for "auto",
-//   kFormat:  a fp8kv::KVFormat constant (AUTO, E4M3FN, E5M2, E4M3FNUZ).
+//   cache_t:  uint8_t for the FP8 formats, scalar_t for AUTO,
+//   kFormat:  a fp8kv::KVFormat constant (AUTO, E4M3FN, E5M2, E4M3FNUZ; common/cache_format.h).
 // FN is usually a function-like macro: #define CALL(scalar_t, cache_t, kFormat) my_kernel<...>(...)
 //
-// "fp8" resolves to this build's native format: E4M3FNUZ when compiled for ROCm (USE_ROCM or
-// __HIP_PLATFORM_AMD__), else E4M3FN. CPU ops must use FP8KV_DISPATCH_BY_KV_CACHE_DTYPE_CPU, because
-// "fp8" on a CPU tensor means E4M3FN even inside a ROCm build (DESIGN section 2).
+// `format` is a KVFormat from kv_format_from_code: the ops take the code Python resolved from the user's
+// kv-cache-dtype string ("fp8" already made the device's native format there), so no string is parsed here.
 #pragma once
-
-#include <string>
 
 #include <c10/core/ScalarType.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
+#include "common/cache_format.h"
 #include "common/fp8.h"
 
 namespace fp8kv {
-
-enum class KVFormat : int { AUTO = -1, E4M3FN = 0, E5M2 = 1, E4M3FNUZ = 2 };
-
-constexpr const char* kValidKvCacheDtypes = "auto, fp8, fp8_e4m3, fp8_e5m2, fp8_e4m3fnuz";
-
-#if defined(USE_ROCM) || defined(__HIP_PLATFORM_AMD__)
-constexpr KVFormat kDeviceDefaultFp8 = KVFormat::E4M3FNUZ;
-#else
-constexpr KVFormat kDeviceDefaultFp8 = KVFormat::E4M3FN;
-#endif
-constexpr KVFormat kCpuDefaultFp8 = KVFormat::E4M3FN;
 
 // The FP8 format of a non-AUTO KVFormat, for fp8.h's templates.
 constexpr Fp8Format fp8_format_of(KVFormat f) {
@@ -42,23 +29,12 @@ constexpr Fp8Format fp8_format_of(KVFormat f) {
                                    : Fp8Format::E4M3FN;
 }
 
-inline KVFormat parse_kv_cache_dtype(const std::string& name, KVFormat default_fp8) {
-  if (name == "auto") return KVFormat::AUTO;
-  if (name == "fp8") return default_fp8;
-  if (name == "fp8_e4m3") return KVFormat::E4M3FN;
-  if (name == "fp8_e5m2") return KVFormat::E5M2;
-  if (name == "fp8_e4m3fnuz") return KVFormat::E4M3FNUZ;
-  TORCH_CHECK(false, "unknown kv_cache_dtype '", name, "'; valid choices are: ", kValidKvCacheDtypes);
-}
-
-inline const char* kv_format_name(KVFormat f) {
-  switch (f) {
-    case KVFormat::AUTO: return "auto";
-    case KVFormat::E4M3FN: return "fp8_e4m3";
-    case KVFormat::E5M2: return "fp8_e5m2";
-    case KVFormat::E4M3FNUZ: return "fp8_e4m3fnuz";
-  }
-  return "?";
+// The KVFormat of an op's `int kv_cache_format` argument; refuses codes that name none.
+inline KVFormat kv_format_from_code(int64_t code) {
+  TORCH_CHECK(is_kv_format_code(code), "unknown kv_cache_format code ", code,
+              "; valid: 0 (auto), 1 (fp8_e4m3), 2 (fp8_e5m2), 3 (fp8_e4m3fnuz); resolve a kv-cache-dtype string "
+              "with fp8cache.kvcache.formats.format_code");
+  return static_cast<KVFormat>(code);
 }
 
 }  // namespace fp8kv
@@ -71,9 +47,9 @@ inline const char* kv_format_name(KVFormat f) {
     default: TORCH_CHECK(false, "internal error: AUTO is not an FP8 format");            \
   }
 
-#define FP8KV_DISPATCH_BY_KV_CACHE_DTYPE_WITH_DEFAULT(DEFAULT_FP8, SRC_DTYPE, KV_DTYPE, FN)               \
+#define FP8KV_DISPATCH_BY_KV_FORMAT(SRC_DTYPE, FORMAT, FN)                                               \
   do {                                                                                                   \
-    const ::fp8kv::KVFormat fp8kv_format_ = ::fp8kv::parse_kv_cache_dtype((KV_DTYPE), (DEFAULT_FP8));    \
+    const ::fp8kv::KVFormat fp8kv_format_ = (FORMAT);                                                    \
     const ::c10::ScalarType fp8kv_src_ = (SRC_DTYPE);                                                     \
     if (fp8kv_format_ == ::fp8kv::KVFormat::AUTO) {                                                      \
       if (fp8kv_src_ == ::c10::ScalarType::Float) {                                                       \
@@ -97,11 +73,3 @@ inline const char* kv_format_name(KVFormat f) {
       }                                                                                                  \
     }                                                                                                    \
   } while (0)
-
-// For device (CUDA / HIP) ops: "fp8" is the device's native format.
-#define FP8KV_DISPATCH_BY_KV_CACHE_DTYPE(SRC_DTYPE, KV_DTYPE, FN) \
-  FP8KV_DISPATCH_BY_KV_CACHE_DTYPE_WITH_DEFAULT(::fp8kv::kDeviceDefaultFp8, SRC_DTYPE, KV_DTYPE, FN)
-
-// For CPU ops: "fp8" is always E4M3FN.
-#define FP8KV_DISPATCH_BY_KV_CACHE_DTYPE_CPU(SRC_DTYPE, KV_DTYPE, FN) \
-  FP8KV_DISPATCH_BY_KV_CACHE_DTYPE_WITH_DEFAULT(::fp8kv::kCpuDefaultFp8, SRC_DTYPE, KV_DTYPE, FN)

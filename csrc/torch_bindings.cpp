@@ -16,22 +16,24 @@ bool cpu_bf16_dot() { return fp8kv::cpu::has_bf16_dot(); }
 
 }  // namespace
 
+// kv_cache_format is a KVFormat code (common/cache_format.h), resolved from the user's kv-cache-dtype string in
+// Python (fp8cache.ops and fp8cache.kvcache.formats.format_code): no op parses a string on its calls.
 TORCH_LIBRARY(fp8kv, m) {
   m.def(
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
-      "Tensor slot_mapping, str kv_cache_dtype, Tensor k_scale, Tensor v_scale) -> ()");
+      "Tensor slot_mapping, int kv_cache_format, Tensor k_scale, Tensor v_scale) -> ()");
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "int num_kv_heads, float scale, Tensor block_tables, Tensor seq_lens, int block_size, "
-      "int max_seq_len, Tensor? alibi_slopes, str kv_cache_dtype, Tensor k_scale, Tensor v_scale) -> ()");
+      "int max_seq_len, Tensor? alibi_slopes, int kv_cache_format, Tensor k_scale, Tensor v_scale) -> ()");
   m.def(
       "paged_attention_window(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor window_key_cache, Tensor window_value_cache, int num_kv_heads, float scale, "
       "Tensor block_tables, Tensor window_block_tables, Tensor seq_lens, Tensor window_starts, "
-      "int window_size, int block_size, int max_seq_len, Tensor? alibi_slopes, str kv_cache_dtype, "
+      "int window_size, int block_size, int max_seq_len, Tensor? alibi_slopes, int kv_cache_format, "
       "Tensor k_scale, Tensor v_scale) -> ()");
-  m.def("quantize_fp8(Tensor x, str kv_cache_dtype, Tensor scale) -> Tensor");
-  m.def("dequantize_fp8(Tensor codes, str kv_cache_dtype, Tensor scale, ScalarType out_dtype) -> Tensor");
+  m.def("quantize_fp8(Tensor x, int kv_cache_format, Tensor scale) -> Tensor");
+  m.def("dequantize_fp8(Tensor codes, int kv_cache_format, Tensor scale, ScalarType out_dtype) -> Tensor");
   // Decoder-layer elementwise ops of the CPU fast path (fp8cache/model/fused_layer.py); CPU kernels only.
   m.def("rms_norm(Tensor(a!) out, Tensor input, Tensor weight, float epsilon) -> ()");
   m.def("fused_add_rms_norm(Tensor(a!) input, Tensor(b!) residual, Tensor weight, float epsilon) -> ()");
@@ -47,7 +49,7 @@ TORCH_LIBRARY(fp8kv, m) {
   m.def(
       "decode_layer(Tensor(a!) hidden, Tensor[] weights, Tensor?[] biases, int[] shape, float[] eps, Tensor cos, "
       "Tensor sin, float scale, Tensor(b!) key_cache, Tensor(c!) value_cache, Tensor slot_mapping, "
-      "str kv_cache_dtype, Tensor k_scale, Tensor v_scale, Tensor block_tables, Tensor seq_lens, int max_seq_len, "
+      "int kv_cache_format, Tensor k_scale, Tensor v_scale, Tensor block_tables, Tensor seq_lens, int max_seq_len, "
       "Tensor(d!)[] window, Tensor? window_slot_mapping, Tensor? window_block_tables, Tensor? window_starts, "
       "int window_size) -> ()");
   m.def("cpu_isa() -> str", &cpu_isa);

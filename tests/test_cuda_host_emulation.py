@@ -16,11 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from fp8cache.kvcache import formats
 from fp8cache.ops import reference
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-FORMAT_CODES = {"auto": -1, "fp8_e4m3": 0, "fp8_e5m2": 1, "fp8_e4m3fnuz": 2}
+FORMAT_CODES = {name: int(code) for name, code in formats.FORMAT_CODES.items()}  # the ops' KVFormat codes
 ERROR_SLOT, ERROR_BLOCK, ERROR_SEQ_LEN = 1, 2, 4
 
 

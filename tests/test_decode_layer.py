@@ -11,6 +11,7 @@ from test_model_runner import hf_logits
 from test_recent_window import RingSeq, merged, prompt_ids
 
 from fp8cache.config import EngineConfig
+from fp8cache.kvcache.formats import CacheFormat
 from fp8cache.model import fused_layer, packed_linear
 from fp8cache.model.loader import load_model
 from fp8cache.model.runner import ModelRunner
@@ -134,7 +135,7 @@ def test_decode_layer_refuses_bad_arguments(tiny_llama_path, monkeypatch, panels
     key_cache, value_cache = runner.kv_caches[0]
     hidden = torch.zeros(1, weights[0].shape[0])
     cos = sin = torch.ones(1, runner.head_size)
-    rest = (key_cache, value_cache, torch.zeros(1, dtype=torch.long), "fp8_e4m3", torch.ones(1), torch.ones(1),
+    rest = (key_cache, value_cache, torch.zeros(1, dtype=torch.long), CacheFormat.E4M3FN, torch.ones(1), torch.ones(1),
             torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1, [], None, None, None, 0)
     op = torch.ops.fp8kv.decode_layer
     with pytest.raises(RuntimeError, match=r"weights must be \[input_norm, qkv, o, post_norm, gate_up, down\]"):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -104,3 +107,27 @@ def test_storage_dtype_and_element_size(name, model_dtype):
 
 def test_backend_of_cpu():
     assert formats.backend_of("cpu") == formats.backend_of(torch.device("cpu")) == formats.backend_of() == "cpu"
+
+
+def test_cache_format_codes_match_the_csrc_enum():
+    """The ops take CacheFormat as an int: csrc/common/cache_format.h's KVFormat must have the same names and
+    values, or a format would be read as another by the kernels."""
+    header = (Path(__file__).resolve().parents[1] / "csrc" / "common" / "cache_format.h").read_text()
+    body = re.search(r"enum class KVFormat : int64_t \{(.*?)\};", header, re.DOTALL)
+    assert body is not None, "KVFormat not found in cache_format.h"
+    enumerators = re.findall(r"^\s*(\w+)\s*=\s*(-?\d+)\s*,", body.group(1), re.MULTILINE)
+    assert {name: int(value) for name, value in enumerators} == {f.name: int(f) for f in formats.CacheFormat}
+
+
+def test_format_codes_resolve_strings_once():
+    assert formats.format_code("auto") is formats.CacheFormat.AUTO
+    assert formats.format_code("fp8", "cpu") is formats.CacheFormat.E4M3FN
+    assert formats.format_code("fp8", "cuda") is formats.CacheFormat.E4M3FN
+    assert formats.format_code("fp8", "rocm") is formats.CacheFormat.E4M3FNUZ
+    for name, code in formats.FORMAT_CODES.items():
+        assert formats.format_code(name) == code and formats.format_code(code) == code
+        assert formats.format_name(code) == name and formats.format_name(int(code)) == name
+        assert formats.get_format(code) is formats.get_format(name)
+    for bad in ("fp16", 4, -1, True, 1.0):
+        with pytest.raises(formats.KVCacheDtypeError):
+            formats.format_code(bad)

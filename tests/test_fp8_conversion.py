@@ -13,9 +13,11 @@ SCALES = [1.0, 0.0173, 3.7, 2.0 ** -10]
 
 @pytest.fixture(scope="module")
 def ops():
-    from fp8cache.ops import load
+    """The documented Python API, which takes kv-cache-dtype strings and hands the compiled ops a format code."""
+    import fp8cache.ops
 
-    return load()
+    fp8cache.ops.load()
+    return fp8cache.ops
 
 
 def torch_codes(x: torch.Tensor, scale: torch.Tensor, fmt: formats.Fp8Format) -> torch.Tensor:

@@ -17,9 +17,12 @@ import pytest
 import torch
 from numerics import attention_error
 
+import fp8cache.ops
+from fp8cache.ops import format_code
 from fp8cache.ops import reference as ref
 
 REPO = Path(__file__).resolve().parents[1]
+CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
@@ -126,8 +129,8 @@ def build(case: Case):
 def attention(impl, case: Case, caches, b) -> torch.Tensor:
     out = torch.full_like(b["query"], 7.0)  # garbage: every row must be written
     impl.paged_attention(out, b["query"], caches[0], caches[1], case.kv_heads, case.head_size ** -0.5,
-                         b["table"], b["seq_lens"], case.block_size, max(case.seq_lens), b["alibi"], case.kv,
-                         b["k_scale"], b["v_scale"])
+                         b["table"], b["seq_lens"], case.block_size, max(case.seq_lens), b["alibi"],
+                         format_code(case.kv, b["query"].device), b["k_scale"], b["v_scale"])
     return out
 
 
@@ -138,7 +141,7 @@ def tolerance(dtype: torch.dtype) -> float:
 @pytest.mark.parametrize("case", CASES, ids=Case.id)
 def test_ops_match_reference(ops, case):
     b = build(case)
-    ops.reshape_and_cache(b["key"], b["value"], *b["op_caches"], b["slot_mapping"], case.kv,
+    ops.reshape_and_cache(b["key"], b["value"], *b["op_caches"], b["slot_mapping"], format_code(case.kv, CPU),
                           b["k_scale"], b["v_scale"])
     for mine, theirs in zip(b["op_caches"], b["ref_caches"]):
         assert torch.equal(mine.view(torch.uint8), theirs.view(torch.uint8)), "cache bytes differ"
@@ -167,7 +170,8 @@ def test_out_of_range_slot_raises_and_writes_nothing(ops):
     bad[-1] = num_slots
     before = [c.clone() for c in b["op_caches"]]
     with pytest.raises(RuntimeError, match="out of range"):
-        ops.reshape_and_cache(b["key"], b["value"], *b["op_caches"], bad, case.kv, b["k_scale"], b["v_scale"])
+        ops.reshape_and_cache(b["key"], b["value"], *b["op_caches"], bad, format_code(case.kv, CPU), b["k_scale"],
+                              b["v_scale"])
     assert all(torch.equal(x, y) for x, y in zip(before, b["op_caches"]))
 
 
@@ -193,13 +197,17 @@ def test_mismatched_arguments_raise(ops):
     b = build(case)
     with pytest.raises(RuntimeError, match="uint8"):
         ops.reshape_and_cache(b["key"], b["value"], b["op_caches"][0].float(), b["op_caches"][1].float(),
-                              b["slot_mapping"], case.kv, b["k_scale"], b["v_scale"])
+                              b["slot_mapping"], format_code(case.kv, CPU), b["k_scale"], b["v_scale"])
     with pytest.raises(RuntimeError, match="k_scale must have 1 or 2"):
-        ops.reshape_and_cache(b["key"], b["value"], *b["op_caches"], b["slot_mapping"], case.kv,
+        ops.reshape_and_cache(b["key"], b["value"], *b["op_caches"], b["slot_mapping"], format_code(case.kv, CPU),
                               torch.ones(3), b["v_scale"])
-    with pytest.raises(RuntimeError, match="valid choices"):
-        ops.reshape_and_cache(b["key"], b["value"], *b["op_caches"], b["slot_mapping"], "fp16",
+    with pytest.raises(RuntimeError, match="unknown kv_cache_format code 7"):
+        ops.reshape_and_cache(b["key"], b["value"], *b["op_caches"], b["slot_mapping"], 7,
                               b["k_scale"], b["v_scale"])
+    # The documented Python API takes the strings and refuses unknown ones as the compiled op used to.
+    with pytest.raises(RuntimeError, match="valid choices"):
+        fp8cache.ops.reshape_and_cache(b["key"], b["value"], *b["op_caches"], b["slot_mapping"], "fp16",
+                                       b["k_scale"], b["v_scale"])
 
 
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "auto"])
@@ -239,7 +247,7 @@ def float32_query_attention(ops, case: Case, b) -> torch.Tensor:
 
 def filled_by_ops(ops, case: Case):
     b = build(case)
-    ops.reshape_and_cache(b["key"], b["value"], *b["op_caches"], b["slot_mapping"], case.kv,
+    ops.reshape_and_cache(b["key"], b["value"], *b["op_caches"], b["slot_mapping"], format_code(case.kv, CPU),
                           b["k_scale"], b["v_scale"])
     return b
 

@@ -15,6 +15,7 @@ import test_window_ops as window_tests
 import torch
 from numerics import attention_error
 
+from fp8cache.ops import format_code
 from fp8cache.ops import reference as ref
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU visible to torch (CUDA or ROCm)")
@@ -52,7 +53,7 @@ def gpu_inputs(b: dict) -> dict:
 def test_paged_ops_match_reference(ops, case):
     b = paged_tests.build(case)
     g = gpu_inputs(b)
-    ops.reshape_and_cache(g["key"], g["value"], *g["op_caches"], g["slot_mapping"], case.kv, g["k_scale"],
+    ops.reshape_and_cache(g["key"], g["value"], *g["op_caches"], g["slot_mapping"], format_code(case.kv, g["key"].device), g["k_scale"],
                           g["v_scale"])
     for mine, theirs in zip(g["op_caches"], b["ref_caches"]):
         assert torch.equal(mine.cpu().view(torch.uint8), theirs.view(torch.uint8)), "cache bytes differ"
@@ -73,7 +74,7 @@ def test_out_of_range_slot_raises_and_skips_that_token(ops):
     g = gpu_inputs(b)
     g["slot_mapping"][-1] = g["op_caches"][0].shape[0] * case.block_size
     with pytest.raises(RuntimeError, match="slot_mapping holds a slot"):
-        ops.reshape_and_cache(g["key"], g["value"], *g["op_caches"], g["slot_mapping"], case.kv, g["k_scale"],
+        ops.reshape_and_cache(g["key"], g["value"], *g["op_caches"], g["slot_mapping"], format_code(case.kv, g["key"].device), g["k_scale"],
                               g["v_scale"])
     skipped = b["slot_mapping"].clone()
     skipped[-1] = -1
@@ -96,7 +97,7 @@ def test_inputs_on_the_wrong_device_raise(ops):
     b = paged_tests.build(case)
     g = gpu_inputs(b)
     with pytest.raises(RuntimeError, match="is on cpu but the caches are on cuda"):
-        ops.reshape_and_cache(b["key"], b["value"], *g["op_caches"], g["slot_mapping"], case.kv, g["k_scale"],
+        ops.reshape_and_cache(b["key"], b["value"], *g["op_caches"], g["slot_mapping"], format_code(case.kv, g["key"].device), g["k_scale"],
                               g["v_scale"])
 
 
@@ -180,8 +181,8 @@ def test_attention_replays_from_a_cuda_graph(ops):
     try:
         def run():
             ops.paged_attention(out, g["query"], caches[0], caches[1], case.kv_heads, case.head_size ** -0.5,
-                                g["table"], g["seq_lens"], case.block_size, 512, None, case.kv, g["k_scale"],
-                                g["v_scale"])
+                                g["table"], g["seq_lens"], case.block_size, 512, None,
+                                format_code(case.kv, g["query"].device), g["k_scale"], g["v_scale"])
 
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

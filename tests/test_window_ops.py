@@ -19,6 +19,7 @@ import torch
 from numerics import attention_error
 from test_ops_cpu import REPO, _cpu_has, tolerance
 
+from fp8cache.ops import format_code
 from fp8cache.ops import reference as ref
 
 
@@ -153,7 +154,7 @@ def attention(impl, case: WindowCase, b, window_size: int | None = None) -> torc
     impl.paged_attention_window(
         out, b["query"], *b["caches"], *b["window_caches"], case.kv_heads, case.head_size ** -0.5, b["table"],
         b["window_table"], b["seq_lens"], b["window_starts"], case.window_size if window_size is None else window_size, case.block_size,
-        max(case.lens()), b["alibi"], case.kv, b["k_scale"], b["v_scale"])
+        max(case.lens()), b["alibi"], format_code(case.kv, b["query"].device), b["k_scale"], b["v_scale"])
     return out
 
 
@@ -202,7 +203,8 @@ def test_empty_window_is_paged_attention(ops):
     b = build(case)
     want = torch.full_like(b["query"], 7.0)
     ops.paged_attention(want, b["query"], *b["caches"], case.kv_heads, case.head_size ** -0.5, b["table"],
-                        b["seq_lens"], case.block_size, 1300, None, case.kv, b["k_scale"], b["v_scale"])
+                        b["seq_lens"], case.block_size, 1300, None, format_code(case.kv, b["query"].device),
+                        b["k_scale"], b["v_scale"])
     assert torch.equal(attention(ops, case, b), want)
 
 
@@ -253,8 +255,8 @@ def test_mismatched_window_cache_raises(ops):
     def call(window_caches):
         ops.paged_attention_window(
             torch.empty_like(b["query"]), b["query"], *b["caches"], *window_caches, SMALL.kv_heads, 0.1,
-            b["table"], b["window_table"], b["seq_lens"], b["window_starts"], 16, 16, 40, None, SMALL.kv,
-            b["k_scale"], b["v_scale"])
+            b["table"], b["window_table"], b["seq_lens"], b["window_starts"], 16, 16, 40, None,
+            format_code(SMALL.kv, b["query"].device), b["k_scale"], b["v_scale"])
 
     with pytest.raises(RuntimeError, match="window_key_cache must be float32, bfloat16 or float16"):
         call(b["caches"])  # the FP8 caches

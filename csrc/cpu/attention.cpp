@@ -245,10 +245,10 @@ class Launch {
  public:
   Launch(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
          int64_t num_kv_heads, double scale, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-         int64_t block_size, const std::optional<at::Tensor>& alibi_slopes, const std::string& kv_cache_dtype,
+         int64_t block_size, const std::optional<at::Tensor>& alibi_slopes, int64_t kv_cache_format,
          const at::Tensor& k_scale, const at::Tensor& v_scale)
       : out_(out) {
-    const KVFormat format = parse_kv_cache_dtype(kv_cache_dtype, kCpuDefaultFp8);
+    const KVFormat format = kv_format_from_code(kv_cache_format);
     paged_ = check_caches(key_cache, value_cache, format != KVFormat::AUTO);
     TORCH_CHECK(query.dim() == 3, "query must be [num_seqs, num_heads, head_size], got ", query.sizes());
     check_model_dtype(query, "query");
@@ -306,7 +306,7 @@ class Launch {
   src.run = bf16_dot ? &run_partition<cache_t, kFormat, std::is_same_v<scalar_t, c10::BFloat16> &&        \
                                                          kFormat != KVFormat::AUTO>                       \
                      : &run_partition<cache_t, kFormat>
-    FP8KV_DISPATCH_BY_KV_CACHE_DTYPE_CPU(dtype, kv_cache_dtype, FP8KV_PICK);
+    FP8KV_DISPATCH_BY_KV_FORMAT(dtype, format, FP8KV_PICK);
 #undef FP8KV_PICK
     p.first_span.assign(1, 0);
   }
@@ -352,7 +352,7 @@ class Launch {
     ring.v_scale.assign(p.num_kv_heads, 1.f);
     ring.elem_bytes = static_cast<int64_t>(key_cache.element_size());
 #define FP8KV_PICK(scalar_t, cache_t, kFormat) ring.run = &run_partition<cache_t, kFormat>
-    FP8KV_DISPATCH_BY_KV_CACHE_DTYPE_CPU(key_cache.scalar_type(), "auto", FP8KV_PICK);
+    FP8KV_DISPATCH_BY_KV_FORMAT(key_cache.scalar_type(), KVFormat::AUTO, FP8KV_PICK);
 #undef FP8KV_PICK
   }
 
@@ -417,11 +417,11 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                      const at::Tensor& value_cache, int64_t num_kv_heads, double scale,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t block_size,
                      int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes,
-                     const std::string& kv_cache_dtype, const at::Tensor& k_scale,
+                     int64_t kv_cache_format, const at::Tensor& k_scale,
                      const at::Tensor& v_scale) {
   (void)max_seq_len;  // partitions are sized from seq_lens itself, so a stale max_seq_len cannot overflow
   Launch launch(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens, block_size,
-                alibi_slopes, kv_cache_dtype, k_scale, v_scale);
+                alibi_slopes, kv_cache_format, k_scale, v_scale);
   for (int s = 0; s < launch.problem().num_seqs; ++s) {
     launch.add_paged(s, launch.seq_len(s), "seq_lens");
     launch.end_sequence();
@@ -435,13 +435,13 @@ void paged_attention_window(at::Tensor& out, const at::Tensor& query, const at::
                             const at::Tensor& block_tables, const at::Tensor& window_block_tables,
                             const at::Tensor& seq_lens, const at::Tensor& window_starts, int64_t window_size,
                             int64_t block_size, int64_t max_seq_len,
-                            const std::optional<at::Tensor>& alibi_slopes, const std::string& kv_cache_dtype,
+                            const std::optional<at::Tensor>& alibi_slopes, int64_t kv_cache_format,
                             const at::Tensor& k_scale, const at::Tensor& v_scale) {
   (void)max_seq_len;
   TORCH_CHECK(window_size >= 1, "window_size = ", window_size,
               " must be >= 1; call paged_attention when there is no window");
   Launch launch(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens, block_size,
-                alibi_slopes, kv_cache_dtype, k_scale, v_scale);
+                alibi_slopes, kv_cache_format, k_scale, v_scale);
   launch.set_window(window_key_cache, window_value_cache, window_block_tables, window_starts, window_size);
   for (int s = 0; s < launch.problem().num_seqs; ++s) {
     const int start = launch.window_start(s);

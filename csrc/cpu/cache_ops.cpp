@@ -159,9 +159,9 @@ int64_t heads_of(const at::Tensor& x, const at::Tensor& scale) {
 
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                        at::Tensor& value_cache, const at::Tensor& slot_mapping,
-                       const std::string& kv_cache_dtype, const at::Tensor& k_scale,
+                       int64_t kv_cache_format, const at::Tensor& k_scale,
                        const at::Tensor& v_scale) {
-  const KVFormat format = parse_kv_cache_dtype(kv_cache_dtype, kCpuDefaultFp8);
+  const KVFormat format = kv_format_from_code(kv_cache_format);
   const CacheGeometry g = check_caches(key_cache, value_cache, format != KVFormat::AUTO);
   check_kv_input(key, "key", g);
   check_kv_input(value, "value", g);
@@ -192,12 +192,12 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
               value.scalar_type());
 #define FP8KV_CALL(scalar_t, cache_t, kFormat) \
   reshape_and_cache_impl<scalar_t, cache_t, kFormat>(k, v, key_cache, value_cache, slots, g, ks, vs)
-  FP8KV_DISPATCH_BY_KV_CACHE_DTYPE_CPU(src, kv_cache_dtype, FP8KV_CALL);
+  FP8KV_DISPATCH_BY_KV_FORMAT(src, format, FP8KV_CALL);
 #undef FP8KV_CALL
 }
 
-at::Tensor quantize_fp8(const at::Tensor& x, const std::string& kv_cache_dtype, const at::Tensor& scale) {
-  const KVFormat format = parse_kv_cache_dtype(kv_cache_dtype, kCpuDefaultFp8);
+at::Tensor quantize_fp8(const at::Tensor& x, int64_t kv_cache_format, const at::Tensor& scale) {
+  const KVFormat format = kv_format_from_code(kv_cache_format);
   TORCH_CHECK(format != KVFormat::AUTO, "quantize_fp8 needs an FP8 kv_cache_dtype, not 'auto'");
   TORCH_CHECK(x.device().is_cpu(), "quantize_fp8: x must be a CPU tensor");
   check_model_dtype(x, "x");
@@ -233,9 +233,9 @@ at::Tensor quantize_fp8(const at::Tensor& x, const std::string& kv_cache_dtype, 
   return codes;
 }
 
-at::Tensor dequantize_fp8(const at::Tensor& codes, const std::string& kv_cache_dtype, const at::Tensor& scale,
+at::Tensor dequantize_fp8(const at::Tensor& codes, int64_t kv_cache_format, const at::Tensor& scale,
                           at::ScalarType out_dtype) {
-  const KVFormat format = parse_kv_cache_dtype(kv_cache_dtype, kCpuDefaultFp8);
+  const KVFormat format = kv_format_from_code(kv_cache_format);
   TORCH_CHECK(format != KVFormat::AUTO, "dequantize_fp8 needs an FP8 kv_cache_dtype, not 'auto'");
   TORCH_CHECK(codes.scalar_type() == at::kByte, "dequantize_fp8: codes must be uint8, got ", codes.scalar_type());
   TORCH_CHECK(codes.device().is_cpu(), "dequantize_fp8: codes must be a CPU tensor");

@@ -12,14 +12,14 @@ namespace fp8kv::cpu {
 
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                        at::Tensor& value_cache, const at::Tensor& slot_mapping,
-                       const std::string& kv_cache_dtype, const at::Tensor& k_scale,
+                       int64_t kv_cache_format, const at::Tensor& k_scale,
                        const at::Tensor& v_scale);
 
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, int64_t num_kv_heads, double scale,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t block_size,
                      int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes,
-                     const std::string& kv_cache_dtype, const at::Tensor& k_scale,
+                     int64_t kv_cache_format, const at::Tensor& k_scale,
                      const at::Tensor& v_scale);
 
 // paged_attention whose newest positions [window_starts[i], seq_lens[i]) come from a model-dtype ring
@@ -30,12 +30,12 @@ void paged_attention_window(at::Tensor& out, const at::Tensor& query, const at::
                             const at::Tensor& block_tables, const at::Tensor& window_block_tables,
                             const at::Tensor& seq_lens, const at::Tensor& window_starts, int64_t window_size,
                             int64_t block_size, int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes,
-                            const std::string& kv_cache_dtype, const at::Tensor& k_scale,
+                            int64_t kv_cache_format, const at::Tensor& k_scale,
                             const at::Tensor& v_scale);
 
-at::Tensor quantize_fp8(const at::Tensor& x, const std::string& kv_cache_dtype, const at::Tensor& scale);
+at::Tensor quantize_fp8(const at::Tensor& x, int64_t kv_cache_format, const at::Tensor& scale);
 
-at::Tensor dequantize_fp8(const at::Tensor& codes, const std::string& kv_cache_dtype,
+at::Tensor dequantize_fp8(const at::Tensor& codes, int64_t kv_cache_format,
                           const at::Tensor& scale, at::ScalarType out_dtype);
 
 // Decoder-layer elementwise ops (layer_ops.cpp), rounding where transformers' formulas do.
@@ -58,7 +58,7 @@ at::Tensor linear_bf16(const at::Tensor& input, const at::Tensor& packed_weight,
 void decode_layer(at::Tensor& hidden, at::TensorList weights, const c10::List<std::optional<at::Tensor>>& biases,
                   at::IntArrayRef shape, c10::ArrayRef<double> eps, const at::Tensor& cos, const at::Tensor& sin,
                   double scale, at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& slot_mapping,
-                  const std::string& kv_cache_dtype, const at::Tensor& k_scale, const at::Tensor& v_scale,
+                  int64_t kv_cache_format, const at::Tensor& k_scale, const at::Tensor& v_scale,
                   const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t max_seq_len,
                   at::TensorList window, const std::optional<at::Tensor>& window_slot_mapping,
                   const std::optional<at::Tensor>& window_block_tables,

@@ -14,6 +14,7 @@
 #include <ATen/core/List.h>
 #include <c10/util/ArrayRef.h>
 
+#include "common/cache_format.h"
 #include "cpu/cpu_ops.h"
 
 namespace fp8kv::cpu {
@@ -46,7 +47,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
 void decode_layer(at::Tensor& hidden, at::TensorList weights, const c10::List<std::optional<at::Tensor>>& biases,
                   at::IntArrayRef shape, c10::ArrayRef<double> eps, const at::Tensor& cos, const at::Tensor& sin,
                   double scale, at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& slot_mapping,
-                  const std::string& kv_cache_dtype, const at::Tensor& k_scale, const at::Tensor& v_scale,
+                  int64_t kv_cache_format, const at::Tensor& k_scale, const at::Tensor& v_scale,
                   const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t max_seq_len,
                   at::TensorList window, const std::optional<at::Tensor>& window_slot_mapping,
                   const std::optional<at::Tensor>& window_block_tables,
@@ -82,18 +83,19 @@ void decode_layer(at::Tensor& hidden, at::TensorList weights, const c10::List<st
   const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, d});
   rotary_embedding_cos_sin(q, k, cos, sin);
 
-  reshape_and_cache(k, v, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale);
+  reshape_and_cache(k, v, key_cache, value_cache, slot_mapping, kv_cache_format, k_scale, v_scale);
   at::Tensor attn = at::empty({tokens, heads, d}, hidden.options());
   const at::Tensor query = q.contiguous();
   if (windowed) {
     at::Tensor window_key = window[0], window_value = window[1];
-    reshape_and_cache(k, v, window_key, window_value, *window_slot_mapping, "auto", k_scale, v_scale);
+    reshape_and_cache(k, v, window_key, window_value, *window_slot_mapping,
+                      static_cast<int64_t>(KVFormat::AUTO), k_scale, v_scale);
     paged_attention_window(attn, query, key_cache, value_cache, window_key, window_value, kv_heads, scale,
                            block_tables, *window_block_tables, seq_lens, *window_starts, window_size,
-                           key_cache.size(3), max_seq_len, std::nullopt, kv_cache_dtype, k_scale, v_scale);
+                           key_cache.size(3), max_seq_len, std::nullopt, kv_cache_format, k_scale, v_scale);
   } else {
     paged_attention(attn, query, key_cache, value_cache, kv_heads, scale, block_tables, seq_lens, key_cache.size(3),
-                    max_seq_len, std::nullopt, kv_cache_dtype, k_scale, v_scale);
+                    max_seq_len, std::nullopt, kv_cache_format, k_scale, v_scale);
   }
 
   at::Tensor o = packed_linear(attn.view({tokens, q_size}), weights[kOut], hidden_size, biases.get(kOutBias), packing);

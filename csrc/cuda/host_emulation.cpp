@@ -20,6 +20,7 @@
 #include <thread>
 #include <vector>
 
+#include "../common/cache_format.h"
 #include "attention_kernels.cuh"
 #include "cache_kernels.cuh"
 
@@ -280,12 +281,12 @@ DType model_dtype_code(int dtype) {
   return dtype == 0 ? DType::kF32 : dtype == 1 ? DType::kF16 : DType::kBF16;
 }
 
-// format: -1 auto (the model dtype), else fp8kv::Fp8Format.
+// format: a fp8kv::KVFormat code, as the ops take it (AUTO: the model dtype).
 DType cache_dtype_code(int dtype, int format) {
-  switch (format) {
-    case 0: return DType::kE4M3FN;
-    case 1: return DType::kE5M2;
-    case 2: return DType::kE4M3FNUZ;
+  switch (static_cast<KVFormat>(format)) {
+    case KVFormat::E4M3FN: return DType::kE4M3FN;
+    case KVFormat::E5M2: return DType::kE5M2;
+    case KVFormat::E4M3FNUZ: return DType::kE4M3FNUZ;
     default: return model_dtype_code(dtype);
   }
 }
@@ -301,18 +302,19 @@ int with_dtype(int dtype, const Fn& fn) {
   }
 }
 
-// dtype as above, format: -1 auto, else fp8kv::Fp8Format; fn(scalar, cache element, format constant).
+// dtype as above, format a KVFormat code; fn(scalar, cache element, Fp8Format constant).
 template <class Fn>
 int with_types(int dtype, int format, const Fn& fn) {
   const auto by_format = [&](auto scalar) {
     using S = decltype(scalar);
-    switch (format) {
-      case -1: return fn(S{}, S{}, std::integral_constant<Fp8Format, Fp8Format::E4M3FN>{});
-      case 0: return fn(S{}, uint8_t{}, std::integral_constant<Fp8Format, Fp8Format::E4M3FN>{});
-      case 1: return fn(S{}, uint8_t{}, std::integral_constant<Fp8Format, Fp8Format::E5M2>{});
-      case 2: return fn(S{}, uint8_t{}, std::integral_constant<Fp8Format, Fp8Format::E4M3FNUZ>{});
-      default: return -1;
+    if (!fp8kv::is_kv_format_code(format)) return -1;
+    switch (static_cast<KVFormat>(format)) {
+      case KVFormat::AUTO: return fn(S{}, S{}, std::integral_constant<Fp8Format, Fp8Format::E4M3FN>{});
+      case KVFormat::E4M3FN: return fn(S{}, uint8_t{}, std::integral_constant<Fp8Format, Fp8Format::E4M3FN>{});
+      case KVFormat::E5M2: return fn(S{}, uint8_t{}, std::integral_constant<Fp8Format, Fp8Format::E5M2>{});
+      case KVFormat::E4M3FNUZ: return fn(S{}, uint8_t{}, std::integral_constant<Fp8Format, Fp8Format::E4M3FNUZ>{});
     }
+    return -1;
   };
   return with_dtype(dtype, by_format);
 }
@@ -341,7 +343,7 @@ int fp8kv_emu_paged_attention(int dtype, int format, void* out, const void* quer
                               int max_blocks_per_seq, int max_seq_len, float scale, int k_per_head,
                               int v_per_head) {
   using namespace fp8kv::gpu;
-  if (dtype < 0 || dtype > 2 || format < -1 || format > 2) return -1;
+  if (dtype < 0 || dtype > 2 || !fp8kv::is_kv_format_code(format)) return -1;
   return paged_attention(model_dtype_code(dtype), cache_dtype_code(dtype, format), out, query, key_cache,
                          value_cache, block_tables, seq_lens, alibi, k_scale, v_scale, num_seqs, num_heads,
                          num_kv_heads, head_size, num_blocks, block_size, max_blocks_per_seq, max_seq_len, scale,
@@ -360,7 +362,7 @@ int fp8kv_emu_paged_attention_window(int dtype, int format, int window_dtype, vo
                                      int window_size, int max_seq_len, float scale, int k_per_head,
                                      int v_per_head) {
   using namespace fp8kv::gpu;
-  if (dtype < 0 || dtype > 2 || format < -1 || format > 2 || window_dtype < 0 || window_dtype > 2) return -1;
+  if (dtype < 0 || dtype > 2 || !fp8kv::is_kv_format_code(format) || window_dtype < 0 || window_dtype > 2) return -1;
   return paged_attention_window(model_dtype_code(dtype), cache_dtype_code(dtype, format),
                                 model_dtype_code(window_dtype), out, query, key_cache, value_cache,
                                 window_key_cache, window_value_cache, block_tables, window_block_tables, seq_lens,

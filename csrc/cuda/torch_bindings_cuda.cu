@@ -198,9 +198,9 @@ void run_reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::T
 
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                        at::Tensor& value_cache, const at::Tensor& slot_mapping,
-                       const std::string& kv_cache_dtype, const at::Tensor& k_scale,
+                       int64_t kv_cache_format, const at::Tensor& k_scale,
                        const at::Tensor& v_scale) {
-  const KVFormat format = parse_kv_cache_dtype(kv_cache_dtype, kDeviceDefaultFp8);
+  const KVFormat format = kv_format_from_code(kv_cache_format);
   const Geometry g = check_caches(key_cache, value_cache, format);
   const at::Device device = key_cache.device();
   for (const auto& [t, name] : {std::pair{&key, "key"}, std::pair{&value, "value"}}) {
@@ -237,7 +237,7 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
 #define FP8KV_CALL(scalar_t, cache_t, kFormat)                                                          \
   run_reshape_and_cache<scalar_t, cache_t, fp8_format_of(kFormat)>(k, v, key_cache, value_cache, slots, g, \
                                                                    ks, vs, flag)
-  FP8KV_DISPATCH_BY_KV_CACHE_DTYPE(k.scalar_type(), kv_cache_dtype, FP8KV_CALL);
+  FP8KV_DISPATCH_BY_KV_FORMAT(k.scalar_type(), format, FP8KV_CALL);
 #undef FP8KV_CALL
   raise_reported_errors(reported_errors(flag), "reshape_and_cache", g.num_blocks * g.block_size,
                         g.num_blocks);
@@ -415,9 +415,9 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                      const at::Tensor& value_cache, int64_t num_kv_heads, double scale,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t block_size,
                      int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes,
-                     const std::string& kv_cache_dtype, const at::Tensor& k_scale,
+                     int64_t kv_cache_format, const at::Tensor& k_scale,
                      const at::Tensor& v_scale) {
-  const KVFormat format = parse_kv_cache_dtype(kv_cache_dtype, kDeviceDefaultFp8);
+  const KVFormat format = kv_format_from_code(kv_cache_format);
   const Geometry g = check_caches(key_cache, value_cache, format);
   const c10::cuda::OptionalCUDAGuard guard(key_cache.device());
   AttentionCall call = attention_call(out, query, key_cache, value_cache, g, format, num_kv_heads, scale,
@@ -505,12 +505,12 @@ void paged_attention_window(at::Tensor& out, const at::Tensor& query, const at::
                             const at::Tensor& block_tables, const at::Tensor& window_block_tables,
                             const at::Tensor& seq_lens, const at::Tensor& window_starts, int64_t window_size,
                             int64_t block_size, int64_t max_seq_len,
-                            const std::optional<at::Tensor>& alibi_slopes, const std::string& kv_cache_dtype,
+                            const std::optional<at::Tensor>& alibi_slopes, int64_t kv_cache_format,
                             const at::Tensor& k_scale, const at::Tensor& v_scale) {
   TORCH_CHECK(window_size >= 1, "window_size = ", window_size,
               " must be >= 1; call paged_attention when there is no window");
   TORCH_CHECK(window_size <= INT32_MAX - kMaxSplitTokens, "window_size = ", window_size, " is too large");
-  const KVFormat format = parse_kv_cache_dtype(kv_cache_dtype, kDeviceDefaultFp8);
+  const KVFormat format = kv_format_from_code(kv_cache_format);
   const Geometry g = check_caches(key_cache, value_cache, format);
   const c10::cuda::OptionalCUDAGuard guard(key_cache.device());
   AttentionCall call = attention_call(out, query, key_cache, value_cache, g, format, num_kv_heads, scale,

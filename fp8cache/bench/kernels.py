@@ -67,11 +67,11 @@ def _paged_case(case: KernelCase, batch: int, context: int, num_heads: int, num_
     query = torch.randn(batch, num_heads, head_size, generator=gen).to(device, case.dtype)
     out = torch.empty_like(query)
     scale = torch.ones(1, dtype=torch.float32, device=device)
+    code = ops.format_code(case.kv_cache_dtype, key_cache.device)  # resolved once, as the engine does
 
     def run() -> None:
         ops.paged_attention(out, query, key_cache, value_cache, num_kv_heads, head_size ** -0.5,
-                            block_tables, seq_lens, block_size, context, None, case.kv_cache_dtype,
-                            scale, scale)
+                            block_tables, seq_lens, block_size, context, None, code, scale, scale)
 
     kv_bytes = 2 * batch * context * num_kv_heads * head_size * key_cache.element_size()
     return run, kv_bytes

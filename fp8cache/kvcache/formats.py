@@ -1,7 +1,12 @@
-"""FP8 formats and the kv-cache-dtype strings users pass (DESIGN section 2)."""
+"""FP8 formats, the kv-cache-dtype strings users pass (DESIGN section 2) and the format codes the ops take.
+
+This is the one alias table: a string is resolved here, once, to a canonical name and a CacheFormat code; the
+compiled ops only ever see the code.
+"""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +54,22 @@ class KVCacheDtypeError(ValueError):
     pass
 
 
+class CacheFormat(enum.IntEnum):
+    """The `int kv_cache_format` of the compiled ops: csrc/common/cache_format.h's KVFormat, same names and
+    values (tests/test_formats.py parses the header to hold them equal)."""
+
+    AUTO = 0
+    E4M3FN = 1
+    E5M2 = 2
+    E4M3FNUZ = 3
+
+
+# canonical name <-> code
+FORMAT_CODES = {AUTO: CacheFormat.AUTO, "fp8_e4m3": CacheFormat.E4M3FN, "fp8_e5m2": CacheFormat.E5M2,
+                "fp8_e4m3fnuz": CacheFormat.E4M3FNUZ}
+_CODE_NAMES = {code: name for name, code in FORMAT_CODES.items()}
+
+
 def backend_of(device: torch.device | str | None = None) -> str:
     """The kernel backend that serves `device`: cpu, cuda or rocm (any other device stands in for a GPU)."""
     if device is None or isinstance(device, str):
@@ -76,13 +97,29 @@ def resolve_kv_cache_dtype(name: str, backend: str = "cpu") -> str:
     return canonical
 
 
-def is_fp8(name: str) -> bool:
-    return name != AUTO
+def format_code(name: str | int, backend: str = "cpu") -> CacheFormat:
+    """The ops' code for a kv-cache-dtype string on `backend` ("fp8" is the backend's native format), or for a
+    code already resolved (returned as a CacheFormat; an int that names none raises)."""
+    if isinstance(name, str):
+        return FORMAT_CODES[resolve_kv_cache_dtype(name, backend)]
+    if isinstance(name, bool) or not isinstance(name, int) or name not in _CODE_NAMES:
+        raise KVCacheDtypeError(f"unknown kv cache format code {name!r}; valid: "
+                                + ", ".join(f"{int(c)} ({n})" for c, n in _CODE_NAMES.items()))
+    return CacheFormat(name)
 
 
-def get_format(name: str, backend: str = "cpu") -> Fp8Format | None:
-    """The FP8 format behind a kv-cache-dtype string, None for "auto"."""
-    canonical = resolve_kv_cache_dtype(name, backend)
+def format_name(code: str | int, backend: str = "cpu") -> str:
+    """The canonical kv-cache-dtype name ("auto", "fp8_e4m3", ...) of a code or a string."""
+    return _CODE_NAMES[format_code(code, backend)]
+
+
+def is_fp8(name: str | int) -> bool:
+    return name != AUTO and name != CacheFormat.AUTO
+
+
+def get_format(name: str | int, backend: str = "cpu") -> Fp8Format | None:
+    """The FP8 format behind a kv-cache-dtype string or a format code, None for "auto"."""
+    canonical = format_name(name, backend)
     return None if canonical == AUTO else FP8_FORMATS[canonical]
 
 
@@ -94,10 +131,10 @@ def format_for_scale_file_dtype(dtype_name: str) -> Fp8Format:
     raise KVCacheDtypeError(f"unknown FP8 dtype {dtype_name!r}; valid: {valid}")
 
 
-def cache_storage_dtype(name: str, model_dtype: torch.dtype, backend: str = "cpu") -> torch.dtype:
+def cache_storage_dtype(name: str | int, model_dtype: torch.dtype, backend: str = "cpu") -> torch.dtype:
     """Element type of the cache tensors: uint8 for FP8 formats, the model dtype for auto."""
-    return model_dtype if resolve_kv_cache_dtype(name, backend) == AUTO else torch.uint8
+    return model_dtype if format_code(name, backend) == CacheFormat.AUTO else torch.uint8
 
 
-def bytes_per_element(name: str, model_dtype: torch.dtype, backend: str = "cpu") -> int:
+def bytes_per_element(name: str | int, model_dtype: torch.dtype, backend: str = "cpu") -> int:
     return torch.empty((), dtype=cache_storage_dtype(name, model_dtype, backend)).element_size()

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fp8cache.kvcache.formats import CacheFormat, backend_of, format_code
 from fp8cache.kvcache.layout import gather_window_at
 from fp8cache.kvcache.rotation import NONE, apply_rotation
 from fp8cache.model import step_metadata
@@ -98,7 +99,7 @@ class ForwardContext:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer
     k_scales: list[torch.Tensor]  # per layer, [1] or [num_kv_heads]
     v_scales: list[torch.Tensor]
-    kv_cache_dtype: str
+    kv_cache_dtype: CacheFormat  # resolved once per step; the ops take the code, never the string
     block_size: int
     slot_mapping: torch.Tensor  # int64 [num_tokens]
     query_starts: list[int]  # per seq: first token of the seq in the packed stream
@@ -129,7 +130,7 @@ class ForwardContext:
 
 def build_forward_context(batch: StepBatch, ops: object, gather_kv: Callable,
                           kv_caches: list[tuple[torch.Tensor, torch.Tensor]], k_scales: list[torch.Tensor],
-                          v_scales: list[torch.Tensor], kv_cache_dtype: str, block_size: int,
+                          v_scales: list[torch.Tensor], kv_cache_dtype: str | int, block_size: int,
                           device: torch.device | str = "cpu", rotation: str = NONE,
                           window_size: int = 0,
                           window_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
@@ -152,7 +153,8 @@ def build_forward_context(batch: StepBatch, ops: object, gather_kv: Callable,
     all_decode = len(decode) == len(seqs)
     ctx = ForwardContext(
         ops=ops, gather_kv=gather_kv, kv_caches=kv_caches, k_scales=list(k_scales), v_scales=list(v_scales),
-        kv_cache_dtype=kv_cache_dtype, block_size=block_size, slot_mapping=views["slot_mapping"],
+        kv_cache_dtype=format_code(kv_cache_dtype, backend_of(device)), block_size=block_size,
+        slot_mapping=views["slot_mapping"],
         query_starts=starts.tolist(), query_lens=[s.query_len for s in seqs], context_lens=[s.context_len for s in seqs],
         block_tables=views["block_tables"], num_decode=len(decode),
         decode_block_tables=views["block_tables"] if all_decode else views["decode_block_tables"],
@@ -395,7 +397,8 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scalin
     ctx.ops.reshape_and_cache(k, v, key_cache, value_cache, ctx.slot_mapping, ctx.kv_cache_dtype,
                               k_scale, v_scale)
     if window:
-        ctx.ops.reshape_and_cache(k, v, window[0], window[1], ctx.window_slot_mapping, "auto", k_scale, v_scale)
+        ctx.ops.reshape_and_cache(k, v, window[0], window[1], ctx.window_slot_mapping, CacheFormat.AUTO, k_scale,
+                                  v_scale)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous: the decode op writes into it
     if ctx.num_decode:
         _decode(ctx, q, out, key_cache, value_cache, k_scale, v_scale, scaling, window)
@@ -528,7 +531,7 @@ def _prefill_rows(ctx: ForwardContext, group: PrefillGroup, q: torch.Tensor, k: 
             chunk = take(new).view(n, group.query_len, kv_heads, d)
             old = old.to(chunk.dtype).view(n, old.shape[0] // n, kv_heads, d)
             full.append(torch.cat([old, chunk], 1).flatten(0, 1))
-        ctx.ops.reshape_and_cache(full[0], full[1], scratch_k, scratch_v, rows.window_slots, "auto", k_scale,
+        ctx.ops.reshape_and_cache(full[0], full[1], scratch_k, scratch_v, rows.window_slots, CacheFormat.AUTO, k_scale,
                                   v_scale)
         ring = (scratch_k, scratch_v, rows.window_tables, rows.window_starts, rows.window_span)
     _decode_op(ctx, result, query, key_cache, value_cache, k_scale, v_scale, scaling, rows.block_tables,

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import torch
 
+from fp8cache.kvcache import formats
 from fp8cache.kvcache.layout import allocate_kv_cache
 from fp8cache.ops import reference
 
-__all__ = ["allocate_kv_cache", "build", "dequantize_fp8", "fused_add_rms_norm", "load", "paged_attention",
-           "paged_attention_window", "quantize_fp8", "reference", "reshape_and_cache", "rms_norm",
+__all__ = ["allocate_kv_cache", "build", "dequantize_fp8", "format_code", "fused_add_rms_norm", "load",
+           "paged_attention", "paged_attention_window", "quantize_fp8", "reference", "reshape_and_cache", "rms_norm",
            "rotary_embedding_cos_sin", "silu_and_mul"]
 
 
@@ -33,32 +34,46 @@ def build(verbose: bool = False, progress_callback=None, device: torch.device | 
     return _build.build(verbose=verbose, progress_callback=progress_callback, device=device)
 
 
-def quantize_fp8(x: torch.Tensor, kv_cache_dtype: str, scale: torch.Tensor) -> torch.Tensor:
+def format_code(kv_cache_dtype: str | int, device: torch.device) -> int:
+    """The compiled ops' kv_cache_format for a kv-cache-dtype string on `device` ("fp8": the device's native
+    format), or a code the engine resolved already (passed through). A string names no format: RuntimeError, as
+    when the compiled ops parsed it themselves."""
+    if not isinstance(kv_cache_dtype, str):
+        return int(kv_cache_dtype)
+    try:
+        return int(formats.format_code(kv_cache_dtype, formats.backend_of(device)))
+    except formats.KVCacheDtypeError as e:
+        raise RuntimeError(str(e)) from None
+
+
+# kv_cache_dtype below: a kv-cache-dtype string (auto, fp8, fp8_e4m3, fp8_e5m2, fp8_e4m3fnuz) or a CacheFormat.
+
+def quantize_fp8(x: torch.Tensor, kv_cache_dtype: str | int, scale: torch.Tensor) -> torch.Tensor:
     """uint8 codes of clamp(x / scale, -max, max); scale is [1] or one per head (dim -2 of x)."""
-    return load().quantize_fp8(x, kv_cache_dtype, scale)
+    return load().quantize_fp8(x, format_code(kv_cache_dtype, x.device), scale)
 
 
-def dequantize_fp8(codes: torch.Tensor, kv_cache_dtype: str, scale: torch.Tensor,
+def dequantize_fp8(codes: torch.Tensor, kv_cache_dtype: str | int, scale: torch.Tensor,
                    out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Values of uint8 codes times scale ([1] or one per head, dim -2), as out_dtype."""
-    return load().dequantize_fp8(codes, kv_cache_dtype, scale, out_dtype)
+    return load().dequantize_fp8(codes, format_code(kv_cache_dtype, codes.device), scale, out_dtype)
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                      value_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_cache_dtype: str,
+                      value_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_cache_dtype: str | int,
                       k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
-    load().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
-                             k_scale, v_scale)
+    load().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
+                             format_code(kv_cache_dtype, key_cache.device), k_scale, v_scale)
 
 
 def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
                     value_cache: torch.Tensor, num_kv_heads: int, scale: float,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
-                    max_seq_len: int, alibi_slopes: torch.Tensor | None, kv_cache_dtype: str,
+                    max_seq_len: int, alibi_slopes: torch.Tensor | None, kv_cache_dtype: str | int,
                     k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
     load().paged_attention(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables,
-                           seq_lens, block_size, max_seq_len, alibi_slopes, kv_cache_dtype,
-                           k_scale, v_scale)
+                           seq_lens, block_size, max_seq_len, alibi_slopes,
+                           format_code(kv_cache_dtype, key_cache.device), k_scale, v_scale)
 
 
 def paged_attention_window(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
@@ -67,13 +82,13 @@ def paged_attention_window(out: torch.Tensor, query: torch.Tensor, key_cache: to
                            block_tables: torch.Tensor, window_block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, window_starts: torch.Tensor, window_size: int,
                            block_size: int, max_seq_len: int, alibi_slopes: torch.Tensor | None,
-                           kv_cache_dtype: str, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+                           kv_cache_dtype: str | int, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
     """paged_attention reading positions [window_starts[i], seq_lens[i]) from the model-dtype window ring
     (ring slot = position % window_size) instead of the paged cache; one softmax over all positions."""
     load().paged_attention_window(out, query, key_cache, value_cache, window_key_cache, window_value_cache,
                                   num_kv_heads, scale, block_tables, window_block_tables, seq_lens,
                                   window_starts, window_size, block_size, max_seq_len, alibi_slopes,
-                                  kv_cache_dtype, k_scale, v_scale)
+                                  format_code(kv_cache_dtype, key_cache.device), k_scale, v_scale)
 
 
 # Decoder-layer elementwise ops (CPU kernels only; fp8cache.model.fused_layer binds torch.ops.fp8kv directly).

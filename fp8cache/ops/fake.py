@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from fp8cache.kvcache.formats import CacheFormat, format_name
+
 _MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _registered = False
 
@@ -26,18 +28,19 @@ def _same_device(device: torch.device, **tensors: torch.Tensor | None) -> None:
                                        f"move it with .to({device})")
 
 
-def _check_caches(key_cache: torch.Tensor, value_cache: torch.Tensor, kv_cache_dtype: str, what: str = "") -> None:
+def _check_caches(key_cache: torch.Tensor, value_cache: torch.Tensor, kv_cache_format: int,
+                  what: str = "") -> None:
     _check(key_cache.dim() == 5, f"{what}key_cache must be [num_blocks, num_kv_heads, head_size // x, "
                                  f"block_size, x], got {tuple(key_cache.shape)}")
     _check(value_cache.dim() == 4, f"{what}value_cache must be [num_blocks, num_kv_heads, head_size, block_size], "
                                    f"got {tuple(value_cache.shape)}")
     _same_device(key_cache.device, **{f"{what}value_cache": value_cache})
     _check(key_cache.dtype == value_cache.dtype, f"{what}key_cache and {what}value_cache dtypes differ")
-    if kv_cache_dtype == "auto":
+    if kv_cache_format == CacheFormat.AUTO:
         _check(key_cache.dtype in _MODEL_DTYPES, f"an 'auto' {what}key_cache must hold a model dtype")
     else:
-        _check(key_cache.dtype == torch.uint8, f"kv_cache_dtype {kv_cache_dtype!r} stores uint8 caches, "
-                                               f"got {key_cache.dtype}")
+        _check(key_cache.dtype == torch.uint8, f"kv_cache_dtype {format_name(kv_cache_format)!r} stores uint8 "
+                                               f"caches, got {key_cache.dtype}")
     x = 16 // key_cache.element_size()
     _check(key_cache.shape[4] == x and key_cache.shape[2] * x == value_cache.shape[2]
            and key_cache.shape[:2] == value_cache.shape[:2] and key_cache.shape[3] == value_cache.shape[3],
@@ -50,8 +53,8 @@ def _check_scale(scale: torch.Tensor, num_kv_heads: int, device: torch.device, n
     _same_device(device, **{name: scale})
 
 
-def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale) -> None:
-    _check_caches(key_cache, value_cache, kv_cache_dtype)
+def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_format, k_scale, v_scale) -> None:
+    _check_caches(key_cache, value_cache, kv_cache_format)
     device, heads, head_size = key_cache.device, key_cache.shape[1], value_cache.shape[2]
     for name, t in (("key", key), ("value", value)):
         _check(t.dim() == 3 and t.shape[1] == heads and t.shape[2] == head_size,
@@ -65,15 +68,15 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache
     _check_scale(v_scale, heads, device, "v_scale")
 
 
-def _check_attention(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens, kv_cache_dtype,
+def _check_attention(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens, kv_cache_format,
                      k_scale, v_scale, alibi_slopes) -> None:
-    _check_caches(key_cache, value_cache, kv_cache_dtype)
+    _check_caches(key_cache, value_cache, kv_cache_format)
     device = key_cache.device
     _same_device(device, out=out, query=query, block_tables=block_tables, seq_lens=seq_lens,
                  alibi_slopes=alibi_slopes)
     _check(query.dim() == 3 and out.shape == query.shape, "query and out must be [num_seqs, num_heads, head_size]")
     _check(query.dtype in _MODEL_DTYPES and out.dtype in _MODEL_DTYPES, "query and out must hold a model dtype")
-    _check(kv_cache_dtype != "auto" or key_cache.dtype == query.dtype,
+    _check(kv_cache_format != CacheFormat.AUTO or key_cache.dtype == query.dtype,
            "an 'auto' cache holds the model dtype; allocate it with the query's dtype")
     _check(num_kv_heads == key_cache.shape[1] and query.shape[1] % num_kv_heads == 0,
            f"num_kv_heads {num_kv_heads} does not match the cache or divide num_heads {query.shape[1]}")
@@ -86,17 +89,17 @@ def _check_attention(out, query, key_cache, value_cache, num_kv_heads, block_tab
 
 
 def paged_attention(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens, block_size,
-                    max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale) -> None:
-    _check_attention(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens, kv_cache_dtype,
+                    max_seq_len, alibi_slopes, kv_cache_format, k_scale, v_scale) -> None:
+    _check_attention(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens, kv_cache_format,
                      k_scale, v_scale, alibi_slopes)
 
 
 def paged_attention_window(out, query, key_cache, value_cache, window_key_cache, window_value_cache, num_kv_heads,
                            scale, block_tables, window_block_tables, seq_lens, window_starts, window_size,
-                           block_size, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale) -> None:
-    _check_attention(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens, kv_cache_dtype,
+                           block_size, max_seq_len, alibi_slopes, kv_cache_format, k_scale, v_scale) -> None:
+    _check_attention(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens, kv_cache_format,
                      k_scale, v_scale, alibi_slopes)
-    _check_caches(window_key_cache, window_value_cache, "auto", "window_")
+    _check_caches(window_key_cache, window_value_cache, CacheFormat.AUTO, "window_")
     _same_device(key_cache.device, window_key_cache=window_key_cache, window_block_tables=window_block_tables,
                  window_starts=window_starts)
     _check(window_size >= 1, "window_size must be >= 1")
@@ -104,12 +107,12 @@ def paged_attention_window(out, query, key_cache, value_cache, window_key_cache,
            "window_block_tables and window_starts must be int32")
 
 
-def quantize_fp8(x, kv_cache_dtype, scale):
+def quantize_fp8(x, kv_cache_format, scale):
     _same_device(x.device, scale=scale)
     return torch.empty(x.shape, dtype=torch.uint8, device=x.device)
 
 
-def dequantize_fp8(codes, kv_cache_dtype, scale, out_dtype):
+def dequantize_fp8(codes, kv_cache_format, scale, out_dtype):
     _same_device(codes.device, scale=scale)
     return torch.empty(codes.shape, dtype=out_dtype, device=codes.device)
 

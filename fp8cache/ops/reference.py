@@ -34,7 +34,7 @@ def _check_slots(slot_mapping: torch.Tensor, num_slots: int) -> torch.Tensor:
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                      value_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_cache_dtype: str,
+                      value_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_cache_dtype: str | int,
                       k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
     num_blocks, num_kv_heads, _, block_size, x = key_cache.shape
     head_size = value_cache.shape[2]
@@ -54,7 +54,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
 
 
 def gather_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
-              seq_len: int, kv_cache_dtype: str, k_scale: torch.Tensor,
+              seq_len: int, kv_cache_dtype: str | int, k_scale: torch.Tensor,
               v_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of positions [0, seq_len) of one sequence, dequantized to float32 [seq_len, heads, d]."""
     num_blocks, block_size = key_cache.shape[0], key_cache.shape[3]
@@ -67,7 +67,7 @@ def gather_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: t
 
 
 def gather_kv_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int,
-                     kv_cache_dtype: str, k_scale: torch.Tensor,
+                     kv_cache_dtype: str | int, k_scale: torch.Tensor,
                      v_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """gather_kv for n sequences at once, head-major: float32 [n, heads, seq_len, d], the same values.
 
@@ -90,7 +90,7 @@ def gather_kv_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor, block_i
 def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
                     value_cache: torch.Tensor, num_kv_heads: int, scale: float,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
-                    max_seq_len: int, alibi_slopes: torch.Tensor | None, kv_cache_dtype: str,
+                    max_seq_len: int, alibi_slopes: torch.Tensor | None, kv_cache_dtype: str | int,
                     k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
     """Decode attention: each query row attends to positions [0, seq_len) of its sequence."""
     num_seqs, num_heads, _ = query.shape
@@ -154,7 +154,7 @@ def paged_attention_window(out: torch.Tensor, query: torch.Tensor, key_cache: to
                            block_tables: torch.Tensor, window_block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, window_starts: torch.Tensor, window_size: int,
                            block_size: int, max_seq_len: int, alibi_slopes: torch.Tensor | None,
-                           kv_cache_dtype: str, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+                           kv_cache_dtype: str | int, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
     """Decode attention over FP8 positions [0, window_start) and window positions [window_start, seq_len)."""
     if window_size < 1:
         raise ValueError(f"window_size {window_size} must be >= 1 (use paged_attention without a window)")
