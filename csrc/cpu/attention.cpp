@@ -41,13 +41,6 @@ void run_partition(const PartitionWork& w) {
 
 using PartitionFn = void (*)(const PartitionWork&);
 
-// FP8KV_CPU_BF16_DOT=0 keeps bfloat16 queries on the float FMA path (probabilities stay float32 in P.V);
-// read per call so that one process can compare both.
-bool bf16_dot_allowed() {
-  const char* v = std::getenv("FP8KV_CPU_BF16_DOT");
-  return v == nullptr || std::string(v) != "0";
-}
-
 // A cache attention reads: the paged cache (FP8 or auto) or the window ring (model dtype).
 struct CacheSource {
   const void* key_cache = nullptr;
@@ -301,11 +294,10 @@ class Launch {
     src.elem_bytes = static_cast<int64_t>(key_cache.element_size());
     // Auto caches are dispatched on their own dtype: the query is float32 here whatever it was.
     const at::ScalarType dtype = format == KVFormat::AUTO ? key_cache.scalar_type() : query.scalar_type();
-    const bool bf16_dot = bf16_dot_allowed();
+    // bfloat16 queries over an FP8 cache take the bfloat16 dot-product path where the CPU has one: the codes
+    // decode exactly to bfloat16, and P.V in bfloat16 is what vLLM's GPU kernels do for 16-bit models.
 #define FP8KV_PICK(scalar_t, cache_t, kFormat)                                                            \
-  src.run = bf16_dot ? &run_partition<cache_t, kFormat, std::is_same_v<scalar_t, c10::BFloat16> &&        \
-                                                         kFormat != KVFormat::AUTO>                       \
-                     : &run_partition<cache_t, kFormat>
+  src.run = &run_partition<cache_t, kFormat, std::is_same_v<scalar_t, c10::BFloat16> && kFormat != KVFormat::AUTO>
     FP8KV_DISPATCH_BY_KV_FORMAT(dtype, format, FP8KV_PICK);
 #undef FP8KV_PICK
     p.first_span.assign(1, 0);
