@@ -34,18 +34,18 @@ TORCH_LIBRARY(fp8kv, m) {
       "Tensor k_scale, Tensor v_scale) -> ()");
   m.def("quantize_fp8(Tensor x, int kv_cache_format, Tensor scale) -> Tensor");
   m.def("dequantize_fp8(Tensor codes, int kv_cache_format, Tensor scale, ScalarType out_dtype) -> Tensor");
-  // Decoder-layer elementwise ops of the CPU fast path (fp8cache/model/fused_layer.py); CPU kernels only.
+  // Decoder-layer elementwise ops of the CPU fast path (fp8cache/backends/cpu/fused_layer.py); CPU kernels only.
   m.def("rms_norm(Tensor(a!) out, Tensor input, Tensor weight, float epsilon) -> ()");
   m.def("fused_add_rms_norm(Tensor(a!) input, Tensor(b!) residual, Tensor weight, float epsilon) -> ()");
   m.def("rotary_embedding_cos_sin(Tensor(a!) query, Tensor(b!) key, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor gate, Tensor up) -> ()");
-  // float32 linear over 16-column weight panels (fp8cache/model/packed_linear.py); CPU kernels only.
+  // float32 linear over 16-column weight panels (fp8cache/backends/cpu/packed_linear.py); CPU kernels only.
   m.def("linear_f32_pack(Tensor weight) -> Tensor");
   m.def("linear_f32(Tensor input, Tensor packed_weight, int out_features, Tensor? bias) -> Tensor");
-  // bfloat16 linear over 16-column panels of k pairs (fp8cache/model/packed_linear.py); CPU kernels only.
+  // bfloat16 linear over 16-column panels of k pairs (fp8cache/backends/cpu/packed_linear.py); CPU kernels only.
   m.def("linear_bf16_pack(Tensor weight) -> Tensor");
   m.def("linear_bf16(Tensor input, Tensor packed_weight, int out_features, Tensor? bias) -> Tensor");
-  // One float32 decoder layer of a decode step over panel weights (fp8cache/model/fused_layer.py); CPU only.
+  // One float32 decoder layer of a decode step over panel weights (fp8cache/backends/cpu/fused_layer.py); CPU only.
   m.def(
       "decode_layer(Tensor(a!) hidden, Tensor[] weights, Tensor?[] biases, int[] shape, float[] eps, Tensor cos, "
       "Tensor sin, float scale, Tensor(b!) key_cache, Tensor(c!) value_cache, Tensor slot_mapping, "

@@ -10,9 +10,9 @@ from numerics import assert_logits_close
 from test_model_runner import hf_logits
 from test_recent_window import RingSeq, merged, prompt_ids
 
+from fp8cache.backends.cpu import fused_layer, packed_linear
 from fp8cache.config import EngineConfig
 from fp8cache.kvcache.formats import CacheFormat
-from fp8cache.model import fused_layer, packed_linear
 from fp8cache.model.loader import load_model
 from fp8cache.model.runner import ModelRunner
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fp8cache import ops
-from fp8cache.ops import huge_pages
+from fp8cache.backends.cpu import huge_pages
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 

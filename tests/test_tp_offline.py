@@ -19,9 +19,9 @@ from click.testing import CliRunner
 from transformers import AutoConfig
 
 from fp8cache import LLM, SamplingParams
+from fp8cache.backends.cpu import packed_linear
 from fp8cache.config import EngineConfig
 from fp8cache.distributed.group import WorkerDiedError
-from fp8cache.model import packed_linear
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = ["the city of the river was", "a house by the water"]

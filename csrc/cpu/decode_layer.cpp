@@ -1,8 +1,8 @@
 // A whole Llama-family decoder layer for a decode step in one call: the same kernels, in the same order,
-// as fp8cache/model/fused_layer.py runs them from Python (so the results are bitwise those of that path),
+// as fp8cache/backends/cpu/fused_layer.py runs them from Python (so the results are bitwise those of that path),
 // without its ~25 Python-level op calls per layer. In a decode step of a small model that dispatch was
 // about an eighth of the step; here it is one call. Layers whose projections are packed
-// (fp8cache/model/packed_linear.py): in fp8kv's 16-column panels (linear_f32, linear_bf16), or in oneDNN's
+// (fp8cache/backends/cpu/packed_linear.py): in fp8kv's 16-column panels (linear_f32, linear_bf16), or in oneDNN's
 // layout (mkldnn::_linear_pointwise, called through the dispatcher as the Python path calls it).
 #include <cstdint>
 #include <optional>

@@ -1,4 +1,4 @@
-// Elementwise parts of a decoder layer for the CPU fast path (fp8cache/model/fused_layer.py): RMSNorm,
+// Elementwise parts of a decoder layer for the CPU fast path (fp8cache/backends/cpu/fused_layer.py): RMSNorm,
 // residual add + RMSNorm, rotary embedding and SiLU-and-mul, one op each where transformers' modules run
 // five to ten torch ops. In a decode step of a small model the per-op dispatch costs more than the
 // arithmetic. Each op rounds to the model dtype where transformers' formulas do (after every torch op),

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from fp8cache import ops
+from fp8cache.backends.cpu import fused_layer, malloc_tuning, packed_linear
 from fp8cache.backends.cuda import cuda_graph, gpu_errors
 from fp8cache.config import DEFAULT_KV_RECENT_WINDOW, EngineConfig
 from fp8cache.device import describe as describe_device
@@ -20,12 +21,7 @@ from fp8cache.distributed import worker as tp_worker
 from fp8cache.kvcache import formats, sizing
 from fp8cache.kvcache import scales as kv_scales
 from fp8cache.kvcache.rotation import rotation_matrix
-from fp8cache.model import (
-    attention,
-    fused_layer,
-    malloc_tuning,
-    packed_linear,
-)
+from fp8cache.model import attention
 from fp8cache.model.batch import StepBatch
 from fp8cache.model.loader import DTYPES, LoadedModel, load_model, read_config_dict
 

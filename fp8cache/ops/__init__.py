@@ -91,7 +91,7 @@ def paged_attention_window(out: torch.Tensor, query: torch.Tensor, key_cache: to
                                   format_code(kv_cache_dtype, key_cache.device), k_scale, v_scale)
 
 
-# Decoder-layer elementwise ops (CPU kernels only; fp8cache.model.fused_layer binds torch.ops.fp8kv directly).
+# Decoder-layer elementwise ops (CPU kernels only; fp8cache.backends.cpu.fused_layer binds torch.ops.fp8kv directly).
 
 def rms_norm(out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, epsilon: float) -> None:
     """out = LlamaRMSNorm(input) for [tokens, n] or [tokens, heads, n] (last dim contiguous)."""

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fp8cache.backends.cpu.packed_linear import LinearSlice, MergedLinear, PackedLinear
 from fp8cache.model import attention
-from fp8cache.model.packed_linear import LinearSlice, MergedLinear, PackedLinear
 from fp8cache.ops import reference
 
 # Decoder layers whose forward is exactly: pre-norm, q/k/v with rotate_half rotary, attention, o_proj,
