@@ -1,4 +1,4 @@
-// Op schemas of torch.ops.fp8kv (DESIGN section 4). Kernels are registered per backend:
+// Op schemas of torch.ops.fp8kv (docs/design.md section 4). Kernels are registered per backend:
 // cpu/register.cpp (CPU) and cuda/ (CUDA, HIP).
 #include <string>
 

@@ -1,4 +1,4 @@
-"""`fp8kv calibrate`: KV cache scales measured on the unquantized model (DESIGN section 3).
+"""`fp8kv calibrate`: KV cache scales measured on the unquantized model (docs/design.md section 3).
 
 The model runs in its own dtype with transformers' SDPA attention; a thin attention function in front of it
 sees post-RoPE K and V of every layer (rotated first when a kv rotation is asked, since the cache then holds
@@ -13,7 +13,7 @@ subsample of tokens. The scale of each layer (and head) then comes from one stat
 Which one is the default was decided by measuring KL on held-out text: see docs/kv-cache-quality.md.
 
 With a rotation the file must also serve readers that know no rotation (vLLM's plain `scaling_factor`,
-DESIGN section 3), and they quantize UNROTATED K/V. So the absolute maxima of the unrotated K/V are recorded
+docs/design.md section 3), and they quantize UNROTATED K/V. So the absolute maxima of the unrotated K/V are recorded
 too, and the same statistic, per tensor, on the unrotated subsample (the rotated one rotated back: H is its
 own inverse) gives each layer's `unrotated_scales` value: the larger of K's and V's.
 """
@@ -433,7 +433,7 @@ def calibrate(model: str | None, dataset: str | None = None, kv_cache_dtype: str
 
 
 def write_scales(result: CalibrationResult, path: str) -> None:
-    """The DESIGN section 3 file: vLLM's `scaling_factor` plus fp8kv's per-K/V (and per-head) keys; with a
+    """The docs/design.md section 3 file: vLLM's `scaling_factor` plus fp8kv's per-K/V (and per-head) keys; with a
     rotation, `scaling_factor` holds the unrotated scales and k_/v_scaling_factor the rotated ones."""
     kv_scales.write_scales_file(path, result.scales, result.model_type, result.num_kv_heads)
 

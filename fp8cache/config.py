@@ -9,7 +9,7 @@ DEFAULT_KV_RECENT_WINDOW = 32
 
 @dataclass
 class EngineConfig:
-    model: str | None = None  # None: the embedded default model (DESIGN section 6)
+    model: str | None = None  # None: the embedded default model (docs/design.md section 6)
     tokenizer: str | None = None  # None: same folder as the model
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: float32 on CPU, the checkpoint's on GPU)
     kv_cache_dtype: str = "auto"

@@ -1,4 +1,4 @@
-"""Quality of an FP8 KV cache against the `auto` cache, "decode-faithful" (DESIGN section 7).
+"""Quality of an FP8 KV cache against the `auto` cache, "decode-faithful" (docs/design.md section 7).
 
 Each window runs as one prefill through the model runner. Prefill writes K/V into the cache and reads them
 back from it, so every position attends to quantized K/V exactly as in generation; with a recent-token window

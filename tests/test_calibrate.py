@@ -1,4 +1,4 @@
-"""`fp8kv calibrate`: scales against an independent capture of transformers' K/V, the file against the DESIGN
+"""`fp8kv calibrate`: scales against an independent capture of transformers' K/V, the file against the docs/design.md
 schema and a reader that knows only vLLM's schema, checkpoint round trips, datasets, and held-out quality."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""fp8cache.kvcache.formats against DESIGN section 2 and torch's own float8 dtypes."""
+"""fp8cache.kvcache.formats against docs/design.md section 2 and torch's own float8 dtypes."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from fp8cache.kvcache import rotation
 from fp8cache.kvcache.rotation import apply_rotation, hadamard_matrix, rotate
 
 REPO = Path(__file__).resolve().parents[1]
-HEAD_SIZES = [64, 80, 96, 112, 128, 256]  # DESIGN section 4; 80/96/112 are block-diagonal
+HEAD_SIZES = [64, 80, 96, 112, 128, 256]  # docs/design.md section 4; 80/96/112 are block-diagonal
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 ULP = {torch.float32: 2.0 ** -23, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
 

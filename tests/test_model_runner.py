@@ -67,7 +67,7 @@ def hf_logits(model, ids: list[int]) -> torch.Tensor:
 
 
 def raw_cache(runner: ModelRunner, layer: int, seq: Seq, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stored K and V elements of positions [0, n): [n, kv_heads, head_size], undecoded (DESIGN section 4)."""
+    """Stored K and V elements of positions [0, n): [n, kv_heads, head_size], undecoded (docs/design.md section 4)."""
     key_cache, value_cache = runner.kv_caches[layer]
     blocks = torch.tensor([seq.slot(p) // BLOCK for p in range(n)])
     offsets = torch.tensor([p % BLOCK for p in range(n)])
@@ -331,7 +331,7 @@ def test_scales_from_json_file_shape_the_cache_bytes(tiny_loaded, tmp_path):
     assert runner.scales_source == f"file {path}"
     assert torch.equal(runner.scales.k[1], torch.tensor(k_heads[1], dtype=torch.float32))
     check_layer0_codes(runner, tiny_loaded)
-    # E4M3FN scales on an E4M3FNUZ cache are doubled (DESIGN section 3).
+    # E4M3FN scales on an E4M3FNUZ cache are doubled (docs/design.md section 3).
     fnuz = make_runner(tiny_loaded, "fp8_e4m3fnuz", quantization_param_path=str(path))
     assert torch.equal(fnuz.scales.v[0], torch.tensor([0.008]))
     check_layer0_codes(fnuz, tiny_loaded)

@@ -1,4 +1,4 @@
-"""fp8cache.kvcache.scales against DESIGN section 3: files, checkpoints, precedence, computed scales."""
+"""fp8cache.kvcache.scales against docs/design.md section 3: files, checkpoints, precedence, computed scales."""
 
 from __future__ import annotations
 

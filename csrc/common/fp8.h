@@ -3,7 +3,7 @@
 // Torch-free and pure integer bit manipulation, so the same code gives the same bits on host, CUDA and
 // HIP (no dependence on FTZ modes or on which hardware converters exist).
 //
-// Quantization contract (DESIGN section 3): code = Q(clamp(x, -max, max)) with Q round-to-nearest-even,
+// Quantization contract (docs/design.md section 3): code = Q(clamp(x, -max, max)) with Q round-to-nearest-even,
 // which is bit-exact with torch's `torch.clamp(x, -max, max).to(torch.float8_*)`:
 //   * |x| >= max (and +-inf) saturate to +-max,
 //   * NaN -> 0x7F | sign (E4M3FN, E5M2) or 0x80 (E4M3FNUZ, whose only NaN),
@@ -183,7 +183,7 @@ FP8KV_HOST_DEVICE FP8KV_INLINE bool fp8_is_nan(uint8_t v) {
   return (v & 0x7F) > 0x7C;
 }
 
-// Quantize with the DESIGN convention stored = Q(x / scale). Division, not multiplication by the
+// Quantize as docs/design.md section 3 says, stored = Q(x / scale). Division, not multiplication by the
 // reciprocal, so results are bit-exact with torch's `x / s`.
 template <Fp8Format F>
 FP8KV_HOST_DEVICE FP8KV_INLINE uint8_t scaled_float_to_fp8(float x, float scale) {

@@ -10,7 +10,7 @@
 
 namespace fp8kv::cpu {
 
-// Geometry of a paged KV cache pair (DESIGN section 4 layouts).
+// Geometry of a paged KV cache pair (docs/design.md section 4 layouts).
 struct CacheGeometry {
   int64_t num_blocks;
   int64_t num_kv_heads;

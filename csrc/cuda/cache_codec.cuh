@@ -12,10 +12,10 @@ struct CacheCodec {
   static constexpr bool kQuantized = std::is_same_v<cache_t, uint8_t>;
   static_assert(kQuantized || std::is_same_v<cache_t, scalar_t>, "an auto cache holds the model dtype");
 
-  // Elements per 16-byte chunk of the key cache's innermost dimension (DESIGN section 4).
+  // Elements per 16-byte chunk of the key cache's innermost dimension (docs/design.md section 4).
   static constexpr int kX = 16 / static_cast<int>(sizeof(cache_t));
 
-  // stored = Q(x / scale) (DESIGN section 3); an auto cache stores x unchanged.
+  // stored = Q(x / scale) (docs/design.md section 3); an auto cache stores x unchanged.
   FP8KV_DEVICE static cache_t encode(scalar_t x, float scale) {
     if constexpr (kQuantized) {
       return fp8_encode<kFormat>(to_float(x) / scale);

@@ -2,7 +2,7 @@
 //
 // One thread block per token; each thread takes one 16-byte chunk of the key cache row (x elements of
 // one head), so the key side is one wide store, and the value side x scattered element stores (the value
-// cache keeps tokens innermost, DESIGN section 4).
+// cache keeps tokens innermost, docs/design.md section 4).
 #pragma once
 
 #include "cache_codec.cuh"

@@ -134,7 +134,7 @@ FP8KV_DEVICE half_t from_float<half_t>(float v) {
 
 // ---- FP8 codes <-> float ----------------------------------------------------------------------------
 // On sm_89+ cuda_fp8.h converts with one instruction (cvt.rn.satfinite: round to nearest even and
-// saturation, as DESIGN section 3 asks). Elsewhere (older GPUs, E4M3FNUZ, HIP, host) the shared software
+// saturation, as docs/design.md section 3 asks). Elsewhere (older GPUs, E4M3FNUZ, HIP, host) the shared software
 // conversion of common/fp8.h is used: the CPU ops run the same code, so both builds store the same bits.
 
 #if (defined(FP8KV_PLATFORM_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890) || \

@@ -1,4 +1,4 @@
-"""FP8 formats, the kv-cache-dtype strings users pass (DESIGN section 2) and the format codes the ops take.
+"""FP8 formats, the kv-cache-dtype strings users pass (docs/design.md section 2) and the format codes the ops take.
 
 This is the one alias table: a string is resolved here, once, to a canonical name and a CacheFormat code; the
 compiled ops only ever see the code.

@@ -1,4 +1,4 @@
-"""KV cache scales: scale files, checkpoint scales, computed scales, precedence (DESIGN section 3).
+"""KV cache scales: scale files, checkpoint scales, computed scales, precedence (docs/design.md section 3).
 
 Convention: stored = Q(x / scale), x ~= dequant(stored) * scale. One float32 tensor per layer for K and
 one for V, shape [1] (per tensor) or [num_kv_heads] (per KV head).
@@ -603,7 +603,7 @@ def resolve_scales(kv_cache_dtype: str, num_layers: int, num_kv_heads: int,
                    checkpoint_tensors: Mapping[str, torch.Tensor] | None = None, config: dict | None = None,
                    calculate: bool = False, tp_rank: int = 0, tp_size: int = 1,
                    warn: Callable[[str], None] = logger.warning) -> KVScales | None:
-    """Scales by DESIGN precedence: file > checkpoint > calculate (None: caller computes) > 1.0."""
+    """Scales by the precedence of docs/design.md section 3: file > checkpoint > calculate (None: caller computes) > 1.0."""
     _check_canonical(kv_cache_dtype)
     if kv_cache_dtype == formats.AUTO:
         unused = ones(num_layers, formats.AUTO)

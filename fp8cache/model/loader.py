@@ -12,7 +12,7 @@ import torch
 from fp8cache.config import EngineConfig
 from fp8cache.device import default_model_dtype, resolve_device
 
-# Tensor names that carry KV cache scales (DESIGN section 3); transformers drops these as unknown weights.
+# Tensor names that carry KV cache scales (docs/design.md section 3); transformers drops these as unknown weights.
 SCALE_TENSOR_SUFFIXES = ("self_attn.kv_scale", "self_attn.k_scale", "self_attn.v_scale",
                          "k_proj.output_scale", "v_proj.output_scale")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

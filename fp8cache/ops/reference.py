@@ -1,6 +1,6 @@
 """Pure-torch reference of every compiled op: slow, obvious, and built on torch's own float8 dtypes.
 
-Tests hold the compiled kernels to these. Layouts are DESIGN section 4 (vLLM's paged layouts).
+Tests hold the compiled kernels to these. Layouts are docs/design.md section 4 (vLLM's paged layouts).
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
 
 # ---- recent-token window (issue 8) ------------------------------------------------------------------
 # The newest tokens of a sequence also live in a small "window" cache in the model dtype (auto layout of
-# DESIGN section 4), as a ring: position p sits at ring slot p % window_size, and ring slot r at
+# docs/design.md section 4), as a ring: position p sits at ring slot p % window_size, and ring slot r at
 # window_block_table[r // block_size] * block_size + r % block_size. Attention reads positions
 # [0, window_start) from the FP8 cache and [window_start, seq_len) from the window.
 
