@@ -99,13 +99,13 @@ def open_engines(model: str | None, kv_cache_dtypes: list[str], log: Callable[[s
         yield build_engines(model, kv_cache_dtypes, log, windows, **config)
         return
     from fp8cache.config import EngineConfig
-    from fp8cache.distributed.group import TensorParallelGroup
     from fp8cache.engine.llm_engine import LLMEngine
+    from fp8cache.model.tp_ranks import start_group
 
     base = EngineConfig(model=model, tensor_parallel_size=num_shard, **config)
     variants = cache_variants(kv_cache_dtypes, windows or [base.kv_recent_window])
     configs = [dataclasses.replace(base, **overrides) for overrides in variants.values()]
-    with TensorParallelGroup.start(configs, log, threads_per_rank) as group:
+    with start_group(configs, log, threads_per_rank) as group:
         yield {label: LLMEngine(cfg, log=log, runner=runner)
                for label, cfg, runner in zip(variants, configs, group.runners)}
 

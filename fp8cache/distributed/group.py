@@ -41,10 +41,6 @@ _JOINED_KEY = "fp8kv/joined/{rank}"
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Builds one rank's runners from the engine configs, in order: (configs, log) -> runners.
 RunnerBuilder = Callable[[Sequence[EngineConfig], Callable[[str], None]], list]
-# For callers that still start a group without naming a builder (engine/llm.py and bench/throughput.py, until
-# they call fp8cache.model.tp_ranks.start_group); with sharding.check_model_divisible, the only places this
-# package still names the model side.
-_DEFAULT_BUILDER = "fp8cache.model.tp_ranks:build_runners"
 
 
 class WorkerDiedError(RuntimeError):
@@ -66,15 +62,14 @@ class TensorParallelGroup:
     @classmethod
     def start(cls, configs: Sequence[EngineConfig], log: Callable[[str], None] = print,
               threads_per_rank: int | None = None,
-              build_runners: RunnerBuilder | None = None) -> TensorParallelGroup:
+              *, build_runners: RunnerBuilder) -> TensorParallelGroup:
         """Start ranks 1..N-1, join them as rank 0, and build one runner per config on every rank.
 
         threads_per_rank: torch threads of each worker (default: OMP_NUM_THREADS when set, else this
         machine's cores shared out over the ranks). build_runners: a module-level function, since each worker
         imports it by name (fp8cache.model.tp_ranks.start_group passes fp8cache's)."""
         world = _check_configs(configs)
-        builder = _builder_name(build_runners) if build_runners is not None else _DEFAULT_BUILDER
-        build = build_runners or _import_builder(builder)
+        builder, build = _builder_name(build_runners), build_runners
         if parallel_state.get().is_parallel:
             raise RuntimeError(f"this process already runs a tensor-parallel group of "
                                f"{parallel_state.get().world_size} ranks; close that LLM (llm.close(), or use"

@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp8cache.config import EngineConfig
 from fp8cache.distributed import parallel_state
 
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -60,14 +59,6 @@ def check_divisible(hf_config: object, tp_size: int) -> None:
         raise ValueError(f"tensor-parallel size {tp_size} does not divide this model's "
                          f"{' and '.join(problems)}; use --num-shard (tensor_parallel_size) "
                          f"{' or '.join(map(str, divisors))}")
-
-
-def check_model_divisible(config: EngineConfig) -> None:
-    """fp8cache.model.tp_ranks.check_model_divisible, under the name engine/llm.py still imports (it reads the
-    model folder, which is the model side's to find); remove once that import names tp_ranks."""
-    from fp8cache.model.tp_ranks import check_model_divisible as check
-
-    check(config)
 
 
 def shard_model(model: nn.Module, hf_config: object, tp_rank: int, tp_size: int) -> None:

@@ -78,12 +78,11 @@ class LLM:
             rank = parallel_state.env_rank()
             if rank is None:
                 from fp8cache.device import resolve_device
-                from fp8cache.distributed.group import TensorParallelGroup
-                from fp8cache.distributed.sharding import check_model_divisible
+                from fp8cache.model.tp_ranks import check_model_divisible, start_group
 
                 resolve_device(config.device)  # before the workers start and each load the weights
                 check_model_divisible(config)
-                self.tp_group = TensorParallelGroup.start([config], log=log)
+                self.tp_group = start_group([config], log=log)
                 runner = self.tp_group.runners[0]
             elif rank != 0:
                 raise ValueError(f"RANK={rank} is set, so an outside launcher started this process as a "
