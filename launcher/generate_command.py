@@ -13,7 +13,7 @@ from launcher.options import engine_config, engine_errors, engine_options, fail,
 from launcher.supervisor import owns_its_children
 
 if TYPE_CHECKING:
-    from fp8cache.engine.llm_engine import LLMEngine
+    from fp8cache.engine.llm import LLM
 
 console = Console(stderr=True)
 
@@ -83,12 +83,13 @@ def generate(args: tuple[str, ...], **kw) -> None:
         with console.status("loading the model..."):
             llm = LLM.from_config(config, log=log)  # with --num-shard N, also starts and stops ranks 1..N-1
         with llm:
-            _generate(llm.engine, prompt, kw)
+            _generate(llm, prompt, kw)
     except WorkerDiedError as exc:
         fail(str(exc), code=1)
 
 
-def _generate(engine: LLMEngine, prompt: str, kw: dict) -> None:
+def _generate(llm: LLM, prompt: str, kw: dict) -> None:
+    """Write the completion's text to stdout as it comes; Ctrl-C stops it (the request is aborted)."""
     from fp8cache.engine.sampling_params import SamplingParams
 
     params = SamplingParams(
@@ -96,33 +97,14 @@ def _generate(engine: LLMEngine, prompt: str, kw: dict) -> None:
         repetition_penalty=kw["repetition_penalty"], presence_penalty=kw["presence_penalty"],
         frequency_penalty=kw["frequency_penalty"], seed=kw["sampling_seed"], stop=list(kw["stop"]) or None,
         max_tokens=kw["max_tokens"], ignore_eos=kw["ignore_eos"])
-    tok = engine.tokenizer
-    chat = kw["chat"] if kw["chat"] is not None else bool(getattr(tok, "chat_template", None))
-    if chat:
-        text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                       add_generation_prompt=True)
-        engine.add_request("generate", text, params, prompt_token_ids=tok.encode(text, add_special_tokens=False))
-    else:
-        engine.add_request("generate", prompt, params)
-    stream_to_stdout(engine, "generate")
-
-
-def stream_to_stdout(engine: LLMEngine, request_id: str) -> None:
-    """Step the engine until it is idle, writing request_id's new text as it comes; Ctrl-C aborts it."""
-    printed = 0
-    finish = None
+    printed, finish = 0, None
     try:
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.request_id != request_id:
-                    continue
-                text = out.outputs[0].text
-                sys.stdout.write(text[printed:])
-                sys.stdout.flush()
-                printed = len(text)
-                finish = out.outputs[0].finish_reason
+        for out in llm.stream(prompt, params, chat=kw["chat"]):
+            text = out.outputs[0].text
+            sys.stdout.write(text[printed:])
+            sys.stdout.flush()
+            printed, finish = len(text), out.outputs[0].finish_reason
     except KeyboardInterrupt:
-        engine.abort_request(request_id)
         finish = "interrupted"
     sys.stdout.write("\n")
     console.print(f"[dim]finish reason: {finish}[/]", highlight=False)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Self
 
 from fp8cache.config import EngineConfig
@@ -140,6 +140,9 @@ class LLM:
              use_tqdm: bool = False, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """messages: one conversation ([{"role": ..., "content": ...}, ...]) or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        return self.generate(self._chat_prompts(conversations, add_generation_prompt), sampling_params, use_tqdm)
+
+    def _chat_prompts(self, conversations: list[list[dict]], add_generation_prompt: bool) -> list[dict]:
         tok = self.get_tokenizer()
         if getattr(tok, "chat_template", None) is None:
             raise ValueError("this model's tokenizer has no chat template; use generate() with plain text")
@@ -148,7 +151,33 @@ class LLM:
             text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt)
             # The template already holds any BOS; tokenizing it again must not add another.
             prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return prompts
+
+    def stream(self, prompt: str, sampling_params: SamplingParams | None = None,
+               chat: bool | None = None) -> Iterator[RequestOutput]:
+        """One prompt's output after each step that adds to it (text so far in .outputs[0].text), until it
+        finishes. chat: send the prompt as a user turn through the tokenizer's chat template (None: when the
+        tokenizer has one). Closing the iterator early (break, Ctrl-C) aborts the request."""
+        tok = self.get_tokenizer()
+        if chat is None:
+            chat = getattr(tok, "chat_template", None) is not None
+        rid = str(next(self._request_ids))
+        if chat:
+            [request] = self._chat_prompts([[{"role": "user", "content": prompt}]], add_generation_prompt=True)
+            self.engine.add_request(rid, request["prompt"], sampling_params or SamplingParams(),
+                                    prompt_token_ids=request["prompt_token_ids"])
+        else:
+            self.engine.add_request(rid, prompt, sampling_params or SamplingParams())
+        finished = False
+        try:
+            while not finished and self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        finished = out.finished
+                        yield out
+        finally:
+            if not finished:
+                self.engine.abort_request(rid)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
