@@ -82,18 +82,18 @@ def evaluate(config: EngineConfig, text_path: str | None = None, windows: int = 
             ids = tokens[w * window_len:(w + 1) * window_len]
             _score_window(baseline, tested, ids, totals)
             advance()
-    n = totals["tokens"]
+    n, spec = totals["tokens"], tested.kv_spec
     return {
-        "kv_cache_dtype": tested.kv_cache_dtype,
+        "kv_cache_dtype": spec.name,
         "ppl": math.exp(totals["nll_fp8"] / n),
         "baseline_ppl": math.exp(totals["nll_base"] / n),
         "kl": totals["kl"] / n,
         "top1_agreement": totals["agree"] / n,
         "tokens": n,
         "windows": windows,
-        "scales_source": tested.scales_source,
-        "kv_recent_window": tested.kv_recent_window,
-        "kv_recent_window_dtype": str(tested.window_dtype).removeprefix("torch."),
+        "scales_source": spec.scales_source,
+        "kv_recent_window": spec.window_size,
+        "kv_recent_window_dtype": str(spec.window_dtype).removeprefix("torch."),
         "device": str(tested.device),
     }
 
@@ -130,7 +130,8 @@ def window_batch(ids: list[int], block_size: int, recent_window: int = 0, ring_b
 
 def runner_batch(ids: list[int], runner: ModelRunner) -> StepBatch:
     """window_batch laid out for `runner`'s cache."""
-    return window_batch(ids, runner.block_size, runner.kv_recent_window, runner.cache_plan.window_blocks_per_seat)
+    spec = runner.kv_spec
+    return window_batch(ids, spec.block_size, spec.window_size, runner.cache_plan.window_blocks_per_seat)
 
 
 def _score_window(baseline: ModelRunner, tested: ModelRunner, ids: list[int], totals: dict) -> None:

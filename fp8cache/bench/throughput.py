@@ -259,17 +259,17 @@ def check_windows(kv_recent_window: int | list[int] | tuple[int, ...] | None) ->
 
 def _engine_contestant(label: str, engine, num_shard: int = 1) -> _Contestant:
     runner = engine.runner  # with num_shard > 1, rank 0's: capacity and bytes per token are per rank
-    return _Contestant("fp8kv", runner.kv_cache_dtype, runner.dtype,
+    return _Contestant("fp8kv", runner.kv_spec.name, runner.kv_spec.model_dtype,
                        lambda prompts, n, cb: run_batch(engine, prompts, n, cb),
                        {"num_shard": num_shard, **cache_figures(runner)}, label)
 
 
 def cache_figures(runner) -> dict:
     """What the engine's cache holds, for a bench row (the recent-token window's memory included)."""
-    plan = runner.cache_plan
+    plan, spec = runner.cache_plan, runner.kv_spec
     return {"capacity_tokens": runner.capacity_tokens, "bytes_per_token": runner.bytes_per_token,
-            "kv_recent_window": runner.kv_recent_window,
-            "window_dtype": str(runner.window_dtype).removeprefix("torch."), "window_seats": plan.window_seats,
+            "kv_recent_window": spec.window_size,
+            "window_dtype": str(spec.window_dtype).removeprefix("torch."), "window_seats": plan.window_seats,
             "window_bytes": plan.window_bytes}
 
 

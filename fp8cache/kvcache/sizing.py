@@ -6,10 +6,14 @@ import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from fp8cache.kvcache import formats
+
+if TYPE_CHECKING:
+    from fp8cache.kvcache.spec import KVCacheSpec
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -51,6 +55,12 @@ def bytes_per_token(num_layers: int, num_kv_heads: int, head_size: int, kv_cache
     """Cache bytes one token takes across all layers, K and V."""
     element = formats.bytes_per_element(kv_cache_dtype, model_dtype, backend)
     return 2 * num_layers * num_kv_heads * head_size * element
+
+
+def spec_bytes_per_token(spec: KVCacheSpec, window: bool = False) -> int:
+    """bytes_per_token of a spec's cache, or (window) of its recent-token ring, held in window_dtype."""
+    fmt, dtype = (formats.CacheFormat.AUTO, spec.window_dtype) if window else (spec.format, spec.model_dtype)
+    return bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_size, fmt, dtype, spec.backend)
 
 
 @dataclass
@@ -117,6 +127,14 @@ def plan_cache(kv_cache_memory: int | str | None, kv_cache_memory_fraction: floa
                      window_bytes)
 
 
+def plan_for(spec: KVCacheSpec, kv_cache_memory: int | str | None, kv_cache_memory_fraction: float,
+             max_num_seqs: int = 1, max_model_len: int = 0, device_limit: DeviceLimit | None = None) -> CachePlan:
+    """plan_cache for a spec's cache and its recent-token window."""
+    return plan_cache(kv_cache_memory, kv_cache_memory_fraction, spec.block_size, spec_bytes_per_token(spec),
+                      spec.window_size, spec_bytes_per_token(spec, window=True), max_num_seqs, max_model_len,
+                      device_limit)
+
+
 def _sequence_bytes(max_model_len: int, block_size: int, token_bytes: int) -> int:
     return -(-max_model_len // block_size) * block_size * token_bytes if max_model_len > 0 else 0
 
@@ -153,12 +171,13 @@ def gpu_limit(device: torch.device, utilization: float, reserve_bytes: int) -> D
                              f"{(total - free) / 2**30:.2f} GiB in use, {reserve_bytes / 2**30:.2f} GiB for activations")
 
 
-def allocate_caches(allocate: Callable, num_layers: int, num_blocks: int, block_size: int,
-                    num_kv_heads: int, head_size: int, kv_cache_dtype: str, model_dtype: torch.dtype,
-                    device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One (key_cache, value_cache) pair per layer, in docs/design.md section 4 layouts."""
-    return [allocate(num_blocks, block_size, num_kv_heads, head_size, kv_cache_dtype, model_dtype, device)
-            for _ in range(num_layers)]
+def allocate_caches(allocate: Callable, spec: KVCacheSpec, num_blocks: int, device: torch.device | str,
+                    window: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One (key_cache, value_cache) pair per layer of a spec's cache, or (window) of its recent-token ring,
+    in docs/design.md section 4 layouts. `allocate` has kvcache.layout.allocate_kv_cache's signature."""
+    fmt, dtype = (formats.CacheFormat.AUTO, spec.window_dtype) if window else (spec.format, spec.model_dtype)
+    return [allocate(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size, fmt, dtype, str(device))
+            for _ in range(spec.num_layers)]
 
 
 def describe(plan: CachePlan, kv_cache_dtype: str, max_model_len: int, max_num_seqs: int = 1,

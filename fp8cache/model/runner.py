@@ -20,7 +20,7 @@ from fp8cache.distributed import parallel_state, sharding
 from fp8cache.distributed import worker as tp_worker
 from fp8cache.kvcache import formats, sizing
 from fp8cache.kvcache import scales as kv_scales
-from fp8cache.kvcache.rotation import rotation_matrix
+from fp8cache.kvcache.spec import PENDING_SOURCE, KVCacheSpec
 from fp8cache.model import attention
 from fp8cache.model.batch import StepBatch
 from fp8cache.model.loader import DTYPES, LoadedModel, load_model, read_config_dict
@@ -46,7 +46,8 @@ class ModelRunner:
         self.device = torch.device(config.device)
         backend = formats.backend_of(self.device)
         log(f"device: {describe_device(self.device)}")
-        self.kv_cache_dtype = formats.resolve_kv_cache_dtype(config.kv_cache_dtype, backend)
+        # Resolved here too, before the model loads, so that a bad name fails fast.
+        fmt_name = formats.resolve_kv_cache_dtype(config.kv_cache_dtype, backend)
         if config.kv_scales_granularity not in kv_scales.GRANULARITIES:
             raise ValueError(f"kv_scales_granularity={config.kv_scales_granularity!r} is not known; valid: "
                              f"{', '.join(kv_scales.GRANULARITIES)}")
@@ -82,10 +83,13 @@ class ModelRunner:
             fused = fused_layer.install(self.model, compiled=self._ops is ops)
             if fused:
                 log(f"{fused} decoder layers run fp8kv's fused forward")
-        self._init_scales(loaded)
-        self.kv_recent_window = self._resolve_recent_window()
-        self.window_dtype = self._resolve_window_dtype()
-        self._init_cache(backend)
+        scales = self._resolve_scales(loaded, fmt_name)
+        window, window_dtype = self._resolve_recent_window(fmt_name, scales), self._resolve_window_dtype()
+        # The one resolved description of the cache; only calculated scales replace it (_use_scales).
+        self.kv_spec = KVCacheSpec.build(config.kv_cache_dtype, self.dtype, self.block_size, self.num_layers,
+                                         self.num_kv_heads, self.head_size, scales, window, window_dtype,
+                                         backend, self.device)
+        self._init_cache()
         self._graphs = self._decode_graphs()
 
     # ---- setup -------------------------------------------------------------------------------------
@@ -130,18 +134,18 @@ class ModelRunner:
             length = window
         return int(length)
 
-    def _resolve_recent_window(self) -> int:
+    def _resolve_recent_window(self, fmt_name: str, scales: kv_scales.KVScales | None) -> int:
         wanted = self.config.kv_recent_window
         if wanted is not None and (not isinstance(wanted, int) or isinstance(wanted, bool) or wanted < 0):
             raise ValueError(f"kv_recent_window={wanted!r} must be a whole number of tokens >= 0 "
                              "(0 keeps every token in FP8)")
-        if self.kv_cache_dtype == formats.AUTO:
+        if fmt_name == formats.AUTO:
             if wanted:
                 self.log("note: kv_recent_window is ignored with kv-cache-dtype auto (the cache is full precision)")
             return 0
-        recorded = self.scales.recent_window if self.scales is not None else None
+        recorded = scales.recent_window if scales is not None else None
         if wanted is None and recorded is not None:
-            self.log(f"recent-token window: {recorded} tokens, as recorded in the KV scales ({self.scales.source})")
+            self.log(f"recent-token window: {recorded} tokens, as recorded in the KV scales ({scales.source})")
         window = wanted if wanted is not None else recorded if recorded is not None else DEFAULT_KV_RECENT_WINDOW
         return min(window, self.max_model_len)  # a longer ring could never fill
 
@@ -163,63 +167,43 @@ class ModelRunner:
             ids.add(self.tokenizer.eos_token_id)
         return ids
 
-    def _init_scales(self, loaded: LoadedModel) -> None:
-        if self.kv_cache_dtype == formats.AUTO and self.config.quantization_param_path:
+    def _resolve_scales(self, loaded: LoadedModel, fmt_name: str) -> kv_scales.KVScales | None:
+        """The scales by their precedence (None: calculated from the first batch)."""
+        if fmt_name == formats.AUTO and self.config.quantization_param_path:
             self.log("warning: --quantization-param-path is ignored with kv-cache-dtype auto")
-        self.kv_rotation = "none"  # "hadamard" when the scales were made for rotated K/V
-        self.scales = kv_scales.resolve_scales(
-            self.kv_cache_dtype, self.num_layers, self.total_kv_heads,
+        scales = kv_scales.resolve_scales(
+            fmt_name, self.num_layers, self.total_kv_heads,
             quantization_param_path=self.config.quantization_param_path, tp_rank=self.tp.rank,
             tp_size=self.tp.world_size,
             checkpoint_tensors=loaded.checkpoint_scale_tensors, config=read_config_dict(self.model_path),
             calculate=self.config.calculate_kv_scales, warn=lambda msg: self.log(f"warning: {msg}"))
-        if self.scales is None:
-            self.scales_source = "pending: calculated from the first batch"
-            ones = kv_scales.ones(self.num_layers, self.kv_cache_dtype)
-            self._k_scales, self._v_scales = ones.k, ones.v  # placeholders until the first step
-        else:
-            self._use_scales(self.scales)
-        self.log(f"KV scales: {self.scales_source}")
+        self.log(f"KV scales: {scales.source if scales is not None else PENDING_SOURCE}")
+        return scales
 
     def _use_scales(self, scales: kv_scales.KVScales) -> None:
-        try:
-            rotation_matrix(scales.rotation, self.head_size)  # refuses head sizes it cannot rotate
-        except ValueError as e:
-            raise ValueError(f"KV scales from {scales.source}: {e}") from None
-        for kind, tensors in (("k", scales.k), ("v", scales.v)):
-            for i, t in enumerate(tensors):
-                if t.numel() not in (1, self.num_kv_heads):
-                    raise ValueError(f"{kind} scale of layer {i} from {scales.source} has {t.numel()} values; "
-                                     f"expected 1 or num_kv_heads={self.num_kv_heads}")
-        self.scales, self.scales_source, self.kv_rotation = scales, scales.source, scales.rotation
-        self._k_scales = [t.to(self.device, torch.float32).contiguous() for t in scales.k]
-        self._v_scales = [t.to(self.device, torch.float32).contiguous() for t in scales.v]
+        self._replace_spec(self.kv_spec.with_scales(scales, self.device))
+
+    def _replace_spec(self, spec: KVCacheSpec) -> None:
+        self.kv_spec = spec
         if getattr(self, "_graphs", None) is not None:
             self._graphs.invalidate()  # they read the old scale tensors
 
-    def _init_cache(self, backend: str) -> None:
-        self.bytes_per_token = sizing.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_size,
-                                                      self.kv_cache_dtype, self.dtype, backend)
-        window_token_bytes = sizing.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_size,
-                                                    formats.AUTO, self.window_dtype, backend)
-        plan = sizing.plan_cache(self.config.kv_cache_memory, self.config.kv_cache_memory_fraction,
-                                 self.block_size, self.bytes_per_token, self.kv_recent_window,
-                                 window_token_bytes, self.config.max_num_seqs, self.max_model_len,
-                                 self._device_limit())
+    def _init_cache(self) -> None:
+        spec = self.kv_spec
+        self.bytes_per_token = sizing.spec_bytes_per_token(spec)
+        plan = sizing.plan_for(spec, self.config.kv_cache_memory, self.config.kv_cache_memory_fraction,
+                               self.config.max_num_seqs, self.max_model_len, self._device_limit())
         # Rank 0 hands out block ids, so every rank needs at least as many blocks as rank 0 plans.
         plan.num_blocks = parallel_state.all_reduce_min_int(plan.num_blocks)
         if plan.window_seats:
             plan.window_seats = parallel_state.all_reduce_min_int(plan.window_seats)
         self.cache_plan = plan
         self.num_blocks, self.capacity_tokens = plan.num_blocks, plan.capacity_tokens
-        self.kv_caches = sizing.allocate_caches(
-            ops.allocate_kv_cache, self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads,
-            self.head_size, self.kv_cache_dtype, self.dtype, str(self.device))
-        self.window_caches = sizing.allocate_caches(
-            ops.allocate_kv_cache, self.num_layers, plan.window_num_blocks, self.block_size, self.num_kv_heads,
-            self.head_size, formats.AUTO, self.window_dtype, str(self.device)) if plan.window_seats else None
-        for line in sizing.describe(plan, self.kv_cache_dtype, self.max_model_len, self.config.max_num_seqs,
-                                    self.dtype, self.window_dtype):
+        self.kv_caches = sizing.allocate_caches(ops.allocate_kv_cache, spec, self.num_blocks, self.device)
+        self.window_caches = sizing.allocate_caches(ops.allocate_kv_cache, spec, plan.window_num_blocks,
+                                                    self.device, window=True) if plan.window_seats else None
+        for line in sizing.describe(plan, spec.name, self.max_model_len, self.config.max_num_seqs,
+                                    spec.model_dtype, spec.window_dtype):
             self.log(line)
 
     def _decode_graphs(self) -> cuda_graph.DecodeGraphs | None:
@@ -270,16 +254,47 @@ class ModelRunner:
     @property
     def cache_fingerprint(self) -> str:
         """What the cached bytes mean; prefix-cache hashes include it so changed scales never hit."""
-        if self.kv_cache_dtype == formats.AUTO:
-            return f"auto:{self.dtype}"
-        if self.scales is None:
-            return f"{self.kv_cache_dtype}:pending"
-        # The engine asks twice a step; hashing every scale each time is measurable. New scales are a new object.
-        key = (self.scales, self.scales.rotation)
-        memo = getattr(self, "_fingerprint_memo", None)
-        if memo is None or memo[0] is not key[0] or memo[1] != key[1]:
-            memo = self._fingerprint_memo = (*key, self.scales.fingerprint())
-        return f"{self.kv_cache_dtype}:{memo[2]}:{self.scales.rotation}"
+        return self.kv_spec.fingerprint
+
+    # Read-only views of kv_spec under the names the engine, server, bench and tests read.
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """The canonical kv-cache-dtype ("fp8" resolved for the device)."""
+        return self.kv_spec.name
+
+    @property
+    def kv_recent_window(self) -> int:
+        return self.kv_spec.window_size
+
+    @property
+    def window_dtype(self) -> torch.dtype:
+        return self.kv_spec.window_dtype
+
+    @property
+    def scales(self) -> kv_scales.KVScales | None:
+        return self.kv_spec.scales
+
+    @property
+    def scales_source(self) -> str:
+        return self.kv_spec.scales_source
+
+    @property
+    def _k_scales(self) -> list[torch.Tensor]:
+        return list(self.kv_spec.k_scales)
+
+    @property
+    def _v_scales(self) -> list[torch.Tensor]:
+        return list(self.kv_spec.v_scales)
+
+    @property
+    def kv_rotation(self) -> str:
+        return self.kv_spec.rotation
+
+    @kv_rotation.setter
+    def kv_rotation(self, rotation: str) -> None:
+        # Tests rotate a runner whose scales were made for unrotated K/V, to compare the two paths.
+        self._replace_spec(dataclasses.replace(self.kv_spec, rotation=rotation))
 
     # ---- one step ----------------------------------------------------------------------------------
 
@@ -294,7 +309,7 @@ class ModelRunner:
         if self._kernel_errors is not None:
             self._kernel_errors.check()  # what an earlier step's kernels reported, now that it has landed
         rows = None if all_logits else self._logits_rows(batch)
-        calculating = self.scales is None and self.kv_cache_dtype != formats.AUTO
+        calculating = self.kv_spec.scales_pending
         if self._graphs is not None and rows is None and not calculating and not all_logits:
             logits = self._graphs.run(batch)
             if logits is not None:
@@ -374,7 +389,7 @@ class ModelRunner:
         # Padding tokens are not stored, so they do not shape the scales (a mask, not a boolean index: no
         # wait for the device to count the valid rows).
         padding = (slot_mapping < 0)[:, None, None]
-        fmt, granularity = self.kv_cache_dtype, self.config.kv_scales_granularity
+        fmt, granularity = self.kv_spec.name, self.config.kv_scales_granularity
 
         def calculate(layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             k_amax = k.abs().masked_fill(padding, 0).amax(dim=(0, 2)).to(torch.float32)  # per KV head
@@ -393,7 +408,7 @@ class ModelRunner:
             raise RuntimeError(f"calculate_kv_scales saw layers {sorted(amax)} of {self.num_layers}")
         scales = kv_scales.compute_scales([amax[i][0].cpu() for i in range(self.num_layers)],
                                           [amax[i][1].cpu() for i in range(self.num_layers)],
-                                          self.kv_cache_dtype, self.config.kv_scales_granularity)
+                                          self.kv_spec.name, self.config.kv_scales_granularity)
         self._use_scales(scales)
         self.log(f"KV scales calculated from the first batch ({self.config.kv_scales_granularity}), "
                  f"fingerprint {scales.fingerprint()}")

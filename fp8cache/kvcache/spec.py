@@ -1,0 +1,127 @@
+"""KVCacheSpec: everything that decides what an engine's cache bytes are and mean, resolved once.
+
+The runner builds one from the flags and the checkpoint (format, scales, rotation, recent-token window) and
+hands it down: sizing plans and allocates from it, each step's forward context reads it, and its fingerprint
+keys the prefix cache. Only calculated scales (calculate_kv_scales, after the first batch) change it, as a new
+spec made with `with_scales`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from fp8cache.kvcache import formats, layout
+from fp8cache.kvcache import scales as kv_scales
+from fp8cache.kvcache.rotation import NONE, rotation_matrix
+
+PENDING_SOURCE = "pending: calculated from the first batch"
+
+
+@dataclass(frozen=True, eq=False)  # eq=False: fields hold tensors, which have no single truth value
+class KVCacheSpec:
+    kv_cache_dtype: str  # as the user gave it ("fp8", "auto", ...); `name` is what it resolved to
+    format: formats.CacheFormat  # what the compiled ops take
+    model_dtype: torch.dtype
+    block_size: int
+    num_layers: int
+    num_kv_heads: int  # this tensor-parallel rank's share
+    head_size: int
+    # Per layer, float32 [1] or [num_kv_heads], where the step reads them (CUDA graphs keep their addresses).
+    k_scales: tuple[torch.Tensor, ...]
+    v_scales: tuple[torch.Tensor, ...]
+    scales_source: str
+    scales: kv_scales.KVScales | None  # as resolved; None while calculated scales are pending
+    rotation: str = NONE
+    window_size: int = 0  # kv_recent_window: newest tokens per sequence also kept in window_dtype
+    window_dtype: torch.dtype | None = None  # None: the model dtype
+    backend: str = "cpu"
+
+    def __post_init__(self) -> None:
+        # Lists are accepted for convenience; tuples keep a frozen spec from being changed in place.
+        object.__setattr__(self, "k_scales", tuple(self.k_scales))
+        object.__setattr__(self, "v_scales", tuple(self.v_scales))
+        object.__setattr__(self, "format", formats.format_code(int(self.format)))
+        if self.window_dtype is None:
+            object.__setattr__(self, "window_dtype", self.model_dtype)
+        if self.block_size < 1:
+            raise ValueError(f"block_size={self.block_size} must be a positive number of tokens (8, 16, 32)")
+        if self.window_size < 0:
+            raise ValueError(f"window_size={self.window_size} must be a whole number of tokens >= 0")
+        try:
+            rotation_matrix(self.rotation, self.head_size)  # refuses head sizes it cannot rotate
+        except ValueError as e:
+            raise ValueError(f"KV scales from {self.scales_source}: {e}") from None
+        for kind, tensors in (("k", self.k_scales), ("v", self.v_scales)):
+            if len(tensors) != self.num_layers:
+                raise ValueError(f"{len(tensors)} {kind} scales from {self.scales_source} for "
+                                 f"{self.num_layers} layers")
+            for i, t in enumerate(tensors):
+                if t.numel() not in (1, self.num_kv_heads):
+                    raise ValueError(f"{kind} scale of layer {i} from {self.scales_source} has {t.numel()} "
+                                     f"values; expected 1 or num_kv_heads={self.num_kv_heads}")
+
+    @classmethod
+    def build(cls, kv_cache_dtype: str, model_dtype: torch.dtype, block_size: int, num_layers: int,
+              num_kv_heads: int, head_size: int, scales: kv_scales.KVScales | None, window_size: int = 0,
+              window_dtype: torch.dtype | None = None, backend: str = "cpu",
+              device: torch.device | str = "cpu") -> KVCacheSpec:
+        """The spec for a cache on `device`. scales None: an FP8 cache whose scales the first batch will
+        calculate (placeholders of 1.0 until then); an auto cache gets unused ones."""
+        name = formats.resolve_kv_cache_dtype(kv_cache_dtype, backend)
+        if scales is None and name == formats.AUTO:
+            scales = kv_scales.resolve_scales(name, num_layers, num_kv_heads)
+        ones = kv_scales.ones(num_layers, name)
+        spec = cls(kv_cache_dtype, formats.FORMAT_CODES[name], model_dtype, block_size, num_layers, num_kv_heads,
+                   head_size, tuple(ones.k), tuple(ones.v), PENDING_SOURCE, None, NONE, window_size,
+                   window_dtype, backend)
+        return spec if scales is None else spec.with_scales(scales, device)
+
+    def with_scales(self, scales: kv_scales.KVScales, device: torch.device | str = "cpu") -> KVCacheSpec:
+        """This spec with `scales` (moved to `device`), their source and their rotation."""
+        return dataclasses.replace(
+            self, k_scales=tuple(t.to(device, torch.float32).contiguous() for t in scales.k),
+            v_scales=tuple(t.to(device, torch.float32).contiguous() for t in scales.v),
+            scales_source=scales.source, scales=scales, rotation=scales.rotation)
+
+    @property
+    def name(self) -> str:
+        """The canonical kv-cache-dtype ("auto", "fp8_e4m3", ...): "fp8" resolved for the backend."""
+        return formats.format_name(self.format)
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.format != formats.CacheFormat.AUTO
+
+    @property
+    def fp8_format(self) -> formats.Fp8Format | None:
+        return formats.get_format(self.format)
+
+    @property
+    def scales_pending(self) -> bool:
+        """An FP8 cache waiting for the first batch to calculate its scales."""
+        return self.is_fp8 and self.scales is None
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """Element type of the cache tensors: uint8 codes for FP8, the model dtype for auto."""
+        return formats.cache_storage_dtype(self.format, self.model_dtype)
+
+    def cache_shapes(self, num_blocks: int, window: bool = False) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(key_cache, value_cache) shapes of one layer (kvcache.layout); window: the recent-token ring's."""
+        x = layout.cache_x(self.window_dtype if window else self.storage_dtype)
+        return ((num_blocks, self.num_kv_heads, self.head_size // x, self.block_size, x),
+                (num_blocks, self.num_kv_heads, self.head_size, self.block_size))
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """What the cached bytes mean; prefix-cache hashes include it so changed scales never hit. Cached: the
+        engine asks twice a step, and hashing every scale each time is measurable."""
+        if not self.is_fp8:
+            return f"auto:{self.model_dtype}"
+        if self.scales is None:
+            return f"{self.name}:pending"
+        return f"{self.name}:{self.scales.fingerprint()}:{self.rotation}"
