@@ -15,7 +15,9 @@ from safetensors.torch import load_file, save_file
 from fp8cache import ops
 from fp8cache.config import EngineConfig
 from fp8cache.kvcache import formats, sizing
+from fp8cache.kvcache.scales import KVScales
 from fp8cache.kvcache.sizing import parse_memory_size, plan_cache
+from fp8cache.kvcache.spec import KVCacheSpec
 from fp8cache.model import attention
 from fp8cache.model.batch import SeqChunk, StepBatch
 from fp8cache.model.loader import ModelLoadError, load_model
@@ -204,8 +206,10 @@ def test_attention_reads_prefix_and_chunks_from_the_cache(kv_cache_dtype, use_co
     n = len(batch.token_ids)
     q, k, v = torch.randn(n, heads, d), torch.randn(n, kv_heads, d), torch.randn(n, kv_heads, d)
     step_ops = ops if use_compiled else reference
+    spec = KVCacheSpec.build(kv_cache_dtype, torch.float32, BLOCK, 1, kv_heads, d,
+                             KVScales([k_scale], [v_scale], kv_cache_dtype, "test"))
     ctx = attention.build_forward_context(batch, step_ops, getattr(step_ops, "gather_kv", reference.gather_kv),
-                                          caches, [k_scale], [v_scale], kv_cache_dtype, BLOCK)
+                                          caches, spec)
     layer = SimpleNamespace(layer_idx=0)
     with attention.forward_context(ctx):
         out, weights = attention.paged_attention_forward(

@@ -23,9 +23,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fp8cache.kvcache.formats import CacheFormat, backend_of, format_code
+from fp8cache.kvcache.formats import CacheFormat
 from fp8cache.kvcache.layout import gather_window_at
 from fp8cache.kvcache.rotation import NONE, apply_rotation
+from fp8cache.kvcache.spec import KVCacheSpec
 from fp8cache.model import step_metadata
 from fp8cache.model.batch import StepBatch, window_slot
 from fp8cache.model.window_attention import WindowSplit, split_window_attention, window_split
@@ -129,31 +130,30 @@ class ForwardContext:
 
 
 def build_forward_context(batch: StepBatch, ops: object, gather_kv: Callable,
-                          kv_caches: list[tuple[torch.Tensor, torch.Tensor]], k_scales: list[torch.Tensor],
-                          v_scales: list[torch.Tensor], kv_cache_dtype: str | int, block_size: int,
-                          device: torch.device | str = "cpu", rotation: str = NONE,
-                          window_size: int = 0,
+                          kv_caches: list[tuple[torch.Tensor, torch.Tensor]], spec: KVCacheSpec,
+                          device: torch.device | str = "cpu",
                           window_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
                           extra: dict[str, np.ndarray] | None = None,
                           metadata_buffer: torch.Tensor | None = None, table_width: int | None = None,
                           max_decode_len: int | None = None) -> ForwardContext:
     """The step's tensors from a StepBatch (sequences in order, tokens packed). Every index the step needs is
     computed on the host and reaches the device in one copy (step_metadata); `extra` arrays (the runner's
-    token ids, positions, ...) ride along and come back as ctx.extra.
+    token ids, positions, ...) ride along and come back as ctx.extra. `spec` is the cache's format, scales,
+    rotation, block size and recent-token window.
 
     A CUDA graph's step keeps its shapes and its buffer: metadata_buffer (the device buffer to copy into),
     table_width (block table columns) and max_decode_len (the attention's max_seq_len) fix them."""
     device = torch.device(device)
     seqs = batch.seqs
     use_rows = uses_row_prefill(ops)
-    arrays, starts, plans = step_arrays(batch, kv_caches, block_size, window_size, window_caches, use_rows,
-                                        extra, table_width)
+    arrays, starts, plans = step_arrays(batch, kv_caches, spec.block_size, spec.window_size, window_caches,
+                                        use_rows, extra, table_width)
     views = step_metadata.to_device(arrays, device, into=metadata_buffer)
     decode = [i for i, s in enumerate(seqs) if s.query_len == 1]
     all_decode = len(decode) == len(seqs)
     ctx = ForwardContext(
-        ops=ops, gather_kv=gather_kv, kv_caches=kv_caches, k_scales=list(k_scales), v_scales=list(v_scales),
-        kv_cache_dtype=format_code(kv_cache_dtype, backend_of(device)), block_size=block_size,
+        ops=ops, gather_kv=gather_kv, kv_caches=kv_caches, k_scales=list(spec.k_scales),
+        v_scales=list(spec.v_scales), kv_cache_dtype=spec.format, block_size=spec.block_size,
         slot_mapping=views["slot_mapping"],
         query_starts=starts.tolist(), query_lens=[s.query_len for s in seqs], context_lens=[s.context_len for s in seqs],
         block_tables=views["block_tables"], num_decode=len(decode),
@@ -162,10 +162,10 @@ def build_forward_context(batch: StepBatch, ops: object, gather_kv: Callable,
         decode_context_lens=views["decode_context_lens"],
         max_decode_len=max_decode_len if max_decode_len is not None
         else max((seqs[i].context_len for i in decode), default=0),
-        prefill_seqs=[i for i, s in enumerate(seqs) if s.query_len > 1], rotation=rotation,
+        prefill_seqs=[i for i, s in enumerate(seqs) if s.query_len > 1], rotation=spec.rotation,
         extra={name: views[name] for name in extra or {}})
-    if window_size:
-        ctx.window_size, ctx.window_caches = window_size, window_caches
+    if spec.window_size:
+        ctx.window_size, ctx.window_caches = spec.window_size, window_caches
         ctx.window_slot_mapping, ctx.window_block_tables = views["window_slot_mapping"], views["window_block_tables"]
         ctx.decode_window_block_tables = views["window_block_tables"] if all_decode \
             else views["decode_window_block_tables"]

@@ -223,14 +223,12 @@ class ModelRunner:
     def _build_context(self, batch: StepBatch, extra: dict[str, np.ndarray] | None = None, arrays_only: bool = False,
                        **shape) -> attention.ForwardContext | dict[str, np.ndarray]:
         if arrays_only:
-            return attention.step_arrays(batch, self.kv_caches, self.block_size, self.kv_recent_window,
+            return attention.step_arrays(batch, self.kv_caches, self.kv_spec.block_size, self.kv_spec.window_size,
                                          self.window_caches, attention.uses_row_prefill(self._ops),
                                          extra, shape.get("table_width"))[0]
         return attention.build_forward_context(
-            batch, ops=self._ops, gather_kv=self._gather_kv, kv_caches=self.kv_caches,
-            k_scales=self._k_scales, v_scales=self._v_scales, kv_cache_dtype=self.kv_cache_dtype,
-            block_size=self.block_size, device=self.device, rotation=self.kv_rotation,
-            window_size=self.kv_recent_window, window_caches=self.window_caches, extra=extra, **shape)
+            batch, ops=self._ops, gather_kv=self._gather_kv, kv_caches=self.kv_caches, spec=self.kv_spec,
+            device=self.device, window_caches=self.window_caches, extra=extra, **shape)
 
     def _device_limit(self) -> sizing.DeviceLimit | None:
         """What the cache may take on a GPU (None: the host's share, see sizing.plan_cache)."""
