@@ -32,7 +32,6 @@ def panels(monkeypatch):
 def use_layout(monkeypatch, layout: str) -> str:
     """Packs every projection in `layout`'s way; returns the model dtype. Skips where oneDNN cannot."""
     monkeypatch.setattr(packed_linear, "packing_pays", lambda *a: True)
-    monkeypatch.setenv("FP8KV_REFERENCE_OPS", "0")
     packing, dtype = layout.split("-")
     monkeypatch.setattr(packed_linear, "panels_available", lambda *dtype: packing == "panels")
     if packing == "onednn" and not packed_linear.packing_works(getattr(torch, dtype)):

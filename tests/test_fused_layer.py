@@ -100,7 +100,7 @@ def runner_for(path: str, monkeypatch, fused: bool, dtype: str = "float32") -> M
                           max_model_len=64)
     with monkeypatch.context() as patch:
         if not fused:
-            patch.setattr(fused_layer, "install", lambda model, compiled: 0)
+            patch.setattr(fused_layer, "install", lambda model: 0)
         return ModelRunner(config, log=lambda msg: None, loaded=loaded)
 
 
@@ -136,8 +136,8 @@ def test_bfloat16_fused_layers_stay_with_transformers(tiny_llama_path, monkeypat
 
 def test_installing_twice_wraps_transformers_forward_once(tiny_llama_path):
     loaded = load_model(EngineConfig(model=tiny_llama_path), progress=False)
-    assert fused_layer.install(loaded.model, compiled=True) == loaded.hf_config.num_hidden_layers
-    assert fused_layer.install(loaded.model, compiled=False) == loaded.hf_config.num_hidden_layers  # again: once
+    assert fused_layer.install(loaded.model) == loaded.hf_config.num_hidden_layers
+    assert fused_layer.install(loaded.model) == loaded.hf_config.num_hidden_layers  # again: once
     layer = decoder_layers(loaded.model)[0]
     assert layer.forward.original.__func__ is type(layer).forward
 

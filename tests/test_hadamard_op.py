@@ -124,8 +124,7 @@ def test_bad_input_is_refused(ops):
 
 # ---- apply_rotation: which path ------------------------------------------------------------------------
 
-def test_apply_rotation_uses_the_op_once_loaded(ops, monkeypatch):
-    monkeypatch.delenv("FP8KV_REFERENCE_OPS", raising=False)
+def test_apply_rotation_uses_the_op_once_loaded(ops):
     x = activations(8, 2, 96, dtype=torch.bfloat16)
     assert rotation.uses_compiled_op(x)
     assert torch.equal(apply_rotation(x, "hadamard"), ops.hadamard_transform(x))
@@ -134,8 +133,10 @@ def test_apply_rotation_uses_the_op_once_loaded(ops, monkeypatch):
     assert torch.equal(apply_rotation(x.double(), "hadamard"), rotate(x.double(), hadamard_matrix(96)))
 
 
-def test_apply_rotation_under_reference_ops_is_the_matmul(ops, monkeypatch):
-    monkeypatch.setenv("FP8KV_REFERENCE_OPS", "1")
+def test_apply_rotation_without_the_op_library_is_the_matmul(monkeypatch):
+    from fp8cache.ops import _build
+
+    monkeypatch.setattr(_build, "last_build", lambda: None)  # as in a process that never loaded the library
     x = activations(8, 2, 64)
     assert not rotation.uses_compiled_op(x)
     assert torch.equal(apply_rotation(x, "hadamard"), rotate(x, hadamard_matrix(64)))

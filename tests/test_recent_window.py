@@ -1,8 +1,9 @@
 """The recent-token window (kv_recent_window): newest tokens' K/V kept in full precision beside the FP8 cache.
 
-Checked against independent references: the pure-torch reference ops, the `auto` cache and transformers'
-own generate (a window at least as long as the sequence must change nothing), and, for window attention
-itself, a one-shot prefill whose mask says which positions each row reads in full precision.
+Checked against independent references: the `auto` cache and transformers' own generate (a window at least
+as long as the sequence must change nothing), and, for window attention itself, a one-shot prefill whose
+attention is one dense softmax per row over the step's own K/V, its mask saying which positions each row reads
+in full precision (dense_window_logits).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from fp8cache.engine.sampling_params import SamplingParams
 from fp8cache.engine.scheduler import Scheduler
 from fp8cache.engine.sequence import Sequence
 from fp8cache.eval import runner_batch, window_batch
-from fp8cache.kvcache import sizing
+from fp8cache.kvcache import formats, sizing
 from fp8cache.kvcache.sizing import WINDOW_BUDGET_SHARE, plan_cache
 from fp8cache.kvcache.window_pool import WindowPool
 from fp8cache.model import attention
@@ -158,10 +159,7 @@ def loaded(tiny_llama_path):
     return load_model(EngineConfig(model=tiny_llama_path), progress=False)
 
 
-def make_runner(loaded, kv_cache_dtype: str, window: int | None, monkeypatch=None, use_reference=False,
-                **overrides) -> ModelRunner:
-    if monkeypatch is not None:
-        monkeypatch.setenv("FP8KV_REFERENCE_OPS", "1" if use_reference else "0")
+def make_runner(loaded, kv_cache_dtype: str, window: int | None, **overrides) -> ModelRunner:
     log = overrides.pop("log_to", lambda msg: None)
     config = EngineConfig(model=loaded.model_path, kv_cache_dtype=kv_cache_dtype, block_size=BLOCK,
                           kv_cache_memory=overrides.pop("kv_cache_memory", "16MiB"), kv_recent_window=window,
@@ -195,6 +193,43 @@ class RingSeq:
         return batch
 
 
+def dense_window_logits(runner: ModelRunner, ids: list[int], floor: int = 0) -> torch.Tensor:
+    """The oracle of window attention: the runner's model over the whole of `ids` in one step, each layer's
+    attention one dense softmax per row over [FP8 keys ; full-precision keys] of the step's own K/V, read
+    neither from the cache nor through the decode ops. Row i reads position j < full_from(i) as the FP8 cache
+    holds it and full_from(i) <= j <= i in the window's dtype, full_from(i) = max(i - window + 1, floor);
+    without a window every position as the cache holds it."""
+    window = runner.kv_recent_window
+
+    def dense(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
+        ctx = attention.get_forward_context()
+        assert ctx.rotation == "none" and ctx.calculate_scales is None
+        fmt = formats.get_format(ctx.kv_cache_dtype, "cpu")
+
+        def as_cached(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:  # [T, kv_heads, d] as read back
+            if fmt is None:
+                return x.float()
+            return reference.dequantize(reference.quantize(x, scale, fmt), scale, fmt, head_dim=1)
+
+        rows = torch.arange(q.shape[0])[:, None]
+        positions = torch.arange(q.shape[0])[None, :]
+        keys, values = as_cached(k, ctx.k_scales[layer]), as_cached(v, ctx.v_scales[layer])
+        mask = positions <= rows
+        if window:
+            full_from = torch.clamp(rows - window + 1, min=floor)
+            mask = torch.cat([positions < full_from, (positions >= full_from) & (positions <= rows)], 1)
+            dtype = ctx.window_caches[0][0].dtype
+            keys, values = torch.cat([keys, k.to(dtype).float()]), torch.cat([values, v.to(dtype).float()])
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.float().transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask,
+            scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
+        return out.transpose(0, 1).to(q.dtype).contiguous()  # the fused layer views attend's output
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(attention, "attend", dense)
+        return runner.execute(RingSeq(runner, ids).chunk(0, len(ids), floor=floor), all_logits=True)
+
+
 def merged(batches: list[StepBatch]) -> StepBatch:
     """One step holding every batch's sequences, in order."""
     step = StepBatch()
@@ -207,21 +242,17 @@ def merged(batches: list[StepBatch]) -> StepBatch:
     return step
 
 
-@pytest.mark.parametrize("use_reference", [True, False], ids=["reference-ops", "compiled-ops"])
 @pytest.mark.parametrize("kv_cache_dtype,window,window_dtype", [
     ("fp8_e4m3", 8, "auto"), ("fp8_e5m2", 13, "auto"), ("fp8_e4m3", 1, "auto"), ("fp8_e4m3", 8, "bfloat16"),
     ("fp8_e5m2", 13, "float16")])
-def test_chunked_prefill_and_decode_read_the_window_like_one_prefill(loaded, monkeypatch, use_reference,
-                                                                     kv_cache_dtype, window, window_dtype):
+def test_chunked_prefill_and_decode_read_the_window_like_one_prefill(loaded, kv_cache_dtype, window,
+                                                                     window_dtype):
     """Feeding a sequence in chunks and then token by token (ring writes, ring reads, window decode op)
-    gives the logits of one prefill of the whole sequence, where row i reads i-N+1..i in full precision
-    (in the window's dtype)."""
+    gives the logits of one dense-mask prefill of the whole sequence, where row i reads i-N+1..i in full
+    precision (in the window's dtype)."""
     ids = prompt_ids(60)
-    one_shot = make_runner(loaded, kv_cache_dtype, window, monkeypatch, use_reference=True,
-                           kv_recent_window_dtype=window_dtype)
-    want = one_shot.execute(runner_batch(ids, one_shot), all_logits=True)
-    runner = make_runner(loaded, kv_cache_dtype, window, monkeypatch, use_reference,
-                         kv_recent_window_dtype=window_dtype)
+    runner = make_runner(loaded, kv_cache_dtype, window, kv_recent_window_dtype=window_dtype)
+    want = dense_window_logits(runner, ids)
     seq = RingSeq(runner, ids)
     got = [runner.execute(seq.chunk(0, 11), all_logits=True), runner.execute(seq.chunk(11, 40), all_logits=True)]
     got += [runner.execute(seq.chunk(p, p + 1)) for p in range(40, 60)]
@@ -234,58 +265,50 @@ def one_layer(make_tiny_model):
 
 
 @pytest.mark.parametrize("window", [1, 8, 13, 40])
-def test_cpu_window_prefills_equal_one_dense_softmax(one_layer, monkeypatch, window):
-    """The CPU prefill's window attention, as three parts merged by log-sum-exp (WindowSplit) and as rows of
-    the compiled decode op (RowQueries), gives the logits of one SDPA with a dense mask over [FP8 keys ;
-    full-precision keys]: fresh prompts, later chunks, single tokens, and a sequence whose first 32
-    positions came from another's blocks (window floor 32). One layer: with two, the first layer's
-    rounding-level differences can flip an FP8 code of the second's keys (a 1e-4 change in the logits)."""
-    loaded = one_layer
+def test_cpu_window_prefills_equal_one_dense_softmax(one_layer, window):
+    """The prefill's window attention, rows of the compiled decode op (RowQueries), gives the logits of one
+    SDPA with a dense mask over [FP8 keys ; full-precision keys] (dense_window_logits): fresh prompts, later
+    chunks, single tokens, and a sequence whose first 32 positions came from another's blocks (window floor
+    32). One layer: with two, the first layer's rounding-level differences can flip an FP8 code of the
+    second's keys (a 1e-4 change in the logits)."""
     ids = prompt_ids(60, seed=3)
     other = ids[:32] + prompt_ids(28, seed=4)
-    results = []
-    for rows, split in ((False, False), (False, True), (True, False)):
-        monkeypatch.setattr(attention, "ROW_PREFILL", rows)
-        monkeypatch.setattr(attention, "SPLIT_WINDOW_ATTENTION", split)
-        runner = make_runner(loaded, "fp8_e4m3", window, monkeypatch, use_reference=False)
-        first = RingSeq(runner, ids)
-        logits = [runner.execute(first.chunk(a, b), all_logits=True) for a, b in ((0, 23), (23, 24), (24, 60))]
-        shared = RingSeq(runner, other, first_block=len(first.blocks), seat=1)
-        shared.blocks[:32 // BLOCK] = first.blocks[:32 // BLOCK]  # a prefix-cache hit: FP8 only
-        logits += [runner.execute(shared.chunk(a, b, floor=32), all_logits=True) for a, b in ((32, 45), (45, 60))]
-        results.append(torch.cat(logits))
-    for got in results[1:]:
-        torch.testing.assert_close(got, results[0], atol=2e-5, rtol=1e-5)
+    runner = make_runner(one_layer, "fp8_e4m3", window)
+    want = torch.cat([dense_window_logits(runner, ids), dense_window_logits(runner, other, floor=32)[32:]])
+    first = RingSeq(runner, ids)
+    logits = [runner.execute(first.chunk(a, b), all_logits=True) for a, b in ((0, 23), (23, 24), (24, 60))]
+    shared = RingSeq(runner, other, first_block=len(first.blocks), seat=1)
+    shared.blocks[:32 // BLOCK] = first.blocks[:32 // BLOCK]  # a prefix-cache hit: FP8 only
+    logits += [runner.execute(shared.chunk(a, b, floor=32), all_logits=True) for a, b in ((32, 45), (45, 60))]
+    torch.testing.assert_close(torch.cat(logits), want, atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2", "auto"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_row_prefill_without_window_equals_sdpa_over_the_cache(one_layer, monkeypatch, kv_cache_dtype, dtype):
-    """No window: prefill rows through the decode op give the logits of SDPA over the K/V read back from
-    the cache, for a fresh prompt, a later chunk and a single token (bfloat16: the decode op rounds the
-    probabilities to bfloat16, so within bfloat16 rounding)."""
+def test_row_prefill_without_window_equals_sdpa_over_the_cache(one_layer, kv_cache_dtype, dtype):
+    """No window: prefill rows through the decode op give the logits of SDPA over the K/V as the cache holds
+    them (dense_window_logits), for a fresh prompt, a later chunk and a single token (bfloat16: the decode op
+    rounds the probabilities to bfloat16, so within bfloat16 rounding)."""
     loaded_dtype = one_layer if dtype == "float32" else load_model(
         EngineConfig(model=one_layer.model_path, dtype=dtype), progress=False)
     ids = prompt_ids(50, seed=5)
-    results = []
-    for rows in (False, True):
-        monkeypatch.setattr(attention, "ROW_PREFILL", rows)
-        runner = make_runner(loaded_dtype, kv_cache_dtype, 0, monkeypatch, use_reference=False, dtype=dtype)
-        seq = RingSeq(runner, ids)
-        results.append(torch.cat([runner.execute(seq.chunk(a, b), all_logits=True).float()
-                                  for a, b in ((0, 30), (30, 31), (31, 50))]))
+    runner = make_runner(loaded_dtype, kv_cache_dtype, 0, dtype=dtype)
+    want = dense_window_logits(runner, ids).float()
+    seq = RingSeq(runner, ids)
+    got = torch.cat([runner.execute(seq.chunk(a, b), all_logits=True).float()
+                     for a, b in ((0, 30), (30, 31), (31, 50))])
     tolerance = {"atol": 2e-5, "rtol": 1e-5} if dtype == "float32" else {"atol": 0.1, "rtol": 0.02}
-    torch.testing.assert_close(results[1], results[0], **tolerance)
+    torch.testing.assert_close(got, want, **tolerance)
 
 
-def test_window_changes_logits_only_through_full_precision(loaded, monkeypatch):
+def test_window_changes_logits_only_through_full_precision(loaded):
     """A window as long as the text equals the auto cache; no window equals plain FP8; one between differs
     from both and lies closer to auto."""
     ids = prompt_ids(48, seed=1)
     logits = {}
     for name, dtype, window in (("auto", "auto", None), ("plain", "fp8_e5m2", 0), ("whole", "fp8_e5m2", 48),
                                 ("part", "fp8_e5m2", 16)):
-        runner = make_runner(loaded, dtype, window, monkeypatch, use_reference=True)
+        runner = make_runner(loaded, dtype, window)
         logits[name] = runner.execute(runner_batch(ids, runner), all_logits=True)
     torch.testing.assert_close(logits["whole"], logits["auto"], atol=1e-5, rtol=1e-5)
     err_plain = (logits["plain"] - logits["auto"]).abs().mean()
@@ -293,11 +316,11 @@ def test_window_changes_logits_only_through_full_precision(loaded, monkeypatch):
     assert 0 < err_part < err_plain
 
 
-def test_bfloat16_window_halves_its_memory_and_rounds_only_the_newest_tokens(loaded, monkeypatch):
+def test_bfloat16_window_halves_its_memory_and_rounds_only_the_newest_tokens(loaded):
     """A float32 model with a bfloat16 window: half the window bytes, and a window covering the whole text
     reads every K/V rounded to bfloat16, i.e. close to the float32 auto cache, far closer than plain FP8."""
     ids = prompt_ids(48, seed=2)
-    runners = {name: make_runner(loaded, dtype, window, monkeypatch, use_reference=True,
+    runners = {name: make_runner(loaded, dtype, window,
                                  kv_recent_window_dtype=window_dtype)
                for name, dtype, window, window_dtype in (
                    ("auto", "auto", None, "auto"), ("plain", "fp8_e4m3", 0, "auto"),
@@ -434,12 +457,12 @@ def test_window_recorded_in_the_scales_file_is_used_unless_one_is_given(loaded, 
         make_runner(loaded, "fp8_e4m3", None, quantization_param_path=str(path))
 
 
-def test_prefill_chunks_of_one_shape_apart_in_the_stream(loaded, monkeypatch):
+def test_prefill_chunks_of_one_shape_apart_in_the_stream(loaded):
     """Two prefill chunks of one shape with another sequence between them (one prefill group whose rows are
     not one slice of the stream), first chunks and later ones (earlier window positions), give the logits
     each sequence gets on its own."""
     def run(together: bool) -> list[torch.Tensor]:
-        runner = make_runner(loaded, "fp8_e4m3", 8, monkeypatch, use_reference=False)
+        runner = make_runner(loaded, "fp8_e4m3", 8)
         seqs, first_block = [], 0
         for seat, n in enumerate((40, 14, 40)):
             seqs.append(RingSeq(runner, prompt_ids(n, seed=10 + seat), first_block=first_block, seat=seat))

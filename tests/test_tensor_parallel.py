@@ -18,15 +18,14 @@ from fp8cache import LLM, SamplingParams
 from fp8cache.distributed import sharding
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Two cores here: one thread per rank. The reference ops keep the ranks off the ops build lock.
-RANK_ENV = {"OMP_NUM_THREADS": "1", "FP8KV_REFERENCE_OPS": "1"}
+# Two cores here: one thread per rank.
+RANK_ENV = {"OMP_NUM_THREADS": "1"}
 TINY_PROMPTS = ["the city of the river was", "a house by the water"]
 DEFAULT_PROMPTS = ["What is the capital of France?", "The tower is 324 metres tall and"]
 MAX_NEW_TOKENS = 8
 
 
 def one_rank_tokens(model: str, prompts: list[str], monkeypatch, **engine) -> list[list[int]]:
-    monkeypatch.setenv("FP8KV_REFERENCE_OPS", "1")
     llm = LLM(model=model, kv_cache_memory="16MiB", log=lambda msg: None, **engine)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS))
     return [o.outputs[0].token_ids for o in outs]
@@ -169,7 +168,6 @@ def one_rank_logits(model: str, kv_cache_dtype: str, scales: str | None, monkeyp
     from fp8cache.model.batch import SeqChunk, StepBatch
     from fp8cache.model.runner import ModelRunner
 
-    monkeypatch.setenv("FP8KV_REFERENCE_OPS", "1")
     runner = ModelRunner(EngineConfig(model=model, kv_cache_dtype=kv_cache_dtype, quantization_param_path=scales,
                                       kv_cache_memory="8MiB", kv_recent_window=0), log=lambda msg: None)
     return [runner.execute(StepBatch(*b[:3], [SeqChunk(*b[3])])) for b in BATCHES]

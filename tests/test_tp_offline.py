@@ -34,9 +34,7 @@ PLAIN_FP8 = {"kv_recent_window": 0} if "kv_recent_window" in CONFIG_FIELDS else 
 
 @pytest.fixture(autouse=True)
 def _one_process_per_core(monkeypatch):
-    # Two cores here: the reference ops keep ranks off the compiled-ops build (teammates edit csrc/), and
-    # one torch thread per rank avoids oversubscription.
-    monkeypatch.setenv("FP8KV_REFERENCE_OPS", "1")
+    # Two cores here: one torch thread per rank avoids oversubscription.
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 
@@ -103,10 +102,9 @@ def apply_rotation(x: torch.Tensor, rotation: str) -> torch.Tensor:
 
 def uses_compiled_op(x: torch.Tensor) -> bool:
     """Whether apply_rotation(x, "hadamard") runs torch.ops.fp8kv.hadamard_transform: the op library is loaded
-    in this process (fp8cache.ops.load(); this never compiles it), FP8KV_REFERENCE_OPS is not "1", x is
-    float32/bfloat16/float16, and the library has a kernel for x's device (CPU always, CUDA/ROCm when it was
-    built with GPU sources)."""
-    if os.environ.get("FP8KV_REFERENCE_OPS") == "1" or x.dtype not in _OP_DTYPES:
+    in this process (fp8cache.ops.load(); this never compiles it), x is float32/bfloat16/float16, and the
+    library has a kernel for x's device (CPU always, CUDA/ROCm when it was built with GPU sources)."""
+    if x.dtype not in _OP_DTYPES:
         return False
     from fp8cache.ops import _build
 

@@ -5,12 +5,12 @@ for the whole packed step (batch dim 1, all sequences' tokens concatenated). Wha
 arguments (cache tensors, slots, block tables, scales) comes from the `ForwardContext` the runner sets for
 the step.
 
-Prefill is "decode-faithful": a prefill (or chunked-prefill) sequence writes its K/V into the cache first and
-then reads its whole context back from the cache, so every position attends to the same quantized K/V that
-decode would see, and a cached prefix or earlier chunks are read from the FP8 cache. Prefill chunks of one
-shape share a mask built once per step and are attended to together: one batched read of their cached K/V
-and one SDPA call per layer. With the compiled CPU ops a prefill is decode-faithful to the letter: every row
-of a chunk is a query of the decode op, over positions [0, its own position] (RowQueries).
+Prefill is "decode-faithful" to the letter: a prefill (or chunked-prefill) sequence writes its K/V into the
+cache first, then every row of the chunk is a query of the compiled decode op over positions [0, its own
+position] (RowQueries), so it attends to the same quantized K/V that decode would see, and a cached prefix or
+earlier chunks are read from the FP8 cache. The decode kernel reads FP8 in registers and needs no read-back
+or mask: default model, 16 x 256 prompts, prefill time per run 3.81 -> 3.30 s (float32), 2.53 -> 2.00 s
+(bfloat16) against a read-back and SDPA. Prefill chunks of one shape form one group, built once per step.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from fp8cache.kvcache.formats import CacheFormat
 from fp8cache.kvcache.layout import gather_window_at
@@ -29,19 +28,8 @@ from fp8cache.kvcache.rotation import NONE, apply_rotation
 from fp8cache.kvcache.spec import KVCacheSpec
 from fp8cache.model import step_metadata
 from fp8cache.model.batch import StepBatch, window_slot
-from fp8cache.model.window_attention import WindowSplit, split_window_attention, window_split
-from fp8cache.ops import reference
-from fp8cache.ops.reference import gather_kv_blocks
 
 ATTENTION_NAME = "fp8kv_paged"
-# Windowed prefill on CPU as WindowSplit parts (False: one dense-mask SDPA, as on other devices; tests compare).
-SPLIT_WINDOW_ATTENTION = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
-# Prefill rows through the compiled CPU decode ops (RowQueries) instead of a read-back and SDPA. The decode
-# kernel reads FP8 in registers and needs no read-back, mask, band or merge: default model, 16 x 256
-# prompts, prefill time per run 3.81 -> 3.30 s (float32), 2.53 -> 2.00 s (bfloat16); the rows of one
-# 2048-token prompt cost what torch's flash attention alone costs over the read-back (one layer: 44 vs 42
-# ms float32, 31 vs 40 ms bfloat16). False keeps the SDPA paths (tests compare).
-ROW_PREFILL = True
 
 # (layer, key [T, kv_heads, d], value [T, kv_heads, d]) -> (k_scale, v_scale) for that layer
 ScaleCalculator = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -49,20 +37,16 @@ ScaleCalculator = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor
 
 @dataclass
 class PrefillGroup:
-    """Prefill chunks of one shape (query_len, context_len, window floor): one mask, and per layer one batched
-    read of their cached keys and one attention call. Built once per step; every layer uses it."""
+    """Prefill chunks of one shape (query_len, context_len, window floor): per layer one decode-op call over
+    all their rows. Built once per step; every layer uses it."""
 
     seqs: list[int]  # indices into the step's seqs
     tokens: torch.Tensor  # int64 [n * query_len]: the chunks' rows in the packed stream, chunk after chunk
     query_len: int
-    cached_len: int  # keys [0, cached_len) of each chunk's sequence are read back from the cache
-    block_ids: torch.Tensor  # int64 [n, blocks covering cached_len], checked against the cache
-    mask: torch.Tensor | None  # bool [query_len, keys]; None: plain causal over [0, context_len) (or split)
+    rows: RowQueries
     # Recent-token window: ring (blocks, offsets) [n * earlier] of the positions before each chunk whose
-    # full-precision K/V its rows read; each chunk's own full-precision K/V follow them as keys.
+    # full-precision K/V its rows read; each chunk's own full-precision K/V follow them.
     earlier_index: tuple[torch.Tensor, torch.Tensor] | None = None
-    split: WindowSplit | None = None  # the same window attention as three parts (see WindowSplit)
-    rows: RowQueries | None = None  # set: the rows go through the compiled decode ops instead
     # The chunks' rows as one slice [start, stop) of the packed stream when they are consecutive (a step of
     # equal prompts): the row path then reads and writes views instead of gathered copies.
     token_range: tuple[int, int] | None = None
@@ -94,9 +78,7 @@ class RowQueries:
 class ForwardContext:
     """Everything one step's attention layers share."""
 
-    ops: object  # fp8cache.ops or fp8cache.ops.reference: reshape_and_cache, paged_attention
-    gather_kv: Callable  # (key_cache, value_cache, block_table, seq_len, dtype, k_scale, v_scale) -> K, V
-    # (reference.gather_kv is read for a whole prefill group at once, through reference.gather_kv_blocks)
+    ops: object  # fp8cache.ops (tests may pass its pure-torch twin): reshape_and_cache, paged_attention(_window)
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer
     k_scales: list[torch.Tensor]  # per layer, [1] or [num_kv_heads]
     v_scales: list[torch.Tensor]
@@ -145,14 +127,13 @@ def build_forward_context(batch: StepBatch, ops: object, gather_kv: Callable,
     table_width (block table columns) and max_decode_len (the attention's max_seq_len) fix them."""
     device = torch.device(device)
     seqs = batch.seqs
-    use_rows = uses_row_prefill(ops)
     arrays, starts, plans = step_arrays(batch, kv_caches, spec.block_size, spec.window_size, window_caches,
-                                        use_rows, extra, table_width)
+                                        extra, table_width)
     views = step_metadata.to_device(arrays, device, into=metadata_buffer)
     decode = [i for i, s in enumerate(seqs) if s.query_len == 1]
     all_decode = len(decode) == len(seqs)
     ctx = ForwardContext(
-        ops=ops, gather_kv=gather_kv, kv_caches=kv_caches, k_scales=list(spec.k_scales),
+        ops=ops, kv_caches=kv_caches, k_scales=list(spec.k_scales),
         v_scales=list(spec.v_scales), kv_cache_dtype=spec.format, block_size=spec.block_size,
         slot_mapping=views["slot_mapping"],
         query_starts=starts.tolist(), query_lens=[s.query_len for s in seqs], context_lens=[s.context_len for s in seqs],
@@ -171,17 +152,12 @@ def build_forward_context(batch: StepBatch, ops: object, gather_kv: Callable,
             else views["decode_window_block_tables"]
         ctx.decode_window_starts = views["decode_window_starts"]
         ctx.window_floors = [s.window_floor for s in seqs]
-    ctx.prefill_groups = [_prefill_group(ctx, n, plan, views, use_rows) for n, plan in enumerate(plans)]
+    ctx.prefill_groups = [_prefill_group(ctx, n, plan, views) for n, plan in enumerate(plans)]
     return ctx
 
 
-def uses_row_prefill(ops: object) -> bool:
-    """Whether prefill rows go through the compiled decode ops (RowQueries) rather than a read-back and SDPA."""
-    return ROW_PREFILL and ops is not reference
-
-
 def step_arrays(batch: StepBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
-                window_size: int, window_caches, use_rows: bool, extra: dict[str, np.ndarray] | None = None,
+                window_size: int, window_caches, extra: dict[str, np.ndarray] | None = None,
                 table_width: int | None = None) -> tuple[dict[str, np.ndarray], np.ndarray, list[_PrefillPlan]]:
     """(the step's host arrays by name, each sequence's first token, its prefill groups). Two batches of the
     same shapes give arrays of the same names, shapes and order: the same packed layout."""
@@ -199,9 +175,9 @@ def step_arrays(batch: StepBatch, kv_caches: list[tuple[torch.Tensor, torch.Tens
         arrays["decode_block_tables"] = tables[decode]
     if window_size:
         arrays.update(_window_arrays(batch, decode, all_decode, window_size, window_caches))
-    plans = _prefill_plans(seqs, starts, window_size, use_rows)
+    plans = _prefill_plans(seqs, starts, window_size)
     for n, plan in enumerate(plans):
-        arrays.update(_group_arrays(n, plan, batch, tables, block_size, window_size, window_caches))
+        arrays.update(_group_arrays(n, plan, batch, block_size, window_size, window_caches))
     arrays.update(extra or {})
     return arrays, starts, plans
 
@@ -248,13 +224,6 @@ class _PrefillPlan:
     def prefix(self) -> int:
         return self.ctx_len - self.q_len
 
-    def cached_len(self, window_size: int) -> int:
-        """Keys [0, cached_len) come from the paged cache; with a window no row reads a position at or past
-        the last row's full-precision start from the cache."""
-        if not window_size:
-            return self.ctx_len
-        return min(max(self.ctx_len - window_size, self.floor), self.ctx_len)
-
     def first_recent(self, window_size: int) -> int:
         """The chunk's first row's first full-precision position."""
         return max(self.prefix - window_size + 1, self.floor)
@@ -264,7 +233,7 @@ class _PrefillPlan:
         return bool(np.all(self.starts == self.starts[0] + self.q_len * np.arange(len(self.seqs))))
 
 
-def _prefill_plans(seqs, starts: np.ndarray, window_size: int, use_rows: bool) -> list[_PrefillPlan]:
+def _prefill_plans(seqs, starts: np.ndarray, window_size: int) -> list[_PrefillPlan]:
     by_shape: dict[tuple[int, int, int], list[int]] = {}
     for i, s in enumerate(seqs):
         if s.query_len > 1:
@@ -273,12 +242,10 @@ def _prefill_plans(seqs, starts: np.ndarray, window_size: int, use_rows: bool) -
     return [_PrefillPlan(group, q, c, f, starts[group]) for (q, c, f), group in by_shape.items()]
 
 
-def _group_arrays(n: int, plan: _PrefillPlan, batch: StepBatch, tables: np.ndarray, block_size: int,
-                  window_size: int, window_caches) -> dict[str, np.ndarray]:
+def _group_arrays(n: int, plan: _PrefillPlan, batch: StepBatch, block_size: int, window_size: int,
+                  window_caches) -> dict[str, np.ndarray]:
     arrays = {f"g{n}.tokens": (plan.starts[:, None] + np.arange(plan.q_len)).reshape(-1),
               f"g{n}.seqs": np.asarray(plan.seqs, dtype=np.int64)}
-    cached_len = plan.cached_len(window_size)
-    arrays[f"g{n}.block_ids"] = tables[plan.seqs, :-(-cached_len // block_size)].astype(np.int64)
     if window_size:
         window_cache = window_caches[0][0]
         slots = [window_slot(batch.seqs[i].window_block_table, p, window_size, block_size)
@@ -291,36 +258,23 @@ def _group_arrays(n: int, plan: _PrefillPlan, batch: StepBatch, tables: np.ndarr
     return arrays
 
 
-def _prefill_group(ctx: ForwardContext, n: int, plan: _PrefillPlan, views: dict[str, torch.Tensor],
-                   use_rows: bool) -> PrefillGroup:
-    q_len, ctx_len, floor, prefix = plan.q_len, plan.ctx_len, plan.floor, plan.prefix
-    device = ctx.block_tables.device
-    rows = torch.arange(q_len, device=device)[:, None] + prefix  # query row r sits at position prefix + r
-    positions = torch.arange(ctx_len, device=device)[None, :]
-    # The rows need no mask: each is a decode query over its own positions.
-    mask = positions <= rows if prefix and not use_rows else None
-    earlier, split, row_queries = None, None, None
-    cached_len = plan.cached_len(ctx.window_size)
+def _prefill_group(ctx: ForwardContext, n: int, plan: _PrefillPlan,
+                   views: dict[str, torch.Tensor]) -> PrefillGroup:
+    q_len, ctx_len = plan.q_len, plan.ctx_len
+    earlier = None
     seq_index = views[f"g{n}.seqs"]
     if ctx.window_size:
         # Each row reads one key per position: from the window if within its last window_size positions (and
         # computed by this sequence), else from the cache. Both sets go into one softmax.
-        first_recent = plan.first_recent(ctx.window_size)
+        rows = torch.arange(q_len, device=ctx.block_tables.device)[:, None] + plan.prefix  # r at prefix + r
         earlier = (views[f"g{n}.earlier_blocks"], views[f"g{n}.earlier_offsets"])
-        full_from = torch.clamp(rows - ctx.window_size + 1, min=floor)
-        if use_rows:
-            row_queries = _row_queries(ctx, seq_index, len(plan.seqs), q_len, ctx_len, first_recent, full_from)
-        elif SPLIT_WINDOW_ATTENTION and device.type == "cpu":  # the split parts need no dense mask
-            split = window_split(ctx.window_size, q_len, prefix, first_recent, full_from, device)
-        else:
-            recent_positions = positions[:, first_recent:]
-            mask = torch.cat([positions[:, :cached_len] < full_from,
-                              (recent_positions >= full_from) & (recent_positions <= rows)], 1)
-    elif use_rows:
+        full_from = torch.clamp(rows - ctx.window_size + 1, min=plan.floor)
+        row_queries = _row_queries(ctx, seq_index, len(plan.seqs), q_len, ctx_len,
+                                   plan.first_recent(ctx.window_size), full_from)
+    else:
         row_queries = _row_queries(ctx, seq_index, len(plan.seqs), q_len, ctx_len)
     first = int(plan.starts[0])
-    return PrefillGroup(plan.seqs, views[f"g{n}.tokens"], q_len, cached_len, views[f"g{n}.block_ids"], mask,
-                        earlier, split, row_queries,
+    return PrefillGroup(plan.seqs, views[f"g{n}.tokens"], q_len, row_queries, earlier,
                         (first, first + len(plan.seqs) * q_len) if plan.consecutive else None)
 
 
@@ -415,7 +369,7 @@ def decode_step_args(layer: int) -> tuple | None:
     step is one attend() can hand over whole: decode tokens only, the compiled CPU ops, no kv rotation and no
     scale calculation. None otherwise (the layer then runs attend())."""
     ctx = get_forward_context()
-    if (not ctx.all_decode or ctx.ops is reference or ctx.rotation != NONE or ctx.calculate_scales is not None
+    if (not ctx.all_decode or ctx.rotation != NONE or ctx.calculate_scales is not None
             or ctx.slot_mapping.device.type != "cpu"):
         return None
     key_cache, value_cache = ctx.kv_caches[layer]
@@ -471,44 +425,10 @@ def _decode_op(ctx: ForwardContext, result: torch.Tensor, query: torch.Tensor, k
 def _prefill(ctx: ForwardContext, group: PrefillGroup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              out: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, k_scale: torch.Tensor,
              v_scale: torch.Tensor, scaling: float,
-             earlier: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-    """earlier: float32 full-precision K/V [n * earlier, kv_heads, d] of the positions before each chunk that
-    its rows read (recent-token window; the chunk's own K/V follow them); None reads everything from the cache."""
-    if group.rows is not None:
-        _prefill_rows(ctx, group, q, k, v, out, key_cache, value_cache, k_scale, v_scale, scaling, earlier)
-        return
-    n, q_len = len(group.seqs), group.query_len
-    heads, kv_heads, d = q.shape[1], k.shape[1], q.shape[2]
-    # 4-D operands: torch's CPU SDPA takes its fused (flash) path only for batched 4-D inputs.
-    qs = q.index_select(0, group.tokens).view(n, q_len, heads, d).transpose(1, 2).to(torch.float32)
-    keys, values = [], []
-    if group.cached_len:
-        cached = _read_cached(ctx, group, key_cache, value_cache, k_scale, v_scale)
-        keys.append(cached[0])
-        values.append(cached[1])
-    if earlier is not None:
-        for old, new, into in ((earlier[0], k, keys), (earlier[1], v, values)):
-            # The chunk's own K/V as decode would read them back from the window: rounded to its dtype.
-            chunk = new.index_select(0, group.tokens).view(n, q_len, kv_heads, d)
-            chunk = chunk.to(ctx.window_caches[0][0].dtype).to(torch.float32)
-            old = old.view(n, old.shape[0] // n, kv_heads, d)
-            into.append(torch.cat([old, chunk], 1).transpose(1, 2))
-    if group.split is not None:
-        cached = (keys[0], values[0]) if len(keys) == 2 else None
-        o = split_window_attention(qs, cached, keys[-1], values[-1], group.split, scaling)
-    else:
-        ks = keys[0] if len(keys) == 1 else torch.cat(keys, 2)  # [n, kv_heads, keys, d]
-        vs = values[0] if len(values) == 1 else torch.cat(values, 2)
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=group.mask, is_causal=group.mask is None,
-                                           scale=scaling, enable_gqa=heads != kv_heads)
-    out.index_copy_(0, group.tokens, o.transpose(1, 2).reshape(n * q_len, heads, d).to(out.dtype))
-
-
-def _prefill_rows(ctx: ForwardContext, group: PrefillGroup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  out: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, k_scale: torch.Tensor,
-                  v_scale: torch.Tensor, scaling: float,
-                  earlier: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-    """The group's rows through the decode op (see RowQueries); the chunk's K/V are in the cache already."""
+             earlier: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    """The group's rows through the decode op (see RowQueries); the chunk's K/V are in the cache already.
+    earlier: float32 full-precision K/V [n * earlier, kv_heads, d] of the positions before each chunk that its
+    rows read (recent-token window; the chunk's own K/V follow them); None without a window."""
     rows, kv_heads = group.rows, key_cache.shape[1]
 
     def take(t: torch.Tensor) -> torch.Tensor:  # the group's rows of a [tokens, ...] tensor
@@ -538,17 +458,6 @@ def _prefill_rows(ctx: ForwardContext, group: PrefillGroup, q: torch.Tensor, k: 
                rows.seq_lens, rows.max_len, ring)
     if not group.token_range:
         out.index_copy_(0, group.tokens, result)
-
-
-def _read_cached(ctx: ForwardContext, group: PrefillGroup, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                 k_scale: torch.Tensor, v_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 K and V [n, kv_heads, cached_len, d] of the group's sequences, read back from the cache."""
-    if ctx.gather_kv is reference.gather_kv:  # the same values, one batched read for the whole group
-        return gather_kv_blocks(key_cache, value_cache, group.block_ids, group.cached_len, ctx.kv_cache_dtype,
-                                k_scale, v_scale)
-    per_seq = [ctx.gather_kv(key_cache, value_cache, ctx.block_tables[i], group.cached_len, ctx.kv_cache_dtype,
-                             k_scale, v_scale) for i in group.seqs]  # a compiled gather: one sequence a call
-    return tuple(torch.stack([kv[j] for kv in per_seq]).transpose(1, 2) for j in (0, 1))
 
 
 def register() -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import os
 from collections.abc import Callable
 
 import numpy as np
@@ -24,16 +23,6 @@ from fp8cache.kvcache.spec import PENDING_SOURCE, KVCacheSpec
 from fp8cache.model import attention
 from fp8cache.model.batch import StepBatch
 from fp8cache.model.loader import DTYPES, LoadedModel, load_model, read_config_dict
-
-
-def select_ops(log: Callable[[str], None], device: torch.device | None = None) -> tuple[object, Callable]:
-    """(ops namespace, gather_kv): the compiled ops, or the pure-torch reference if FP8KV_REFERENCE_OPS=1."""
-    if os.environ.get("FP8KV_REFERENCE_OPS") == "1":
-        log("Using the pure-torch reference ops (FP8KV_REFERENCE_OPS=1): slow, for testing")
-        return ops.reference, ops.reference.gather_kv
-    ops.load(device)
-    # A compiled gather is used when the ops library offers one; the reference reads the same bytes.
-    return ops, getattr(ops, "gather_kv", ops.reference.gather_kv)
 
 
 class ModelRunner:
@@ -64,10 +53,10 @@ class ModelRunner:
             if self.tp.is_driver:
                 tp_worker.register_driver()
         self.dtype = next(self.model.parameters()).dtype
-        self._ops, self._gather_kv = select_ops(log, self.device)
+        ops.load(self.device)  # compiled once per source hash and cached on disk
         self._describe_ops(log)
-        self._kernel_errors = gpu_errors.for_device(self.device) if self._ops is ops else None
-        packed = packed_linear.pack_linears(self.model, self.device, compiled_ops=self._ops is ops)
+        self._kernel_errors = gpu_errors.for_device(self.device)
+        packed = packed_linear.pack_linears(self.model, self.device, compiled_ops=True)
         if packed:
             panels = any(getattr(m, "panels", False) for m in self.model.modules())
             log(f"{packed} linear layers packed for {'fp8kv panels' if panels else 'oneDNN'}")
@@ -79,10 +68,9 @@ class ModelRunner:
         self._read_shapes()
         self.max_model_len = self._resolve_max_model_len()
         self.eos_token_ids = self._eos_token_ids()
-        if self.device.type == "cpu" or self._ops is ops:  # on a GPU the lean layers need the compiled kernels
-            fused = fused_layer.install(self.model, compiled=self._ops is ops)
-            if fused:
-                log(f"{fused} decoder layers run fp8kv's fused forward")
+        fused = fused_layer.install(self.model)
+        if fused:
+            log(f"{fused} decoder layers run fp8kv's fused forward")
         scales = self._resolve_scales(loaded, fmt_name)
         window, window_dtype = self._resolve_recent_window(fmt_name, scales), self._resolve_window_dtype()
         # The one resolved description of the cache; only calculated scales replace it (_use_scales).
@@ -98,7 +86,7 @@ class ModelRunner:
         from fp8cache.ops import _build
 
         built = _build.last_build()
-        if self._ops is not ops or built is None:
+        if built is None:
             return
         where = "CPU and CUDA kernels" if built.with_cuda else "CPU kernels only"
         log(f"op library: {built.path} ({where}, CPU path {built.isa})")
@@ -209,7 +197,7 @@ class ModelRunner:
     def _decode_graphs(self) -> cuda_graph.DecodeGraphs | None:
         """CUDA graphs for decode steps: on a GPU with the compiled ops and fp8kv's lean layers (whose steps
         never wait for the GPU), unless enforce_eager."""
-        if self.device.type != "cuda" or self.config.enforce_eager or self._ops is not ops or self.tp.is_parallel:
+        if self.device.type != "cuda" or self.config.enforce_eager or self.tp.is_parallel:
             return None
         if not any(isinstance(m.__dict__.get("forward"), fused_layer.FusedDecoderLayer) for m in self.model.modules()):
             return None
@@ -224,10 +212,9 @@ class ModelRunner:
                        **shape) -> attention.ForwardContext | dict[str, np.ndarray]:
         if arrays_only:
             return attention.step_arrays(batch, self.kv_caches, self.kv_spec.block_size, self.kv_spec.window_size,
-                                         self.window_caches, attention.uses_row_prefill(self._ops),
-                                         extra, shape.get("table_width"))[0]
+                                         self.window_caches, extra, shape.get("table_width"))[0]
         return attention.build_forward_context(
-            batch, ops=self._ops, gather_kv=self._gather_kv, kv_caches=self.kv_caches, spec=self.kv_spec,
+            batch, ops=ops, gather_kv=None, kv_caches=self.kv_caches, spec=self.kv_spec,
             device=self.device, window_caches=self.window_caches, extra=extra, **shape)
 
     def _device_limit(self) -> sizing.DeviceLimit | None:

@@ -1,6 +1,7 @@
-"""Python face of the compiled ops (torch.ops.fp8kv.*), plus `reference`, a pure-torch twin of each.
+"""Python face of the compiled ops (torch.ops.fp8kv.*).
 
-The C++ library is compiled for this machine on first use and cached on disk (see `_build`).
+The C++ library is compiled for this machine on first use and cached on disk (see `_build`). Its pure-torch
+twin, `fp8cache.ops.reference`, is the tests' oracle, which the engine never runs: nothing here imports it.
 """
 
 from __future__ import annotations
@@ -9,10 +10,9 @@ import torch
 
 from fp8cache.kvcache import formats
 from fp8cache.kvcache.layout import allocate_kv_cache
-from fp8cache.ops import reference
 
 __all__ = ["allocate_kv_cache", "build", "dequantize_fp8", "format_code", "fused_add_rms_norm", "load",
-           "paged_attention", "paged_attention_window", "quantize_fp8", "reference", "reshape_and_cache", "rms_norm",
+           "paged_attention", "paged_attention_window", "quantize_fp8", "reshape_and_cache", "rms_norm",
            "rotary_embedding_cos_sin", "silu_and_mul"]
 
 

@@ -29,7 +29,6 @@ from torch import nn
 
 from fp8cache.backends.cpu.packed_linear import LinearSlice, MergedLinear, PackedLinear
 from fp8cache.model import attention
-from fp8cache.ops import reference
 
 # Decoder layers whose forward is exactly: pre-norm, q/k/v with rotate_half rotary, attention, o_proj,
 # residual, post-norm, SiLU-gated MLP, residual.
@@ -42,17 +41,13 @@ class LayerOps:
     fused_add_rms_norm: Callable
     rotary: Callable
     silu_and_mul: Callable
-    compiled: bool = False  # the compiled CPU kernels (decode_layer may run the whole layer)
 
 
-def layer_ops(compiled: bool) -> LayerOps:
-    """The compiled CPU kernels (bound to their overloads: the cheapest call), or the pure-torch reference."""
-    if compiled:
-        lib = torch.ops.fp8kv
-        return LayerOps(lib.rms_norm.default, lib.fused_add_rms_norm.default, lib.rotary_embedding_cos_sin.default,
-                        lib.silu_and_mul.default, compiled=True)
-    return LayerOps(reference.rms_norm, reference.fused_add_rms_norm, reference.rotary_embedding_cos_sin,
-                    reference.silu_and_mul)
+def layer_ops() -> LayerOps:
+    """The compiled kernels, bound to their overloads: the cheapest call."""
+    lib = torch.ops.fp8kv
+    return LayerOps(lib.rms_norm.default, lib.fused_add_rms_norm.default, lib.rotary_embedding_cos_sin.default,
+                    lib.silu_and_mul.default)
 
 
 class FusedDecoderLayer:
@@ -70,7 +65,7 @@ class FusedDecoderLayer:
         project = _device_projections if on_gpu else _projections
         self.qkv = project(attn.q_proj, attn.k_proj, attn.v_proj)
         self.gate_up = project(mlp.gate_proj, mlp.up_proj)
-        self.decode_args = _decode_layer_args(layer) if ops.compiled and not on_gpu else None
+        self.decode_args = None if on_gpu else _decode_layer_args(layer)
         self.decode_op = torch.ops.fp8kv.decode_layer.default if self.decode_args is not None else None
         self.decode_dtype = self.input_norm.weight.dtype  # the dtype its packed weights were made for
 
@@ -178,11 +173,10 @@ def supports(layer: nn.Module) -> bool:
             and all(type(n).__name__.endswith("RMSNorm") and hasattr(n, "variance_epsilon") for n in norms))
 
 
-def install(model: nn.Module, compiled: bool) -> int:
-    """Give every supported decoder layer of `model` the lean forward; returns how many layers run it. On a
-    GPU only with the compiled ops (their CUDA kernels). Runners sharing a model share its layers: the last
-    one installed decides which ops they call."""
-    ops = layer_ops(compiled)
+def install(model: nn.Module) -> int:
+    """Give every supported decoder layer of `model` the lean forward (the compiled ops' CPU or CUDA kernels);
+    returns how many layers run it. Runners sharing a model share its layers."""
+    ops = layer_ops()
     count = 0
     for layer in model.modules():
         if supports(layer):
