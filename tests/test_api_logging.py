@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = """
 import sys
@@ -24,6 +26,7 @@ def _run_script(model: str, **env: str) -> subprocess.CompletedProcess:
                           cwd=REPO, env={**clean, **env}, check=False)
 
 
+@pytest.mark.slow
 def test_llm_keeps_stdout_for_the_program(tiny_llama_path):
     done = _run_script(tiny_llama_path)
     assert done.returncode == 0, done.stderr

@@ -19,6 +19,9 @@ import torch
 from fp8cache.kvcache import formats
 from fp8cache.ops import reference
 
+# Compiles the kernels for the host first (two variants, ~12 s each) and runs one thread per GPU thread.
+pytestmark = pytest.mark.slow
+
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 FORMAT_CODES = {name: int(code) for name, code in formats.FORMAT_CODES.items()}  # the ops' KVFormat codes

@@ -29,6 +29,9 @@ from test_cuda_host_emulation import (
 
 from fp8cache.ops import reference
 
+# Compiles the kernels for the host first (two variants, ~12 s each) and runs one thread per GPU thread.
+pytestmark = pytest.mark.slow
+
 ERROR_WINDOW_START, ERROR_WINDOW_BLOCK = 8, 16
 
 bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32

@@ -31,6 +31,7 @@ def transformers_ppl(model_path: str, windows: int, window_len: int) -> float:
     return math.exp(nll / count)
 
 
+@pytest.mark.slow
 def test_fp8_e4m3_eval_is_close_to_baseline(default_model_path):
     result = evaluate(EngineConfig(model=default_model_path, kv_cache_dtype="fp8_e4m3"), windows=2,
                       window_len=96, progress=False)
@@ -43,6 +44,7 @@ def test_fp8_e4m3_eval_is_close_to_baseline(default_model_path):
     assert 0.85 <= result["top1_agreement"] <= 1
 
 
+@pytest.mark.slow
 def test_recent_window_as_long_as_the_text_has_no_divergence(default_model_path):
     """Every position then reads all of its context in full precision: the FP8 copies are never read."""
     whole = evaluate(EngineConfig(model=default_model_path, kv_cache_dtype="fp8_e5m2", kv_recent_window=64),

@@ -153,6 +153,7 @@ def test_apply_rotation_names_and_sizes():
 
 # ---- the other CPU code paths ----------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.skipif("config.getoption('--cpu-isa')", reason="already inside an ISA run")
 @pytest.mark.parametrize("isa", ["scalar", "avx2"])
 def test_other_isa_builds(isa):

@@ -63,6 +63,7 @@ def _alive(pid: int) -> bool:
     return state is not None and state[1] != "Z"  # a zombie has exited
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["generate", "run"])
 def test_ctrl_c_while_compiling_exits_130_and_ends_the_compiler(tmp_path, tiny_llama_path, command):
     # A first start compiles the op library (an empty cache folder here); Ctrl-C comes while the compilers run.

@@ -301,6 +301,7 @@ def _cpu_has(flag: str) -> bool:
         return False
 
 
+@pytest.mark.slow
 @pytest.mark.skipif("config.getoption('--cpu-isa')", reason="already inside an ISA run")
 @pytest.mark.parametrize("isa", ["scalar", "avx2"])
 def test_other_isa_builds(isa):

@@ -78,6 +78,7 @@ def greedy(max_tokens: int, **kwargs):
     return SamplingParams(temperature=0, max_tokens=max_tokens, **kwargs)
 
 
+@pytest.mark.slow
 def test_startup_reports_cache_and_env_flags(server):
     out = server.output()
     assert "fp8_e4m3" in out and "capacity" in out and server.url in out
@@ -88,10 +89,12 @@ def test_startup_reports_cache_and_env_flags(server):
     assert info["kv_cache"]["capacity_tokens"] == info["kv_cache"]["num_blocks"] * info["kv_cache"]["block_size"]
 
 
+@pytest.mark.slow
 def test_models_lists_served_name(openai_client):
     assert [m.id for m in openai_client.models.list().data] == ["smol"]
 
 
+@pytest.mark.slow
 def test_completion_matches_engine(openai_client, reference):
     prompt = "The three primary colors are"
     out = openai_client.completions.create(model="smol", prompt=prompt, max_tokens=8, temperature=0)
@@ -102,6 +105,7 @@ def test_completion_matches_engine(openai_client, reference):
     assert out.usage.completion_tokens == len(want.outputs[0].token_ids)
 
 
+@pytest.mark.slow
 def test_completion_stream_equals_engine(openai_client, reference):
     prompt = "A recipe for pancakes needs"
     chunks = list(openai_client.completions.create(model="smol", prompt=prompt, max_tokens=8, temperature=0,
@@ -112,6 +116,7 @@ def test_completion_stream_equals_engine(openai_client, reference):
     assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
 
 
+@pytest.mark.slow
 def test_completion_stop_string_and_batch(openai_client, reference):
     prompts = ["Water boils at", "The largest planet is"]
     out = openai_client.completions.create(model="smol", prompt=prompts, max_tokens=10, temperature=0,
@@ -122,6 +127,7 @@ def test_completion_stop_string_and_batch(openai_client, reference):
         [w.outputs[0].finish_reason for w in want]
 
 
+@pytest.mark.slow
 def test_chat_matches_engine(openai_client, reference):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     out = openai_client.chat.completions.create(model="smol", messages=messages, max_tokens=12, temperature=0)
@@ -131,6 +137,7 @@ def test_chat_matches_engine(openai_client, reference):
     assert out.usage.prompt_tokens == len(want.prompt_token_ids)
 
 
+@pytest.mark.slow
 def test_chat_stream_equals_engine(openai_client, reference):
     messages = [{"role": "system", "content": "Answer briefly."},
                 {"role": "user", "content": "Name a fruit that is yellow."}]
@@ -148,6 +155,7 @@ def test_chat_stream_equals_engine(openai_client, reference):
     assert chunks[-1].usage.prompt_tokens == len(want.prompt_token_ids)
 
 
+@pytest.mark.slow
 def test_continuous_usage_stats_count_up_on_every_chunk(server):
     body = {"prompt": "Count to ten:", "max_tokens": 6, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
@@ -162,6 +170,7 @@ def test_continuous_usage_stats_count_up_on_every_chunk(server):
             assert all(c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + n for c, n in zip(chunks, counts))
 
 
+@pytest.mark.slow
 def test_chat_n_choices_seeded(openai_client):
     messages = [{"role": "user", "content": "Say a random word."}]
     kwargs = {"model": "smol", "messages": messages, "max_tokens": 6, "temperature": 1.0, "n": 3, "seed": 7}
@@ -175,6 +184,7 @@ def _chosen(output) -> list[float]:
     return [entry[token].logprob for entry, token in zip(output.logprobs, output.token_ids)]
 
 
+@pytest.mark.slow
 def test_completion_logprobs_match_engine_streamed_or_not(openai_client, reference):
     prompt = "The three primary colors are"
     kwargs = {"model": "smol", "prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 3}
@@ -193,6 +203,7 @@ def test_completion_logprobs_match_engine_streamed_or_not(openai_client, referen
     assert [o for s in streamed for o in s.text_offset] == lp.text_offset
 
 
+@pytest.mark.slow
 def test_completion_echo_with_logprobs_scores_the_prompt(openai_client, reference):
     prompt = "Water boils at one hundred degrees"
     kwargs = {"model": "smol", "prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 2, "echo": True}
@@ -214,6 +225,7 @@ def test_completion_echo_with_logprobs_scores_the_prompt(openai_client, referenc
     assert [v for s in streamed for v in s.token_logprobs] == pytest.approx(lp.token_logprobs)
 
 
+@pytest.mark.slow
 def test_vllm_sampling_extensions_match_engine(openai_client, reference):
     prompt = "Paris is the capital of"  # greedy: " the United States" then "." at the 5th token
     extra = {"min_tokens": 10, "include_stop_str_in_output": True, "skip_special_tokens": False}
@@ -225,6 +237,7 @@ def test_vllm_sampling_extensions_match_engine(openai_client, reference):
     assert out.usage.completion_tokens == len(want.token_ids) >= 10
 
 
+@pytest.mark.slow
 def test_logit_bias_matches_engine(openai_client, reference):
     prompt = "The three primary colors are"
     out = openai_client.completions.create(model="smol", prompt=prompt, max_tokens=6, temperature=0,
@@ -234,6 +247,7 @@ def test_logit_bias_matches_engine(openai_client, reference):
     assert out.choices[0].text == want.text != plain.text
 
 
+@pytest.mark.slow
 def test_prompt_logprobs_field_matches_engine(server, reference):
     prompt = "Water boils at one hundred degrees"
     want = reference.generate(prompt, greedy(2, prompt_logprobs=2))[0]
@@ -253,6 +267,7 @@ def test_prompt_logprobs_field_matches_engine(server, reference):
     assert all(len(e) == 1 for e in chat["prompt_logprobs"][1:])  # k = 0: the prompt token itself
 
 
+@pytest.mark.slow
 def test_chat_logprobs_match_engine_streamed_or_not(openai_client, reference):
     messages = [{"role": "user", "content": "Name a fruit that is yellow."}]
     kwargs = {"model": "smol", "messages": messages, "max_tokens": 10, "temperature": 0, "logprobs": True,
@@ -271,6 +286,7 @@ def test_chat_logprobs_match_engine_streamed_or_not(openai_client, reference):
     assert plain.choices[0].logprobs is None
 
 
+@pytest.mark.slow
 def test_tokenize_and_detokenize_routes(server, reference):
     tok = reference.llm.get_tokenizer()
     text = "Tokenize me, please: naïve café."
@@ -299,6 +315,7 @@ def _tgi(server):
     return InferenceClient(model=server.url, timeout=120)
 
 
+@pytest.mark.slow
 def test_huggingface_chat_completion_with_a_base_url(server, reference):
     # InferenceClient(base_url=...) sends model "dummy", as TGI's own examples send "tgi": TGI ignores it.
     from huggingface_hub import InferenceClient
@@ -314,6 +331,7 @@ def test_huggingface_chat_completion_with_a_base_url(server, reference):
     assert other.status_code == 404  # a real other name is still a misconfigured client (vLLM's answer)
 
 
+@pytest.mark.slow
 def test_tgi_generate_matches_engine(server, reference):
     prompt = "The sun rises in the"
     client = _tgi(server)
@@ -328,6 +346,7 @@ def test_tgi_generate_matches_engine(server, reference):
                                               else "eos_token")
 
 
+@pytest.mark.slow
 def test_tgi_stream_matches_engine(server, reference):
     prompt = "My favourite season is"
     client = _tgi(server)  # keep it alive: it owns the open streams
@@ -342,6 +361,7 @@ def test_tgi_stream_matches_engine(server, reference):
     assert "".join(plain) == want.text
 
 
+@pytest.mark.slow
 def test_tgi_token_logprobs_and_top_tokens(server, reference):
     prompt = "The sun rises in the"
     client = _tgi(server)
@@ -363,6 +383,7 @@ def test_tgi_token_logprobs_and_top_tokens(server, reference):
     assert [[t.id for t in e.top_tokens] for e in events] == [[i for i, _ in top] for top in tops]
 
 
+@pytest.mark.slow
 def test_tgi_typical_p_sampling_matches_engine(server, reference):
     from fp8cache import SamplingParams
 
@@ -372,6 +393,7 @@ def test_tgi_typical_p_sampling_matches_engine(server, reference):
     assert text == want[0].outputs[0].text
 
 
+@pytest.mark.slow
 def test_tgi_stop_sequence_and_full_text(server, reference):
     prompt = "Count: one, two,"
     out = _tgi(server).text_generation(prompt, max_new_tokens=12, stop=[" four"], details=True,
@@ -398,6 +420,7 @@ def _one(samples: dict[str, dict[tuple, float]], name: str, **labels) -> float:
     return matches[0]
 
 
+@pytest.mark.slow
 def test_metrics_count_requests_and_tokens(server, openai_client):
     before = _metrics(server)
     out = openai_client.completions.create(model="smol", prompt="Metrics are", max_tokens=5, temperature=0,
@@ -447,6 +470,7 @@ async def _stream_client(url: str, i: int, disconnect_after: int | None) -> dict
     return result
 
 
+@pytest.mark.slow
 def test_concurrent_streams_with_disconnects(server):
     num_clients, quitters = 36, range(0, 36, 3)
 
@@ -470,6 +494,7 @@ def test_concurrent_streams_with_disconnects(server):
     assert ok.status_code == 200
 
 
+@pytest.mark.slow
 def test_generate_command_streams_engine_output(default_model_path, reference):
     prompt = "What is the capital of France?"
     cmd = fp8kv_command() + ["generate", default_model_path, prompt, "--max-tokens", "10", "--kv-cache-dtype",
@@ -480,6 +505,7 @@ def test_generate_command_streams_engine_output(default_model_path, reference):
     assert done.stdout == want + "\n"
 
 
+@pytest.mark.slow
 def test_generate_command_raw_prompt_from_stdin(default_model_path, reference):
     prompt = "Rivers flow into the"
     cmd = fp8kv_command() + ["generate", "-", "--model", default_model_path, "--no-chat", "--max-tokens", "6",

@@ -98,6 +98,7 @@ def _stream(server: ServerProcess, n: int, events: list, done: threading.Event, 
                     return  # leaving drops the connection
 
 
+@pytest.mark.slow
 def test_admission_counts_sequences_not_requests(slow_server):
     events: list = []
     done = threading.Event()
@@ -124,6 +125,7 @@ def test_admission_counts_sequences_not_requests(slow_server):
     wait_idle(slow_server)
 
 
+@pytest.mark.slow
 def test_disconnects_are_499_at_info_and_free_their_slots(slow_server):
     before = _metrics(slow_server)
     url = httpx.URL(slow_server.url)
@@ -155,6 +157,7 @@ def test_disconnects_are_499_at_info_and_free_their_slots(slow_server):
     assert "the client went away" in log
 
 
+@pytest.mark.slow
 def test_posts_need_json_and_a_loopback_host(slow_server):
     body = json.dumps({"prompt": "the", "max_tokens": 1})
     with slow_server.client() as c:
@@ -304,6 +307,7 @@ def _compiles(server: ServerProcess, outcome: str) -> float:
     return _sum(_metrics(server), "fp8kv_structured_output_compiles_total", outcome=outcome)
 
 
+@pytest.mark.slow
 def test_a_grammar_too_big_is_refused_at_once(grammar_server):
     with grammar_server.client(timeout=30) as c:
         huge = c.post("/v1/completions", json={"prompt": "Pick", "max_tokens": 2, "guided_choice": ["a" * 100_000]})
@@ -344,6 +348,7 @@ def test_a_pathological_regex_is_stopped_while_others_are_served(grammar_server)
     assert _compiles(grammar_server, "timeout") == 1
 
 
+@pytest.mark.slow
 def test_megabyte_tokenizations_do_not_hold_up_short_requests(grammar_server):
     big = {"prompt": "hello world, this is some text. " * (3 * 2**20 // 32)}
 
@@ -363,6 +368,7 @@ def test_megabyte_tokenizations_do_not_hold_up_short_requests(grammar_server):
         t.join(WAIT_S)
 
 
+@pytest.mark.slow
 def test_a_grammar_over_its_memory_budget_is_refused(grammar_server):
     with grammar_server.client(timeout=WAIT_S) as c:
         out = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "JSON?"}],
@@ -374,6 +380,7 @@ def test_a_grammar_over_its_memory_budget_is_refused(grammar_server):
     assert good.status_code == 200 and good.json()["choices"][0]["text"] in ("yes", "no"), good.text
 
 
+@pytest.mark.slow
 def test_a_compile_is_abandoned_when_its_client_goes(grammar_server):
     before = _compiles(grammar_server, "cancelled")
     with pytest.raises(httpx.ReadTimeout), \

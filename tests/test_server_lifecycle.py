@@ -71,6 +71,7 @@ def _stream_body(max_tokens: int) -> dict:
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
 
 
+@pytest.mark.slow
 def test_ready_once_serving_and_watchdog_pings(server, notify):
     assert notify.wait_for("READY=1") == 1
     assert notify.wait_for("WATCHDOG=1", count=2) >= 2
@@ -79,6 +80,7 @@ def test_ready_once_serving_and_watchdog_pings(server, notify):
         assert c.get("/health").status_code == 200
 
 
+@pytest.mark.slow
 def test_json_log_lines(server):
     lines = [line for line in server.output().splitlines() if line.startswith("{")]
     entries = [json.loads(line) for line in lines]
@@ -89,6 +91,7 @@ def test_json_log_lines(server):
     assert all({"time", "level", "logger", "message"} <= set(e) for e in entries)
 
 
+@pytest.mark.slow
 def test_stream_disconnect_aborts_and_frees_blocks(server):
     before = engine_stats(server)["num_generated_tokens"]
     with httpx.Client(base_url=server.url, timeout=WAIT_S) as c, \
@@ -104,6 +107,7 @@ def test_stream_disconnect_aborts_and_frees_blocks(server):
     assert stats["num_generated_tokens"] - before < 200  # the rest was never generated
 
 
+@pytest.mark.slow
 def test_non_streaming_disconnect_aborts(server):
     before = engine_stats(server)["num_generated_tokens"]
     body = {"prompt": "Write a very long essay.", "max_tokens": 200, "ignore_eos": True}
@@ -115,6 +119,7 @@ def test_non_streaming_disconnect_aborts(server):
     assert stats["num_generated_tokens"] - before < 200
 
 
+@pytest.mark.slow
 def test_sigterm_finishes_inflight_request_then_exits_zero(server, notify):
     max_tokens = 48
     result: dict = {"events": [], "done": False}
@@ -169,6 +174,7 @@ _engine.LLMEngine.step = _crashing_step
 """
 
 
+@pytest.mark.slow
 def test_engine_crash_exits_nonzero(tiny_llama_path, tmp_path):
     listener = NotifyListener(b"\0fp8kv-test-" + str(time.monotonic_ns()).encode())  # abstract name
     try:

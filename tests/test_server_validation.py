@@ -200,6 +200,7 @@ def test_table_is_large_enough():
     assert len({c.name for c in CASES}) == len(CASES)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_malformed_request(server, case: Case):
     headers = dict(AUTH if case.headers is None else case.headers)
@@ -232,6 +233,7 @@ def test_malformed_request(server, case: Case):
         assert response.headers.get("www-authenticate") == "Bearer"
 
 
+@pytest.mark.slow
 def test_oversized_chunked_body_is_refused(server):
     def chunks():
         for _ in range(8):
@@ -243,11 +245,13 @@ def test_oversized_chunked_body_is_refused(server):
     assert "max-request-bytes" in response.json()["error"]["message"]
 
 
+@pytest.mark.slow
 def test_health_needs_no_key(server):
     with server.client() as c:
         assert c.get("/health").status_code == 200
 
 
+@pytest.mark.slow
 def test_server_still_serves_and_leaks_nothing(server):
     # Runs after the table: a good request works, no request is left behind and no block is held.
     with server.client(headers=AUTH) as c:
@@ -265,6 +269,7 @@ def test_server_still_serves_and_leaks_nothing(server):
     assert any('status="401"' in line for line in statuses)
 
 
+@pytest.mark.slow
 def test_raw_http_garbage_does_not_break_the_server(server):
     # A request line no HTTP parser accepts, then a normal request on a fresh connection.
     import socket

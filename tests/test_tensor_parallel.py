@@ -102,12 +102,14 @@ def serve_and_compare(model: str, num_shard: int, kv_cache_dtype: str, prompts: 
 
 # ---- end to end: fp8kv run --num-shard N ----------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("kv_cache_dtype", "stop"), [("auto", "sigterm"), ("fp8", "kill")])
 def test_two_ranks_tiny_llama_greedy_equals_one_rank(tiny_llama_path, kv_cache_dtype, stop, tmp_path,
                                                      monkeypatch):
     serve_and_compare(tiny_llama_path, 2, kv_cache_dtype, TINY_PROMPTS, tmp_path, monkeypatch, stop=stop)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_three_ranks_default_model_greedy_equals_one_rank(default_model_path, kv_cache_dtype, tmp_path,
                                                           monkeypatch):
@@ -119,6 +121,7 @@ def test_three_ranks_default_model_greedy_equals_one_rank(default_model_path, kv
     serve_and_compare(default_model_path, 3, kv_cache_dtype, DEFAULT_PROMPTS, tmp_path, monkeypatch, scales)
 
 
+@pytest.mark.slow
 def test_a_failing_rank_at_start_shows_its_error(tiny_llama_path, tmp_path):
     # A cache budget below one block is found by each rank once its model is loaded (heads a shard count does
     # not divide are refused before any rank starts: tests/test_launcher_hardening.py).
@@ -196,6 +199,7 @@ def run_ranks(model: str, kv_cache_dtype: str, scales: str | None, size: int, tm
     return results
 
 
+@pytest.mark.slow
 def test_each_rank_takes_its_entry_of_a_per_rank_scales_file(tiny_llama_path, tmp_path):
     # Two layers; rank r's scale for layer i is distinct from every other rank's and layer's.
     per_rank = [[0.5 + 0.25 * r + 0.0625 * i for i in range(2)] for r in range(2)]
@@ -207,6 +211,7 @@ def test_each_rank_takes_its_entry_of_a_per_rank_scales_file(tiny_llama_path, tm
         assert result["v"] == [[s] for s in per_rank[rank]]
 
 
+@pytest.mark.slow
 def test_each_rank_takes_its_heads_of_a_per_head_scales_file(tiny_llama_path, tmp_path, monkeypatch):
     per_head = [[0.5 + 0.25 * h + 0.0625 * i for h in range(2)] for i in range(2)]
     scales = scales_file(tmp_path / "per_head.json", per_head=per_head)

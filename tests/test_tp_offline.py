@@ -64,6 +64,7 @@ def quiet(msg: str) -> None:
 # ---- LLM(tensor_parallel_size=2) --------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_two_ranks_give_the_greedy_tokens_of_one(tiny_llama_path, kv_cache_dtype):
     engine = dict(model=tiny_llama_path, kv_cache_dtype=kv_cache_dtype, kv_cache_memory="16MiB", log=quiet,
@@ -87,6 +88,7 @@ def test_two_ranks_give_the_greedy_tokens_of_one(tiny_llama_path, kv_cache_dtype
     assert all(len(t) == MAX_NEW_TOKENS for t in got)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["between steps", "inside a step"])
 def test_a_dead_worker_is_a_clear_error(tiny_llama_path, where):
     llm = LLM(model=tiny_llama_path, tensor_parallel_size=2, kv_cache_memory="16MiB", log=quiet)
@@ -122,6 +124,7 @@ llm.generate("the city of the river was", SamplingParams(max_tokens=2))
 """
 
 
+@pytest.mark.slow
 def test_workers_stop_when_the_process_exits_without_close(tiny_llama_path):
     proc = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, tiny_llama_path], cwd=REPO,
                           env=dict(os.environ), capture_output=True, text=True, timeout=300, check=False)
@@ -140,6 +143,7 @@ def test_tensor_parallel_size_that_does_not_divide_the_heads_is_refused(make_tin
 # ---- fp8kv generate --num-shard 2 -------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_generate_with_two_shards_prints_the_one_rank_text(tiny_llama_path):
     prompt = PROMPTS[0]
     proc = subprocess.run([sys.executable, "-m", "launcher.cli", "generate", tiny_llama_path, prompt,
@@ -166,6 +170,7 @@ def linear_packing(request, monkeypatch):
     return request.param
 
 
+@pytest.mark.slow
 def test_bench_throughput_over_two_shards_adds_up(tiny_llama_path, linear_packing):
     from launcher import bench_commands
 

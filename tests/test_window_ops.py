@@ -180,6 +180,7 @@ def test_smoke(ops, case):
     test_window_attention_matches_reference(ops, case)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif("config.getoption('--cpu-isa')", reason="already inside an ISA run")
 @pytest.mark.parametrize("isa", ["scalar", "avx2"])
 def test_other_isa_builds(isa):
