@@ -35,6 +35,39 @@ def default_model_path() -> str:
     return ensure_default_model(progress=False)
 
 
+@pytest.fixture(scope="session")
+def default_tokenizer(default_model_path):
+    """The default model's tokenizer, loaded once a session (0.6 s each time otherwise). Read-only: encode,
+    decode, chat templates; nothing in fp8kv or the tests changes a tokenizer."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model_path)
+
+
+@pytest.fixture(scope="session")
+def default_model(default_model_path):
+    """The default model as transformers loads it (float32, eval, its own attention), once a session: the
+    independent reference that fp8kv's engine is checked against. Only run it (forward, generate). Never hand
+    it to a ModelRunner, an LLMEngine or pack_linears: they patch a model in place (packed linears, paged
+    attention, fused decoder-layer forwards; see default_loaded), and it would no longer be transformers'."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def default_loaded(default_model_path):
+    """load_model's LoadedModel of the default model (float32, CPU), once a session, for ModelRunners that share
+    it as eval's baseline and tested runners do (ModelRunner(config, loaded=...)). The first runner patches the
+    model in place (packed linears, paged attention, fused decoder layers) and later runners reuse those
+    patches, so this is never a transformers reference (use default_model) and a test that needs the plain
+    model, another dtype or device, or changes the model itself loads its own."""
+    from fp8cache.config import EngineConfig
+    from fp8cache.model.loader import load_model
+
+    return load_model(EngineConfig(model=default_model_path), progress=False)
+
+
 def build_tiny_tokenizer():
     """A word-level fast tokenizer over TINY_WORDS, built without any download."""
     from tokenizers import Tokenizer, models, pre_tokenizers

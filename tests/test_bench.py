@@ -60,10 +60,8 @@ def _assert_rates_consistent(row: dict, num_requests: int, input_len: int, outpu
 
 
 @pytest.fixture(scope="module")
-def tokenizer(default_model_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(default_model_path)
+def tokenizer(default_tokenizer):
+    return default_tokenizer
 
 
 def test_prompts_are_distinct_windows_of_the_eval_text(tokenizer):
@@ -114,6 +112,7 @@ def throughput_run(default_model_path, tmp_path_factory):
     return _rows(_invoke(bench_commands.throughput, args)), plot
 
 
+@pytest.mark.slow
 def test_throughput_rows_add_up(throughput_run):
     rows, _ = throughput_run
     assert [(r["engine"], r["kv_cache_dtype"]) for r in rows] == [
@@ -130,6 +129,7 @@ def test_throughput_rows_add_up(throughput_run):
         assert r["vs_auto"] == pytest.approx(r["output_tokens_per_s"] / rows[0]["output_tokens_per_s"])
 
 
+@pytest.mark.slow
 def test_throughput_peer_may_run_another_model_dtype(default_model_path):
     rows = _rows(_invoke(bench_commands.throughput, [
         default_model_path, *SMALL, *THREADS, "--kv-cache-dtype", "fp8_e4m3", "--dtype", "bfloat16",
@@ -139,6 +139,7 @@ def test_throughput_peer_may_run_another_model_dtype(default_model_path):
     assert rows[0]["vs_transformers"] == pytest.approx(rows[0]["output_tokens_per_s"] / rows[1]["output_tokens_per_s"])
 
 
+@pytest.mark.slow
 def test_throughput_cache_sizes_follow_the_model_config(throughput_run, default_model_path):
     from transformers import AutoConfig
 
@@ -153,6 +154,7 @@ def test_throughput_cache_sizes_follow_the_model_config(throughput_run, default_
         assert r["capacity_tokens"] == (32 * 2**20 - r["window_bytes"]) // (16 * r["bytes_per_token"]) * 16
 
 
+@pytest.mark.slow
 def test_throughput_plot_is_a_png(throughput_run):
     _, plot = throughput_run
     if plot is None:
@@ -160,6 +162,7 @@ def test_throughput_plot_is_a_png(throughput_run):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_throughput_compares_recent_windows_side_by_side(default_model_path):
     """--kv-recent-window 0,32: each FP8 dtype runs once per window (auto once), windowed rows over window 0."""
     args = [default_model_path, *SMALL, *THREADS, "--kv-cache-dtype", "auto,fp8_e4m3", "--kv-recent-window", "0,32",
@@ -180,10 +183,8 @@ def test_throughput_refuses_a_bad_window_list(default_model_path):
     assert result.exit_code != 0 and "--kv-recent-window" in result.output and ">= 0" in result.output
 
 
-def test_generation_matches_transformers_greedy(default_model_path, tokenizer):
+def test_generation_matches_transformers_greedy(default_model_path, default_model, tokenizer):
     """The bench's engine run and its peer run generate the same tokens (both greedy, float32)."""
-    from transformers import AutoModelForCausalLM
-
     from fp8cache import LLM
     from fp8cache.bench import throughput
     from fp8cache.bench.prompts import PromptSource
@@ -191,7 +192,7 @@ def test_generation_matches_transformers_greedy(default_model_path, tokenizer):
     prompts = PromptSource(tokenizer).take(2, 16)
     llm = LLM(model=default_model_path, kv_cache_memory="16MiB", log=lambda m: None)
     ours = llm.generate(prompts, throughput.bench_params(4))
-    model = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32).eval()
+    model = default_model
     result = throughput.run_transformers(model, prompts, 4, tokenizer.eos_token_id)
     assert result.output_tokens == 2 * 4
     with torch.inference_mode():
@@ -203,6 +204,7 @@ def test_generation_matches_transformers_greedy(default_model_path, tokenizer):
 # ---- capacity ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_capacity_batches_fit_the_budget_without_preemption(default_model_path, tmp_path):
     # 3 MB holds 4 blocks of 16 tokens in float32 (1 sequence of 64) and 16 in FP8 (4 sequences).
     plot = tmp_path / "capacity.png"
@@ -399,6 +401,7 @@ def test_serve_command_prints_json_and_plot(fake_server, default_model_path, tmp
 # ---- the real server --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_serve_against_fp8kv_run(default_model_path, tmp_path):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from server_process import ServerProcess

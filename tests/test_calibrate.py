@@ -38,8 +38,8 @@ def texts(tmp_path_factory) -> tuple[str, str]:
 
 
 @pytest.fixture(scope="module")
-def loaded(default_model_path):
-    return load_model(EngineConfig(model=default_model_path), progress=False)
+def loaded(default_loaded):
+    return default_loaded  # the session's, shared with the other modules' runners
 
 
 def independent_kv(model_path: str, samples: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -448,6 +448,7 @@ def test_command_writes_the_file_and_prints_the_table(tiny_llama_path, tmp_path)
     assert bad.exit_code == 2 and "cannot carry" in bad.output
 
 
+@pytest.mark.slow
 def test_scales_calibrated_on_one_text_help_on_another(default_model_path, texts, tmp_path):
     calib, held_out = texts
     assert read_text(held_out) not in read_text(calib)

@@ -12,7 +12,7 @@ import torch
 from fp8cache.config import EngineConfig
 from fp8cache.model import default_model
 from fp8cache.model.batch import SeqChunk, StepBatch
-from fp8cache.model.loader import load_model, resolve_model_path
+from fp8cache.model.loader import resolve_model_path
 from fp8cache.model.runner import ModelRunner
 
 
@@ -77,11 +77,11 @@ def greedy_with_runner(runner: ModelRunner, prompt: list[int], max_new: int) -> 
     return out
 
 
-def test_greedy_chat_answer_matches_transformers_generate(default_model_path):
+def test_greedy_chat_answer_matches_transformers_generate(default_model_path, default_loaded):
     from transformers import AutoModelForCausalLM
 
     config = EngineConfig(model=default_model_path, kv_cache_memory="32MiB")
-    loaded = load_model(config, progress=False)
+    loaded = default_loaded
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     prompt = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                   return_dict=True)["input_ids"]

@@ -72,10 +72,8 @@ def test_split_utf8_never_emits_replacement_chars(text):
     assert "".join(pieces) == text
 
 
-def test_real_tokenizer_stream_equals_full_decode(default_model_path):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(default_model_path)
+def test_real_tokenizer_stream_equals_full_decode(default_tokenizer):
+    tok = default_tokenizer
     text = " Paris, 東京 and Zürich 🙂 — “quoted” text\nnew line"
     prompt, output = tok.encode("Cities:"), tok.encode(text)
     pieces = stream_text(tok, prompt, output)
@@ -135,19 +133,14 @@ def test_llm_rejects_unknown_arguments():
 # --- the engine on the default model -------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def loaded(default_model_path):
-    from fp8cache.model.loader import load_model
-
-    return load_model(EngineConfig(model=default_model_path), progress=False)
+def loaded(default_loaded):
+    return default_loaded  # the session's, shared with the other modules' runners
 
 
 @pytest.fixture(scope="module")
-def hf_greedy(default_model_path) -> list[list[int]]:
+def hf_greedy(default_model, default_tokenizer) -> list[list[int]]:
     """transformers' own generate(do_sample=False), one prompt at a time, on an independently loaded model."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(default_model_path)
-    model = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32).eval()
+    tok, model = default_tokenizer, default_model
     outs = []
     for prompt in PROMPTS:
         ids = tok(prompt, return_tensors="pt").input_ids
@@ -277,10 +270,8 @@ def _final_outputs(engine: LLMEngine, prompts: list[str], params: SamplingParams
 
 
 @pytest.fixture(scope="module")
-def hf_model(default_model_path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32).eval()
+def hf_model(default_model):
+    return default_model
 
 
 @pytest.mark.parametrize("params", [

@@ -81,8 +81,8 @@ def raw_cache(runner: ModelRunner, layer: int, seq: Seq, n: int) -> tuple[torch.
 # ---- fixtures ----------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def loaded(default_model_path):
-    return load_model(EngineConfig(model=default_model_path), progress=False)
+def loaded(default_loaded):
+    return default_loaded  # the session's, shared with the other modules' runners
 
 
 @pytest.fixture(scope="module")

@@ -32,8 +32,8 @@ def make_runner(loaded, kv_cache_dtype: str = "auto", **overrides) -> ModelRunne
 
 
 @pytest.fixture(scope="module")
-def loaded(default_model_path):
-    return load_model(EngineConfig(model=default_model_path), progress=False)
+def loaded(default_loaded):
+    return default_loaded  # the session's, shared with the other modules' runners
 
 
 @pytest.fixture(scope="module")
@@ -251,6 +251,7 @@ def attention_errors(activations, fmt: formats.Fp8Format, rotated: bool) -> tupl
     return score_err / score_ref, pv_err / len(activations), out_err / out_ref
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
 def test_rotation_lowers_fp8_attention_error_on_real_activations(activations, name):
     fmt = formats.FP8_FORMATS[name]

@@ -27,10 +27,8 @@ SCHEMA = {
 
 
 @pytest.fixture(scope="module")
-def tokenizer(default_model_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(default_model_path)
+def tokenizer(default_tokenizer):
+    return default_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +109,7 @@ def test_outputs_match_regex_choice_and_schema(llm):
     assert free.text not in choices  # without the constraint the model rambles on
 
 
+@pytest.mark.slow
 def test_server_structured_outputs(default_model_path, tmp_path):
     import httpx
     import openai
