@@ -208,7 +208,7 @@ def test_attention_reads_prefix_and_chunks_from_the_cache(kv_cache_dtype, use_co
     step_ops = ops if use_compiled else reference
     spec = KVCacheSpec.build(kv_cache_dtype, torch.float32, BLOCK, 1, kv_heads, d,
                              KVScales([k_scale], [v_scale], kv_cache_dtype, "test"))
-    ctx = attention.build_forward_context(batch, step_ops, None, caches, spec)
+    ctx = attention.build_forward_context(batch, step_ops, caches, spec)
     layer = SimpleNamespace(layer_idx=0)
     with attention.forward_context(ctx):
         out, weights = attention.paged_attention_forward(

@@ -111,7 +111,7 @@ class ForwardContext:
     extra: dict[str, torch.Tensor] = field(default_factory=dict)  # the caller's arrays, on the device
 
 
-def build_forward_context(batch: StepBatch, ops: object, gather_kv: Callable,
+def build_forward_context(batch: StepBatch, ops: object,
                           kv_caches: list[tuple[torch.Tensor, torch.Tensor]], spec: KVCacheSpec,
                           device: torch.device | str = "cpu",
                           window_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,

@@ -214,7 +214,7 @@ class ModelRunner:
             return attention.step_arrays(batch, self.kv_caches, self.kv_spec.block_size, self.kv_spec.window_size,
                                          self.window_caches, extra, shape.get("table_width"))[0]
         return attention.build_forward_context(
-            batch, ops=ops, gather_kv=None, kv_caches=self.kv_caches, spec=self.kv_spec,
+            batch, ops=ops, kv_caches=self.kv_caches, spec=self.kv_spec,
             device=self.device, window_caches=self.window_caches, extra=extra, **shape)
 
     def _device_limit(self) -> sizing.DeviceLimit | None:
