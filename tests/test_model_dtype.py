@@ -1,5 +1,5 @@
-"""--dtype auto on a CPU: the CPU's features pick bfloat16 where it multiplies bfloat16 natively; elsewhere a
-measurement, kept per machine, decides."""
+"""The faster CPU model dtype: the CPU's features pick bfloat16 where it multiplies bfloat16 natively; elsewhere
+a measurement, kept per machine, decides. The startup line names it; --dtype auto stays float32 on a CPU."""
 
 from __future__ import annotations
 
@@ -67,3 +67,17 @@ def test_this_machine_gets_an_answer_once(monkeypatch, tmp_path):
         assert model_dtype.cpu_auto_dtype() is first
     finally:
         model_dtype.cpu_auto_dtype.cache_clear()
+
+
+def test_the_startup_line_names_the_faster_dtype(monkeypatch):
+    from fp8cache import device
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(model_dtype, "cpu_auto_dtype", lambda: model_dtype.choose(EPYC_ZEN4, never_measured))
+    assert device.default_model_dtype(cpu, torch.bfloat16) == torch.float32
+    line = device.describe_model_dtype("auto", cpu, torch.float32)
+    assert line.startswith("float32 (auto") and "--dtype bfloat16 runs faster here" in line and "AVX512-BF16" in line
+    assert device.describe_model_dtype("bfloat16", cpu, torch.bfloat16) == "bfloat16 (--dtype bfloat16)"
+    monkeypatch.setattr(model_dtype, "cpu_auto_dtype", lambda: model_dtype.choose(AVX2_ONLY, lambda: False))
+    assert "faster" not in device.describe_model_dtype("auto", cpu, torch.float32).split(";")[0]
+    assert "float32 measured faster" in device.describe_model_dtype("auto", cpu, torch.float32)

@@ -14,7 +14,7 @@ from fp8cache.backends.cpu import fused_layer, malloc_tuning, packed_linear
 from fp8cache.backends.cuda import cuda_graph, gpu_errors
 from fp8cache.config import DEFAULT_KV_RECENT_WINDOW, EngineConfig
 from fp8cache.device import describe as describe_device
-from fp8cache.device import resolve_device
+from fp8cache.device import describe_model_dtype, resolve_device
 from fp8cache.distributed import parallel_state, sharding
 from fp8cache.distributed import worker as tp_worker
 from fp8cache.kvcache import formats, sizing
@@ -53,6 +53,7 @@ class ModelRunner:
             if self.tp.is_driver:
                 tp_worker.register_driver()
         self.dtype = next(self.model.parameters()).dtype
+        log(f"model dtype: {describe_model_dtype(config.dtype, self.device, self.dtype)}")
         ops.load(self.device)  # compiled once per source hash and cached on disk
         self._describe_ops(log)
         self._kernel_errors = gpu_errors.for_device(self.device)
