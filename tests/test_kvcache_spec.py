@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import pytest
 import torch
+from test_model_runner import PER_HEAD_K, write_per_head_scales
 
 from fp8cache.config import EngineConfig
 from fp8cache.eval import window_batch
@@ -92,13 +92,7 @@ def test_fp8_resolves_per_backend(tiny_loaded):
 
 
 def test_per_head_scales_from_a_file(tiny_loaded, tmp_path):
-    k_heads = [[0.01, 0.03], [0.02, 0.05]]
-    doc = {"model_type": "llama", "kv_cache": {
-        "dtype": "float8_e4m3fn", "scaling_factor": {"0": {"0": 0.5, "1": 0.5}},
-        "k_scaling_factor": {"0": {"0": k_heads[0], "1": k_heads[1]}},
-        "v_scaling_factor": {"0": {"0": 0.004, "1": 0.006}}}}
-    path = tmp_path / "scales.json"
-    path.write_text(json.dumps(doc))
+    k_heads, path = PER_HEAD_K, write_per_head_scales(tmp_path)
     runner = make_runner(tiny_loaded, "fp8_e4m3", quantization_param_path=str(path))
     spec = runner.kv_spec
     assert spec.scales_source == f"file {path}" and spec.scales.per_head()

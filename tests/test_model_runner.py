@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -322,14 +323,22 @@ def check_layer0_codes(runner: ModelRunner, tiny_loaded, n: int = 24) -> None:
     assert torch.equal(v_codes, reference.quantize(v, runner.scales.v[0], fmt))
 
 
-def test_scales_from_json_file_shape_the_cache_bytes(tiny_loaded, tmp_path):
-    k_heads = [[0.01, 0.03], [0.02, 0.05]]
+PER_HEAD_K = [[0.01, 0.03], [0.02, 0.05]]  # the tiny model's 2 layers x 2 KV heads
+
+
+def write_per_head_scales(folder) -> Path:
+    """An E4M3FN scales file for the tiny model: per-head K scales (PER_HEAD_K), per-tensor V scales."""
     doc = {"model_type": "llama", "kv_cache": {
         "dtype": "float8_e4m3fn", "scaling_factor": {"0": {"0": 0.5, "1": 0.5}},
-        "k_scaling_factor": {"0": {"0": k_heads[0], "1": k_heads[1]}},
+        "k_scaling_factor": {"0": {"0": PER_HEAD_K[0], "1": PER_HEAD_K[1]}},
         "v_scaling_factor": {"0": {"0": 0.004, "1": 0.006}}}}
-    path = tmp_path / "scales.json"
+    path = Path(folder) / "scales.json"
     path.write_text(json.dumps(doc))
+    return path
+
+
+def test_scales_from_json_file_shape_the_cache_bytes(tiny_loaded, tmp_path):
+    k_heads, path = PER_HEAD_K, write_per_head_scales(tmp_path)
     runner = make_runner(tiny_loaded, "fp8_e4m3", quantization_param_path=str(path))
     assert runner.scales_source == f"file {path}"
     assert torch.equal(runner.scales.k[1], torch.tensor(k_heads[1], dtype=torch.float32))
