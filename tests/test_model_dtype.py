@@ -42,20 +42,20 @@ def test_the_measurement_compares_the_two_dtypes(monkeypatch):
     seen = []
 
     def timed(slow_dtype):
-        def best_time(x, weight, repeats):
-            assert x.dtype == weight.dtype
+        def best_time(call, x, weight, repeats):
+            assert call is model_dtype.F.linear and x.dtype == weight.dtype
             seen.append((x.dtype, x.shape[0], tuple(weight.shape)))
             return 2.0 if x.dtype == slow_dtype else 1.0
         return best_time
 
-    monkeypatch.setattr(model_dtype, "_best_time", timed(torch.bfloat16))
+    monkeypatch.setattr(model_dtype, "best_time", timed(torch.bfloat16))
     assert model_dtype.measure_bfloat16_faster() is False
     assert len(seen) == 2 * len(model_dtype._SHAPES) * len(model_dtype._ROWS)
-    monkeypatch.setattr(model_dtype, "_best_time", timed(torch.float32))
+    monkeypatch.setattr(model_dtype, "best_time", timed(torch.float32))
     assert model_dtype.measure_bfloat16_faster() is True
     x, weight = torch.randn(3, 8), torch.randn(4, 8)
     monkeypatch.undo()
-    assert model_dtype._best_time(x, weight, repeats=2) > 0
+    assert model_dtype.best_time(model_dtype.F.linear, x, weight, repeats=2) > 0
 
 
 def test_this_machine_gets_an_answer_once(monkeypatch, tmp_path):

@@ -100,10 +100,6 @@ def _first_cpu_lines() -> dict[str, str]:
     return fields
 
 
-def _cpu_flags() -> set[str]:
-    return set(_first_cpu_lines().get("flags", "").split())
-
-
 def cpu_feature_names() -> set[str]:
     """The CPU's feature names as /proc/cpuinfo spells them: x86 `flags` and Arm `Features` together."""
     fields = _first_cpu_lines()
@@ -132,7 +128,7 @@ def _isa_cflags(isa: str) -> list[str]:
         if isa in ("avx512", "avx2"):
             raise RuntimeError(f"the {isa} CPU path needs an x86-64 CPU; this is {platform.machine()}")
         return ["-mcpu=native"]
-    flags = _cpu_flags()
+    flags = cpu_feature_names()
     if isa == "avx512" and not {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vbmi"} <= flags:
         raise RuntimeError("the avx512 CPU path needs AVX-512 F/BW/VL/DQ/VBMI, which this CPU lacks; "
                            "use native or avx2")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable
 
 import torch
@@ -42,3 +43,14 @@ def remembered(question: list, measure: Callable[[], bool]) -> bool:
     except OSError:
         pass
     return answer
+
+
+def best_time(call: Callable, *args, repeats: int = 3) -> float:
+    """Seconds of call(*args), best of `repeats` after one untimed call (a probe's unit of measurement)."""
+    call(*args)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call(*args)
+        best = min(best, time.perf_counter() - start)
+    return best

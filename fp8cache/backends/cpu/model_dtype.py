@@ -14,7 +14,6 @@ README's example answer. The startup line names the faster dtype (fp8cache.devic
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from fp8cache.ops import _build, probes
+from fp8cache.ops.probes import best_time
 
 # /proc/cpuinfo feature names of native bfloat16 multiplies, best first, with the names people know them by.
 NATIVE_BF16 = (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX512-BF16"), ("bf16", "Arm BF16"))
@@ -68,16 +68,6 @@ def measure_bfloat16_faster(repeats: int = 3) -> bool:
                 weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
                 for rows, share in _ROWS:
                     x = torch.randn(rows, in_features, generator=generator).to(dtype)
-                    total += share * _best_time(x, weight, repeats)
+                    total += share * best_time(F.linear, x, weight, repeats=repeats)
             totals[dtype] = total
     return totals[torch.bfloat16] < totals[torch.float32]
-
-
-def _best_time(x: torch.Tensor, weight: torch.Tensor, repeats: int) -> float:
-    F.linear(x, weight)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        F.linear(x, weight)
-        best = min(best, time.perf_counter() - start)
-    return best

@@ -27,14 +27,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp8cache.ops import probes
+from fp8cache.ops import _build, probes
+from fp8cache.ops.probes import best_time
 
 # oneDNN picks its blocking for this many rows; decode batches are what the packing is for.
 _BATCH_HINT = 16
@@ -195,11 +195,7 @@ def panels_available(dtype: torch.dtype = torch.float32) -> bool:
 
 @functools.cache
 def _cpu_has_amx() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and "amx_bf16" in line.split() for line in f)
-    except OSError:
-        return False
+    return "amx_bf16" in _build.cpu_feature_names()
 
 
 def _merge_siblings(targets: list[tuple[nn.Module, str]], panels: bool) -> list[tuple[nn.Module, str]]:
@@ -249,19 +245,9 @@ def measure_packing(shapes: frozenset[tuple[int, int]], panels: bool = False) ->
             candidate = PackedLinear(linear, panels)
             for rows, weight in ((_BATCH_HINT, 1.0), (_PROBE_ROWS, _BATCH_HINT / _PROBE_ROWS)):
                 x = torch.randn(rows, in_features, generator=generator)
-                plain += weight * _best_time(F.linear, x, linear.weight)
-                packed += weight * _best_time(candidate, x)
+                plain += weight * best_time(F.linear, x, linear.weight)
+                packed += weight * best_time(candidate, x)
     return packed < plain
-
-
-def _best_time(call, *args, repeats: int = 3) -> float:
-    call(*args)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call(*args)
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def _return_freed_memory() -> None:
