@@ -63,8 +63,10 @@ def test_float32_models_are_packed_where_the_probe_finds_it_faster(tiny_llama_pa
     monkeypatch.setattr(packed_linear, "packing_pays", lambda shapes, panels: probed.append((shapes, panels)) or pays)
     if compiled_ops:
         ops.load()
+    else:  # as in a process without the op library
+        monkeypatch.setattr(packed_linear, "cpu_features", lambda: packed_linear.CpuFeatures("", False, False))
     linears = sum(type(m) is nn.Linear for m in fp32.modules())
-    assert packed_linear.pack_linears(fp32, torch.device("cpu"), compiled_ops) == (linears if pays else 0)
+    assert packed_linear.pack_linears(fp32, torch.device("cpu")) == (linears if pays else 0)
     panels = compiled_ops and torch.ops.fp8kv.cpu_isa() == "avx512"
     q_proj = fp32.model.layers[0].self_attn.q_proj
     assert probed and (tuple(q_proj.weight.shape) in probed[0][0]) and probed[0][1] == panels
@@ -245,7 +247,8 @@ def test_each_cpu_kind_gets_its_linear_kernels(kind):
 def test_float32_without_panels_packs_for_onednn(tiny_llama_path, monkeypatch):
     monkeypatch.setattr(packed_linear, "packing_pays", lambda *a: True)
     model = load_model(EngineConfig(model=tiny_llama_path, dtype="float32"), progress=False).model
-    assert packed_linear.pack_linears(model, torch.device("cpu"), compiled_ops=False) > 0
+    monkeypatch.setattr(packed_linear, "cpu_features", lambda: packed_linear.CpuFeatures("", False, False))
+    assert packed_linear.pack_linears(model, torch.device("cpu")) > 0
     assert not any(m.panels for m in model.modules() if isinstance(m, packed_linear.PackedLinear))
 
 
@@ -300,7 +303,7 @@ def test_bfloat16_models_follow_the_cpu_kind_and_each_kernel_is_right(tiny_llama
     monkeypatch.setattr(packed_linear, "cpu_features", lambda: packed_linear.CpuFeatures(*FEATURES[kind][0]))
     panels = FEATURES[kind][1][1] == "panels"
     model = load_model(EngineConfig(model=tiny_llama_path, dtype="bfloat16"), progress=False).model
-    assert packed_linear.pack_linears(model, torch.device("cpu"), compiled_ops=True) > 0
+    assert packed_linear.pack_linears(model, torch.device("cpu")) > 0
     assert packed_linear.panels_available(torch.bfloat16) == panels
     assert all(m.panels == panels for m in model.modules() if isinstance(m, packed_linear.PackedLinear))
     with torch.no_grad():

@@ -57,7 +57,7 @@ class ModelRunner:
         ops.load(self.device)  # compiled once per source hash and cached on disk
         self._describe_ops(log)
         self._kernel_errors = gpu_errors.for_device(self.device)
-        packed = packed_linear.pack_linears(self.model, self.device, compiled_ops=True)
+        packed = packed_linear.pack_linears(self.model, self.device)
         if packed:
             panels = any(getattr(m, "panels", False) for m in self.model.modules())
             log(f"{packed} linear layers packed for {'fp8kv panels' if panels else 'oneDNN'}")

@@ -132,10 +132,10 @@ def packing_works(dtype: torch.dtype) -> bool:
     return got.shape == want.shape and torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
-def pack_linears(model: nn.Module, device: torch.device, compiled_ops: bool = False) -> int:
+def pack_linears(model: nn.Module, device: torch.device) -> int:
     """Replace the nn.Linear modules of a bfloat16 or float32 CPU model by PackedLinear (float32 only where
-    packing_pays); returns how many were. compiled_ops: fp8kv's op library is loaded (its float32 kernel
-    may be used)."""
+    packing_pays); returns how many were. fp8kv's panels where linear_kernel picks them for this CPU (never
+    without the op library), else oneDNN's layout."""
     if device.type != "cpu":
         return 0
     targets = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
@@ -143,7 +143,7 @@ def pack_linears(model: nn.Module, device: torch.device, compiled_ops: bool = Fa
     dtypes = {getattr(parent, name).weight.dtype for parent, name in targets}
     if len(dtypes) != 1:
         return 0
-    panels = compiled_ops and panels_available(*dtypes)
+    panels = panels_available(*dtypes)
     if not panels and not packing_works(*dtypes):
         return 0
     if dtypes == {torch.float32}:
