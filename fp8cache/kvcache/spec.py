@@ -47,8 +47,7 @@ class KVCacheSpec:
         object.__setattr__(self, "format", formats.format_code(int(self.format)))
         if self.window_dtype is None:
             object.__setattr__(self, "window_dtype", self.model_dtype)
-        if self.block_size < 1:
-            raise ValueError(f"block_size={self.block_size} must be a positive number of tokens (8, 16, 32)")
+        check_block_size(self.block_size)
         if self.window_size < 0:
             raise ValueError(f"window_size={self.window_size} must be a whole number of tokens >= 0")
         try:
@@ -125,3 +124,9 @@ class KVCacheSpec:
         if self.scales is None:
             return f"{self.name}:pending"
         return f"{self.name}:{self.scales.fingerprint()}:{self.rotation}"
+
+
+def check_block_size(block_size: int) -> None:
+    """Refuse a block size that holds no token (the runner asks before it builds its spec)."""
+    if block_size < 1:
+        raise ValueError(f"block_size={block_size} must be a positive number of tokens (8, 16, 32)")

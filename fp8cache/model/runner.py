@@ -19,7 +19,7 @@ from fp8cache.distributed import parallel_state, sharding
 from fp8cache.distributed import worker as tp_worker
 from fp8cache.kvcache import formats, sizing
 from fp8cache.kvcache import scales as kv_scales
-from fp8cache.kvcache.spec import PENDING_SOURCE, KVCacheSpec
+from fp8cache.kvcache.spec import PENDING_SOURCE, KVCacheSpec, check_block_size
 from fp8cache.model import attention
 from fp8cache.model.batch import StepBatch
 from fp8cache.model.loader import DTYPES, LoadedModel, load_model, read_config_dict
@@ -104,8 +104,7 @@ class ModelRunner:
         self.num_kv_heads = self.total_kv_heads // self.tp.world_size  # this rank's share (cache, scales)
         self.head_size = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
         self.block_size = self.config.block_size
-        if self.block_size < 1:
-            raise ValueError(f"block_size={self.block_size} must be a positive number of tokens (8, 16, 32)")
+        check_block_size(self.block_size)
 
     def _resolve_max_model_len(self) -> int:
         model_limit = getattr(self.hf_config, "max_position_embeddings", None)
