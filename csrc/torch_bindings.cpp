@@ -44,7 +44,7 @@ TORCH_LIBRARY(fp8kv, m) {
   m.def("linear_f32(Tensor input, Tensor packed_weight, int out_features, Tensor? bias) -> Tensor");
   // bfloat16 linear over 16-column panels of k pairs (fp8cache/backends/cpu/packed_linear.py); CPU kernels only.
   m.def("linear_bf16_pack(Tensor weight) -> Tensor");
-  m.def("linear_bf16(Tensor input, Tensor packed_weight, int out_features, Tensor? bias) -> Tensor");
+  m.def("linear_bf16(Tensor input, Tensor packed_weight, int out_features, Tensor? bias, bool float32_out=False) -> Tensor");
   // One float32 decoder layer of a decode step over panel weights (fp8cache/backends/cpu/fused_layer.py); CPU only.
   m.def(
       "decode_layer(Tensor(a!) hidden, Tensor[] weights, Tensor?[] biases, int[] shape, float[] eps, Tensor cos, "

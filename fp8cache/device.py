@@ -57,18 +57,21 @@ def describe(device: torch.device) -> str:
 
 
 def default_model_dtype(device: torch.device, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
-    """--dtype auto: float32 on the CPU (the README's quality and speed figures), the checkpoint's 16-bit
-    dtype on a GPU, bfloat16 for a float32 checkpoint there (float16's range overflows in some models'
+    """--dtype auto: on a CPU, whichever of float32 and bfloat16 runs faster there (bfloat16 where the CPU
+    multiplies it natively, else a measurement kept per machine: backends/cpu/model_dtype.py); the checkpoint's
+    16-bit dtype on a GPU, bfloat16 for a float32 checkpoint there (float16's range overflows in some models'
     activations; vLLM picks float16 here, TGI bfloat16)."""
     if device.type == "cpu":
-        return torch.float32
+        from fp8cache.backends.cpu.model_dtype import cpu_auto_dtype
+
+        return cpu_auto_dtype().dtype
     if checkpoint_dtype in (torch.bfloat16, torch.float16):
         return checkpoint_dtype
     return torch.bfloat16
 
 
 def describe_model_dtype(asked: str, device: torch.device, dtype: torch.dtype) -> str:
-    """The startup line's model dtype and why it is that one; on a CPU whose bfloat16 runs faster, the hint."""
+    """The startup line's model dtype and why it is that one."""
     name = str(dtype).removeprefix("torch.")
     if asked != AUTO:
         return f"{name} (--dtype {asked})"
@@ -76,8 +79,4 @@ def describe_model_dtype(asked: str, device: torch.device, dtype: torch.dtype) -
         return f"{name} (auto: the checkpoint's 16-bit dtype on a GPU, bfloat16 for a float32 checkpoint)"
     from fp8cache.backends.cpu.model_dtype import cpu_auto_dtype
 
-    faster = cpu_auto_dtype()
-    if faster.dtype == dtype:
-        return f"{name} (auto: float32 on a CPU; {faster.reason.removeprefix('auto: ')})"
-    return (f"{name} (auto: float32 on a CPU, the dtype of the README's quality figures; --dtype bfloat16 runs "
-            f"faster here: {faster.reason.removeprefix('auto: ')})")
+    return f"{name} ({cpu_auto_dtype().reason}; --dtype float32 or bfloat16 chooses)"

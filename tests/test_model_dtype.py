@@ -1,5 +1,5 @@
 """The faster CPU model dtype: the CPU's features pick bfloat16 where it multiplies bfloat16 natively; elsewhere
-a measurement, kept per machine, decides. The startup line names it; --dtype auto stays float32 on a CPU."""
+a measurement, kept per machine, decides. --dtype auto on a CPU is that choice, and the startup line says why."""
 
 from __future__ import annotations
 
@@ -69,15 +69,18 @@ def test_this_machine_gets_an_answer_once(monkeypatch, tmp_path):
         model_dtype.cpu_auto_dtype.cache_clear()
 
 
-def test_the_startup_line_names_the_faster_dtype(monkeypatch):
+def test_auto_is_the_faster_dtype_and_the_startup_line_says_why(monkeypatch):
     from fp8cache import device
 
     cpu = torch.device("cpu")
     monkeypatch.setattr(model_dtype, "cpu_auto_dtype", lambda: model_dtype.choose(EPYC_ZEN4, never_measured))
-    assert device.default_model_dtype(cpu, torch.bfloat16) == torch.float32
-    line = device.describe_model_dtype("auto", cpu, torch.float32)
-    assert line.startswith("float32 (auto") and "--dtype bfloat16 runs faster here" in line and "AVX512-BF16" in line
+    assert device.default_model_dtype(cpu, torch.float32) == torch.bfloat16
+    assert device.default_model_dtype(cpu, torch.bfloat16) == torch.bfloat16
+    line = device.describe_model_dtype("auto", cpu, torch.bfloat16)
+    assert line.startswith("bfloat16 (auto: this CPU multiplies bfloat16 natively") and "AVX512-BF16" in line
     assert device.describe_model_dtype("bfloat16", cpu, torch.bfloat16) == "bfloat16 (--dtype bfloat16)"
     monkeypatch.setattr(model_dtype, "cpu_auto_dtype", lambda: model_dtype.choose(AVX2_ONLY, lambda: False))
-    assert "faster" not in device.describe_model_dtype("auto", cpu, torch.float32).split(";")[0]
+    assert device.default_model_dtype(cpu, torch.bfloat16) == torch.float32
     assert "float32 measured faster" in device.describe_model_dtype("auto", cpu, torch.float32)
+    monkeypatch.setattr(model_dtype, "cpu_auto_dtype", lambda: model_dtype.choose(AVX2_ONLY, lambda: True))
+    assert device.default_model_dtype(cpu, torch.float32) == torch.bfloat16

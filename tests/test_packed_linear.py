@@ -272,6 +272,33 @@ def test_linear_bf16_rounds_the_float32_linear_once(rows, out_features, in_featu
         assert got.shape == (1, rows, out_features) and got.dtype == torch.bfloat16
         # half a bfloat16 ulp from rounding, plus float32 summation-order differences
         assert ((got.float() - want).abs() <= 2 ** -8 * want.abs() + 1e-4).all()
+        exact = lib.linear_bf16(x, packed, out_features, b, True)  # float32_out: the sums, never rounded
+        assert exact.shape == got.shape and exact.dtype == torch.float32
+        torch.testing.assert_close(exact, want, rtol=1e-5, atol=1e-4)
+        assert torch.equal(exact.bfloat16(), got)
+
+
+@pytest.mark.parametrize("kind", list(FEATURES))
+def test_a_bfloat16_head_keeps_float32_logits_where_the_panels_run(tiny_llama_path, monkeypatch, kind):
+    """The output projection's float32 logits (no bfloat16 ties) wherever the CPU has the panels' dot product;
+    elsewhere it stays a bfloat16 linear like the rest."""
+    ops.load()
+    features = packed_linear.CpuFeatures(*FEATURES[kind][0])
+    monkeypatch.setattr(packed_linear, "cpu_features", lambda: features)
+    monkeypatch.setattr(packed_linear, "packing_works", lambda dtype: True)
+    model = load_model(EngineConfig(model=tiny_llama_path, dtype="bfloat16"), progress=False).model
+    hidden = torch.randn(1, 5, model.config.hidden_size).bfloat16()
+    with torch.no_grad():
+        want = F.linear(hidden.float(), model.get_output_embeddings().weight.float())
+        packed_linear.pack_linears(model, torch.device("cpu"))
+        head = model.get_output_embeddings()
+        expected = features.isa == "avx512" and features.bf16_dot
+        assert packed_linear.float32_logits(torch.bfloat16, features) == expected
+        assert not packed_linear.float32_logits(torch.float32, features)
+        if isinstance(head, packed_linear.PackedLinear):
+            assert head.float32_out == expected
+        if expected:
+            torch.testing.assert_close(head(hidden), want, rtol=1e-5, atol=1e-4)
 
 
 def test_linear_bf16_refuses_bad_inputs():
@@ -305,7 +332,10 @@ def test_bfloat16_models_follow_the_cpu_kind_and_each_kernel_is_right(tiny_llama
     model = load_model(EngineConfig(model=tiny_llama_path, dtype="bfloat16"), progress=False).model
     assert packed_linear.pack_linears(model, torch.device("cpu")) > 0
     assert packed_linear.panels_available(torch.bfloat16) == panels
-    assert all(m.panels == panels for m in model.modules() if isinstance(m, packed_linear.PackedLinear))
+    head = model.get_output_embeddings()
+    assert all(m.panels == panels for m in model.modules() if isinstance(m, packed_linear.PackedLinear) and m is not head)
+    assert head.float32_out and head.panels  # both kinds have the panels' dot product: float32 logits
     with torch.no_grad():
-        got = model(input_ids=ids).logits.float()
+        got = model(input_ids=ids).logits
+    assert got.dtype == torch.float32
     assert (got - want).abs().max() <= 0.02 * want.abs().max()

@@ -49,10 +49,11 @@ at::Tensor linear_f32_pack(const at::Tensor& weight);
 at::Tensor linear_f32(const at::Tensor& input, const at::Tensor& packed_weight, int64_t out_features,
                       const std::optional<at::Tensor>& bias);
 
-// bfloat16 linear over a weight packed into 16-column panels of k pairs (linear_bf16.cpp).
+// bfloat16 linear over a weight packed into 16-column panels of k pairs (linear_bf16.cpp); float32_out keeps
+// the float32 sums instead of rounding them to bfloat16.
 at::Tensor linear_bf16_pack(const at::Tensor& weight);
 at::Tensor linear_bf16(const at::Tensor& input, const at::Tensor& packed_weight, int64_t out_features,
-                       const std::optional<at::Tensor>& bias);
+                       const std::optional<at::Tensor>& bias, bool float32_out);
 
 // One decoder layer of a decode step (decode_layer.cpp): the fused-layer sequence of the ops above in one call.
 void decode_layer(at::Tensor& hidden, at::TensorList weights, const c10::List<std::optional<at::Tensor>>& biases,

@@ -31,7 +31,7 @@ enum Packing : int64_t { kPanels = 0, kOneDnn = 1 };
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                          const std::optional<at::Tensor>& bias, int64_t packing) {
   if (packing == kPanels) {
-    return packed.scalar_type() == at::kBFloat16 ? linear_bf16(x, packed, out_features, bias)
+    return packed.scalar_type() == at::kBFloat16 ? linear_bf16(x, packed, out_features, bias, false)
                                                   : linear_f32(x, packed, out_features, bias);
   }
   static const auto onednn =

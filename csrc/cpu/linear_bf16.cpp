@@ -6,10 +6,12 @@
 // (default model's 30 layers, 16 rows: 13.1 ms for 212 MB), where the same walk as linear_f32 (each thread
 // its own panels front to back, a software prefetch 16 KB ahead, all rows of a decode batch in one pass)
 // keeps memory busier. Products of bfloat16 values are exact in float32; sums are float32 (the dot-product
-// instruction flushes denormals), the result is rounded to bfloat16 once, after the bias, as F.linear does.
+// instruction flushes denormals), the result is rounded to bfloat16 once, after the bias, as F.linear does, or
+// kept in float32 (float32_out: a language-model head, whose bfloat16 logits would tie tokens 1/8 apart).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include <ATen/Parallel.h>
@@ -28,9 +30,10 @@ namespace {
 using bf16 = c10::BFloat16;
 
 #if defined(FP8KV_ISA_AVX512) && defined(__AVX512BF16__)
-// y[m, 16j + c] = round(bias + sum_k x[m, k] * W[16j + c, k]) for an MR x NR tile; x rows hold K2 pairs.
-template <int MR, int NR>
-void tile(const bf16* x, int64_t ldx, const bf16* panels, int64_t K2, bf16* y, int64_t ldy, const float* bias,
+// y[m, 16j + c] = bias + sum_k x[m, k] * W[16j + c, k] for an MR x NR tile (rounded once when y_t is
+// bfloat16); x rows hold K2 pairs.
+template <int MR, int NR, typename y_t>
+void tile(const bf16* x, int64_t ldx, const bf16* panels, int64_t K2, y_t* y, int64_t ldy, const float* bias,
           int last) {
   __m512 acc[MR][NR];
   start_tile(acc, bias, last);
@@ -52,8 +55,12 @@ void tile(const bf16* x, int64_t ldx, const bf16* panels, int64_t K2, bf16* y, i
   }
   for (int m = 0; m < MR; ++m) {
     for (int j = 0; j < NR; ++j) {
-      const __m256i r = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(acc[m][j]));  // round to nearest even
-      _mm256_mask_storeu_epi16(y + m * ldy + j * 16, panel_lanes<NR>(j, last), r);
+      if constexpr (std::is_same_v<y_t, float>) {
+        _mm512_mask_storeu_ps(y + m * ldy + j * 16, panel_lanes<NR>(j, last), acc[m][j]);
+      } else {
+        const __m256i r = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(acc[m][j]));  // round to nearest even
+        _mm256_mask_storeu_epi16(y + m * ldy + j * 16, panel_lanes<NR>(j, last), r);
+      }
     }
   }
 }
@@ -61,8 +68,9 @@ void tile(const bf16* x, int64_t ldx, const bf16* panels, int64_t K2, bf16* y, i
 #endif
 
 // Portable path: the same panels, one output element at a time, float32 sums.
+template <typename y_t>
 void panel_group_scalar(const bf16* x, int64_t M, int64_t ldx, int64_t K2, const bf16* panels, int num_panels,
-                        bf16* y, int64_t N, const float* bias, int last) {
+                        y_t* y, int64_t N, const float* bias, int last) {
   for (int64_t m = 0; m < M; ++m) {
     for (int j = 0; j < num_panels; ++j) {
       const bf16* panel = panels + j * K2 * 2 * kPanel;
@@ -71,7 +79,7 @@ void panel_group_scalar(const bf16* x, int64_t M, int64_t ldx, int64_t K2, const
         for (int64_t k = 0; k < 2 * K2; ++k) {
           sum += static_cast<float>(x[m * ldx + k]) * static_cast<float>(panel[(k / 2 * kPanel + c) * 2 + k % 2]);
         }
-        y[m * N + j * kPanel + c] = static_cast<bf16>(sum);
+        y[m * N + j * kPanel + c] = static_cast<y_t>(sum);
       }
     }
   }
@@ -99,7 +107,7 @@ at::Tensor linear_bf16_pack(const at::Tensor& weight) {
 }
 
 at::Tensor linear_bf16(const at::Tensor& input, const at::Tensor& packed_weight, int64_t out_features,
-                       const std::optional<at::Tensor>& bias) {
+                       const std::optional<at::Tensor>& bias, bool float32_out) {
   TORCH_CHECK(input.scalar_type() == at::kBFloat16 && input.device().is_cpu() && input.dim() >= 1,
               "input must be a bfloat16 CPU tensor [..., in_features], got ", input.scalar_type(), " ", input.sizes());
   TORCH_CHECK(packed_weight.dim() == 4 && packed_weight.size(2) == kPanel && packed_weight.size(3) == 2 &&
@@ -127,24 +135,31 @@ at::Tensor linear_bf16(const at::Tensor& input, const at::Tensor& packed_weight,
   const int64_t M = x.size(0), ldx = x.size(1);
   std::vector<int64_t> out_shape(input.sizes().begin(), input.sizes().end());
   out_shape.back() = N;
-  at::Tensor out = at::empty(out_shape, input.options());
+  at::Tensor out = at::empty(out_shape, input.options().dtype(float32_out ? at::kFloat : at::kBFloat16));
   if (M == 0) return out;
   const bf16* xp = x.data_ptr<bf16>();
   const bf16* wp = packed_weight.data_ptr<bf16>();
-  bf16* yp = out.data_ptr<bf16>();
-  for_panel_groups(P, N, M, [&](auto panels_in_tile, int64_t p0, int last) {
-    constexpr int NR = decltype(panels_in_tile)::value;
-    const bf16* panels = wp + p0 * K2 * 2 * kPanel;
-    bf16* y = yp + p0 * kPanel;
-    const float* bg = b ? b + p0 * kPanel : nullptr;
+  const auto run = [&](auto* yp) {
+    using y_t = std::remove_pointer_t<decltype(yp)>;
+    for_panel_groups(P, N, M, [&](auto panels_in_tile, int64_t p0, int last) {
+      constexpr int NR = decltype(panels_in_tile)::value;
+      const bf16* panels = wp + p0 * K2 * 2 * kPanel;
+      y_t* y = yp + p0 * kPanel;
+      const float* bg = b ? b + p0 * kPanel : nullptr;
 #if defined(FP8KV_ISA_AVX512) && defined(__AVX512BF16__)
-    for_row_tiles<rows_per_tile(NR)>(M, [&](auto rows, int64_t m) {
-      tile<decltype(rows)::value, NR>(xp + m * ldx, ldx, panels, K2, y + m * N, N, bg, last);
-    });
+      for_row_tiles<rows_per_tile(NR)>(M, [&](auto rows, int64_t m) {
+        tile<decltype(rows)::value, NR>(xp + m * ldx, ldx, panels, K2, y + m * N, N, bg, last);
+      });
 #else
-    panel_group_scalar(xp, M, ldx, K2, panels, NR, y, N, bg, last);
+      panel_group_scalar(xp, M, ldx, K2, panels, NR, y, N, bg, last);
 #endif
-  });
+    });
+  };
+  if (float32_out) {
+    run(out.data_ptr<float>());
+  } else {
+    run(out.data_ptr<bf16>());
+  }
   return out;
 }
 

@@ -44,13 +44,15 @@ MERGED_GROUPS = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", 
 
 class PackedLinear(nn.Module):
     """nn.Linear's forward over a packed weight: fp8kv's float32 or bfloat16 panels (`panels`) or oneDNN's
-    layout."""
+    layout. float32_out (bfloat16 panels only): the float32 sums, not rounded to bfloat16."""
 
-    def __init__(self, linear: nn.Linear, panels: bool = False) -> None:
+    def __init__(self, linear: nn.Linear, panels: bool = False, float32_out: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
-        self.panels = panels
+        if float32_out and not (panels and weight.dtype == torch.bfloat16):
+            raise ValueError("float32_out needs a bfloat16 weight on fp8kv's panels")
+        self.panels, self.float32_out = panels, float32_out
         if panels:
             lib = torch.ops.fp8kv
             pack, self._panel_op = ((lib.linear_bf16_pack, lib.linear_bf16.default) if weight.dtype == torch.bfloat16
@@ -65,13 +67,16 @@ class PackedLinear(nn.Module):
                              persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.float32_out:
+            return self._panel_op(x, self.packed_weight, self.out_features, self.bias, True)
         if self.panels:
             return self._panel_op(x, self.packed_weight, self.out_features, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"layout={'fp8kv panels' if self.panels else 'oneDNN'}")
+                f"layout={'fp8kv panels' if self.panels else 'oneDNN'}"
+                + (", float32 output" if self.float32_out else ""))
 
 
 class MergedLinear(nn.Module):
@@ -135,7 +140,8 @@ def packing_works(dtype: torch.dtype) -> bool:
 def pack_linears(model: nn.Module, device: torch.device) -> int:
     """Replace the nn.Linear modules of a bfloat16 or float32 CPU model by PackedLinear (float32 only where
     packing_pays); returns how many were. fp8kv's panels where linear_kernel picks them for this CPU (never
-    without the op library), else oneDNN's layout."""
+    without the op library), else oneDNN's layout. A bfloat16 model's output projection keeps float32 logits
+    where the CPU has the panels' dot product (float32_logits)."""
     if device.type != "cpu":
         return 0
     targets = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
@@ -151,10 +157,13 @@ def pack_linears(model: nn.Module, device: torch.device) -> int:
         if not packing_pays(shapes, panels):
             return 0
     count = len(targets)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     with torch.no_grad():
         targets = _merge_siblings(targets, panels)
         for parent, name in targets:
-            setattr(parent, name, PackedLinear(getattr(parent, name), panels))
+            linear = getattr(parent, name)
+            logits_f32 = linear is head and float32_logits(linear.weight.dtype)
+            setattr(parent, name, PackedLinear(linear, panels or logits_f32, float32_out=logits_f32))
     _return_freed_memory()
     return count
 
@@ -186,6 +195,16 @@ def linear_kernel(dtype: torch.dtype, features: CpuFeatures) -> str:
     if dtype == torch.bfloat16 and (not features.bf16_dot or features.amx):
         return "onednn"
     return "panels"
+
+
+def float32_logits(dtype: torch.dtype, features: CpuFeatures | None = None) -> bool:
+    """Whether a `dtype` model's output projection gets float32 logits from fp8kv's bfloat16 panels here.
+    Rounded to bfloat16, logits near 16 are 1/8 apart: greedy decoding then ties tokens (the default model
+    answered the README's question wrong with an FP8 cache) and a KL against them measures the rounding. The
+    panels keep their float32 sums at no cost in bytes read; on an AMX CPU too, where the head's decode-time
+    read of its weight outweighs AMX's lead at prefill (only sampled rows reach the head)."""
+    features = features or cpu_features()
+    return dtype == torch.bfloat16 and features.isa == "avx512" and features.bf16_dot
 
 
 def panels_available(dtype: torch.dtype = torch.float32) -> bool:
