@@ -5,6 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fp8cache.backends.cpu import model_dtype
+
+MACHINES_AUTO_DTYPE = model_dtype.cpu_auto_dtype  # before the tests pin it (cpu_auto_dtype_is_float32)
+
 TINY_WORDS = ["the", "a", "of", "to", "and", "in", "is", "was", "it", "for", "on", "that", "with", "as", "by",
               "at", "from", "his", "her", "they", "be", "this", "an", "are", "not", "or", "which", "one",
               "have", "had", "has", "were", "but", "all", "more", "first", "new", "when", "after", "two",
@@ -20,11 +24,31 @@ def pytest_addoption(parser) -> None:
 
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "slow: takes more than about 10 s (leave out with -m 'not slow')")
+    config.addinivalue_line("markers", "real_auto_dtype: --dtype auto on a CPU is this machine's own choice, not "
+                                       "the tests' float32")
     if config.getoption("--cpu-isa"):
         # One op library per process: the asked-for path must be the first one loaded.
         from fp8cache import ops
 
         ops.load("cpu", cpu_isa=config.getoption("--cpu-isa"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cpu_auto_dtype_is_float32():
+    """--dtype auto on a CPU depends on the machine (bfloat16 where it multiplies bfloat16 natively, else a
+    measurement): in-process tests, most of which compare against float32 references, get float32 on every CI
+    machine. Session-wide, so that session fixtures loading a model see it too. The choice itself is tested in
+    test_model_dtype.py and, end to end, by the tests marked real_auto_dtype."""
+    pinned = model_dtype.DtypeChoice(torch.float32, "auto: float32, pinned by the tests")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(model_dtype, "cpu_auto_dtype", lambda: pinned)
+        yield model_dtype.cpu_auto_dtype
+
+
+@pytest.fixture(autouse=True)
+def _machines_own_auto_dtype(request, monkeypatch):
+    if request.node.get_closest_marker("real_auto_dtype"):
+        monkeypatch.setattr(model_dtype, "cpu_auto_dtype", MACHINES_AUTO_DTYPE)
 
 
 @pytest.fixture(scope="session")

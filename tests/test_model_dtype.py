@@ -8,6 +8,8 @@ import torch
 
 from fp8cache.backends.cpu import model_dtype
 
+pytestmark = pytest.mark.real_auto_dtype
+
 EPYC_ZEN4 = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vbmi"}
 XEON_AMX = {"avx512f", "avx512bw", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16"}
 AVX2_ONLY = {"avx", "avx2", "fma"}
@@ -84,3 +86,19 @@ def test_auto_is_the_faster_dtype_and_the_startup_line_says_why(monkeypatch):
     assert "float32 measured faster" in device.describe_model_dtype("auto", cpu, torch.float32)
     monkeypatch.setattr(model_dtype, "cpu_auto_dtype", lambda: model_dtype.choose(AVX2_ONLY, lambda: True))
     assert device.default_model_dtype(cpu, torch.float32) == torch.bfloat16
+
+
+@pytest.mark.slow
+def test_the_readme_question_with_this_machines_auto_dtype(default_model_path):
+    """End to end with the dtype --dtype auto picks on this machine: the README's question gets the same greedy
+    answer over an FP8 cache as over the model-dtype cache (bfloat16 logits once tied its first token)."""
+    from fp8cache import LLM, SamplingParams
+
+    question = [[{"role": "user", "content": "What is the capital of France?"}]]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    answers = {}
+    for cache in ("fp8", "auto"):
+        with LLM(default_model_path, kv_cache_dtype=cache, device="cpu") as llm:
+            assert llm.engine.runner.dtype == model_dtype.cpu_auto_dtype().dtype
+            answers[cache] = llm.chat(question, params, use_tqdm=False)[0].outputs[0].text
+    assert answers["fp8"] == answers["auto"] and "Paris" in answers["fp8"]
