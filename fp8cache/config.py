@@ -11,7 +11,7 @@ DEFAULT_KV_RECENT_WINDOW = 32
 class EngineConfig:
     model: str | None = None  # None: the embedded default model (docs/design.md section 6)
     tokenizer: str | None = None  # None: same folder as the model
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: float32 on CPU, the checkpoint's on GPU)
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: the faster of float32 and bfloat16 on a CPU, the checkpoint's 16-bit dtype on a GPU)
     kv_cache_dtype: str = "auto"
     quantization_param_path: str | None = None
     calculate_kv_scales: bool = False

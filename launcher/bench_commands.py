@@ -167,7 +167,7 @@ _DTYPE_OPT = click.option("--kv-cache-dtype", "kv_cache_dtypes", multiple=True, 
                           help="Cache dtypes to measure side by side: repeat the option or give a comma list.")
 _MODEL_DTYPE_OPT = click.option("--dtype", default="auto", show_default=True,
                                 type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
-                                help="Model dtype (auto: float32 on CPU, the checkpoint's 16-bit dtype on a GPU).")
+                                help="Model dtype (auto: on a CPU the faster of float32 and bfloat16 there, on a GPU the checkpoint's 16-bit dtype).")
 _THREADS_OPT = click.option("--threads", default=None, type=click.IntRange(1),
                             help="torch threads for every engine in the run (default: torch's own choice). "
                                  "On a busy machine fewer threads than cores avoids oversubscription.")

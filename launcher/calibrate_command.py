@@ -44,7 +44,7 @@ console = Console(stderr=True)
 @click.option("--write-checkpoint", metavar="DIR", type=click.Path(file_okay=False),
               help="Also write a copy of the model carrying k_scale/v_scale tensors and kv_cache_torch_dtype.")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
-              help="Dtype the model runs in (auto: float32 on CPU).")
+              help="Dtype the model runs in (auto: as fp8kv run picks it).")
 @click.option("--device", default="auto", show_default=True,
               help="auto (the first GPU if torch sees one, else the CPU), cpu, cuda or cuda:N.")
 @click.option("--tokenizer", metavar="PATH", help="Tokenizer folder, if not the model's.")

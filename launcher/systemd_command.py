@@ -96,7 +96,7 @@ def _under_tmp(paths: list[str | None]) -> str | None:
 
 def _memory_max(kv_cache_memory: str | None, model: str | None) -> int | None:
     """MemoryMax= for a CPU unit when the KV budget is given: KV budget + twice the weights on disk (a 16-bit
-    checkpoint runs in float32 on the CPU) + MEMORY_HEADROOM. None when the budget or the weights are unknown."""
+    checkpoint runs in float32 on a CPU without native bfloat16) + MEMORY_HEADROOM. None when the budget or the weights are unknown."""
     if kv_cache_memory is None or model is None or not os.path.isdir(model):
         return None
     from fp8cache.kvcache.sizing import parse_memory_size

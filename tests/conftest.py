@@ -9,6 +9,12 @@ from fp8cache.backends.cpu import model_dtype
 
 MACHINES_AUTO_DTYPE = model_dtype.cpu_auto_dtype  # before the tests pin it (cpu_auto_dtype_is_float32)
 
+
+def machines_auto_dtype() -> str:
+    """What --dtype auto is on this CPU outside the tests' pin: for an in-process reference of a server or
+    command run in a child process, which sees the machine's own choice."""
+    return str(MACHINES_AUTO_DTYPE().dtype).removeprefix("torch.")
+
 TINY_WORDS = ["the", "a", "of", "to", "and", "in", "is", "was", "it", "for", "on", "that", "with", "as", "by",
               "at", "from", "his", "her", "they", "be", "this", "an", "are", "not", "or", "which", "one",
               "have", "had", "has", "were", "but", "all", "more", "first", "new", "when", "after", "two",

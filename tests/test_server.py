@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from conftest import machines_auto_dtype
 from prometheus_client.parser import text_string_to_metric_families
 from server_process import ServerProcess, fp8kv_command, wait_idle
 
@@ -59,8 +60,9 @@ class ThreadedLLM:
 def reference(default_model_path):
     from fp8cache import LLM
 
+    # the server (a child process) runs --dtype auto as this machine picks it; so does its reference
     llm = ThreadedLLM(LLM(model=default_model_path, kv_cache_dtype="fp8", kv_cache_memory=KV_CACHE_MEMORY,
-                          max_model_len=MAX_MODEL_LEN, log=lambda msg: None))
+                          max_model_len=MAX_MODEL_LEN, dtype=machines_auto_dtype(), log=lambda msg: None))
     yield llm
     llm.pool.shutdown()
 

@@ -71,7 +71,7 @@ def serve_and_compare(model: str, num_shard: int, kv_cache_dtype: str, prompts: 
     """Serve with num_shard ranks, compare greedy tokens with one process, then stop the launcher with
     SIGTERM (stop="sigterm") or by killing the last rank (stop="kill") and check how everything ended."""
     args = [model, "--num-shard", str(num_shard), "--kv-cache-dtype", kv_cache_dtype, "--kv-cache-memory",
-            "16MiB", "--no-access-log"] + (["--quantization-param-path", scales] if scales else [])
+            "16MiB", "--no-access-log", "--dtype", "float32"] + (["--quantization-param-path", scales] if scales else [])
     server = ServerProcess(args, str(tmp_path / "server.log"), env=RANK_ENV)
     try:
         got = served_tokens(server, prompts)
@@ -145,7 +145,7 @@ from fp8cache.model.runner import ModelRunner
 model, kv_cache_dtype, scales, size, out, batches = sys.argv[1:7]
 BATCHES = json.loads(batches)
 config = EngineConfig(model=model, kv_cache_dtype=kv_cache_dtype, quantization_param_path=scales or None,
-                      kv_cache_memory="8MiB", tensor_parallel_size=int(size), kv_recent_window=0)
+                      kv_cache_memory="8MiB", tensor_parallel_size=int(size), kv_recent_window=0, dtype="float32")
 runner = ModelRunner(config, log=lambda msg: None)
 result = {"k": [t.tolist() for t in runner._k_scales], "v": [t.tolist() for t in runner._v_scales],
           "num_kv_heads": runner.num_kv_heads, "cache_heads": runner.kv_caches[0][0].shape[1]}
@@ -172,7 +172,8 @@ def one_rank_logits(model: str, kv_cache_dtype: str, scales: str | None, monkeyp
     from fp8cache.model.runner import ModelRunner
 
     runner = ModelRunner(EngineConfig(model=model, kv_cache_dtype=kv_cache_dtype, quantization_param_path=scales,
-                                      kv_cache_memory="8MiB", kv_recent_window=0), log=lambda msg: None)
+                                      kv_cache_memory="8MiB", kv_recent_window=0, dtype="float32"),
+                         log=lambda msg: None)
     return [runner.execute(StepBatch(*b[:3], [SeqChunk(*b[3])])) for b in BATCHES]
 
 

@@ -73,8 +73,8 @@ def safetensors_files(path: str) -> list[str]:
 
 def resolve_dtype(name: str, device: str | torch.device = "cpu",
                   checkpoint_dtype: torch.dtype | None = None) -> torch.dtype:
-    """Model dtype for config.dtype: auto is float32 on CPU, the checkpoint's 16-bit dtype on a GPU
-    (fp8cache.device.default_model_dtype)."""
+    """Model dtype for config.dtype: auto is the faster of float32 and bfloat16 on a CPU, the checkpoint's
+    16-bit dtype on a GPU (fp8cache.device.default_model_dtype)."""
     if name == "auto":
         return default_model_dtype(resolve_device(device), checkpoint_dtype)
     if name not in DTYPES:

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from fp8cache.config import EngineConfig
+from fp8cache.device import resolve_device
 from fp8cache.distributed import parallel_state
 from fp8cache.distributed import worker as step_channel
 from fp8cache.distributed.group import TensorParallelGroup
 from fp8cache.distributed.sharding import check_divisible
-from fp8cache.model.loader import load_model, resolve_model_path
+from fp8cache.model.loader import load_model, resolve_dtype, resolve_model_path
 from fp8cache.model.runner import ModelRunner
 
 
@@ -30,7 +32,16 @@ def build_runners(configs: Sequence[EngineConfig], log: Callable[[str], None] = 
 def start_group(configs: Sequence[EngineConfig], log: Callable[[str], None] = print,
                 threads_per_rank: int | None = None) -> TensorParallelGroup:
     """This process as rank 0 of a new offline group whose ranks each build these configs' runners."""
+    configs = [with_cpu_auto_dtype_resolved(c) for c in configs]
     return TensorParallelGroup.start(configs, log, threads_per_rank, build_runners=build_runners)
+
+
+def with_cpu_auto_dtype_resolved(config: EngineConfig) -> EngineConfig:
+    """The config with a CPU's --dtype auto made concrete here, so that every rank runs the dtype rank 0 chose
+    (the choice can rest on a measurement). On a GPU auto follows the checkpoint, the same file for every rank."""
+    if config.dtype != "auto" or resolve_device(config.device).type != "cpu":
+        return config
+    return replace(config, dtype=str(resolve_dtype("auto", "cpu")).removeprefix("torch."))
 
 
 def run_worker(config: EngineConfig, log: Callable[[str], None] = print,
