@@ -29,6 +29,11 @@ def test_generate_help_says_it_applies_the_chat_template():
 
 # -- Ctrl-C while loading ------------------------------------------------------------------------------
 
+# The child's first line: Ctrl-C raises KeyboardInterrupt, as in a terminal. A test run started in the background
+# by a non-interactive shell ignores SIGINT, its children inherit that, and Python then installs no handler.
+CTRL_C_RAISES = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+
+
 COMPILERS = {"ninja", "c++", "g++", "gcc", "cc", "cc1plus", "clang", "clang++", "nvcc", "cicc", "hipcc"}
 
 
@@ -73,8 +78,8 @@ def test_ctrl_c_while_compiling_exits_130_and_ends_the_compiler(tmp_path, tiny_l
     env.update(FP8KV_CACHE_DIR=str(tmp_path / "cache"), MAX_JOBS="1", PYTHONUNBUFFERED="1",
                PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""))  # ninja of this venv
     log = tmp_path / "out.log"
-    proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", *args], cwd=REPO, env=env,
-                            stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-c", CTRL_C_RAISES + "from launcher.cli import main; main()", *args],
+                            cwd=REPO, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
     compiling: dict[int, str] = {}
     try:
         deadline = time.monotonic() + 300
@@ -158,7 +163,7 @@ main()
 def test_ctrl_c_while_calibrate_loads_exits_130(tmp_path, tiny_llama_path):
     marker = tmp_path / "loading"
     env = {k: v for k, v in os.environ.items() if not k.startswith("FP8KV_")}
-    proc = subprocess.Popen([sys.executable, "-c", SLOW_LOAD.format(marker=str(marker)), "calibrate",
+    proc = subprocess.Popen([sys.executable, "-c", CTRL_C_RAISES + SLOW_LOAD.format(marker=str(marker)), "calibrate",
                              tiny_llama_path, "-o", str(tmp_path / "scales.json")], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
