@@ -187,3 +187,25 @@ def test_gpu_kv_budget_follows_gpu_memory(model_path):
         assert runner.dtype == (torch.float32 if DEVICE == "cpu" else torch.bfloat16)
     text = "\n".join(lines)
     assert "device: " in text and "op library: " in text
+
+
+def test_bfloat16_logits_are_the_float32_sums_of_the_output_projection(model_path):
+    """A bfloat16 model's logits are not rounded to bfloat16: they equal the float32 product of its bfloat16
+    hidden states and head weight (cuBLAS's sums), on the device and through the engine's head."""
+    from fp8cache.backends.cuda import float32_logits
+
+    llm = LLM(model=model_path, device=DEVICE, dtype="bfloat16", kv_cache_memory="256MiB", log=lambda m: None)
+    head = llm.engine.runner.model.get_output_embeddings()
+    if DEVICE == "cpu":
+        assert head.float32_out
+        weight = llm.engine.runner.model.get_input_embeddings().weight
+    else:
+        assert isinstance(head, float32_logits.Float32Logits)
+        weight = head.head.weight
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(4, weight.shape[1], generator=generator).bfloat16().to(weight.device)
+    got = head(hidden)
+    want = hidden.float() @ weight.float().t()
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
+    assert not torch.equal(got, got.bfloat16().float())  # not rounded to bfloat16

@@ -148,3 +148,24 @@ def test_stand_in_catches_a_cpu_tensor_meeting_a_device_tensor():
     with fake_gpu(), pytest.raises(RuntimeError, match="device"):
         table = torch.zeros(4, dtype=torch.long, device="meta")
         _ = table[torch.arange(2) % 4] * 16 + torch.arange(2)
+
+
+def test_a_16_bit_model_gives_float32_logits_on_the_gpu(tiny_path):
+    """Its output projection keeps cuBLAS's float32 sums (torch.mm's out_dtype) instead of rounding the logits to
+    bfloat16, in eager steps and inside the decode graphs alike (the head is a module of the model)."""
+    from fp8cache.backends.cuda import float32_logits
+
+    with fake_gpu():
+        engine = _engine(tiny_path)
+        runner = engine.runner
+        head = runner.model.get_output_embeddings()
+        assert isinstance(head, float32_logits.Float32Logits)
+        assert head.head.weight is runner.model.get_input_embeddings().weight or not runner.hf_config.tie_word_embeddings
+        hidden = torch.zeros(3, 5, runner.hf_config.hidden_size, dtype=torch.bfloat16, device="meta")
+        logits = head(hidden)
+        assert logits.dtype == torch.float32 and logits.shape == (3, 5, runner.hf_config.vocab_size)
+        engine.add_request("a", [4, 5, 6], SamplingParams(max_tokens=3, ignore_eos=True, temperature=0, logprobs=2))
+        _run(engine)
+    with fake_gpu():  # a float32 model's head is left as it is
+        engine = _engine(tiny_path, dtype="float32")
+        assert type(engine.runner.model.get_output_embeddings()) is torch.nn.Linear

@@ -11,7 +11,7 @@ import torch
 
 from fp8cache import ops
 from fp8cache.backends.cpu import fused_layer, malloc_tuning, packed_linear
-from fp8cache.backends.cuda import cuda_graph, gpu_errors
+from fp8cache.backends.cuda import cuda_graph, float32_logits, gpu_errors
 from fp8cache.config import DEFAULT_KV_RECENT_WINDOW, EngineConfig
 from fp8cache.device import describe as describe_device
 from fp8cache.device import describe_model_dtype, resolve_device
@@ -63,6 +63,12 @@ class ModelRunner:
             log(f"{packed} linear layers packed for {'fp8kv panels' if panels else 'oneDNN'}")
         if self.device.type == "cpu":
             malloc_tuning.keep_freed_memory_mapped()
+        else:
+            float32_logits.install(self.model, self.device)
+        head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
+        if self.dtype != torch.float32 and (getattr(head, "float32_out", False)
+                                            or isinstance(head, float32_logits.Float32Logits)):
+            log("logits in float32: the output projection's sums are not rounded to the model dtype")
         attention.install(self.model)
         # Projecting only the positions we need onto the vocabulary saves most of a prefill's lm_head work.
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
