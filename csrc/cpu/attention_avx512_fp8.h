@@ -202,13 +202,18 @@ using Bf16Dot = FloatDot<kFormat>;
 // vectors into four independent chains, enough to hide the FMA / dot-product latency with one head.
 constexpr int kFp8Sets = 4;
 
+// The sum of kSets (2 or 4) accumulators, pairwise.
+template <int kSets = kFp8Sets>
 FP8KV_INLINE __m512 sum_sets(const __m512* a) {
-  return _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
+  static_assert(kSets == 2 || kSets == 4);
+  if constexpr (kSets == 2) return _mm512_add_ps(a[0], a[1]);
+  else return _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
 }
 
-template <typename Dot>
+// The accumulator of part j of a step of this parity, among kSets.
+template <typename Dot, int kSets = kFp8Sets>
 constexpr int fp8_set(int parity, int j) {
-  return (parity * Dot::kParts + j) % kFp8Sets;
+  return (parity * Dot::kParts + j) % kSets;
 }
 
 // qb: [head_size / 16][kG][kParts][16]: the operands of group g for head h (Dot::operands of
@@ -256,7 +261,7 @@ void qk_fp8(const PartitionWork& w, const View<uint8_t>& view, const float* qb, 
         for (int h = 0; h < kG; ++h) {
 #pragma GCC unroll 4
           for (int j = 0; j < Dot::kParts; ++j) {
-            const int set = (decltype(parity)::value * Dot::kParts + j) % kSets;
+            const int set = fp8_set<Dot, kSets>(decltype(parity)::value, j);
             for (int u = 0; u < kQuads; ++u) acc[u][h][set] = Dot::madd(z[u][j], qg + h * kOps + 16 * j, acc[u][h][set]);
           }
         }
@@ -277,9 +282,7 @@ void qk_fp8(const PartitionWork& w, const View<uint8_t>& view, const float* qb, 
         v_ahead.lines(kQuads * v_ahead.heads);
       }
       for (int u = 0; u < kQuads; ++u) {  // a quad past the end (it re-read the first) is never stored below
-        for (int h = 0; h < kG; ++h) {
-          _mm512_store_ps(quad_sums[h][qi + u], kSets == 2 ? _mm512_add_ps(acc[u][h][0], acc[u][h][1]) : sum_sets(acc[u][h]));
-        }
+        for (int h = 0; h < kG; ++h) _mm512_store_ps(quad_sums[h][qi + u], sum_sets<kSets>(acc[u][h]));
       }
     }
     const int n = std::min(16, w.end - ts);

@@ -66,8 +66,7 @@ class ModelRunner:
         else:
             float32_logits.install(self.model, self.device)
         head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
-        if self.dtype != torch.float32 and (getattr(head, "float32_out", False)
-                                            or isinstance(head, float32_logits.Float32Logits)):
+        if getattr(head, "float32_out", False):  # only ever set on a 16-bit model's head
             log("logits in float32: the output projection's sums are not rounded to the model dtype")
         attention.install(self.model)
         # Projecting only the positions we need onto the vocabulary saves most of a prefill's lm_head work.

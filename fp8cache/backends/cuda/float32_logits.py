@@ -17,6 +17,8 @@ class Float32Logits(nn.Module):
     """The output projection `head` (an nn.Linear, kept as a submodule: its weight may be tied to the input
     embeddings) with float32 output."""
 
+    float32_out = True  # as a CPU head with float32 output says it (packed_linear.PackedLinear)
+
     def __init__(self, head: nn.Linear) -> None:
         super().__init__()
         self.head = head
