@@ -1,10 +1,10 @@
 // The AVX-512 partition kernel over FP8 caches (qk_fp8 / pv_fp8): two VBMI byte-table lookups give each
 // code's float bits exactly (NaN, inf and subnormals included), byte/word unpacks spread them into floats
-// with 4-lane partial sums, and reduce4 finishes four runs at once. Q.K runs one 4-token quad through all head
-// dims, P.V one 4-row quad through all tiles, each with a few accumulators per head so nothing spills;
+// with 4-lane partial sums, and reduce4 finishes four runs at once. Q.K runs 4-token quads through all head
+// dims, P.V 4-row quads through all tiles, with a few accumulators per head and quad so nothing spills;
 // operands sit at constant offsets from one pointer. With a bfloat16 query and AVX512-BF16, the decoded
 // bfloat16 words go straight into dot-product instructions (Bf16Dot): half the multiply instructions and
-// operand loads of the float path, and no widening. The next head's K goes to L2 during Q.K and its V during
+// operand loads of the float path, and no widening; four quads then share each operand load. The next head's K goes to L2 during Q.K and its V during
 // P.V (SlabPrefetcher), so memory is busy in both passes.
 #pragma once
 
@@ -156,9 +156,11 @@ struct SlabPrefetcher {
 //   and the FP8 values are bfloat16, so each product is exact in float32 and Q.K loses nothing; the
 //   probabilities are rounded to bfloat16 for P.V, as vLLM's GPU kernels round them to the model dtype.
 // Operand layout: kParts vectors of 16 floats' width, part j is the operand of z[j].
+// kQuads: 64-code vectors (quads) decoded per step, each operand load feeding that many products.
 template <KVFormat kFormat>
 struct FloatDot {
   static constexpr int kParts = 4;
+  static constexpr int kQuads = 1;  // its four parts per quad already fill the registers (two measured slower)
   using Part = __m512;
   static FP8KV_INLINE void decode(const Fp8Lanes<kFormat>& c, __m512i codes, Part* z) { c.decode_lanes(codes, z); }
   static FP8KV_INLINE __m512 madd(Part z, const float* operand, __m512 acc) {
@@ -176,6 +178,7 @@ struct FloatDot {
 template <KVFormat kFormat>
 struct Bf16Dot {
   static constexpr int kParts = 2;
+  static constexpr int kQuads = 4;
   using Part = __m512i;
   static FP8KV_INLINE void decode(const Fp8Lanes<kFormat>& c, __m512i codes, Part* z) {
     c.decode_words(codes, z[0], z[1]);
@@ -198,41 +201,46 @@ template <KVFormat kFormat>
 using Bf16Dot = FloatDot<kFormat>;
 #endif
 
-// Accumulators per head in the FP8 kernels: two consecutive steps (groups or tiles) feed their z
-// vectors into four independent chains, enough to hide the FMA / dot-product latency with one head.
-constexpr int kFp8Sets = 4;
+// Accumulators per head and quad in the FP8 kernels (sets): enough independent chains to hide the FMA /
+// dot-product latency (on Zen 5: 6 cycles, 2 a cycle, so 12 chains) without spilling. FloatDot: two
+// consecutive steps (groups or tiles) feed their z vectors into four sets, for one head. Bf16Dot (four quads
+// a step): one set from three heads up (4 quads x 3 heads = 12 chains), two below.
+template <typename Dot, int kG>
+constexpr int fp8_sets() {
+  if constexpr (Dot::kQuads == 1) return 4;
+  else return kG >= 3 ? 1 : 2;
+}
 
-// The sum of kSets (2 or 4) accumulators, pairwise.
-template <int kSets = kFp8Sets>
+// The sum of kSets (1, 2 or 4) accumulators, pairwise.
+template <int kSets>
 FP8KV_INLINE __m512 sum_sets(const __m512* a) {
-  static_assert(kSets == 2 || kSets == 4);
-  if constexpr (kSets == 2) return _mm512_add_ps(a[0], a[1]);
+  static_assert(kSets == 1 || kSets == 2 || kSets == 4);
+  if constexpr (kSets == 1) return a[0];
+  else if constexpr (kSets == 2) return _mm512_add_ps(a[0], a[1]);
   else return _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
 }
 
 // The accumulator of part j of a step of this parity, among kSets.
-template <typename Dot, int kSets = kFp8Sets>
+template <typename Dot, int kSets>
 constexpr int fp8_set(int parity, int j) {
   return (parity * Dot::kParts + j) % kSets;
 }
 
 // qb: [head_size / 16][kG][kParts][16]: the operands of group g for head h (Dot::operands of
 // q[h][16g .. 16g + 15]), at constant offsets from group g's row. Logits are the sums times qk_scale.
-// One quad (4 tokens) runs through all its head dims with kG * kFp8Sets accumulators, few enough to stay in
-// registers (with Bf16Dot two quads at a time, 2 kG accumulators each); four quads' sums then finish together
-// in reduce4.
+// Dot::kQuads quads (4 tokens each) run through all their head dims together, each with kG * kSets
+// accumulators, few enough to stay in registers; four quads' sums then finish together in reduce4.
 template <typename Dot, KVFormat kFormat, int kG>
 void qk_fp8(const PartitionWork& w, const View<uint8_t>& view, const float* qb, const float* alibi,
             float* logits, int logit_stride, SlabPrefetcher k_ahead, SlabPrefetcher v_ahead) {
   const Fp8Lanes<kFormat> codec;
   constexpr int kAhead = 32;  // tokens between a K prefetch and its use
   constexpr int kOps = Dot::kParts * 16;  // floats of one head's operands per group
-  // Bf16Dot: two quads at a time, so each operand load feeds both, and one accumulator per head and part:
-  // 4 kG independent dot-product chains (one per head and quad kept a group of 3 heads waiting on the
-  // instruction's latency: 1.16 -> 1.02-1.06 ms at the default model's shapes, 8 x 8192). FloatDot keeps one
-  // quad: its four parts per quad already fill the registers (two quads measured slower).
-  constexpr int kQuads = Dot::kParts == 2 ? 2 : 1;
-  constexpr int kSets = kQuads == 2 ? 2 : kFp8Sets;
+  // Bf16Dot: a whole tile (four quads) a pass, so each operand load feeds four products and the chains
+  // restart once a tile, not once per two quads: on Zen 5, one core, L2-resident, 512 tokens, d128, 4 heads,
+  // 2.33 us over two quads at a time, 1.56 us over four.
+  constexpr int kQuads = Dot::kQuads;
+  constexpr int kSets = fp8_sets<Dot, kG>();
   const int D = w.head_size, bs = w.block_size, groups = D / 16;
   const int bs_shift = __builtin_ctz(bs);
   const int64_t group_stride = 16 * static_cast<int64_t>(bs);
@@ -299,8 +307,10 @@ void qk_fp8(const PartitionWork& w, const View<uint8_t>& view, const float* qb, 
 }
 
 // out[h][d] = norm[h] * sum over the partition of probs[h][t] * V[t][d]. Tiles of 16 tokens gathered
-// into 64 bytes = rows r..r+3 x 16 tokens; one such row quad runs through all tiles with
-// kG * kFp8Sets accumulators, and four row quads (16 rows) finish together in reduce4.
+// into 64 bytes = rows r..r+3 x 16 tokens; Dot::kQuads such row quads run through all tiles together, each
+// with kG * kSets accumulators, and four row quads (16 rows) finish together in reduce4. With Bf16Dot all four
+// go at once, so each probability operand is loaded once per four products (one row quad a pass: 2.06 us
+// on the Q.K note's case, four: 1.30 us).
 template <typename Dot, KVFormat kFormat, int kG, int kBs>
 void pv_fp8(const PartitionWork& w, const View<uint8_t>& view, const float* probs, int prob_stride,
             const float* norm, float* out, float* prob_ops, SlabPrefetcher v_ahead) {
@@ -335,26 +345,29 @@ void pv_fp8(const PartitionWork& w, const View<uint8_t>& view, const float* prob
     for (int h = 0; h < kG; ++h) Dot::operands(probs + h * prob_stride + 16 * i, prob_ops + (i * kG + h) * kOps);
   }
   alignas(64) float row_sums[kG][4][16];  // [head][row quad]: 4-lane partial sums
+  constexpr int kQuads = Dot::kQuads;
+  constexpr int kSets = fp8_sets<Dot, kG>();
   for (int d0 = 0; d0 < D; d0 += 16) {
-    for (int rq = 0; rq < 4; ++rq) {
-      const int r = d0 + 4 * rq;
-      __m512 acc[kG][kFp8Sets];
-      for (int h = 0; h < kG; ++h) {
-        for (int s = 0; s < kFp8Sets; ++s) acc[h][s] = _mm512_setzero_ps();
+    for (int rq0 = 0; rq0 < 4; rq0 += kQuads) {
+      __m512 acc[kQuads][kG][kSets];
+      for (int u = 0; u < kQuads; ++u) {
+        for (int h = 0; h < kG; ++h) {
+          for (int s = 0; s < kSets; ++s) acc[u][h][s] = _mm512_setzero_ps();
+        }
       }
-      auto add = [&](auto parity, const typename Dot::Part* z, const float* ph) {
+      auto add = [&](auto parity, typename Dot::Part (*z)[Dot::kParts], const float* ph) {
 #pragma GCC unroll 4
         for (int h = 0; h < kG; ++h) {
 #pragma GCC unroll 4
           for (int j = 0; j < Dot::kParts; ++j) {
-            __m512& a = acc[h][fp8_set<Dot>(decltype(parity)::value, j)];
-            a = Dot::madd(z[j], ph + h * kOps + 16 * j, a);
+            const int set = fp8_set<Dot, kSets>(decltype(parity)::value, j);
+            for (int u = 0; u < kQuads; ++u) acc[u][h][set] = Dot::madd(z[u][j], ph + h * kOps + 16 * j, acc[u][h][set]);
           }
         }
       };
       auto tile = [&](auto parity, int i) {
-        typename Dot::Part z[Dot::kParts];
-        Dot::decode(codec, gather(i, r), z);
+        typename Dot::Part z[kQuads][Dot::kParts];
+        for (int u = 0; u < kQuads; ++u) Dot::decode(codec, gather(i, d0 + 4 * (rq0 + u)), z[u]);
         add(parity, z, prob_ops + i * kG * kOps);
       };
       int i = 0;
@@ -363,18 +376,20 @@ void pv_fp8(const PartitionWork& w, const View<uint8_t>& view, const float* prob
         tile(std::integral_constant<int, 1>{}, i + 1);
         tile(std::integral_constant<int, 0>{}, i + 2);
         tile(std::integral_constant<int, 1>{}, i + 3);
-        v_ahead.lines(4 * v_ahead.heads);  // as many lines per head as these tiles read
+        v_ahead.lines(4 * kQuads * v_ahead.heads);  // as many lines per head as these tiles read
       }
       for (; i < full_tiles; ++i) tile(std::integral_constant<int, 0>{}, i);
-      v_ahead.lines((tiles - full_tiles / 4 * 4) * v_ahead.heads);
+      v_ahead.lines((tiles - full_tiles / 4 * 4) * kQuads * v_ahead.heads);
       if (full_tiles < tiles) {  // stale slots past the sequence may hold anything, even NaN: zero them
-        typename Dot::Part z[Dot::kParts];
-        Dot::decode(codec, gather(full_tiles, r), z);
-        for (int j = 0; j < Dot::kParts; ++j) z[j] = Dot::keep_tokens(z[j], j, tail);
+        typename Dot::Part z[kQuads][Dot::kParts];
+        for (int u = 0; u < kQuads; ++u) {
+          Dot::decode(codec, gather(full_tiles, d0 + 4 * (rq0 + u)), z[u]);
+          for (int j = 0; j < Dot::kParts; ++j) z[u][j] = Dot::keep_tokens(z[u][j], j, tail);
+        }
         add(std::integral_constant<int, 1>{}, z, prob_ops + full_tiles * kG * kOps);
       }
-      for (int h = 0; h < kG; ++h) {
-        _mm512_store_ps(row_sums[h][rq], sum_sets(acc[h]));
+      for (int u = 0; u < kQuads; ++u) {
+        for (int h = 0; h < kG; ++h) _mm512_store_ps(row_sums[h][rq0 + u], sum_sets<kSets>(acc[u][h]));
       }
     }
     for (int h = 0; h < kG; ++h) {
