@@ -26,6 +26,8 @@
 #include "dispatch.h"
 #if defined(FP8KV_ISA_AVX512)
 #include "cpu/attention_avx512.h"
+#elif defined(FP8KV_ISA_AVX2)
+#include "cpu/attention_avx2.h"
 #endif
 
 namespace fp8kv::cpu {
@@ -35,6 +37,10 @@ template <typename cache_t, KVFormat kFormat, bool kBf16Query = false>
 void run_partition(const PartitionWork& w) {
 #if defined(FP8KV_ISA_AVX512)
   if (avx512::supports(w)) return avx512::run_partition<cache_t, kFormat, kBf16Query>(w);
+#elif defined(FP8KV_ISA_AVX2)
+  if constexpr (kFormat != KVFormat::AUTO) {
+    if (avx2::supports(w)) return avx2::run_partition<kFormat>(w);
+  }
 #endif
   generic::run_partition<cache_t, kFormat>(w);
 }

@@ -1,6 +1,7 @@
 // Portable partition kernel: decodes one K row / V row at a time into a small float buffer (the cache is
-// never copied), then plain dot products. The scalar build uses it everywhere; AVX2 builds use it with
-// AVX2/F16C decoding and FMA dot products; the AVX-512 build falls back to it for unusual geometries.
+// never copied), then plain dot products. The scalar build uses it everywhere; AVX2 builds use it (with
+// F16C decoding and FMA dot products) for model-dtype caches and unusual geometries, and the AVX-512 build
+// for unusual geometries.
 #pragma once
 
 #include <algorithm>
@@ -10,6 +11,7 @@
 
 #include "common/fp8.h"
 #include "cpu/attention_kernel.h"
+#include "cpu/fp8_f16c.h"
 #include "cpu/isa.h"
 #include "dispatch.h"
 
@@ -25,26 +27,10 @@ FP8KV_INLINE float to_float(cache_t v) {
 }
 
 #if defined(FP8KV_ISA_AVX2) || defined(FP8KV_ISA_AVX512)
-// 8 FP8 codes -> 8 exact floats: the bits become an fp16 (see fp8_to_half_bits), NaN codes are patched.
+// 8 FP8 codes -> 8 exact floats.
 template <KVFormat kFormat>
 FP8KV_INLINE __m256 fp8x8_to_float(const uint8_t* src) {
-  constexpr Fp8Format F = fp8_format_of(kFormat);
-  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src));
-  __m128i h;
-  if constexpr (F == Fp8Format::E5M2) {
-    h = _mm_slli_epi16(_mm_cvtepu8_epi16(b), 8);
-  } else {
-    h = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(b), 7), _mm_set1_epi16(static_cast<short>(0xBFFF)));
-    __m128i nan;
-    if constexpr (F == Fp8Format::E4M3FN) {
-      const __m128i m = _mm_set1_epi16(0x3F80);
-      nan = _mm_cmpeq_epi16(_mm_and_si128(h, m), m);
-    } else {
-      nan = _mm_cmpeq_epi16(h, _mm_set1_epi16(static_cast<short>(0x8000)));
-    }
-    h = _mm_blendv_epi8(h, _mm_set1_epi16(0x7E00), nan);
-  }
-  return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(Fp8Traits<F>::kHalfRescale));
+  return _mm256_mul_ps(fp8x8_scaled_floats<kFormat>(src), _mm256_set1_ps(Fp8Traits<fp8_format_of(kFormat)>::kHalfRescale));
 }
 #endif
 
