@@ -153,8 +153,9 @@ void pv_heads(const PartitionWork& w, const uint8_t* vcache, int64_t block_elems
         }
 #pragma GCC unroll 4
         for (int h = 0; h < kG; ++h) {
-          acc[h][r][set] = _mm256_fmadd_ps(v0, _mm256_loadu_ps(p + h * stride), acc[h][r][set]);
-          if constexpr (kTile == 16) acc[h][r][1] = _mm256_fmadd_ps(v1, _mm256_loadu_ps(p + h * stride + 8), acc[h][r][1]);
+          const float* ph = p + h * stride;
+          acc[h][r][set] = _mm256_fmadd_ps(v0, _mm256_loadu_ps(ph), acc[h][r][set]);
+          if constexpr (kTile == 16) acc[h][r][1] = _mm256_fmadd_ps(v1, _mm256_loadu_ps(ph + 8), acc[h][r][1]);
         }
       }
     };

@@ -4,8 +4,8 @@
 // dims, P.V 4-row quads through all tiles, with a few accumulators per head and quad so nothing spills;
 // operands sit at constant offsets from one pointer. With a bfloat16 query and AVX512-BF16, the decoded
 // bfloat16 words go straight into dot-product instructions (Bf16Dot): half the multiply instructions and
-// operand loads of the float path, and no widening; four quads then share each operand load. The next head's K goes to L2 during Q.K and its V during
-// P.V (SlabPrefetcher), so memory is busy in both passes.
+// operand loads of the float path, and no widening; four quads then share each operand load. The next
+// head's K goes to L2 during Q.K and its V during P.V (SlabPrefetcher), so memory is busy in both passes.
 #pragma once
 
 #include "cpu/attention_avx512_common.h"
@@ -270,7 +270,8 @@ void qk_fp8(const PartitionWork& w, const View<uint8_t>& view, const float* qb, 
 #pragma GCC unroll 4
           for (int j = 0; j < Dot::kParts; ++j) {
             const int set = fp8_set<Dot, kSets>(decltype(parity)::value, j);
-            for (int u = 0; u < kQuads; ++u) acc[u][h][set] = Dot::madd(z[u][j], qg + h * kOps + 16 * j, acc[u][h][set]);
+            const float* operand = qg + h * kOps + 16 * j;
+            for (int u = 0; u < kQuads; ++u) acc[u][h][set] = Dot::madd(z[u][j], operand, acc[u][h][set]);
           }
         }
         for (int u = 0; u < kQuads; ++u) p[u] += group_stride;
@@ -361,7 +362,8 @@ void pv_fp8(const PartitionWork& w, const View<uint8_t>& view, const float* prob
 #pragma GCC unroll 4
           for (int j = 0; j < Dot::kParts; ++j) {
             const int set = fp8_set<Dot, kSets>(decltype(parity)::value, j);
-            for (int u = 0; u < kQuads; ++u) acc[u][h][set] = Dot::madd(z[u][j], ph + h * kOps + 16 * j, acc[u][h][set]);
+            const float* operand = ph + h * kOps + 16 * j;
+            for (int u = 0; u < kQuads; ++u) acc[u][h][set] = Dot::madd(z[u][j], operand, acc[u][h][set]);
           }
         }
       };

@@ -30,7 +30,8 @@ FP8KV_INLINE float to_float(cache_t v) {
 // 8 FP8 codes -> 8 exact floats.
 template <KVFormat kFormat>
 FP8KV_INLINE __m256 fp8x8_to_float(const uint8_t* src) {
-  return _mm256_mul_ps(fp8x8_scaled_floats<kFormat>(src), _mm256_set1_ps(Fp8Traits<fp8_format_of(kFormat)>::kHalfRescale));
+  constexpr float kRescale = Fp8Traits<fp8_format_of(kFormat)>::kHalfRescale;
+  return _mm256_mul_ps(fp8x8_scaled_floats<kFormat>(src), _mm256_set1_ps(kRescale));
 }
 #endif
 

@@ -9,6 +9,9 @@
 #if defined(FP8KV_ISA_AVX2) || defined(FP8KV_ISA_AVX512)
 #include <immintrin.h>
 
+#include <cstdint>
+#include <type_traits>
+
 #include "common/fp8.h"
 #include "dispatch.h"
 
@@ -27,13 +30,15 @@ FP8KV_INLINE vec fp8_half_bits(__m128i codes) {
     // Sign-extending then shifting by 7 puts the sign at bit 15 and a copy at bit 14, which the mask clears.
     vec h, nan;
     if constexpr (k256) {
-      h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(codes), 7), _mm256_set1_epi16(static_cast<short>(0xBFFF)));
+      h = _mm256_slli_epi16(_mm256_cvtepi8_epi16(codes), 7);
+      h = _mm256_and_si256(h, _mm256_set1_epi16(static_cast<short>(0xBFFF)));
       nan = F == Fp8Format::E4M3FN
                 ? _mm256_cmpeq_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x3F80)), _mm256_set1_epi16(0x3F80))
                 : _mm256_cmpeq_epi16(h, _mm256_set1_epi16(static_cast<short>(0x8000)));
       return _mm256_blendv_epi8(h, _mm256_set1_epi16(0x7E00), nan);
     } else {
-      h = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(codes), 7), _mm_set1_epi16(static_cast<short>(0xBFFF)));
+      h = _mm_slli_epi16(_mm_cvtepi8_epi16(codes), 7);
+      h = _mm_and_si128(h, _mm_set1_epi16(static_cast<short>(0xBFFF)));
       nan = F == Fp8Format::E4M3FN ? _mm_cmpeq_epi16(_mm_and_si128(h, _mm_set1_epi16(0x3F80)), _mm_set1_epi16(0x3F80))
                                    : _mm_cmpeq_epi16(h, _mm_set1_epi16(static_cast<short>(0x8000)));
       return _mm_blendv_epi8(h, _mm_set1_epi16(0x7E00), nan);
