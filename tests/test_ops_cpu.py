@@ -279,15 +279,6 @@ def test_bf16_queries_take_the_dot_product_path(ops):
         assert torch.equal(got, want)
 
 
-SMOKE = [CASES[0], CASES[1], CASES[2], CASES[5], CASES[13]]
-
-
-@pytest.mark.parametrize("case", SMOKE, ids=Case.id)
-def test_smoke(ops, case):
-    """A few cases, also run by test_other_isa_builds against the scalar / AVX2 builds."""
-    test_ops_match_reference(ops, case)
-
-
 def test_isa_is_what_was_asked_for(ops, request):
     asked = request.config.getoption("--cpu-isa") or "native"
     if asked in ("scalar", "avx2", "avx512"):
@@ -306,20 +297,17 @@ def _cpu_has(flag: str) -> bool:
 @pytest.mark.parametrize("isa", ["scalar", "avx2"])
 def test_other_isa_builds(isa):
     """The op library built for a lower CPU path (its own cache key) passes the FP8 conversion tests
-    (fp8.h's scalar encoder there, the vector one in an AVX-512 build) and the attention cases: all of them
-    (paged and window) for AVX2, whose FP8 caches have their own kernel (attention_avx2.h), the smoke cases
-    for the portable path. The library is registered per process, so this runs pytest in a child process."""
+    (fp8.h's scalar encoder there, the vector one in an AVX-512 build) and every attention case, paged and
+    window: AVX2's own FP8 kernel (attention_avx2.h) and the portable one run them all. The library is
+    registered per process, so this runs pytest in a child process."""
     if isa == "avx2" and not (_cpu_has("avx2") and _cpu_has("avx512f")):
         pytest.skip("avx2 is only a separate path on an AVX-512 machine")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    files = [str(Path(__file__)), str(Path(__file__).with_name("test_fp8_conversion.py"))]
-    if isa == "avx2":
-        selection = files + [str(Path(__file__).with_name("test_window_ops.py"))]
-    else:
-        selection = files + ["-k", "test_smoke or test_isa_is_what_was_asked_for or conversion"]
+    files = [Path(__file__), Path(__file__).with_name("test_fp8_conversion.py"),
+             Path(__file__).with_name("test_window_ops.py")]
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--cpu-isa", isa, *selection],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--cpu-isa", isa, *map(str, files)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=1800, check=False)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert " passed" in result.stdout

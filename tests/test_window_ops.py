@@ -8,16 +8,12 @@ from the wrong cache cannot hide inside the FP8 error, and every slot no token w
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
 from numerics import attention_error
-from test_ops_cpu import REPO, tolerance
+from test_ops_cpu import tolerance
 
 from fp8cache.ops import format_code
 from fp8cache.ops import reference as ref
@@ -169,32 +165,6 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> N
 def test_window_attention_matches_reference(ops, case):
     b = build(case)
     assert_close(attention(ops, case, b), attention(ref, case, b), case.dtype)
-
-
-SMOKE = [CASES[1], CASES[2], CASES[11], CASES[13]]
-
-
-@pytest.mark.parametrize("case", SMOKE, ids=WindowCase.id)
-def test_smoke(ops, case):
-    """A few cases, also run by test_other_isa_builds against the scalar / AVX2 builds."""
-    test_window_attention_matches_reference(ops, case)
-
-
-@pytest.mark.slow
-@pytest.mark.skipif("config.getoption('--cpu-isa')", reason="already inside an ISA run")
-@pytest.mark.parametrize("isa", ["scalar"])
-def test_other_isa_builds(isa):
-    """The smoke cases against the portable build (as in test_ops_cpu.py; a child process because the library
-    is registered per process), where the portable kernel runs every partition, ring runs included. The AVX2
-    build runs this whole file from test_ops_cpu.py's test_other_isa_builds."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--cpu-isa", isa, str(Path(__file__)), "-k",
-         "test_smoke"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=1800, check=False)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert f"{len(SMOKE)} passed" in result.stdout
 
 
 def test_empty_window_is_paged_attention(ops):

@@ -71,6 +71,14 @@ FP8KV_INLINE float dot(const float* a, const float* b, int n) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   sum = _mm_cvtss_f32(s);
+#else
+  // Eight running sums, as vector lanes keep them: a compiler may vectorize these (NEON, SSE) where one sum
+  // must stay in order, and rounding errors grow more slowly (logits hundreds apart tell).
+  float part[8] = {};
+  for (; i + 8 <= n; i += 8) {
+    for (int j = 0; j < 8; ++j) part[j] += a[i + j] * b[i + j];
+  }
+  sum = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
 #endif
   for (; i < n; ++i) sum += a[i] * b[i];
   return sum;
