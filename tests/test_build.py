@@ -119,11 +119,12 @@ def test_compile_holds_the_lock(monkeypatch, tmp_path: Path):
     assert result.compiled
 
 
-def test_a_second_process_reuses_the_cached_library():
+def test_a_second_process_reuses_the_cached_library(request):
     from fp8cache.ops import load
 
-    load()  # compiled or reused by this process
-    code = ("from fp8cache.ops import _build; r = _build.load_library(); "
+    isa = request.config.getoption("--cpu-isa")  # a run against a lower path's build asks the child for it too
+    load(cpu_isa=isa)  # compiled or reused by this process
+    code = (f"from fp8cache.ops import _build; r = _build.load_library(cpu_isa={isa!r}); "
             "print(r.compiled, round(r.seconds, 3), r.path)")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
