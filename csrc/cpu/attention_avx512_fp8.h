@@ -226,6 +226,39 @@ constexpr int fp8_set(int parity, int j) {
   return (parity * Dot::kParts + j) % kSets;
 }
 
+// The accumulators of one pass of qk_fp8 or pv_fp8: Dot::kQuads quads x kG heads x kSets.
+template <typename Dot, int kG>
+struct QuadAccumulators {
+  static constexpr int kQuads = Dot::kQuads, kSets = fp8_sets<Dot, kG>();
+  static constexpr int kOps = Dot::kParts * 16;  // floats of one head's operands per step
+  __m512 acc[kQuads][kG][kSets];
+
+  QuadAccumulators() {
+    for (int u = 0; u < kQuads; ++u) {
+      for (int h = 0; h < kG; ++h) {
+        for (int s = 0; s < kSets; ++s) acc[u][h][s] = _mm512_setzero_ps();
+      }
+    }
+  }
+
+  // Quad u's accumulators of head h += its z . the head's operands (at ops + h * kOps); a step of the other
+  // parity feeds the other sets.
+  template <int kParity>
+  FP8KV_INLINE void add(const typename Dot::Part (&z)[kQuads][Dot::kParts], const float* ops) {
+#pragma GCC unroll 4
+    for (int h = 0; h < kG; ++h) {
+#pragma GCC unroll 4
+      for (int j = 0; j < Dot::kParts; ++j) {
+        const int set = fp8_set<Dot, kSets>(kParity, j);
+        const float* operand = ops + h * kOps + 16 * j;
+        for (int u = 0; u < kQuads; ++u) acc[u][h][set] = Dot::madd(z[u][j], operand, acc[u][h][set]);
+      }
+    }
+  }
+
+  FP8KV_INLINE __m512 sum(int u, int h) const { return sum_sets<kSets>(acc[u][h]); }
+};
+
 // qb: [head_size / 16][kG][kParts][16]: the operands of group g for head h (Dot::operands of
 // q[h][16g .. 16g + 15]), at constant offsets from group g's row. Logits are the sums times qk_scale.
 // Dot::kQuads quads (4 tokens each) run through all their head dims together, each with kG * kSets
@@ -240,7 +273,6 @@ void qk_fp8(const PartitionWork& w, const View<uint8_t>& view, const float* qb, 
   // restart once a tile, not once per two quads: on Zen 5, one core, L2-resident, 512 tokens, d128, 4 heads,
   // 2.33 us over two quads at a time, 1.56 us over four.
   constexpr int kQuads = Dot::kQuads;
-  constexpr int kSets = fp8_sets<Dot, kG>();
   const int D = w.head_size, bs = w.block_size, groups = D / 16;
   const int bs_shift = __builtin_ctz(bs);
   const int64_t group_stride = 16 * static_cast<int64_t>(bs);
@@ -254,26 +286,13 @@ void qk_fp8(const PartitionWork& w, const View<uint8_t>& view, const float* qb, 
       const uint8_t* p[kQuads];
       for (int u = 0; u < kQuads; ++u) p[u] = t + 4 * u < w.end ? token_ptr(t + 4 * u) : token_ptr(t);
       const uint8_t* ahead = t + kAhead < w.end ? token_ptr(t + kAhead) : p[0];
-      __m512 acc[kQuads][kG][kSets];
-      for (int u = 0; u < kQuads; ++u) {
-        for (int h = 0; h < kG; ++h) {
-          for (int s = 0; s < kSets; ++s) acc[u][h][s] = _mm512_setzero_ps();
-        }
-      }
+      QuadAccumulators<Dot, kG> acc;
       const float* qg = qb;
       auto step = [&](auto parity) {  // one group of 16 head dims
         for (int u = 0; u < kQuads; ++u) _mm_prefetch(reinterpret_cast<const char*>(ahead) + 64 * u, _MM_HINT_T0);
         typename Dot::Part z[kQuads][Dot::kParts];
         for (int u = 0; u < kQuads; ++u) Dot::decode(codec, _mm512_loadu_si512(p[u]), z[u]);
-#pragma GCC unroll 4
-        for (int h = 0; h < kG; ++h) {
-#pragma GCC unroll 4
-          for (int j = 0; j < Dot::kParts; ++j) {
-            const int set = fp8_set<Dot, kSets>(decltype(parity)::value, j);
-            const float* operand = qg + h * kOps + 16 * j;
-            for (int u = 0; u < kQuads; ++u) acc[u][h][set] = Dot::madd(z[u][j], operand, acc[u][h][set]);
-          }
-        }
+        acc.template add<decltype(parity)::value>(z, qg);
         for (int u = 0; u < kQuads; ++u) p[u] += group_stride;
         ahead += group_stride;
         qg += kG * kOps;
@@ -291,7 +310,7 @@ void qk_fp8(const PartitionWork& w, const View<uint8_t>& view, const float* qb, 
         v_ahead.lines(kQuads * v_ahead.heads);
       }
       for (int u = 0; u < kQuads; ++u) {  // a quad past the end (it re-read the first) is never stored below
-        for (int h = 0; h < kG; ++h) _mm512_store_ps(quad_sums[h][qi + u], sum_sets<kSets>(acc[u][h]));
+        for (int h = 0; h < kG; ++h) _mm512_store_ps(quad_sums[h][qi + u], acc.sum(u, h));
       }
     }
     const int n = std::min(16, w.end - ts);
@@ -347,30 +366,13 @@ void pv_fp8(const PartitionWork& w, const View<uint8_t>& view, const float* prob
   }
   alignas(64) float row_sums[kG][4][16];  // [head][row quad]: 4-lane partial sums
   constexpr int kQuads = Dot::kQuads;
-  constexpr int kSets = fp8_sets<Dot, kG>();
   for (int d0 = 0; d0 < D; d0 += 16) {
     for (int rq0 = 0; rq0 < 4; rq0 += kQuads) {
-      __m512 acc[kQuads][kG][kSets];
-      for (int u = 0; u < kQuads; ++u) {
-        for (int h = 0; h < kG; ++h) {
-          for (int s = 0; s < kSets; ++s) acc[u][h][s] = _mm512_setzero_ps();
-        }
-      }
-      auto add = [&](auto parity, typename Dot::Part (*z)[Dot::kParts], const float* ph) {
-#pragma GCC unroll 4
-        for (int h = 0; h < kG; ++h) {
-#pragma GCC unroll 4
-          for (int j = 0; j < Dot::kParts; ++j) {
-            const int set = fp8_set<Dot, kSets>(decltype(parity)::value, j);
-            const float* operand = ph + h * kOps + 16 * j;
-            for (int u = 0; u < kQuads; ++u) acc[u][h][set] = Dot::madd(z[u][j], operand, acc[u][h][set]);
-          }
-        }
-      };
+      QuadAccumulators<Dot, kG> acc;
       auto tile = [&](auto parity, int i) {
         typename Dot::Part z[kQuads][Dot::kParts];
         for (int u = 0; u < kQuads; ++u) Dot::decode(codec, gather(i, d0 + 4 * (rq0 + u)), z[u]);
-        add(parity, z, prob_ops + i * kG * kOps);
+        acc.template add<decltype(parity)::value>(z, prob_ops + i * kG * kOps);
       };
       int i = 0;
       for (; i + 4 <= full_tiles; i += 4) {
@@ -388,10 +390,10 @@ void pv_fp8(const PartitionWork& w, const View<uint8_t>& view, const float* prob
           Dot::decode(codec, gather(full_tiles, d0 + 4 * (rq0 + u)), z[u]);
           for (int j = 0; j < Dot::kParts; ++j) z[u][j] = Dot::keep_tokens(z[u][j], j, tail);
         }
-        add(std::integral_constant<int, 1>{}, z, prob_ops + full_tiles * kG * kOps);
+        acc.template add<1>(z, prob_ops + full_tiles * kG * kOps);
       }
       for (int u = 0; u < kQuads; ++u) {
-        for (int h = 0; h < kG; ++h) _mm512_store_ps(row_sums[h][rq0 + u], sum_sets<kSets>(acc[u][h]));
+        for (int h = 0; h < kG; ++h) _mm512_store_ps(row_sums[h][rq0 + u], acc.sum(u, h));
       }
     }
     for (int h = 0; h < kG; ++h) {
