@@ -1,6 +1,6 @@
 // AVX2 partition kernel over FP8 caches, for CPUs with AVX2, F16C and FMA but not the AVX-512 path (AMD Zen 2
-// and 3, Intel Haswell to Comet Lake). Codes become floats through F16C (fp8_f16c.h), the format's power of two
-// folded into the scales. Q.K decodes 8 tokens' K once into an L1 buffer that every query head of the KV head
+// and 3; Intel Haswell to Comet Lake, and Skylake-SP to Cascade Lake, whose AVX-512 lacks VBMI). Codes become
+// floats through F16C (fp8_f16c.h), the format's power of two folded into the scales. Q.K decodes 8 tokens' K once into an L1 buffer that every query head of the KV head
 // reads, with one accumulator per token; P.V runs a few rows of V through the whole partition with two
 // accumulators per head and row, so each decoded V vector feeds every head and a lane sum happens once per row.
 // The portable kernel this replaces for FP8 (attention_generic.h) summed lanes for every dot product and
@@ -13,7 +13,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <type_traits>
 
 #include "cpu/attention_kernel.h"
 #include "cpu/fp8_f16c.h"
