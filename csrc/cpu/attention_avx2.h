@@ -1,11 +1,11 @@
 // AVX2 partition kernel over FP8 caches, for CPUs with AVX2, F16C and FMA but not the AVX-512 path (AMD Zen 2
 // and 3; Intel Haswell to Comet Lake, and Skylake-SP to Cascade Lake, whose AVX-512 lacks VBMI). Codes become
-// floats through F16C (fp8_f16c.h), the format's power of two folded into the scales. Q.K decodes 8 tokens' K once into an L1 buffer that every query head of the KV head
-// reads, with one accumulator per token; P.V runs a few rows of V through the whole partition with two
-// accumulators per head and row, so each decoded V vector feeds every head and a lane sum happens once per row.
-// The portable kernel this replaces for FP8 (attention_generic.h) summed lanes for every dot product and
-// decoded each V row per 8 tokens: 8.7 ms against 0.68 ms for the AVX-512 kernel at 8 x 2048 (32 / 8 heads,
-// d128, 2 threads, Zen 5 built for AVX2).
+// floats through F16C (fp8_f16c.h), the format's power of two folded into the scales. Q.K decodes 8 tokens' K
+// once into an L1 buffer that every query head of the KV head reads, with one accumulator per token; P.V runs a
+// few rows of V through the whole partition with two accumulators per head and row, so each decoded V vector
+// feeds every head and a lane sum happens once per row. The portable kernel this replaces for FP8
+// (attention_generic.h) summed lanes for every dot product and decoded each V row per 8 tokens: 8.7 ms against
+// 0.68 ms for the AVX-512 kernel at 8 x 2048 (32 / 8 heads, d128, 2 threads, Zen 5 built for AVX2).
 #pragma once
 
 #include <immintrin.h>
@@ -16,6 +16,7 @@
 
 #include "cpu/attention_kernel.h"
 #include "cpu/fp8_f16c.h"
+#include "cpu/vector_exp.h"
 #include "dispatch.h"
 
 namespace fp8kv::cpu::avx2 {
@@ -28,25 +29,6 @@ inline int tile_tokens(int block_size) { return block_size >= 16 ? 16 : 8; }
 inline bool supports(const PartitionWork& w) {
   return w.head_size % 16 == 0 && (w.block_size == 8 || w.block_size == 16 || w.block_size == 32) &&
          w.end - w.start / 16 * 16 <= kPartitionSize;
-}
-
-// exp(x) for x <= 88 (the softmax passes logit - max <= 0): exp512's Cephes polynomial, 2^n built in the
-// exponent bits; below -87.3 it is exp(-87.3); NaN stays NaN.
-FP8KV_INLINE __m256 exp256(__m256 x) {
-  x = _mm256_min_ps(_mm256_set1_ps(88.f), _mm256_max_ps(_mm256_set1_ps(-87.3f), x));  // a NaN x passes through
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
 }
 
 FP8KV_INLINE float sum8(__m256 a) {

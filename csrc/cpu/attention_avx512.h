@@ -7,7 +7,7 @@
 #include "cpu/attention_avx512_auto.h"
 #include "cpu/attention_avx512_common.h"
 #include "cpu/attention_avx512_fp8.h"
-#include "cpu/exp_avx512.h"
+#include "cpu/vector_exp.h"
 
 namespace fp8kv::cpu::avx512 {
 

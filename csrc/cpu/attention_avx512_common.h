@@ -14,7 +14,7 @@
 
 #include "common/fp8.h"
 #include "cpu/attention_kernel.h"
-#include "cpu/exp_avx512.h"
+#include "cpu/vector_exp.h"
 #include "dispatch.h"
 
 namespace fp8kv::cpu::avx512 {

@@ -18,7 +18,7 @@
 #include "cpu/cpu_ops.h"
 #include "cpu/isa.h"
 #if defined(FP8KV_ISA_AVX512)
-#include "cpu/exp_avx512.h"
+#include "cpu/vector_exp.h"
 #endif
 
 namespace fp8kv::cpu {
