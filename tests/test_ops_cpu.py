@@ -70,6 +70,9 @@ CASES = [
     Case("fp8_e4m3fnuz", 64, 16, 6, 6, torch.float32, per_head_scale=True, alibi=True),
     Case("fp8_e4m3", 80, 8, 5, 1, torch.float16, strided=True),
     Case("fp8_e5m2", 96, 32, 24, 3, torch.bfloat16),
+    # head sizes that are not a multiple of 16 (16-bit and float32 caches allow them; the portable kernel runs them)
+    Case("auto", 40, 16, 6, 2, torch.bfloat16, seq_lens=(1, 37, 600)),
+    Case("auto", 36, 8, 4, 1, torch.float32, alibi=True),
     # long contexts: several 512-token partitions merged
     Case("fp8_e4m3", 128, 16, 8, 2, torch.float32, seq_lens=(1300, 513, 7), per_head_scale=True),
     Case("fp8_e4m3fnuz", 64, 32, 4, 1, torch.bfloat16, seq_lens=(2100,), alibi=True),

@@ -1,7 +1,7 @@
-// Portable partition kernel: decodes one K row / V row at a time into a small float buffer (the cache is
-// never copied), then plain dot products. The scalar build uses it everywhere; AVX2 builds use it (with
-// F16C decoding and FMA dot products) for model-dtype caches and unusual geometries, and the AVX-512 build
-// for unusual geometries.
+// Portable partition kernel: decodes one K row at a time into a small float buffer, then plain dot products;
+// P.V decodes a block's V token-major and adds weighted rows (no sum across lanes), and FP8 codes decode
+// through a table of their 256 values. The scalar build (Arm and other CPUs) uses it everywhere, the AVX-512
+// and AVX2 builds for unusual geometries (head sizes that are not a multiple of 16, other block sizes).
 #pragma once
 
 #include <algorithm>
@@ -35,11 +35,32 @@ FP8KV_INLINE __m256 fp8x8_to_float(const uint8_t* src) {
 }
 #endif
 
+// Every FP8 code's float value (NaN, infinities and subnormals exact), so that the portable path decodes a code
+// with one load: fp8_to_float's branches made its FP8 attention three times slower than over a bfloat16 cache.
+template <Fp8Format F>
+struct Fp8FloatTable {
+  float value[256];
+
+  Fp8FloatTable() {
+    for (int c = 0; c < 256; ++c) value[c] = fp8_to_float<F>(static_cast<uint8_t>(c));
+  }
+
+  static const float* get() {
+    static const Fp8FloatTable table;
+    return table.value;
+  }
+};
+
 // dst[0..n) = value of src[0..n).
 template <typename cache_t, KVFormat kFormat>
 FP8KV_INLINE void decode(const cache_t* src, float* dst, int n) {
   int i = 0;
-#if defined(FP8KV_ISA_AVX2) || defined(FP8KV_ISA_AVX512)
+#if !defined(FP8KV_ISA_AVX2) && !defined(FP8KV_ISA_AVX512)
+  if constexpr (kFormat != KVFormat::AUTO) {
+    const float* table = Fp8FloatTable<fp8_format_of(kFormat)>::get();
+    for (; i < n; ++i) dst[i] = table[src[i]];
+  }
+#else
   if constexpr (kFormat != KVFormat::AUTO) {
     for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, fp8x8_to_float<kFormat>(src + i));
   } else if constexpr (std::is_same_v<cache_t, c10::BFloat16>) {
@@ -84,6 +105,38 @@ FP8KV_INLINE float dot(const float* a, const float* b, int n) {
   return sum;
 }
 
+// dst[t][d] = value of src[d * stride + t], t < n, d < D: a block's V rows (one per head dim) token-major.
+template <typename cache_t, KVFormat kFormat>
+FP8KV_INLINE void decode_transposed(const cache_t* src, int stride, int n, int D, float* dst) {
+  if constexpr (kFormat != KVFormat::AUTO) {
+    const float* table = Fp8FloatTable<fp8_format_of(kFormat)>::get();
+    for (int d = 0; d < D; ++d) {
+      for (int t = 0; t < n; ++t) dst[t * D + d] = table[src[d * stride + t]];
+    }
+  } else {
+    for (int d = 0; d < D; ++d) {
+      for (int t = 0; t < n; ++t) dst[t * D + d] = static_cast<float>(src[d * stride + t]);
+    }
+  }
+}
+
+// out[0..D) += sum over t < n of p[t] * v[t][0..D) (v token-major): 16 dims at a time, summed over all n
+// tokens in a vector's worth of sums with no sum across lanes, so that any compiler vectorizes it.
+FP8KV_INLINE void add_weighted_rows(const float* p, const float* v, int n, int D, float* out) {
+  int d0 = 0;
+  for (; d0 + 16 <= D; d0 += 16) {
+    float acc[16];
+    for (int j = 0; j < 16; ++j) acc[j] = out[d0 + j];
+    for (int t = 0; t < n; ++t) {
+      for (int j = 0; j < 16; ++j) acc[j] += p[t] * v[t * D + d0 + j];
+    }
+    for (int j = 0; j < 16; ++j) out[d0 + j] = acc[j];
+  }
+  for (int t = 0; t < n; ++t) {  // the last D % 16 dims
+    for (int d = d0; d < D; ++d) out[d] += p[t] * v[t * D + d];
+  }
+}
+
 // Softmax numerators in place: logits[h][0..n) -> exp(logit - max); returns max and sum per head.
 inline void softmax_numerators(float* logits, int n, float* max_logit, float* exp_sum) {
   float m = -INFINITY;
@@ -106,7 +159,7 @@ void run_partition(const PartitionWork& w) {
   const cache_t* vcache = static_cast<const cache_t*>(w.value_cache) + w.kv_head * D * bs;
   float* logits = w.scratch;                      // [G][P]
   float* q = logits + G * (kPartitionSize + 32);  // [G][D], pre-scaled
-  float* row = q + G * D;                         // one decoded K row or V row
+  float* row = q + G * D;                         // one decoded K row; then a block's V, token-major
   for (int i = 0; i < G * D; ++i) q[i] = w.query[i] * w.qk_scale;
 
   for (int t = w.start; t < w.end; ++t) {
@@ -120,14 +173,15 @@ void run_partition(const PartitionWork& w) {
   }
   for (int h = 0; h < G; ++h) softmax_numerators(logits + h * P, P, w.max_logit + h, w.exp_sum + h);
 
+  // P.V a token at a time, out[h] += p[h][t] * V[t]: V is [head dim][token] in a block, so its valid tokens
+  // (stale slots may hold NaN) are decoded token-major first. Dot products over a block's 16 tokens spent
+  // more time summing lanes than multiplying.
   std::fill(w.out, w.out + G * D, 0.f);
   for (int b = w.start / bs; b * bs < w.end; ++b) {
-    const int t0 = std::max(w.start, b * bs), t1 = std::min(w.end, (b + 1) * bs);
+    const int t0 = std::max(w.start, b * bs), n = std::min(w.end, (b + 1) * bs) - t0;
     const cache_t* vb = vcache + w.block_table[b] * block_elems + (t0 - b * bs);
-    for (int d = 0; d < D; ++d) {
-      decode<cache_t, kFormat>(vb + d * bs, row, t1 - t0);  // only valid tokens: stale slots may hold NaN
-      for (int h = 0; h < G; ++h) w.out[h * D + d] += dot(logits + h * P + (t0 - w.start), row, t1 - t0);
-    }
+    decode_transposed<cache_t, kFormat>(vb, bs, n, D, row);
+    for (int h = 0; h < G; ++h) add_weighted_rows(logits + h * P + (t0 - w.start), row, n, D, w.out + h * D);
   }
   for (int h = 0; h < G; ++h) {
     const float norm = w.v_scale / w.exp_sum[h];

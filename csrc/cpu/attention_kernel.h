@@ -45,7 +45,8 @@ struct PartitionWork {
 inline int64_t scratch_floats(int group, int head_size, int block_size) {
   const int64_t padded = kPartitionSize + 32;
   const int64_t lanes = std::max<int64_t>(16 * head_size, kPartitionSize / 16 * 4 * 64);  // AVX-512 FP8
-  return group * padded + group * static_cast<int64_t>(head_size) + static_cast<int64_t>(head_size) * 2 +
+  return group * padded + group * static_cast<int64_t>(head_size) + static_cast<int64_t>(head_size) * block_size +
+         static_cast<int64_t>(head_size) * 2 +
          static_cast<int64_t>(block_size) * 2 + group + 16 + lanes + 1024;
 }
 
