@@ -38,9 +38,7 @@ void run_partition(const PartitionWork& w) {
 #if defined(FP8KV_ISA_AVX512)
   if (avx512::supports(w)) return avx512::run_partition<cache_t, kFormat, kBf16Query>(w);
 #elif defined(FP8KV_ISA_AVX2)
-  if constexpr (kFormat != KVFormat::AUTO) {
-    if (avx2::supports(w)) return avx2::run_partition<kFormat>(w);
-  }
+  if (avx2::supports(w)) return avx2::run_partition<cache_t, kFormat>(w);
 #endif
   generic::run_partition<cache_t, kFormat>(w);
 }
