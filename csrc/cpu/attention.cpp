@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <memory>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -132,8 +133,10 @@ void run_spans(const Problem& p) {
 #pragma omp parallel num_threads(threads)
   {
     const FlushDenormals flush;
-    std::vector<float> scratch(static_cast<size_t>(scratch_size) + 16);
-    float* aligned = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t(63));
+    // Uninitialised: every kernel writes what it reads there (zeroing 60 KB a thread a call cost more than a
+    // short sequence's attention).
+    const std::unique_ptr<float[]> scratch(new float[static_cast<size_t>(scratch_size) + 16]);
+    float* aligned = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.get()) + 63) & ~uintptr_t(63));
     auto work_of = [&](const Unit& u, int kvh) {
       const Span& span = p.spans[u.span];
       const CacheSource& src = p.sources[span.source];
@@ -187,7 +190,11 @@ void run_spans(const Problem& p) {
       i = claim_ahead ? j : next_unit.fetch_add(1);
     }
   }
-  // Merge partitions: weight each partition's normalised output by its share of the softmax mass.
+  // Merge partitions: weight each partition's normalised output by its share of the softmax mass. Sequences of
+  // one span each wrote their output directly: then there is nothing to merge.
+  bool single_spans = true;
+  for (int s = 0; s < p.num_seqs; ++s) single_spans &= p.spans_of(s) == 1;
+  if (single_spans) return;
   at::parallel_for(0, static_cast<int64_t>(p.num_seqs) * p.num_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t sh = begin; sh < end; ++sh) {
       const int s = static_cast<int>(sh / p.num_heads), h = static_cast<int>(sh % p.num_heads);
