@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "common/fp8.h"
@@ -120,17 +121,28 @@ FP8KV_INLINE void decode_transposed(const cache_t* src, int stride, int n, int D
   }
 }
 
+// Four floats as one vector of whatever the target has (NEON, SSE): GCC's and Clang's vector extension. The
+// vectorizer alone left a quarter of add_weighted_rows scalar (gcc 12, aarch64).
+typedef float Float4 __attribute__((vector_size(16)));
+
+FP8KV_INLINE Float4 load4(const float* p) {
+  Float4 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
 // out[0..D) += sum over t < n of p[t] * v[t][0..D) (v token-major): 16 dims at a time, summed over all n
-// tokens in a vector's worth of sums with no sum across lanes, so that any compiler vectorizes it.
+// tokens in four vectors of sums with no sum across lanes.
 FP8KV_INLINE void add_weighted_rows(const float* p, const float* v, int n, int D, float* out) {
   int d0 = 0;
   for (; d0 + 16 <= D; d0 += 16) {
-    float acc[16];
-    for (int j = 0; j < 16; ++j) acc[j] = out[d0 + j];
+    Float4 acc[4];
+    for (int j = 0; j < 4; ++j) acc[j] = load4(out + d0 + 4 * j);
     for (int t = 0; t < n; ++t) {
-      for (int j = 0; j < 16; ++j) acc[j] += p[t] * v[t * D + d0 + j];
+      const float* row = v + t * D + d0;
+      for (int j = 0; j < 4; ++j) acc[j] += p[t] * load4(row + 4 * j);
     }
-    for (int j = 0; j < 16; ++j) out[d0 + j] = acc[j];
+    for (int j = 0; j < 4; ++j) std::memcpy(out + d0 + 4 * j, &acc[j], sizeof acc[j]);
   }
   for (int t = 0; t < n; ++t) {  // the last D % 16 dims
     for (int d = d0; d < D; ++d) out[d] += p[t] * v[t * D + d];
