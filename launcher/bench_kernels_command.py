@@ -40,11 +40,17 @@ def _parse_shapes(text: str) -> list[tuple[int, int]]:
 @click.option("--device", default="auto", show_default=True,
               help="Where the caches live and the kernels run: auto (the first GPU if torch sees one, else the "
                    "CPU), cpu, cuda or cuda:N.")
+@click.option("--cpu-isa", type=click.Choice(["native", "avx512", "avx2", "scalar"]), default="native",
+              show_default=True,
+              help="The CPU kernels to measure: native (the best path this CPU runs), or a lower one it also runs "
+                   "(avx2; scalar, the portable C++ that Arm machines run), built beside the native one on first "
+                   "use.")
 def bench_kernels(shapes: str, num_heads: int, num_kv_heads: int, head_size: int, block_size: int,
-                  repeats: int, settle_ms: float, as_json: bool, device: str) -> None:
+                  repeats: int, settle_ms: float, as_json: bool, device: str, cpu_isa: str) -> None:
     """Decode attention per kv-cache dtype vs torch SDPA on a dense float32 cache."""
     import torch
 
+    from fp8cache import ops
     from fp8cache.bench import kernels, machine
 
     if num_heads % num_kv_heads:
@@ -55,9 +61,16 @@ def bench_kernels(shapes: str, num_heads: int, num_kv_heads: int, head_size: int
         device = resolve_device(device)
     except DeviceError as exc:
         raise click.BadParameter(str(exc), param_hint="--device") from exc
+    if cpu_isa != "native" and device.type != "cpu":
+        raise click.BadParameter(f"{cpu_isa} is a CPU path; add --device cpu", param_hint="--cpu-isa")
+    try:
+        ops.load(device, cpu_isa=None if cpu_isa == "native" else cpu_isa)
+    except (RuntimeError, ValueError) as exc:
+        raise click.BadParameter(str(exc), param_hint="--cpu-isa") from exc
     info = machine.describe()
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{info['threads']} threads"
-    console.print(f"machine: {info['cpu']}, {where}, torch {info['torch']}")
+    path = f", CPU path {torch.ops.fp8kv.cpu_isa()}" if device.type == "cpu" else ""
+    console.print(f"machine: {info['cpu']}, {where}, torch {info['torch']}{path}")
     with console.status("measuring...") as status:
         rows = kernels.run_kernel_bench(
             _parse_shapes(shapes), num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,

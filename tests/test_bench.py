@@ -12,6 +12,7 @@ import json
 import math
 import os
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -22,6 +23,7 @@ from click.testing import CliRunner
 from fastapi import FastAPI, Request  # module level: the route's annotation must resolve by name
 from fastapi.responses import JSONResponse, StreamingResponse
 
+import fp8cache.ops as fp8cache_ops
 from launcher import bench_commands
 
 SMALL = ["--num-prompts", "4", "--input-len", "32", "--output-len", "8"]
@@ -521,11 +523,35 @@ def test_bench_kernels_rows_cover_every_case_and_add_up(settle_ms):
     assert len(rows) == 2 * len(cases) and {(r["batch"], r["context"]) for r in rows} == {(1, 48), (2, 40)}
     for r in rows:
         assert (r["num_heads"], r["num_kv_heads"], r["head_size"]) == (4, 2, 64)
+        assert r["cpu_path"] == torch.ops.fp8kv.cpu_isa()  # what this process loaded
         assert r["ms"] > 0 and r["read_bw_gbps"] > 0
         fp8 = r["kv_cache_dtype"].startswith("fp8")
         element = 1 if fp8 else torch.empty((), dtype=getattr(torch, r["dtype"])).element_size()
         kv_bytes = 2 * r["batch"] * r["context"] * r["num_kv_heads"] * r["head_size"] * element
         assert r["kv_gbps"] == pytest.approx(kv_bytes / r["ms"] / 1e6)
+
+
+@pytest.mark.slow
+def test_bench_kernels_measures_the_portable_path_on_request():
+    """--cpu-isa scalar: the kernels Arm machines run, built for this CPU beside the native ones; every row says
+    which path ran. In its own process: a process holds one op library."""
+    args = ["bench", "kernels", "--cpu-isa", "scalar", "--device", "cpu", "--shapes", "1x40", "--num-heads", "4",
+            "--num-kv-heads", "2", "--head-size", "64", "--repeats", "1", "--settle-ms", "0", "--json"]
+    done = subprocess.run([sys.executable, "-m", "launcher.cli", *args], capture_output=True, text=True, timeout=900,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(done.stdout)
+    assert rows and {r["cpu_path"] for r in rows if r["impl"] == "fp8kv"} == {"scalar"}
+    assert "CPU path scalar" in done.stderr
+
+
+def test_bench_kernels_refuses_a_cpu_path_this_process_cannot_load():
+    from launcher.cli import main
+
+    fp8cache_ops.load("cpu")
+    result = CliRunner().invoke(main, ["bench", "kernels", "--cpu-isa", "scalar", "--device", "cpu",
+                                       "--shapes", "1x16"])
+    assert result.exit_code != 0 and "--cpu-isa" in result.output and "new process" in result.output
 
 
 def test_bench_kernels_refuses_a_bad_shape_and_heads():

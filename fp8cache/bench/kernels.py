@@ -138,6 +138,7 @@ def run_kernel_bench(shapes=DEFAULT_SHAPES, cases=None, num_heads: int = 32, num
     cases = cases or default_cases(device)
     calls = _calls_per_timing(device)
     ops.load(device)
+    cpu_path = torch.ops.fp8kv.cpu_isa() if device.type == "cpu" else None  # avx512, avx2 or scalar
     read, read_bytes = machine.read_probe(device=device)
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -153,7 +154,7 @@ def run_kernel_bench(shapes=DEFAULT_SHAPES, cases=None, num_heads: int = 32, num
                    "dtype": str(case.dtype).removeprefix("torch."), "batch": batch, "context": context,
                    "num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_size": head_size,
                    "block_size": block_size, "device": device.type, "ms": ms, "kv_gbps": kv_bytes / ms / 1e6,
-                   "read_bw_gbps": read_bw, "bandwidth_probe": machine.probe_kind(device)}
+                   "read_bw_gbps": read_bw, "bandwidth_probe": machine.probe_kind(device), "cpu_path": cpu_path}
             rows.append(row)
             if on_row:
                 on_row(row)
