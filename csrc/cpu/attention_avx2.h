@@ -14,10 +14,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <type_traits>
-
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 
 #include "cpu/attention_kernel.h"
 #include "cpu/fp8_f16c.h"
@@ -90,13 +86,8 @@ struct Values {
   static FP8KV_INLINE __m256 load8(const cache_t* src) {
     if constexpr (kFormat != KVFormat::AUTO) {
       return fp8x8_scaled_floats<kFormat>(src);
-    } else if constexpr (std::is_same_v<cache_t, c10::BFloat16>) {
-      const __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
-      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(w), 16));
-    } else if constexpr (std::is_same_v<cache_t, c10::Half>) {
-      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
     } else {
-      return _mm256_loadu_ps(src);
+      return model_dtype_x8_floats(src);
     }
   }
 

@@ -8,7 +8,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 
 #include "common/fp8.h"
 #include "cpu/attention_kernel.h"
@@ -17,15 +16,6 @@
 #include "dispatch.h"
 
 namespace fp8kv::cpu::generic {
-
-template <typename cache_t, KVFormat kFormat>
-FP8KV_INLINE float to_float(cache_t v) {
-  if constexpr (kFormat == KVFormat::AUTO) {
-    return static_cast<float>(v);
-  } else {
-    return fp8_to_float<fp8_format_of(kFormat)>(v);
-  }
-}
 
 #if defined(FP8KV_ISA_AVX2) || defined(FP8KV_ISA_AVX512)
 // 8 FP8 codes -> 8 exact floats.
@@ -52,30 +42,38 @@ struct Fp8FloatTable {
   }
 };
 
+// A cache element's value as a float: FP8 codes through their table (looked up once, where the converter is
+// made, not per element), model-dtype values as they are.
+template <typename cache_t, KVFormat kFormat>
+struct ToFloat {
+  const float* table = nullptr;
+
+  ToFloat() {
+    if constexpr (kFormat != KVFormat::AUTO) table = Fp8FloatTable<fp8_format_of(kFormat)>::get();
+  }
+
+  FP8KV_INLINE float operator()(cache_t v) const {
+    if constexpr (kFormat == KVFormat::AUTO) {
+      return static_cast<float>(v);
+    } else {
+      return table[v];
+    }
+  }
+};
+
 // dst[0..n) = value of src[0..n).
 template <typename cache_t, KVFormat kFormat>
 FP8KV_INLINE void decode(const cache_t* src, float* dst, int n) {
   int i = 0;
-#if !defined(FP8KV_ISA_AVX2) && !defined(FP8KV_ISA_AVX512)
-  if constexpr (kFormat != KVFormat::AUTO) {
-    const float* table = Fp8FloatTable<fp8_format_of(kFormat)>::get();
-    for (; i < n; ++i) dst[i] = table[src[i]];
-  }
-#else
+#if defined(FP8KV_ISA_AVX2) || defined(FP8KV_ISA_AVX512)
   if constexpr (kFormat != KVFormat::AUTO) {
     for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, fp8x8_to_float<kFormat>(src + i));
-  } else if constexpr (std::is_same_v<cache_t, c10::BFloat16>) {
-    for (; i + 8 <= n; i += 8) {
-      const __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-      _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(w), 16)));
-    }
-  } else if constexpr (std::is_same_v<cache_t, c10::Half>) {
-    for (; i + 8 <= n; i += 8) {
-      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
-    }
+  } else {
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, model_dtype_x8_floats(src + i));
   }
 #endif
-  for (; i < n; ++i) dst[i] = to_float<cache_t, kFormat>(src[i]);
+  const ToFloat<cache_t, kFormat> value;
+  for (; i < n; ++i) dst[i] = value(src[i]);
 }
 
 FP8KV_INLINE float dot(const float* a, const float* b, int n) {
@@ -109,15 +107,9 @@ FP8KV_INLINE float dot(const float* a, const float* b, int n) {
 // dst[t][d] = value of src[d * stride + t], t < n, d < D: a block's V rows (one per head dim) token-major.
 template <typename cache_t, KVFormat kFormat>
 FP8KV_INLINE void decode_transposed(const cache_t* src, int stride, int n, int D, float* dst) {
-  if constexpr (kFormat != KVFormat::AUTO) {
-    const float* table = Fp8FloatTable<fp8_format_of(kFormat)>::get();
-    for (int d = 0; d < D; ++d) {
-      for (int t = 0; t < n; ++t) dst[t * D + d] = table[src[d * stride + t]];
-    }
-  } else {
-    for (int d = 0; d < D; ++d) {
-      for (int t = 0; t < n; ++t) dst[t * D + d] = static_cast<float>(src[d * stride + t]);
-    }
+  const ToFloat<cache_t, kFormat> value;
+  for (int d = 0; d < D; ++d) {
+    for (int t = 0; t < n; ++t) dst[t * D + d] = value(src[d * stride + t]);
   }
 }
 

@@ -10,6 +10,10 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <type_traits>
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include "common/fp8.h"
 #include "dispatch.h"
@@ -46,6 +50,21 @@ FP8KV_INLINE void fp8x16_scaled_floats(const uint8_t* src, __m256& lo, __m256& h
   const __m256i h = fp8_half_bits<kFormat>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
   lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
   hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+}
+
+// 8 model-dtype values (bfloat16, float16 through F16C, float32) -> 8 floats, for the kernels that read model-dtype
+// caches the way they read FP8 ones.
+template <typename T>
+FP8KV_INLINE __m256 model_dtype_x8_floats(const T* src) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(w), 16));
+  } else if constexpr (std::is_same_v<T, c10::Half>) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+  } else {
+    static_assert(std::is_same_v<T, float>);
+    return _mm256_loadu_ps(src);
+  }
 }
 
 }  // namespace fp8kv::cpu

@@ -15,6 +15,7 @@
 //              seq_lens[num_seqs]; float32 query[num_seqs][num_heads][head_size]
 //              -> per sequence, per partition of kPartitionSize tokens, per query head: float32 out[head_size],
 //                 max_logit, exp_sum (the caller merges partitions as attention.cpp does)
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
