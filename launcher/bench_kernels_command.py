@@ -61,12 +61,13 @@ def bench_kernels(shapes: str, num_heads: int, num_kv_heads: int, head_size: int
         device = resolve_device(device)
     except DeviceError as exc:
         raise click.BadParameter(str(exc), param_hint="--device") from exc
-    if cpu_isa != "native" and device.type != "cpu":
-        raise click.BadParameter(f"{cpu_isa} is a CPU path; add --device cpu", param_hint="--cpu-isa")
-    try:
-        ops.load(device, cpu_isa=None if cpu_isa == "native" else cpu_isa)
-    except (RuntimeError, ValueError) as exc:
-        raise click.BadParameter(str(exc), param_hint="--cpu-isa") from exc
+    if cpu_isa != "native":  # loaded before the bench's own (native) load, which then reuses it
+        if device.type != "cpu":
+            raise click.BadParameter(f"{cpu_isa} is a CPU path; add --device cpu", param_hint="--cpu-isa")
+        try:
+            ops.load(device, cpu_isa=cpu_isa)
+        except (RuntimeError, ValueError) as exc:
+            raise click.BadParameter(str(exc), param_hint="--cpu-isa") from exc
     info = machine.describe()
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{info['threads']} threads"
     path = f", CPU path {torch.ops.fp8kv.cpu_isa()}" if device.type == "cpu" else ""
