@@ -61,7 +61,9 @@ def bench_kernels(shapes: str, num_heads: int, num_kv_heads: int, head_size: int
         device = resolve_device(device)
     except DeviceError as exc:
         raise click.BadParameter(str(exc), param_hint="--device") from exc
-    if cpu_isa != "native":  # loaded before the bench's own (native) load, which then reuses it
+    if cpu_isa == "native":
+        ops.load(device)
+    else:  # a lower path, loaded before the bench's own load, which then reuses it
         if device.type != "cpu":
             raise click.BadParameter(f"{cpu_isa} is a CPU path; add --device cpu", param_hint="--cpu-isa")
         try:
