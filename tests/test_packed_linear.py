@@ -101,6 +101,7 @@ def test_packing_pays_follows_the_measured_times(monkeypatch):
     shapes = frozenset({(64, 48), (48, 64)})
     measure = packed_linear.measure_packing  # the measurement itself, not its memo or its file
     ops.load()
+    monkeypatch.setattr(packed_linear, "_PROBE_MAX_BYTES", 0)  # one copy of each weight: each call sleeps
     for panels in (False, True):
         monkeypatch.setattr(packed_linear.PackedLinear, "forward", slowed(packed_linear.PackedLinear.forward))
         assert not measure(shapes, panels)
@@ -108,6 +109,56 @@ def test_packing_pays_follows_the_measured_times(monkeypatch):
         monkeypatch.setattr(packed_linear, "F", SimpleNamespace(linear=slowed(F.linear)))
         assert measure(shapes, panels)
         monkeypatch.undo()
+
+
+def test_bf16_panels_pay_follows_the_measured_times(monkeypatch):
+    """On an AMX CPU, bfloat16 weights go to whichever packing the probe times faster."""
+    def slowed_when(panels: bool):
+        forward = packed_linear.PackedLinear.forward
+
+        def slow(self, x):
+            if self.panels == panels:
+                time.sleep(0.002)
+            return forward(self, x)
+        return slow
+
+    shapes = frozenset({(64, 48), (48, 64)})
+    ops.load()
+    for panels in (False, True):
+        monkeypatch.setattr(packed_linear, "_PROBE_MAX_BYTES", 0)  # one copy of each weight: each call sleeps
+        monkeypatch.setattr(packed_linear.PackedLinear, "forward", slowed_when(panels))
+        assert packed_linear.measure_bf16_panels(shapes) == (not panels)
+        monkeypatch.undo()
+
+
+def test_the_probe_streams_decode_batches_over_more_weights_than_the_cache_holds(monkeypatch):
+    """A decode step reads its weights from memory: the decode-sized calls run over copies of each weight
+    adding up to 1.5x the last-level cache, each called once a pass; the prefill-sized calls reuse one."""
+    monkeypatch.setattr(packed_linear, "_last_level_cache_bytes", lambda: 1 << 20)
+    seen: dict[int, set[int]] = {}
+
+    def candidate(linear):
+        def call(x):
+            seen.setdefault(x.shape[0], set()).add(linear.weight.data_ptr())
+        return call
+
+    packed_linear._race([candidate], frozenset({(128, 256)}), torch.bfloat16)  # 64 KB a copy
+    assert len(seen[16]) == (3 << 19) // (128 * 256 * 2) == 24
+    assert len(seen[256]) == 1
+
+
+def test_bf16_panels_pay_is_kept_per_machine(monkeypatch, tmp_path):
+    monkeypatch.setenv("FP8KV_CACHE_DIR", str(tmp_path))
+    shapes = frozenset({(40, 24)})
+    answers = iter([True, False])
+    monkeypatch.setattr(packed_linear, "measure_bf16_panels", lambda *a: next(answers))
+    packed_linear.bf16_panels_pay.cache_clear()
+    try:
+        assert packed_linear.bf16_panels_pay(shapes) is True
+        packed_linear.bf16_panels_pay.cache_clear()
+        assert packed_linear.bf16_panels_pay(shapes) is True  # read back from probes.json, not measured again
+    finally:
+        packed_linear.bf16_panels_pay.cache_clear()
 
 
 def test_packing_pays_is_measured_once_per_process(monkeypatch):
@@ -227,7 +278,7 @@ def test_linear_f32_refuses_bad_inputs():
 
 FEATURES = {  # CPU kinds: (op library path, AVX512-BF16, AMX) -> (float32 kernel, bfloat16 kernel)
     "epyc-zen4-zen5": (("avx512", True, False), ("panels", "panels")),
-    "xeon-amx": (("avx512", True, True), ("panels", "onednn")),
+    "xeon-amx": (("avx512", True, True), ("panels", "measured")),
     "avx512-without-bf16": (("avx512", False, False), ("panels", "onednn")),
     "avx2": (("avx2", False, False), ("onednn", "onednn")),
     "portable": (("scalar", False, False), ("onednn", "onednn")),
@@ -316,10 +367,10 @@ def test_linear_bf16_refuses_bad_inputs():
         lib.linear_bf16_pack(torch.randn(20, 8))
 
 
-@pytest.mark.parametrize("kind", ["epyc-zen4-zen5", "xeon-amx"])
-def test_bfloat16_models_follow_the_cpu_kind_and_each_kernel_is_right(tiny_llama_path, monkeypatch, kind):
-    """A forced feature set picks its kernel (the panels' portable path runs on any CPU), and either kernel
-    gives transformers' logits within bfloat16 rounding."""
+@pytest.mark.parametrize("kind,panels_win", [("epyc-zen4-zen5", None), ("xeon-amx", True), ("xeon-amx", False)])
+def test_bfloat16_models_follow_the_cpu_kind_and_each_kernel_is_right(tiny_llama_path, monkeypatch, kind, panels_win):
+    """A forced feature set picks its kernel (on an AMX CPU: whichever the probe measured faster; the panels'
+    portable path runs on any CPU), and either kernel gives transformers' logits within bfloat16 rounding."""
     ops.load()
     if not packed_linear.packing_works(torch.bfloat16):
         pytest.skip("this torch build or CPU cannot run oneDNN's packed bfloat16 linear")
@@ -328,9 +379,14 @@ def test_bfloat16_models_follow_the_cpu_kind_and_each_kernel_is_right(tiny_llama
     with torch.no_grad():
         want = plain(input_ids=ids).logits.float()
     monkeypatch.setattr(packed_linear, "cpu_features", lambda: packed_linear.CpuFeatures(*FEATURES[kind][0]))
-    panels = FEATURES[kind][1][1] == "panels"
+    probed = []
+    monkeypatch.setattr(packed_linear, "bf16_panels_pay", lambda shapes: probed.append(shapes) or panels_win)
+    panels = panels_win if FEATURES[kind][1][1] == "measured" else FEATURES[kind][1][1] == "panels"
     model = load_model(EngineConfig(model=tiny_llama_path, dtype="bfloat16"), progress=False).model
     assert packed_linear.pack_linears(model, torch.device("cpu")) > 0
+    assert bool(probed) == (panels_win is not None)  # the probe runs on AMX CPUs only
+    if probed:  # with the model's own shapes
+        assert (model.config.intermediate_size, model.config.hidden_size) in probed[0]
     assert packed_linear.panels_available(torch.bfloat16) == panels
     head = model.get_output_embeddings()
     assert all(m.panels == panels for m in model.modules() if isinstance(m, packed_linear.PackedLinear) and m is not head)

@@ -23,6 +23,13 @@
 #include "cpu/cpu_ops.h"
 #include "cpu/isa.h"
 #include "cpu/panel_tiles.h"
+// AMX tiles for larger batches (amx_tiles.h), where the compiler knows them (GCC 11, Clang 12); used only
+// where the CPU has them.
+#if defined(FP8KV_ISA_AVX512) && defined(__AVX512BF16__) && defined(__x86_64__) && \
+    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
+#include "cpu/amx_tiles.h"
+#define FP8KV_LINEAR_AMX 1
+#endif
 
 namespace fp8kv::cpu {
 namespace {
@@ -141,6 +148,14 @@ at::Tensor linear_bf16(const at::Tensor& input, const at::Tensor& packed_weight,
   const bf16* wp = packed_weight.data_ptr<bf16>();
   const auto run = [&](auto* yp) {
     using y_t = std::remove_pointer_t<decltype(yp)>;
+#if defined(FP8KV_LINEAR_AMX)
+    if (M >= amx::kAmxMinRows && amx::amx_ready()) {
+      const auto parallel = [](int64_t n, auto&& fn) { at::parallel_for(0, n, 1, fn); };
+      amx::linear<amx::AmxHardware>(reinterpret_cast<const uint16_t*>(xp), M, 2 * K2, ldx,
+                                    reinterpret_cast<const uint16_t*>(wp), P, K2, yp, N, b, parallel);
+      return;
+    }
+#endif
     for_panel_groups(P, N, M, [&](auto panels_in_tile, int64_t p0, int last) {
       constexpr int NR = decltype(panels_in_tile)::value;
       const bf16* panels = wp + p0 * K2 * 2 * kPanel;

@@ -28,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -149,13 +150,12 @@ def pack_linears(model: nn.Module, device: torch.device) -> int:
     dtypes = {getattr(parent, name).weight.dtype for parent, name in targets}
     if len(dtypes) != 1:
         return 0
-    panels = panels_available(*dtypes)
+    shapes = frozenset(tuple(getattr(parent, name).weight.shape) for parent, name in targets)
+    panels = panels_available(*dtypes, shapes)
     if not panels and not packing_works(*dtypes):
         return 0
-    if dtypes == {torch.float32}:
-        shapes = frozenset(tuple(getattr(parent, name).weight.shape) for parent, name in targets)
-        if not packing_pays(shapes, panels):
-            return 0
+    if dtypes == {torch.float32} and not packing_pays(shapes, panels):
+        return 0
     count = len(targets)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     with torch.no_grad():
@@ -187,13 +187,17 @@ def cpu_features() -> CpuFeatures:
 
 
 def linear_kernel(dtype: torch.dtype, features: CpuFeatures) -> str:
-    """"panels" (fp8kv's kernels) or "onednn" for `dtype` weights on a CPU with `features`. fp8kv's panels need
-    AVX-512 (their portable paths are for correctness, not speed); bfloat16 ones also the AVX512-BF16 dot
-    product, and lose to oneDNN's AMX kernels, which multiply prefill batches several times faster."""
+    """"panels" (fp8kv's kernels), "onednn", or "measured" for `dtype` weights on a CPU with `features`. fp8kv's
+    panels need AVX-512 (their portable paths are for correctness, not speed); bfloat16 ones also the AVX512-BF16
+    dot product. With AMX the features do not decide bfloat16: oneDNN's AMX kernels streamed decode batches'
+    weights at a quarter of the read bandwidth, and the panels run larger batches on AMX tiles too, so
+    bf16_panels_pay measures both ("measured")."""
     if features.isa != "avx512" or dtype not in (torch.float32, torch.bfloat16):
         return "onednn"
-    if dtype == torch.bfloat16 and (not features.bf16_dot or features.amx):
+    if dtype == torch.bfloat16 and not features.bf16_dot:
         return "onednn"
+    if dtype == torch.bfloat16 and features.amx:
+        return "measured"
     return "panels"
 
 
@@ -207,9 +211,11 @@ def float32_logits(dtype: torch.dtype, features: CpuFeatures | None = None) -> b
     return dtype == torch.bfloat16 and features.isa == "avx512" and features.bf16_dot
 
 
-def panels_available(dtype: torch.dtype = torch.float32) -> bool:
-    """fp8kv's panel kernel is what `dtype` weights get on this machine (the op library is loaded)."""
-    return linear_kernel(dtype, cpu_features()) == "panels"
+def panels_available(dtype: torch.dtype = torch.float32, shapes: frozenset[tuple[int, int]] = frozenset()) -> bool:
+    """fp8kv's panel kernel is what `dtype` weights of these shapes get on this machine (the op library is
+    loaded; on an AMX CPU, bfloat16 weights where bf16_panels_pay measures the panels faster)."""
+    kernel = linear_kernel(dtype, cpu_features())
+    return bf16_panels_pay(shapes) if kernel == "measured" else kernel == "panels"
 
 
 @functools.cache
@@ -240,6 +246,9 @@ def _merge_siblings(targets: list[tuple[nn.Module, str]], panels: bool) -> list[
 _PROBE_ROWS = 256
 # Larger weights (an LM head) make the probe slow and tell nothing the layer shapes do not.
 _PROBE_MAX_WEIGHT = 1 << 22
+# Bytes of weights the decode-sized probe streams per shape at most (1.5x the last-level cache where that is less).
+_PROBE_MAX_BYTES = 128 << 20
+_PROBE_MAX_COPIES = 64  # small shapes stream less: they would take thousands of calls
 
 
 @functools.cache
@@ -253,20 +262,67 @@ def packing_pays(shapes: frozenset[tuple[int, int]], panels: bool = False) -> bo
 
 
 def measure_packing(shapes: frozenset[tuple[int, int]], panels: bool = False) -> bool:
-    """packing_pays's measurement: packed against F.linear, summed over up to six of the shapes at a
-    decode-sized and a prefill-sized batch (best of three each)."""
+    """packing_pays's measurement: packed against F.linear (see _race)."""
+    plain, packed = _race([lambda linear: lambda x: F.linear(x, linear.weight),
+                           lambda linear: PackedLinear(linear, panels)], shapes, torch.float32)
+    return packed < plain
+
+
+@functools.cache
+def bf16_panels_pay(shapes: frozenset[tuple[int, int]]) -> bool:
+    """Whether fp8kv's bfloat16 panels (AVX512-BF16 dot products for decode batches, AMX tiles for larger ones)
+    beat oneDNN's packed AMX kernels on this AMX CPU for these (out_features, in_features) shapes. Measured once
+    per machine and kept, as packing_pays is."""
+    return probes.remembered(["bfloat16 panels beat oneDNN", sorted(shapes)], lambda: measure_bf16_panels(shapes))
+
+
+def measure_bf16_panels(shapes: frozenset[tuple[int, int]]) -> bool:
+    """bf16_panels_pay's measurement: both packings of the same bfloat16 weights (see _race)."""
+    onednn, panels = _race([lambda linear: PackedLinear(linear, False), lambda linear: PackedLinear(linear, True)],
+                           shapes, torch.bfloat16)
+    return panels < onednn
+
+
+def _race(candidates: list, shapes: frozenset[tuple[int, int]], dtype: torch.dtype) -> list[float]:
+    """Seconds of each candidate (a maker of a callable from an nn.Linear), summed over up to six of the shapes
+    at a decode-sized and a prefill-sized batch (best of three each, candidates taking turns). The decode-sized
+    batch runs over enough copies of each weight to overflow the last-level cache, as a decode step streams a
+    model's weights from memory; the prefill-sized one, which multiplies far more than it reads, over one."""
     probe = sorted(s for s in shapes if s[0] * s[1] <= _PROBE_MAX_WEIGHT)[:6] or [(512, 512)]
+    streamed = min(_PROBE_MAX_BYTES, 3 * _last_level_cache_bytes() // 2)
     generator = torch.Generator().manual_seed(0)
-    plain = packed = 0.0
+    spent = [0.0] * len(candidates)
     with torch.no_grad():
         for out_features, in_features in probe:
-            linear = nn.Linear(in_features, out_features, bias=False)
-            candidate = PackedLinear(linear, panels)
-            for rows, weight in ((_BATCH_HINT, 1.0), (_PROBE_ROWS, _BATCH_HINT / _PROBE_ROWS)):
-                x = torch.randn(rows, in_features, generator=generator)
-                plain += weight * best_time(F.linear, x, linear.weight)
-                packed += weight * best_time(candidate, x)
-    return packed < plain
+            base = nn.Linear(in_features, out_features, bias=False).to(dtype)
+            copies = min(_PROBE_MAX_COPIES, max(1, streamed // (base.weight.numel() * base.weight.element_size())))
+            linears = [base, *(_copy_of(base) for _ in range(copies - 1))]
+            calls = [[make(linear) for linear in linears] for make in candidates]
+            decode = torch.randn(_BATCH_HINT, in_features, generator=generator).to(dtype)
+            prefill = torch.randn(_PROBE_ROWS, in_features, generator=generator).to(dtype)
+            for i, each_copy in enumerate(calls):
+                spent[i] += best_time(lambda x, fns=each_copy: [fn(x) for fn in fns], decode) / copies
+                spent[i] += best_time(each_copy[0], prefill) * _BATCH_HINT / _PROBE_ROWS
+    return spent
+
+
+def _copy_of(linear: nn.Linear) -> nn.Linear:
+    copy = nn.Linear(linear.in_features, linear.out_features, bias=False, device="meta")
+    copy.weight = nn.Parameter(linear.weight.detach().clone(), requires_grad=False)
+    return copy
+
+
+def _last_level_cache_bytes() -> int:
+    """The CPU's largest cache, as Linux reports it (32 MiB where it does not)."""
+    sizes = []
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = path.read_text().strip()
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        try:
+            sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
+        except (ValueError, IndexError):
+            continue
+    return max(sizes, default=32 << 20)
 
 
 def _return_freed_memory() -> None:
