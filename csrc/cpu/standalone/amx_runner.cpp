@@ -15,20 +15,13 @@
 #include <vector>
 
 #include "cpu/amx_tiles.h"
+#include "cpu/standalone/binary_io.h"
 
 namespace {
 
-[[noreturn]] void fail(const char* what) {
-  std::fprintf(stderr, "amx_runner: %s\n", what);
-  std::exit(2);
-}
-
-template <typename T>
-std::vector<T> read(int64_t n) {
-  std::vector<T> v(static_cast<size_t>(n));
-  if (n > 0 && std::fread(v.data(), sizeof(T), v.size(), stdin) != v.size()) fail("short input");
-  return v;
-}
+using fp8kv::standalone::fail;
+using fp8kv::standalone::read;
+using fp8kv::standalone::write;
 
 template <class Tiles, typename y_t>
 void run(const std::vector<uint16_t>& x, int64_t M, int64_t K, const std::vector<uint16_t>& panels, int64_t P,
@@ -40,7 +33,7 @@ void run(const std::vector<uint16_t>& x, int64_t M, int64_t K, const std::vector
     fn(n / 2, n);
   };
   fp8kv::cpu::amx::linear<Tiles>(x.data(), M, K, K, panels.data(), P, K2, y.data(), N, bias, parallel);
-  if (!y.empty() && std::fwrite(y.data(), sizeof(y_t), y.size(), stdout) != y.size()) fail("short output");
+  write(y);
 }
 
 template <class Tiles>

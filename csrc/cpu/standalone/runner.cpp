@@ -23,30 +23,18 @@
 
 #include "common/fp8.h"
 #include "cpu/attention_generic.h"
+#include "cpu/standalone/binary_io.h"
 
 namespace {
 
 using fp8kv::Fp8Format;
 using fp8kv::KVFormat;
 
-[[noreturn]] void fail(const char* what) {
-  std::fprintf(stderr, "runner: %s\n", what);
-  std::exit(2);
-}
-
-template <typename T>
-std::vector<T> read(int64_t n) {
-  std::vector<T> v(static_cast<size_t>(n));
-  if (n > 0 && std::fread(v.data(), sizeof(T), v.size(), stdin) != v.size()) fail("short input");
-  return v;
-}
+using fp8kv::standalone::fail;
+using fp8kv::standalone::read;
+using fp8kv::standalone::write;
 
 int64_t read_int() { return read<int64_t>(1)[0]; }
-
-template <typename T>
-void write(const std::vector<T>& v) {
-  if (!v.empty() && std::fwrite(v.data(), sizeof(T), v.size(), stdout) != v.size()) fail("short output");
-}
 
 // fn(std::integral_constant<Fp8Format, F>) for the FP8 format of a KVFormat code (1, 2 or 3).
 template <typename Fn>
