@@ -78,10 +78,11 @@ void tile(const Pair* pairs, int64_t ld, const bf16* panels, int64_t K2, y_t* y,
 // rows. Their 16-row tile read 16 row pointers, more than the registers hold (the compiler kept them in vector
 // registers, a move per broadcast): on Zen 5, one thread, cache-resident weights, 66% of the dot-product peak.
 // Larger batches keep x's rows (their 8-row tiles have registers enough; the copy cost more than it saved).
-std::vector<int32_t> x_pairs(const bf16* x, int64_t M, int64_t ldx, int64_t K2) {
+std::vector<int32_t> x_pairs(const bf16* x, int64_t M, int64_t K2) {
+  const Pair* rows = reinterpret_cast<const Pair*>(x);
   std::vector<int32_t> out(static_cast<size_t>(M * K2));
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t kk = 0; kk < K2; ++kk) std::memcpy(&out[kk * M + m], x + m * ldx + 2 * kk, sizeof(int32_t));
+  for (int64_t kk = 0; kk < K2; ++kk) {
+    for (int64_t m = 0; m < M; ++m) out[kk * M + m] = rows[m * K2 + kk];
   }
   return out;
 }
@@ -172,7 +173,7 @@ at::Tensor linear_bf16(const at::Tensor& input, const at::Tensor& packed_weight,
 #endif
 #if defined(FP8KV_ISA_AVX512) && defined(__AVX512BF16__)
     const bool pair_major = M > 1 && M <= 16;
-    const std::vector<int32_t> transposed = pair_major ? x_pairs(xp, M, ldx, K2) : std::vector<int32_t>();
+    const std::vector<int32_t> transposed = pair_major ? x_pairs(xp, M, K2) : std::vector<int32_t>();
     const Pair* pairs = pair_major ? transposed.data() : reinterpret_cast<const Pair*>(xp);
 #endif
     for_panel_groups(P, N, M, [&](auto panels_in_tile, int64_t p0, int last) {

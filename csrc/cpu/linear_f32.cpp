@@ -123,8 +123,8 @@ at::Tensor linear_f32(const at::Tensor& input, const at::Tensor& packed_weight, 
   // why; here 16-row tiles on Zen 5, one thread, cache-resident weights: 306 -> 243 us at 3072 x 576).
   const bool feature_major = M > 1 && M <= 16;
   std::vector<float> xt(feature_major ? static_cast<size_t>(M * K) : 0);
-  for (int64_t m = 0; feature_major && m < M; ++m) {
-    for (int64_t k = 0; k < K; ++k) xt[k * M + m] = xp[m * K + k];
+  for (int64_t k = 0; feature_major && k < K; ++k) {
+    for (int64_t m = 0; m < M; ++m) xt[k * M + m] = xp[m * K + k];
   }
 #endif
   for_panel_groups(P, N, M, [&](auto panels_in_tile, int64_t p0, int last) {
