@@ -198,12 +198,13 @@ inline void store_rows(const float* c, int64_t m0, int64_t M, int64_t p, int64_t
   }
 }
 
-// Panels [p_begin, p_end) for all rows, two panels x 32 rows a block. x: rows_padded (a multiple of 32) rows
-// of ldx words (a multiple of 32), zero past the input's rows and features; panels: [P, K2, 16, 2] words.
+// Panels [p_begin, p_end) for all rows, two panels x 32 rows a block. Rows [0, full_rows) come from x, the
+// block after them (if M > full_rows) from tail; both have ldx words a row (a multiple of 32), zero past the
+// input's features, and tail zero past the input's rows. panels: [P, K2, 16, 2] words.
 template <class Tiles, typename y_t>
-FP8KV_AMX_TARGET void panel_range(const uint16_t* x, int64_t rows_padded, int64_t ldx, const uint16_t* panels,
-                                  int64_t K2, int64_t p_begin, int64_t p_end, y_t* y, int64_t M, int64_t N,
-                                  const float* bias) {
+FP8KV_AMX_TARGET void panel_range(const uint16_t* x, int64_t full_rows, const uint16_t* tail_rows, int64_t ldx,
+                                  const uint16_t* panels, int64_t K2, int64_t p_begin, int64_t p_end, y_t* y,
+                                  int64_t M, int64_t N, const float* bias) {
   constexpr int64_t kPanelWords = 16 * 2;  // one k pair of a panel: 16 columns x 2 inputs
   const int64_t full = K2 / kPairsPerTile, steps = (K2 + kPairsPerTile - 1) / kPairsPerTile;
   const int64_t tail_pairs = K2 - full * kPairsPerTile;
@@ -220,8 +221,8 @@ FP8KV_AMX_TARGET void panel_range(const uint16_t* x, int64_t rows_padded, int64_
       std::memcpy(tail[0], b0 + full * kPairsPerTile * kPanelWords, tail_pairs * kPanelWords * 2);
       std::memcpy(tail[1], b1 + full * kPairsPerTile * kPanelWords, tail_pairs * kPanelWords * 2);
     }
-    for (int64_t m0 = 0; m0 < rows_padded; m0 += kRowsPerBlock) {
-      const uint16_t* a0 = x + m0 * ldx;
+    for (int64_t m0 = 0; m0 < M; m0 += kRowsPerBlock) {
+      const uint16_t* a0 = m0 < full_rows ? x + m0 * ldx : tail_rows + (m0 - full_rows) * ldx;
       const uint16_t* a1 = a0 + 16 * ldx;
       Tiles::template zero<0>();
       Tiles::template zero<1>();
@@ -253,19 +254,25 @@ FP8KV_AMX_TARGET void panel_range(const uint16_t* x, int64_t rows_padded, int64_
   Tiles::release();
 }
 
-// y [M, N] = x [M, K] (bfloat16 words, row stride ldx) . the packed panels [P, K2, 16, 2] + bias. x is copied
-// once into rows and features padded to the tiles' 32 (zeros), so no tile reads past its operand.
+// y [M, N] = x [M, K] (bfloat16 words, row stride ldx) . the packed panels [P, K2, 16, 2] + bias. The tiles read
+// 32 rows x 32 features at a time: x is read in place where its rows hold a multiple of 32 features; a last
+// partial block of rows (and every row, for other feature counts) is copied, zero-padded.
 // parallel(n, fn) runs fn(begin, end) over [0, n) in chunks (at::parallel_for in the op library).
 template <class Tiles, typename y_t, typename Parallel>
 void linear(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, const uint16_t* panels, int64_t P, int64_t K2,
             y_t* y, int64_t N, const float* bias, Parallel&& parallel) {
-  const int64_t rows_padded = (M + kRowsPerBlock - 1) / kRowsPerBlock * kRowsPerBlock;
   const int64_t ld = (2 * K2 + 2 * kPairsPerTile - 1) / (2 * kPairsPerTile) * (2 * kPairsPerTile);
-  std::vector<uint16_t> padded(static_cast<size_t>(rows_padded * ld), 0);
-  for (int64_t m = 0; m < M; ++m) std::memcpy(padded.data() + m * ld, x + m * ldx, K * sizeof(uint16_t));
+  const bool in_place = ld == ldx && K == ldx;
+  const int64_t full_rows = in_place ? M / kRowsPerBlock * kRowsPerBlock : 0;
+  const int64_t copied_rows = M - full_rows;
+  std::vector<uint16_t> padded(static_cast<size_t>((copied_rows + kRowsPerBlock - 1) / kRowsPerBlock *
+                                                   kRowsPerBlock * ld), 0);
+  for (int64_t m = 0; m < copied_rows; ++m) {
+    std::memcpy(padded.data() + m * ld, x + (full_rows + m) * ldx, K * sizeof(uint16_t));
+  }
   const int64_t pairs = (P + 1) / 2;
   parallel(pairs, [&](int64_t begin, int64_t end) {
-    panel_range<Tiles>(padded.data(), rows_padded, ld, panels, K2, 2 * begin, std::min(P, 2 * end), y, M, N, bias);
+    panel_range<Tiles>(x, full_rows, padded.data(), ld, panels, K2, 2 * begin, std::min(P, 2 * end), y, M, N, bias);
   });
 }
 
