@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp8cache.backends.cpu import model_dtype
+from fp8cache.backends.cpu import model_dtype, packed_linear
 
 pytestmark = pytest.mark.real_auto_dtype
 
@@ -39,25 +39,26 @@ def test_without_native_bfloat16_the_measurement_decides(features, faster):
     assert "measured" in choice.reason
 
 
-def test_the_measurement_compares_the_two_dtypes(monkeypatch):
-    """measure_bfloat16_faster follows the times it sees, at every shape and batch it tries."""
+def test_the_measurement_races_the_engines_kernels_for_each_dtype(monkeypatch):
+    """measure_bfloat16_faster times, at the probe's shapes, what pack_linears would run for each dtype (fp8kv's
+    panels where they run, else F.linear), and follows the times it sees."""
     seen = []
 
-    def timed(slow_dtype):
-        def best_time(call, x, weight, repeats):
-            assert call is model_dtype.F.linear and x.dtype == weight.dtype
-            seen.append((x.dtype, x.shape[0], tuple(weight.shape)))
-            return 2.0 if x.dtype == slow_dtype else 1.0
-        return best_time
+    def race(candidates, shapes):
+        assert shapes == frozenset(model_dtype._SHAPES)
+        seen.append([dtype for _, dtype in candidates])
+        linear = torch.nn.Linear(8, 4)
+        for make, dtype in candidates:
+            want = packed_linear.engine_linear(dtype)(linear.to(dtype))
+            assert type(make(linear.to(dtype))) is type(want)
+        return [slow if dtype == torch.float32 else 1.0 for _, dtype in candidates]
 
-    monkeypatch.setattr(model_dtype, "best_time", timed(torch.bfloat16))
-    assert model_dtype.measure_bfloat16_faster() is False
-    assert len(seen) == 2 * len(model_dtype._SHAPES) * len(model_dtype._ROWS)
-    monkeypatch.setattr(model_dtype, "best_time", timed(torch.float32))
+    monkeypatch.setattr(packed_linear, "race", race)
+    slow = 2.0
     assert model_dtype.measure_bfloat16_faster() is True
-    x, weight = torch.randn(3, 8), torch.randn(4, 8)
-    monkeypatch.undo()
-    assert model_dtype.best_time(model_dtype.F.linear, x, weight, repeats=2) > 0
+    slow = 0.5
+    assert model_dtype.measure_bfloat16_faster() is False
+    assert seen == [[torch.float32, torch.bfloat16]] * 2
 
 
 def test_this_machine_gets_an_answer_once(monkeypatch, tmp_path):

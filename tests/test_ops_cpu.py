@@ -300,15 +300,16 @@ def _cpu_has(flag: str) -> bool:
 @pytest.mark.parametrize("isa", ["scalar", "avx2"])
 def test_other_isa_builds(isa):
     """The op library built for a lower CPU path (its own cache key) passes the FP8 conversion tests
-    (fp8.h's scalar encoder there, the vector one in an AVX-512 build) and every attention case, paged and
-    window: AVX2's own FP8 kernel (attention_avx2.h) and the portable one run them all. The library is
+    (fp8.h's scalar encoder there, the vector one in an AVX-512 build), every attention case, paged and
+    window (AVX2's own FP8 kernel, attention_avx2.h, and the portable one run them all), and the panel linear
+    kernels' (AVX2's tiles, panel_tiles_avx2.h, and the portable loops). The library is
     registered per process, so this runs pytest in a child process."""
     if isa == "avx2" and not (_cpu_has("avx2") and _cpu_has("avx512f")):
         pytest.skip("avx2 is only a separate path on an AVX-512 machine")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     files = [Path(__file__), Path(__file__).with_name("test_fp8_conversion.py"),
-             Path(__file__).with_name("test_window_ops.py")]
+             Path(__file__).with_name("test_window_ops.py"), Path(__file__).with_name("test_packed_linear.py")]
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--cpu-isa", isa, *map(str, files)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=1800, check=False)

@@ -67,7 +67,7 @@ def test_float32_models_are_packed_where_the_probe_finds_it_faster(tiny_llama_pa
         monkeypatch.setattr(packed_linear, "cpu_features", lambda: packed_linear.CpuFeatures("", False, False))
     linears = sum(type(m) is nn.Linear for m in fp32.modules())
     assert packed_linear.pack_linears(fp32, torch.device("cpu")) == (linears if pays else 0)
-    panels = compiled_ops and torch.ops.fp8kv.cpu_isa() == "avx512"
+    panels = compiled_ops and torch.ops.fp8kv.cpu_isa() in ("avx512", "avx2")
     q_proj = fp32.model.layers[0].self_attn.q_proj
     assert probed and (tuple(q_proj.weight.shape) in probed[0][0]) and probed[0][1] == panels
     packed = [m for m in fp32.modules() if isinstance(m, packed_linear.PackedLinear)]
@@ -142,7 +142,7 @@ def test_the_probe_streams_decode_batches_over_more_weights_than_the_cache_holds
             seen.setdefault(x.shape[0], set()).add(linear.weight.data_ptr())
         return call
 
-    packed_linear._race([candidate], frozenset({(128, 256)}), torch.bfloat16)  # 64 KB a copy
+    packed_linear.race([(candidate, torch.bfloat16)], frozenset({(128, 256)}))  # 64 KB a copy
     assert len(seen[16]) == (3 << 19) // (128 * 256 * 2) == 24
     assert len(seen[256]) == 1
 
@@ -280,7 +280,7 @@ FEATURES = {  # CPU kinds: (op library path, AVX512-BF16, AMX) -> (float32 kerne
     "epyc-zen4-zen5": (("avx512", True, False), ("panels", "panels")),
     "xeon-amx": (("avx512", True, True), ("panels", "measured")),
     "avx512-without-bf16": (("avx512", False, False), ("panels", "onednn")),
-    "avx2": (("avx2", False, False), ("onednn", "onednn")),
+    "avx2": (("avx2", False, False), ("panels", "panels")),
     "portable": (("scalar", False, False), ("onednn", "onednn")),
     "no-op-library": (("", False, False), ("onednn", "onednn")),
 }
@@ -343,7 +343,7 @@ def test_a_bfloat16_head_keeps_float32_logits_where_the_panels_run(tiny_llama_pa
         want = F.linear(hidden.float(), model.get_output_embeddings().weight.float())
         packed_linear.pack_linears(model, torch.device("cpu"))
         head = model.get_output_embeddings()
-        expected = features.isa == "avx512" and features.bf16_dot
+        expected = (features.isa == "avx512" and features.bf16_dot) or features.isa == "avx2"
         assert packed_linear.float32_logits(torch.bfloat16, features) == expected
         assert not packed_linear.float32_logits(torch.float32, features)
         if isinstance(head, packed_linear.PackedLinear):

@@ -23,6 +23,9 @@
 #include "cpu/cpu_ops.h"
 #include "cpu/isa.h"
 #include "cpu/panel_tiles.h"
+#if defined(FP8KV_ISA_AVX2)
+#include "cpu/panel_tiles_avx2.h"
+#endif
 // AMX tiles for larger batches (amx_tiles.h), where the compiler knows them (GCC 11, Clang 12); used only
 // where the CPU has them.
 #if defined(FP8KV_ISA_AVX512) && defined(__AVX512BF16__) && defined(__x86_64__) && \
@@ -171,6 +174,10 @@ at::Tensor linear_bf16(const at::Tensor& input, const at::Tensor& packed_weight,
       return;
     }
 #endif
+#if defined(FP8KV_ISA_AVX2)
+    std::vector<float> xf(static_cast<size_t>(M * ldx));  // x widened once: the tiles broadcast floats
+    for (size_t i = 0; i < xf.size(); ++i) xf[i] = static_cast<float>(xp[i]);
+#endif
 #if defined(FP8KV_ISA_AVX512) && defined(__AVX512BF16__)
     const bool pair_major = M > 1 && M <= 16;
     const std::vector<int32_t> transposed = pair_major ? x_pairs(xp, M, K2) : std::vector<int32_t>();
@@ -186,6 +193,16 @@ at::Tensor linear_bf16(const at::Tensor& input, const at::Tensor& packed_weight,
         if (pair_major) tile<decltype(rows)::value, NR, true>(pairs + m, M, panels, K2, y + m * N, N, bg, last);
         else tile<decltype(rows)::value, NR, false>(pairs + m * K2, K2, panels, K2, y + m * N, N, bg, last);
       });
+#elif defined(FP8KV_ISA_AVX2)
+      for (int j = 0; j < NR; ++j) {
+        const uint16_t* panel = reinterpret_cast<const uint16_t*>(panels + j * K2 * 2 * kPanel);
+        y_t* yj = y + j * kPanel;
+        for_row_tiles<4>(M, [&](auto rows, int64_t m) {
+          avx2::bf16_panel_rows<decltype(rows)::value>(xf.data() + m * ldx, ldx, panel, K2,
+                                                       bg ? bg + j * kPanel : nullptr, j == NR - 1 ? last : kPanel,
+                                                       [&](int r, int c, float v) { yj[(m + r) * N + c] = y_t(v); });
+        });
+      }
 #else
       panel_group_scalar(xp, M, ldx, K2, panels, NR, y, N, bg, last);
 #endif

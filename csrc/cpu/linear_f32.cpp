@@ -23,6 +23,9 @@
 #include "cpu/cpu_ops.h"
 #include "cpu/isa.h"
 #include "cpu/panel_tiles.h"
+#if defined(FP8KV_ISA_AVX2)
+#include "cpu/panel_tiles_avx2.h"
+#endif
 
 namespace fp8kv::cpu {
 namespace {
@@ -137,6 +140,16 @@ at::Tensor linear_f32(const at::Tensor& input, const at::Tensor& packed_weight, 
       if (feature_major) tile<decltype(rows)::value, NR, true>(xt.data() + m, M, panels, K, y + m * N, N, bg, last);
       else tile<decltype(rows)::value, NR, false>(xp + m * K, K, panels, K, y + m * N, N, bg, last);
     });
+#elif defined(FP8KV_ISA_AVX2)
+    for (int j = 0; j < NR; ++j) {
+      const float* panel = panels + j * K * kPanel;
+      float* yj = y + j * kPanel;
+      for_row_tiles<6>(M, [&](auto rows, int64_t m) {
+        avx2::f32_panel_rows<decltype(rows)::value>(xp + m * K, K, panel, K, bg ? bg + j * kPanel : nullptr,
+                                                    j == NR - 1 ? last : kPanel,
+                                                    [&](int r, int c, float v) { yj[(m + r) * N + c] = v; });
+      });
+    }
 #else
     panel_group_scalar(xp, M, K, panels, NR, y, N, bg, last);
 #endif

@@ -3,8 +3,9 @@
 A decode step streams every weight from memory, so bfloat16's half-size weights win wherever the CPU multiplies
 bfloat16 natively (AMX, AVX512-BF16, Arm's BF16): `fp8kv bench throughput` (16 x 256 in / 128 out) gave 1.9x
 the float32 throughput on an Intel Xeon with AMX and 1.4x on an AMD EPYC with AVX512-BF16. Without such
-instructions oneDNN converts bfloat16 to float32 as it multiplies, and whether the halved bytes pay for that
-depends on the CPU, so a short measurement decides, once per machine (ops/probes.py).
+instructions the kernels widen bfloat16 to float32 as they multiply, and whether the halved bytes pay for that
+depends on the CPU, so a short measurement of the kernels the engine would run decides, once per machine
+(ops/probes.py).
 
 `--dtype auto` on a CPU is this choice, and the startup line says why (fp8cache.device.describe_model_dtype).
 Quality: a bfloat16 model's logits come out of its output projection in float32 (packed_linear.float32_logits);
@@ -20,17 +21,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+from fp8cache.backends.cpu import packed_linear
 from fp8cache.ops import _build, probes
-from fp8cache.ops.probes import best_time
 
 # /proc/cpuinfo feature names of native bfloat16 multiplies, best first, with the names people know them by.
 NATIVE_BF16 = (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX512-BF16"), ("bf16", "Arm BF16"))
-# The measurement: a decoder layer's projections at a SmolLM2-sized width, a decode-sized and a prefill-sized
-# batch (the latter weighted per row like decode ones, as packing's probe does).
+# The measurement: a decoder layer's projections at a SmolLM2-sized width (packed_linear.race times them).
 _SHAPES = ((1728, 576), (576, 576), (576, 1536), (1536, 576))
-_ROWS = ((16, 1.0), (256, 16 / 256))
 
 
 @dataclass(frozen=True)
@@ -56,20 +54,14 @@ def choose(features: set[str], bfloat16_faster: Callable[[], bool]) -> DtypeChoi
 def cpu_auto_dtype() -> DtypeChoice:
     """This machine's choice (memoized: every engine of a process gets the same answer)."""
     return choose(_build.cpu_feature_names(),
-                  lambda: probes.remembered(["bfloat16 model faster"], measure_bfloat16_faster))
+                  lambda: probes.remembered(["bfloat16 model faster", "engine kernels"], measure_bfloat16_faster))
 
 
-def measure_bfloat16_faster(repeats: int = 3) -> bool:
-    """Whether F.linear over bfloat16 weights beats float32 ones at decoder shapes (best of `repeats`)."""
-    generator = torch.Generator().manual_seed(0)
-    totals = {}
-    with torch.no_grad():
-        for dtype in (torch.float32, torch.bfloat16):
-            total = 0.0
-            for out_features, in_features in _SHAPES:
-                weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
-                for rows, share in _ROWS:
-                    x = torch.randn(rows, in_features, generator=generator).to(dtype)
-                    total += share * best_time(F.linear, x, weight, repeats=repeats)
-            totals[dtype] = total
-    return totals[torch.bfloat16] < totals[torch.float32]
+def measure_bfloat16_faster() -> bool:
+    """Whether this machine's linear kernels for bfloat16 weights (packed_linear.engine_linear: fp8kv's panels
+    where they run, else F.linear) beat its float32 ones at decoder shapes, decode batches streaming their
+    weights from memory (packed_linear.race)."""
+    float32, bfloat16 = packed_linear.race(
+        [(packed_linear.engine_linear(dtype), dtype) for dtype in (torch.float32, torch.bfloat16)],
+        frozenset(_SHAPES))
+    return bfloat16 < float32

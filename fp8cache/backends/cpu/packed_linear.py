@@ -188,12 +188,14 @@ def cpu_features() -> CpuFeatures:
 
 def linear_kernel(dtype: torch.dtype, features: CpuFeatures) -> str:
     """"panels" (fp8kv's kernels), "onednn", or "measured" for `dtype` weights on a CPU with `features`. fp8kv's
-    panels need AVX-512 (their portable paths are for correctness, not speed); bfloat16 ones also the AVX512-BF16
-    dot product. With AMX the features do not decide bfloat16: oneDNN's AMX kernels streamed decode batches'
+    panels need AVX-512 or AVX2 (their portable paths are for correctness, not speed); bfloat16 ones in the
+    AVX-512 path also the AVX512-BF16 dot product (AVX2's widen them to float32). With AMX the features do not decide bfloat16: oneDNN's AMX kernels streamed decode batches'
     weights at a quarter of the read bandwidth, and the panels run larger batches on AMX tiles too, so
     bf16_panels_pay measures both ("measured")."""
-    if features.isa != "avx512" or dtype not in (torch.float32, torch.bfloat16):
+    if features.isa not in ("avx512", "avx2") or dtype not in (torch.float32, torch.bfloat16):
         return "onednn"
+    if features.isa == "avx2":  # its own tiles (panel_tiles_avx2.h): oneDNN streamed decode batches slower
+        return "panels"
     if dtype == torch.bfloat16 and not features.bf16_dot:
         return "onednn"
     if dtype == torch.bfloat16 and features.amx:
@@ -208,7 +210,7 @@ def float32_logits(dtype: torch.dtype, features: CpuFeatures | None = None) -> b
     panels keep their float32 sums at no cost in bytes read; on an AMX CPU too, where the head's decode-time
     read of its weight outweighs AMX's lead at prefill (only sampled rows reach the head)."""
     features = features or cpu_features()
-    return dtype == torch.bfloat16 and features.isa == "avx512" and features.bf16_dot
+    return dtype == torch.bfloat16 and ((features.isa == "avx512" and features.bf16_dot) or features.isa == "avx2")
 
 
 def panels_available(dtype: torch.dtype = torch.float32, shapes: frozenset[tuple[int, int]] = frozenset()) -> bool:
@@ -262,9 +264,9 @@ def packing_pays(shapes: frozenset[tuple[int, int]], panels: bool = False) -> bo
 
 
 def measure_packing(shapes: frozenset[tuple[int, int]], panels: bool = False) -> bool:
-    """packing_pays's measurement: packed against F.linear (see _race)."""
-    plain, packed = _race([lambda linear: lambda x: F.linear(x, linear.weight),
-                           lambda linear: PackedLinear(linear, panels)], shapes, torch.float32)
+    """packing_pays's measurement: packed against F.linear (see race)."""
+    plain, packed = race([(_plain, torch.float32), (lambda linear: PackedLinear(linear, panels), torch.float32)],
+                         shapes)
     return packed < plain
 
 
@@ -277,33 +279,50 @@ def bf16_panels_pay(shapes: frozenset[tuple[int, int]]) -> bool:
 
 
 def measure_bf16_panels(shapes: frozenset[tuple[int, int]]) -> bool:
-    """bf16_panels_pay's measurement: both packings of the same bfloat16 weights (see _race)."""
-    onednn, panels = _race([lambda linear: PackedLinear(linear, False), lambda linear: PackedLinear(linear, True)],
-                           shapes, torch.bfloat16)
+    """bf16_panels_pay's measurement: both packings of the same bfloat16 weights (see race)."""
+    onednn, panels = race([(lambda linear: PackedLinear(linear, False), torch.bfloat16),
+                           (lambda linear: PackedLinear(linear, True), torch.bfloat16)], shapes)
     return panels < onednn
 
 
-def _race(candidates: list, shapes: frozenset[tuple[int, int]], dtype: torch.dtype) -> list[float]:
-    """Seconds of each candidate (a maker of a callable from an nn.Linear), summed over up to six of the shapes
-    at a decode-sized and a prefill-sized batch (best of three each, candidates taking turns). The decode-sized
-    batch runs over enough copies of each weight to overflow the last-level cache, as a decode step streams a
-    model's weights from memory; the prefill-sized one, which multiplies far more than it reads, over one."""
+def race(candidates: list, shapes: frozenset[tuple[int, int]]) -> list[float]:
+    """Seconds of each candidate, a (maker of a callable from an nn.Linear, weight dtype) pair, summed over up to
+    six of the shapes at a decode-sized and a prefill-sized batch (best of three each, candidates taking turns).
+    The decode-sized batch runs over enough copies of each weight to overflow the last-level cache, as a decode
+    step streams a model's weights from memory; the prefill-sized one, which multiplies far more than it reads,
+    over one."""
     probe = sorted(s for s in shapes if s[0] * s[1] <= _PROBE_MAX_WEIGHT)[:6] or [(512, 512)]
     streamed = min(_PROBE_MAX_BYTES, 3 * _last_level_cache_bytes() // 2)
     generator = torch.Generator().manual_seed(0)
     spent = [0.0] * len(candidates)
     with torch.no_grad():
         for out_features, in_features in probe:
-            base = nn.Linear(in_features, out_features, bias=False).to(dtype)
-            copies = min(_PROBE_MAX_COPIES, max(1, streamed // (base.weight.numel() * base.weight.element_size())))
-            linears = [base, *(_copy_of(base) for _ in range(copies - 1))]
-            calls = [[make(linear) for linear in linears] for make in candidates]
-            decode = torch.randn(_BATCH_HINT, in_features, generator=generator).to(dtype)
-            prefill = torch.randn(_PROBE_ROWS, in_features, generator=generator).to(dtype)
-            for i, each_copy in enumerate(calls):
-                spent[i] += best_time(lambda x, fns=each_copy: [fn(x) for fn in fns], decode) / copies
-                spent[i] += best_time(each_copy[0], prefill) * _BATCH_HINT / _PROBE_ROWS
+            decode = torch.randn(_BATCH_HINT, in_features, generator=generator)
+            prefill = torch.randn(_PROBE_ROWS, in_features, generator=generator)
+            runs = []
+            for make, dtype in candidates:
+                base = nn.Linear(in_features, out_features, bias=False).to(dtype)
+                size = base.weight.numel() * base.weight.element_size()
+                copies = min(_PROBE_MAX_COPIES, max(1, streamed // size))
+                calls = [make(linear) for linear in [base, *(_copy_of(base) for _ in range(copies - 1))]]
+                runs.append((calls, decode.to(dtype), prefill.to(dtype)))
+            for i, (calls, x_decode, x_prefill) in enumerate(runs):
+                spent[i] += best_time(lambda x, fns=calls: [fn(x) for fn in fns], x_decode) / len(calls)
+                spent[i] += best_time(calls[0], x_prefill) * _BATCH_HINT / _PROBE_ROWS
     return spent
+
+
+def _plain(linear: nn.Linear):
+    """F.linear over the module's own weight, as an unpacked layer runs."""
+    return lambda x: F.linear(x, linear.weight)
+
+
+def engine_linear(dtype: torch.dtype):
+    """A maker of what pack_linears gives a `dtype` layer on this machine (for measurements): fp8kv's panels
+    where linear_kernel picks them, else F.linear (a float32 layer on the panels only where packing pays)."""
+    if linear_kernel(dtype, cpu_features()) == "panels":
+        return lambda linear: PackedLinear(linear, True)
+    return _plain
 
 
 def _copy_of(linear: nn.Linear) -> nn.Linear:
