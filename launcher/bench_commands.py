@@ -143,6 +143,35 @@ def _device(name: str) -> str:
         raise click.BadParameter(str(exc), param_hint="--device") from exc
 
 
+CPU_ISA_OPT = click.option(
+    "--cpu-isa", type=click.Choice(["native", "avx512", "avx2", "scalar"]), default="native", show_default=True,
+    help="The CPU kernels to measure: native (the best path this CPU runs), or a lower one it also runs (avx2; "
+         "scalar, the portable C++ that Arm machines run), built beside the native one on first use.")
+
+
+def load_cpu_path(device, cpu_isa: str) -> None:
+    """Loads the op library of `cpu_isa` into this process before anything else does, so that the bench's
+    engines and kernels run it; a clear error where it cannot be."""
+    from fp8cache import ops
+
+    if cpu_isa == "native":
+        ops.load(device)
+        return
+    if str(device) != "cpu":
+        raise click.BadParameter(f"{cpu_isa} is a CPU path; add --device cpu", param_hint="--cpu-isa")
+    try:
+        ops.load(device, cpu_isa=cpu_isa)
+    except (RuntimeError, ValueError) as exc:
+        raise click.BadParameter(str(exc), param_hint="--cpu-isa") from exc
+
+
+def _cpu_path(device: str) -> str | None:
+    """The CPU path (avx512, avx2, scalar) of the op library this process runs, on a CPU."""
+    import torch
+
+    return torch.ops.fp8kv.cpu_isa() if device == "cpu" and hasattr(torch.ops.fp8kv, "cpu_isa") else None
+
+
 def _set_threads(threads: int | None) -> None:
     if threads is not None:
         import torch
@@ -229,11 +258,12 @@ def _check_text(text_path: str | None) -> str:
 @_THREADS_OPT
 @_TEXT_OPT
 @_DEVICE_OPT
+@CPU_ISA_OPT
 @_JSON_OPT
 @_PLOT_OPT
 def throughput(model, num_prompts, input_len, output_len, kv_cache_dtypes, compare, repeats, dtype, peer_dtype,
                kv_cache_memory, max_num_seqs, max_num_batched_tokens, num_shard, kv_recent_window,
-               kv_recent_window_dtype, threads, text_path, device, as_json, plot_path) -> None:
+               kv_recent_window_dtype, threads, text_path, device, cpu_isa, as_json, plot_path) -> None:
     """Offline throughput per kv-cache dtype (and transformers with --compare hf), measured in one run."""
     from fp8cache.bench import plot
     from fp8cache.bench import throughput as bench
@@ -243,6 +273,10 @@ def throughput(model, num_prompts, input_len, output_len, kv_cache_dtypes, compa
     _check_plot(plot_path)
     text_path = _check_text(text_path)
     device = _device(device)
+    if cpu_isa != "native" and num_shard > 1:  # the other ranks are processes of their own, which load the native path
+        raise click.BadParameter("a lower CPU path runs in this process only; drop --num-shard", param_hint="--cpu-isa")
+    if device == "cpu" or cpu_isa != "native":
+        load_cpu_path(device, cpu_isa)
     _set_threads(threads)
     rows, interrupted = _collect(lambda bar: bench.iter_throughput(
         model, tuple(dtypes), num_prompts, input_len, output_len, tuple(compare), repeats, dtype,
@@ -250,9 +284,13 @@ def throughput(model, num_prompts, input_len, output_len, kv_cache_dtypes, compa
         threads_per_rank=threads, kv_recent_window=windows, kv_recent_window_dtype=kv_recent_window_dtype,
         peer_dtype=peer_dtype, device=device, text_path=text_path))
     bench.add_ratios(rows)
+    path = _cpu_path(device)
+    for r in rows:
+        if path and r["engine"] == "fp8kv":
+            r["cpu_path"] = path
     shards = f", fp8kv over {num_shard} tensor-parallel ranks" if num_shard > 1 else ""
     table = Table(title=f"offline throughput, {num_prompts} prompts, {input_len} in / {output_len} out"
-                        f"{shards}\n{_machine_line(rows)}")
+                        f"{shards}\n{_machine_line(rows)}" + (f", fp8kv's CPU path {path}" if path else ""))
     by_window = any("vs_window0" in r for r in rows)
     for col in ("engine", "dtype", "kv cache", "req/s", "output tok/s", "total tok/s", "elapsed s", "vs auto",
                 "vs transformers") + (("vs window 0",) if by_window else ()):

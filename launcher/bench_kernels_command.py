@@ -11,6 +11,8 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from launcher.bench_commands import CPU_ISA_OPT, load_cpu_path
+
 console = Console(stderr=True)
 
 
@@ -40,17 +42,12 @@ def _parse_shapes(text: str) -> list[tuple[int, int]]:
 @click.option("--device", default="auto", show_default=True,
               help="Where the caches live and the kernels run: auto (the first GPU if torch sees one, else the "
                    "CPU), cpu, cuda or cuda:N.")
-@click.option("--cpu-isa", type=click.Choice(["native", "avx512", "avx2", "scalar"]), default="native",
-              show_default=True,
-              help="The CPU kernels to measure: native (the best path this CPU runs), or a lower one it also runs "
-                   "(avx2; scalar, the portable C++ that Arm machines run), built beside the native one on first "
-                   "use.")
+@CPU_ISA_OPT
 def bench_kernels(shapes: str, num_heads: int, num_kv_heads: int, head_size: int, block_size: int,
                   repeats: int, settle_ms: float, as_json: bool, device: str, cpu_isa: str) -> None:
     """Decode attention per kv-cache dtype vs torch SDPA on a dense float32 cache."""
     import torch
 
-    from fp8cache import ops
     from fp8cache.bench import kernels, machine
 
     if num_heads % num_kv_heads:
@@ -61,15 +58,7 @@ def bench_kernels(shapes: str, num_heads: int, num_kv_heads: int, head_size: int
         device = resolve_device(device)
     except DeviceError as exc:
         raise click.BadParameter(str(exc), param_hint="--device") from exc
-    if cpu_isa == "native":
-        ops.load(device)
-    else:  # a lower path, loaded before the bench's own load, which then reuses it
-        if device.type != "cpu":
-            raise click.BadParameter(f"{cpu_isa} is a CPU path; add --device cpu", param_hint="--cpu-isa")
-        try:
-            ops.load(device, cpu_isa=cpu_isa)
-        except (RuntimeError, ValueError) as exc:
-            raise click.BadParameter(str(exc), param_hint="--cpu-isa") from exc
+    load_cpu_path(device, cpu_isa)  # a lower path is loaded before the bench's own load, which then reuses it
     info = machine.describe()
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{info['threads']} threads"
     path = f", CPU path {torch.ops.fp8kv.cpu_isa()}" if device.type == "cpu" else ""

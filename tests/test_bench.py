@@ -24,6 +24,7 @@ from fastapi import FastAPI, Request  # module level: the route's annotation mus
 from fastapi.responses import JSONResponse, StreamingResponse
 
 import fp8cache.ops as fp8cache_ops
+from fp8cache.ops import _build
 from launcher import bench_commands
 
 SMALL = ["--num-prompts", "4", "--input-len", "32", "--output-len", "8"]
@@ -178,6 +179,28 @@ def test_throughput_compares_recent_windows_side_by_side(default_model_path):
     assert rows[2]["capacity_tokens"] < rows[1]["capacity_tokens"]  # the window's memory comes out of the budget
     assert "vs_window0" not in rows[1]
     assert rows[2]["vs_window0"] == pytest.approx(rows[2]["output_tokens_per_s"] / rows[1]["output_tokens_per_s"])
+
+
+@pytest.mark.slow
+def test_throughput_runs_a_lower_cpu_path_on_request(default_model_path):
+    """--cpu-isa avx2: the engines run the op library built for AVX2 CPUs (Zen 2/3, Haswell to Cascade Lake),
+    and the fp8kv rows say so. In its own process: a process holds one op library."""
+    if "avx2" not in _build.cpu_feature_names():
+        pytest.skip("this CPU has no AVX2")
+    args = ["bench", "throughput", default_model_path, *SMALL, *THREADS, "--kv-cache-dtype", "fp8_e4m3",
+            "--kv-cache-memory", "32MiB", "--device", "cpu", "--cpu-isa", "avx2", "--json"]
+    done = subprocess.run([sys.executable, "-m", "launcher.cli", *args], capture_output=True, text=True, timeout=900,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(done.stdout)
+    assert [(r["engine"], r["cpu_path"]) for r in rows] == [("fp8kv", "avx2")]
+    _assert_rates_consistent(rows[0], 4, 32, 8)
+
+
+def test_throughput_keeps_a_lower_cpu_path_to_one_process(default_model_path):
+    result = CliRunner().invoke(bench_commands.throughput, [default_model_path, "--device", "cpu", "--cpu-isa", "avx2",
+                                                            "--num-shard", "2"])
+    assert result.exit_code != 0 and "--cpu-isa" in result.output and "--num-shard" in result.output
 
 
 def test_throughput_refuses_a_bad_window_list(default_model_path):
@@ -457,12 +480,12 @@ def test_ctrl_c_prints_the_rows_measured_so_far(monkeypatch):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(throughput, "iter_throughput", interrupted)
-    result = CliRunner().invoke(bench_commands.throughput,
-                                ["--json", "--kv-cache-dtype", "auto", "--kv-cache-dtype", "fp8,fp8_e5m2,auto"])
+    result = CliRunner().invoke(bench_commands.throughput, ["--json", "--device", "cpu", "--kv-cache-dtype", "auto",
+                                                            "--kv-cache-dtype", "fp8,fp8_e5m2,auto"])
     assert result.exit_code == bench_commands.EXIT_INTERRUPTED
     assert calls[0][1] == ("auto", "fp8_e4m3", "fp8_e5m2")  # repeated and comma lists, fp8 resolved
-    assert json.loads(result.stdout) == [dict(row, vs_auto=1.0)]
-    result = CliRunner().invoke(bench_commands.throughput, [])
+    assert json.loads(result.stdout) == [dict(row, vs_auto=1.0, cpu_path=torch.ops.fp8kv.cpu_isa())]
+    result = CliRunner().invoke(bench_commands.throughput, ["--device", "cpu"])
     assert result.exit_code == bench_commands.EXIT_INTERRUPTED and "5.0" in result.stdout
 
 
