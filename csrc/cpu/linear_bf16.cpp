@@ -194,14 +194,25 @@ at::Tensor linear_bf16(const at::Tensor& input, const at::Tensor& packed_weight,
         else tile<decltype(rows)::value, NR, false>(pairs + m * K2, K2, panels, K2, y + m * N, N, bg, last);
       });
 #elif defined(FP8KV_ISA_AVX2)
+      std::vector<float> widened;  // batches over 16 rows: a panel widened once, then float32 tiles over all rows
       for (int j = 0; j < NR; ++j) {
         const uint16_t* panel = reinterpret_cast<const uint16_t*>(panels + j * K2 * 2 * kPanel);
         y_t* yj = y + j * kPanel;
-        for_row_tiles<4>(M, [&](auto rows, int64_t m) {
-          avx2::bf16_panel_rows<decltype(rows)::value>(xf.data() + m * ldx, ldx, panel, K2,
-                                                       bg ? bg + j * kPanel : nullptr, j == NR - 1 ? last : kPanel,
-                                                       [&](int r, int c, float v) { yj[(m + r) * N + c] = y_t(v); });
-        });
+        const float* bj = bg ? bg + j * kPanel : nullptr;
+        const int cols = j == NR - 1 ? last : kPanel;
+        auto store = [&](int64_t m) { return [yj, m, N](int r, int c, float v) { yj[(m + r) * N + c] = y_t(v); }; };
+        if (M > 16) {
+          widened.resize(static_cast<size_t>(2 * K2 * kPanel));
+          avx2::widen_bf16_panel(panel, K2, widened.data());
+          for_row_tiles<6>(M, [&](auto rows, int64_t m) {
+            avx2::f32_panel_rows<decltype(rows)::value>(xf.data() + m * ldx, ldx, widened.data(), 2 * K2, bj, cols,
+                                                        store(m));
+          });
+        } else {
+          for_row_tiles<4>(M, [&](auto rows, int64_t m) {
+            avx2::bf16_panel_rows<decltype(rows)::value>(xf.data() + m * ldx, ldx, panel, K2, bj, cols, store(m));
+          });
+        }
       }
 #else
       panel_group_scalar(xp, M, ldx, K2, panels, NR, y, N, bg, last);

@@ -89,4 +89,18 @@ inline void bf16_panel_rows(const float* x, int64_t ldx, const uint16_t* panel, 
   store_tile(out, bias, cols, store);
 }
 
+// A bfloat16 panel ([K2][16][2] words) as a float32 one ([2 * K2][16] floats), for f32_panel_rows: larger
+// batches widen each weight once instead of once per 4-row tile (256 rows, 15 of the default model's layers:
+// 132.8 -> 112.8 ms, against 107.0 for float32 weights).
+inline void widen_bf16_panel(const uint16_t* panel, int64_t K2, float* out) {
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t kk = 0; kk < K2; ++kk) {
+    for (int h = 0; h < 2; ++h) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + kk * 32 + 16 * h));
+      _mm256_storeu_ps(out + (2 * kk) * 16 + 8 * h, _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16)));
+      _mm256_storeu_ps(out + (2 * kk + 1) * 16 + 8 * h, _mm256_castsi256_ps(_mm256_and_si256(raw, high)));
+    }
+  }
+}
+
 }  // namespace fp8kv::cpu::avx2
