@@ -2,7 +2,7 @@
 // its AVX512-BF16 kernel reads: a panel's K2 x 16 x 2 words are, 16 pairs at a time, exactly the "B" operand
 // of TDPBF16PS (16 rows of 16 column pairs), so one packed copy serves both kernels. The dot-product kernel
 // keeps decode batches (a few rows: one pass over the weights, bound by memory); AMX takes batches of
-// more than kAmxMinRows rows, where the multiplies bound the time and oneDNN's AMX kernels ran several times
+// kAmxMinRows rows and more, where the multiplies bound the time and oneDNN's AMX kernels ran several times
 // faster than the dot products.
 //
 // Torch-free, and templated on the tile instructions: AmxHardware issues them; AmxEmulated runs their
