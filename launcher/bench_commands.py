@@ -165,11 +165,11 @@ def load_cpu_path(device, cpu_isa: str) -> None:
         raise click.BadParameter(str(exc), param_hint="--cpu-isa") from exc
 
 
-def _cpu_path(device: str) -> str | None:
+def cpu_path(device) -> str | None:
     """The CPU path (avx512, avx2, scalar) of the op library this process runs, on a CPU."""
     import torch
 
-    return torch.ops.fp8kv.cpu_isa() if device == "cpu" and hasattr(torch.ops.fp8kv, "cpu_isa") else None
+    return torch.ops.fp8kv.cpu_isa() if str(device) == "cpu" and hasattr(torch.ops.fp8kv, "cpu_isa") else None
 
 
 def _set_threads(threads: int | None) -> None:
@@ -284,7 +284,7 @@ def throughput(model, num_prompts, input_len, output_len, kv_cache_dtypes, compa
         threads_per_rank=threads, kv_recent_window=windows, kv_recent_window_dtype=kv_recent_window_dtype,
         peer_dtype=peer_dtype, device=device, text_path=text_path))
     bench.add_ratios(rows)
-    path = _cpu_path(device)
+    path = cpu_path(device)
     for r in rows:
         if path and r["engine"] == "fp8kv":
             r["cpu_path"] = path

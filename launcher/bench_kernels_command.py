@@ -11,7 +11,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from launcher.bench_commands import CPU_ISA_OPT, load_cpu_path
+from launcher.bench_commands import CPU_ISA_OPT, cpu_path, load_cpu_path
 
 console = Console(stderr=True)
 
@@ -61,8 +61,8 @@ def bench_kernels(shapes: str, num_heads: int, num_kv_heads: int, head_size: int
     load_cpu_path(device, cpu_isa)  # a lower path is loaded before the bench's own load, which then reuses it
     info = machine.describe()
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{info['threads']} threads"
-    path = f", CPU path {torch.ops.fp8kv.cpu_isa()}" if device.type == "cpu" else ""
-    console.print(f"machine: {info['cpu']}, {where}, torch {info['torch']}{path}")
+    path = cpu_path(device)
+    console.print(f"machine: {info['cpu']}, {where}, torch {info['torch']}" + (f", CPU path {path}" if path else ""))
     with console.status("measuring...") as status:
         rows = kernels.run_kernel_bench(
             _parse_shapes(shapes), num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,

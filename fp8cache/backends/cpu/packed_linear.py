@@ -189,9 +189,9 @@ def cpu_features() -> CpuFeatures:
 def linear_kernel(dtype: torch.dtype, features: CpuFeatures) -> str:
     """"panels" (fp8kv's kernels), "onednn", or "measured" for `dtype` weights on a CPU with `features`. fp8kv's
     panels need AVX-512 or AVX2 (their portable paths are for correctness, not speed); bfloat16 ones in the
-    AVX-512 path also the AVX512-BF16 dot product (AVX2's widen them to float32). With AMX the features do not decide bfloat16: oneDNN's AMX kernels streamed decode batches'
-    weights at a quarter of the read bandwidth, and the panels run larger batches on AMX tiles too, so
-    bf16_panels_pay measures both ("measured")."""
+    AVX-512 path also the AVX512-BF16 dot product (AVX2's widen them to float32). With AMX the features do not
+    decide bfloat16: oneDNN's AMX kernels streamed decode batches' weights at a quarter of the read bandwidth,
+    and the panels run larger batches on AMX tiles too, so bf16_panels_pay measures both ("measured")."""
     if features.isa not in ("avx512", "avx2") or dtype not in (torch.float32, torch.bfloat16):
         return "onednn"
     if features.isa == "avx2":  # its own tiles (panel_tiles_avx2.h): oneDNN streamed decode batches slower
@@ -333,10 +333,10 @@ def _copy_of(linear: nn.Linear) -> nn.Linear:
 
 def _last_level_cache_bytes() -> int:
     """The CPU's largest cache, as Linux reports it (32 MiB where it does not)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     sizes = []
     for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
         text = path.read_text().strip()
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
         try:
             sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
         except (ValueError, IndexError):
