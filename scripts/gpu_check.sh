@@ -31,13 +31,14 @@ step() {
   shift
   echo "== $name"
   if "$@" >"$out/$name.log" 2>&1; then
-    summary+=("$(printf '%-11s %-5s %5ss  %s' "$name" ok $((SECONDS - start)) "$(note "$name")")")
+    summary+=("$name ok $((SECONDS - start))")
   else
     status=1
-    summary+=("$(printf '%-11s %-5s %5ss  see %s' "$name" FAIL $((SECONDS - start)) "$out/$name.log")")
+    summary+=("$name FAIL $((SECONDS - start))")
     tail -30 "$out/$name.log"
   fi
 }
+# A step's note is written after it ran, so the summary reads them at the end.
 note() { [ -f "$out/$1.note" ] && head -c 300 "$out/$1.note" | tr '\n' ' '; }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1 | tee "$out/gpu.txt"
@@ -188,5 +189,12 @@ fi
 
 echo
 echo "== summary ($(head -1 "$out/gpu.txt" | tail -1), model $MODEL)"
-printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"
+for row in "${summary[@]}"; do
+  read -r name result secs <<< "$row"
+  if [ "$result" = ok ]; then
+    printf '%-11s %-5s %5ss  %s\n' "$name" ok "$secs" "$(note "$name")"
+  else
+    printf '%-11s %-5s %5ss  see %s\n' "$name" FAIL "$secs" "$out/$name.log"
+  fi
+done | tee "$out/summary.txt"
 exit $status

@@ -1,0 +1,55 @@
+"""scripts/cpu_check.sh, the CPU acceptance run: its machine step reports the choices the library makes here,
+its kernels step turns `bench kernels` into the two attention targets, and a step that fails shows in the
+summary and the exit status. (The throughput, single-stream and llama.cpp steps take minutes: not run here.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fp8cache import ops
+from fp8cache.backends.cpu import model_dtype, packed_linear
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "cpu_check.sh"
+
+pytestmark = pytest.mark.slow
+
+
+def _check(tmp_path: Path, *steps: str, python: str = sys.executable) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": python}
+    return subprocess.run(["bash", str(SCRIPT), *steps], env=env, check=False, capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.mark.real_auto_dtype
+def test_machine_and_kernels_steps(tmp_path):
+    done = _check(tmp_path, "machine", "kernels")
+    assert done.returncode == 0, done.stdout + done.stderr
+    summary = (tmp_path / "summary.txt").read_text()
+    machine = (tmp_path / "machine.log").read_text()
+    assert f"--dtype auto: {model_dtype.cpu_auto_dtype().describe()}" in machine
+    ops.load("cpu")
+    features = packed_linear.cpu_features()
+    assert f"op library path {features.isa}, AVX512-BF16 dot {features.bf16_dot}, AMX {features.amx}" in machine
+    assert "machine    ok" in summary and "kernels    ok" in summary
+
+    rows = json.loads((tmp_path / "kernels.json").read_text())
+    fp8 = next(r for r in rows if r["kv_cache_dtype"] == "fp8_e4m3")
+    bf16 = next(r for r in rows if r["kv_cache_dtype"] == "auto" and r["dtype"] == "bfloat16")
+    ratio, share = round(fp8["ms"] / bf16["ms"], 2), round(100 * fp8["kv_gbps"] / fp8["read_bw_gbps"])
+    time_row = next(line for line in summary.splitlines() if line.startswith("kernels 8x8192: fp8 / bf16 time"))
+    share_row = next(line for line in summary.splitlines() if line.startswith("kernels 8x8192: fp8 KV read"))
+    assert f"{ratio:.2f}x" in time_row and time_row.endswith("met" if ratio <= 0.50 else "MISSED")
+    assert f"{share}%" in share_row and share_row.endswith("met" if share >= 70 else "MISSED")
+
+
+def test_a_failed_step_fails_the_run(tmp_path):
+    done = _check(tmp_path, "machine", python=str(tmp_path / "no-such-python"))
+    assert done.returncode == 1
+    assert "machine    FAIL" in done.stdout and str(tmp_path / "machine.log") in done.stdout
