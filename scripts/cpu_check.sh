@@ -23,26 +23,7 @@ if [ ${#steps[@]} -eq 0 ]; then
   steps=(machine amx kernels throughput single)
   [ -n "${LLAMA_BENCH:-}" ] && [ -n "${GGUF:-}" ] && steps+=(llama)
 fi
-summary=()
-status=0
-
-want() { local s; for s in "${steps[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
-
-# step NAME COMMAND...: run, time, record; the command's output goes to $out/NAME.log.
-step() {
-  local name="$1" start=$SECONDS
-  shift
-  echo "== $name"
-  if "$@" >"$out/$name.log" 2>&1; then
-    summary+=("$name ok $((SECONDS - start))")
-  else
-    status=1
-    summary+=("$name FAIL $((SECONDS - start))")
-    tail -30 "$out/$name.log"
-  fi
-}
-# A step's note is written after it ran, so the summary reads them at the end.
-note() { [ -f "$out/$1.note" ] && head -c 400 "$out/$1.note" | tr '\n' ' '; }
+source scripts/check_steps.sh
 
 if want machine; then
   machine_report() {
@@ -174,14 +155,7 @@ fi
 
 echo
 echo "== summary ($(grep -m1 'Model name' <(lscpu) | sed 's/Model name: *//'), $THREADS threads)"
-for row in "${summary[@]}"; do
-  read -r name result secs <<< "$row"
-  if [ "$result" = ok ]; then
-    printf '%-10s %-5s %5ss  %s\n' "$name" ok "$secs" "$(note "$name")"
-  else
-    printf '%-10s %-5s %5ss  see %s\n' "$name" FAIL "$secs" "$out/$name.log"
-  fi
-done | tee "$out/summary.txt"
+print_summary
 if [ ${#targets[@]} -gt 0 ]; then
   echo
   printf '%s\n' "${targets[@]}" | tee -a "$out/summary.txt"

@@ -20,26 +20,7 @@ PY="${PYTHON:-python3}"
 fp8kv() { "$PY" -c "from launcher.cli import main; main()" "$@"; }
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(build ops engine eval serve kernels throughput)
-summary=()
-status=0
-
-want() { local s; for s in "${steps[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
-
-# step NAME COMMAND...: run, time, record; the command's output goes to $out/NAME.log.
-step() {
-  local name="$1" start=$SECONDS
-  shift
-  echo "== $name"
-  if "$@" >"$out/$name.log" 2>&1; then
-    summary+=("$name ok $((SECONDS - start))")
-  else
-    status=1
-    summary+=("$name FAIL $((SECONDS - start))")
-    tail -30 "$out/$name.log"
-  fi
-}
-# A step's note is written after it ran, so the summary reads them at the end.
-note() { [ -f "$out/$1.note" ] && head -c 300 "$out/$1.note" | tr '\n' ' '; }
+source scripts/check_steps.sh
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1 | tee "$out/gpu.txt"
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())" \
@@ -189,12 +170,5 @@ fi
 
 echo
 echo "== summary ($(head -1 "$out/gpu.txt" | tail -1), model $MODEL)"
-for row in "${summary[@]}"; do
-  read -r name result secs <<< "$row"
-  if [ "$result" = ok ]; then
-    printf '%-11s %-5s %5ss  %s\n' "$name" ok "$secs" "$(note "$name")"
-  else
-    printf '%-11s %-5s %5ss  see %s\n' "$name" FAIL "$secs" "$out/$name.log"
-  fi
-done | tee "$out/summary.txt"
+print_summary
 exit $status
