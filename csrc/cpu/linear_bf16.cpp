@@ -44,7 +44,7 @@ using bf16 = c10::BFloat16;
 typedef int32_t __attribute__((may_alias, aligned(2))) Pair;
 
 // y[m, 16j + c] = bias + sum_k x[m, k] * W[16j + c, k] for an MR x NR tile (rounded once when y_t is
-// bfloat16). x's pair of features 2kk, 2kk + 1 of row m: pairs[kk * ld + m] when kPairMajor (x_pairs: one
+// bfloat16). x's pair of features 2kk, 2kk + 1 of row m: pairs[kk * ld + m] when kPairMajor (feature_major: one
 // pointer reaches every row's pair), else pairs[m * ld + kk] (x's own rows).
 template <int MR, int NR, bool kPairMajor, typename y_t>
 void tile(const Pair* pairs, int64_t ld, const bf16* panels, int64_t K2, y_t* y, int64_t ldy, const float* bias,
@@ -75,19 +75,6 @@ void tile(const Pair* pairs, int64_t ld, const bf16* panels, int64_t K2, y_t* y,
       }
     }
   }
-}
-
-// x's rows as pairs of features, pair-major: out[kk * M + m] = x[m, 2kk .. 2kk + 1], for decode batches of 2 to 16
-// rows. Their 16-row tile read 16 row pointers, more than the registers hold (the compiler kept them in vector
-// registers, a move per broadcast): on Zen 5, one thread, cache-resident weights, 66% of the dot-product peak.
-// Larger batches keep x's rows (their 8-row tiles have registers enough; the copy cost more than it saved).
-std::vector<int32_t> x_pairs(const bf16* x, int64_t M, int64_t K2) {
-  const Pair* rows = reinterpret_cast<const Pair*>(x);
-  std::vector<int32_t> out(static_cast<size_t>(M * K2));
-  for (int64_t kk = 0; kk < K2; ++kk) {
-    for (int64_t m = 0; m < M; ++m) out[kk * M + m] = rows[m * K2 + kk];
-  }
-  return out;
 }
 
 #endif
@@ -179,9 +166,11 @@ at::Tensor linear_bf16(const at::Tensor& input, const at::Tensor& packed_weight,
     for (size_t i = 0; i < xf.size(); ++i) xf[i] = static_cast<float>(xp[i]);
 #endif
 #if defined(FP8KV_ISA_AVX512) && defined(__AVX512BF16__)
-    const bool pair_major = M > 1 && M <= 16;
-    const std::vector<int32_t> transposed = pair_major ? x_pairs(xp, M, K2) : std::vector<int32_t>();
-    const Pair* pairs = pair_major ? transposed.data() : reinterpret_cast<const Pair*>(xp);
+    // x's rows as pairs of features; pair-major for decode batches (on Zen 5, one thread, cache-resident weights,
+    // their 16-row tiles ran at 66% of the dot-product peak over 16 row pointers).
+    const bool pair_major = reads_feature_major(M);
+    const std::vector<int32_t> transposed = pair_major ? feature_major<int32_t>(xp, M, K2) : std::vector<int32_t>();
+    const Pair* pairs = reinterpret_cast<const Pair*>(pair_major ? static_cast<const void*>(transposed.data()) : xp);
 #endif
     for_panel_groups(P, N, M, [&](auto panels_in_tile, int64_t p0, int last) {
       constexpr int NR = decltype(panels_in_tile)::value;

@@ -4,7 +4,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include <ATen/Parallel.h>
 
@@ -45,8 +47,26 @@ void for_panel_groups(int64_t num_panels, int64_t out_features, int64_t M, Fn&& 
   });
 }
 
-#if defined(FP8KV_ISA_AVX512)
 constexpr int64_t kPanelAhead = 256;  // panel rows (64 bytes each) between a weight prefetch and its use: 16 KB
+
+// Decode batches of 2 to 16 rows read x feature-major (feature_major): their 16-row tiles would otherwise read
+// 16 row pointers, more than the registers hold (gcc kept them in vector registers, a move per broadcast).
+// Larger batches keep x's rows: their 8-row tiles have registers enough, and the copy cost more than it saved.
+inline bool reads_feature_major(int64_t M) { return M > 1 && M <= 16; }
+
+// x's M rows of K elements of type T, feature-major: out[k * M + m] = element k of row m. Elements are read
+// with memcpy, so T may be a view of other storage (bfloat16 pairs as int32_t) at any alignment.
+template <typename T>
+std::vector<T> feature_major(const void* rows, int64_t M, int64_t K) {
+  const char* bytes = static_cast<const char*>(rows);
+  std::vector<T> out(static_cast<size_t>(M * K));
+  for (int64_t k = 0; k < K; ++k) {
+    for (int64_t m = 0; m < M; ++m) std::memcpy(&out[k * M + m], bytes + (m * K + k) * sizeof(T), sizeof(T));
+  }
+  return out;
+}
+
+#if defined(FP8KV_ISA_AVX512)
 
 // Lanes of panel j in an NR-panel tile that hold output columns: all 16, or `last` in the tile's last panel.
 template <int NR>

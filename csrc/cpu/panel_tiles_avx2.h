@@ -13,9 +13,9 @@
 #include <cstdint>
 #include <cstring>
 
-namespace fp8kv::cpu::avx2 {
+#include "cpu/panel_tiles.h"
 
-constexpr int64_t kAhead = 256;  // 64-byte panel rows between a weight prefetch and its use: 16 KB
+namespace fp8kv::cpu::avx2 {
 
 // 8 pairs of bfloat16 weights (a panel row's half: 32-bit lane c holds W[c, 2kk] low, W[c, 2kk + 1] high) as the
 // floats of features 2kk (even) and 2kk + 1 (odd): a shift and a mask.
@@ -42,7 +42,7 @@ inline void f32_panel_rows(const float* x, int64_t ldx, const float* panel, int6
   __m256 acc[MR][2];
   for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
-    _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kAhead) * 16), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kPanelAhead) * 16), _MM_HINT_T0);
     const __m256 w0 = _mm256_loadu_ps(panel + k * 16), w1 = _mm256_loadu_ps(panel + k * 16 + 8);
     for (int m = 0; m < MR; ++m) {
       const __m256 xb = _mm256_broadcast_ss(x + m * ldx + k);
@@ -71,7 +71,7 @@ inline void bf16_panel_rows(const float* x, int64_t ldx, const uint16_t* panel, 
     for (int m = 0; m < MR; ++m) acc[s][m][0] = acc[s][m][1] = _mm256_setzero_ps();
   }
   for (int64_t kk = 0; kk < K2; ++kk) {
-    _mm_prefetch(reinterpret_cast<const char*>(panel + (kk + kAhead) * 32), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(panel + (kk + kPanelAhead) * 32), _MM_HINT_T0);
     __m256 even[2], odd[2];
     for (int h = 0; h < 2; ++h) widen_pairs(panel + kk * 32 + 16 * h, even[h], odd[h]);
     for (int m = 0; m < MR; ++m) {
