@@ -101,11 +101,13 @@ def test_packing_pays_follows_the_measured_times(monkeypatch):
     shapes = frozenset({(64, 48), (48, 64)})
     measure = packed_linear.measure_packing  # the measurement itself, not its memo or its file
     ops.load()
-    monkeypatch.setattr(packed_linear, "_PROBE_MAX_BYTES", 0)  # one copy of each weight: each call sleeps
     for panels in (False, True):
+        # One copy of each weight, so that each call sleeps (set again after each undo, which drops it too).
+        monkeypatch.setattr(packed_linear, "_PROBE_MAX_BYTES", 0)
         monkeypatch.setattr(packed_linear.PackedLinear, "forward", slowed(packed_linear.PackedLinear.forward))
         assert not measure(shapes, panels)
         monkeypatch.undo()
+        monkeypatch.setattr(packed_linear, "_PROBE_MAX_BYTES", 0)
         monkeypatch.setattr(packed_linear, "F", SimpleNamespace(linear=slowed(F.linear)))
         assert measure(shapes, panels)
         monkeypatch.undo()
