@@ -59,6 +59,8 @@ fi
 # target NAME FIGURE MET: a row of the targets table (MET: 1 or 0).
 targets=()
 target() { targets+=("$(printf '%-44s %-34s %s' "$1" "$2" "$([ "$3" = 1 ] && echo met || echo MISSED)")"); }
+# holds EXPRESSION: 1 or 0, as Python evaluates it (the figures are decimals, which the shell cannot compare).
+holds() { "$PY" -c "print(int($1))"; }
 
 if want kernels; then
   kernels_bench() { fp8kv bench kernels --device cpu --shapes 8x8192 --repeats 5 --json > "$out/kernels.json"; }
@@ -106,7 +108,7 @@ PY
   tail -1 "$out/throughput.txt" > "$out/throughput.note" 2>/dev/null
   ratio="$(grep -oE '= [0-9.]+x' "$out/throughput.note" 2>/dev/null | grep -oE '[0-9.]+')"
   [ -n "$ratio" ] && target "throughput 16x256/128: >= 3x transformers" "${ratio}x" \
-    "$("$PY" -c "print(int($ratio >= 3))")"
+    "$(holds "$ratio >= 3")"
 fi
 
 # Single-stream decode: one sequence, bfloat16, fp8 cache, 128 new tokens, prompt of L tokens, window W.
@@ -116,10 +118,11 @@ single_tok_s() {
 }
 if want single; then
   single_all() {
-    local case
+    local case rate
     for case in "16 32" "4096 32" "4096 0"; do
       set -- $case
-      echo "fp8kv L=$1 window $2: $(OMP_NUM_THREADS=$THREADS single_tok_s "$1" "$2") tok/s" || return 1
+      rate="$(OMP_NUM_THREADS=$THREADS single_tok_s "$1" "$2")" && [ -n "$rate" ] || return 1
+      echo "fp8kv L=$1 window $2: $rate tok/s"
     done
   }
   step single single_all
@@ -128,11 +131,12 @@ fi
 
 if want llama; then
   llama_all() {  # llama-bench's decode rate, short and at 4096 tokens of context (f16 and q8_0 KV)
-    local extra
+    local extra rate
     for extra in "" "-d 4096" "-d 4096 -fa 1 -ctk q8_0 -ctv q8_0"; do
       # shellcheck disable=SC2086
-      echo "llama.cpp ${extra:-short}: $("$LLAMA_BENCH" -m "$GGUF" -t "$THREADS" -p 0 -n 128 -r 3 $extra -o json \
-        2>/dev/null | "$PY" -c "import json, sys; print(round(json.load(sys.stdin)[0]['avg_ts'], 1))") tok/s" || return 1
+      rate="$("$LLAMA_BENCH" -m "$GGUF" -t "$THREADS" -p 0 -n 128 -r 3 $extra -o json 2>/dev/null \
+        | "$PY" -c "import json, sys; print(round(json.load(sys.stdin)[0]['avg_ts'], 1))")" && [ -n "$rate" ] || return 1
+      echo "llama.cpp ${extra:-short}: $rate tok/s"
     done
   }
   step llama llama_all
@@ -144,11 +148,11 @@ if want llama; then
     theirs_long="$(grep -oE 'd 4096: [0-9.]+' "$out/llama.log" | grep -oE '[0-9.]+$')"
     if [ -n "$ours_short" ] && [ -n "$theirs_short" ]; then
       target "single stream short: >= 0.5x llama.cpp" "$ours_short / $theirs_short tok/s" \
-        "$("$PY" -c "print(int($ours_short >= 0.5 * $theirs_short))")"
+        "$(holds "$ours_short >= 0.5 * $theirs_short")"
     fi
     if [ -n "$ours_long" ] && [ -n "$theirs_long" ]; then
       target "single stream @4096: ahead of llama.cpp" "$ours_long / $theirs_long tok/s" \
-        "$("$PY" -c "print(int($ours_long > $theirs_long))")"
+        "$(holds "$ours_long > $theirs_long")"
     fi
   fi
 fi
