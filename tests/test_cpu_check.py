@@ -50,6 +50,18 @@ def test_machine_and_kernels_steps(tmp_path):
     assert f"{share}%" in share_row and share_row.endswith("met" if share >= 70 else "MISSED")
 
 
+def test_pattern_step_reads_the_three_orders(tmp_path):
+    """The pattern step builds scripts/block_read_probe.cpp and reports a plain-read rate for each order beside
+    the read probe the kernels step divides by."""
+    done = _check(tmp_path, "pattern")
+    assert done.returncode == 0, done.stdout + done.stderr
+    note = (tmp_path / "pattern.note").read_text()
+    assert re.search(r"^read probe \(bench kernels\): [0-9.]+ GB/s$", note, re.MULTILINE)
+    for order in ("a head's 2 KB slab at a time", "a whole 16 KB block at a time", "the same bytes in address order"):
+        rate = re.search(rf"^([0-9.]+) GB/s .*{re.escape(order)}$", note, re.MULTILINE)
+        assert rate and float(rate.group(1)) > 0, note
+
+
 def test_a_failed_step_fails_the_run(tmp_path):
     done = _check(tmp_path, "machine", python=str(tmp_path / "no-such-python"))
     assert done.returncode == 1
