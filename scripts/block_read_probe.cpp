@@ -7,10 +7,10 @@
 // Two threads (THREADS), as the targets state. Blocks are placed as the bench places them (a random permutation).
 // Each pass reads one of two copies of the caches in turn, so no pass finds the one before it in the L3 cache, as
 // the bench's untimed twin calls make sure. Every order prefetches into L2 16 KB ahead, as the kernel does; a
-// read is a 64-byte load xor-ed into a register (AVX-512 where the compiler has it).
+// read is a 64-byte load xor-ed into a register (AVX-512 where the compiler has it). Portable C++ and GCC vector
+// extensions only, so it builds on Arm too.
 #include <omp.h>
 #include <sys/mman.h>
-#include <xmmintrin.h>
 
 #include <algorithm>
 #include <chrono>
@@ -48,7 +48,7 @@ uint64_t read_chunks(const std::vector<Chunk>& chunks) {
   const size_t ahead = kAhead / chunks[0].bytes;
   for (size_t c = 0; c < chunks.size(); ++c) {
     if (c + ahead < chunks.size()) {
-      for (int i = 0; i < chunks[c].bytes; i += 64) _mm_prefetch(chunks[c + ahead].p + i, _MM_HINT_T1);
+      for (int i = 0; i < chunks[c].bytes; i += 64) __builtin_prefetch(chunks[c + ahead].p + i, 0, 2);  // prefetcht1 on x86
     }
     for (int i = 0; i < chunks[c].bytes; i += 64) acc ^= *reinterpret_cast<const Lines*>(chunks[c].p + i);
   }

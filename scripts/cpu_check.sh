@@ -84,7 +84,7 @@ if want pattern; then
   # Plain reads of the kernels step's block pattern (scripts/block_read_probe.cpp), beside the read probe that
   # step divides by: the ceiling the scattered blocks set for any kernel, measured, not a target.
   pattern_reads() {
-    g++ -O2 -march=native -fopenmp scripts/block_read_probe.cpp -o "$out/block_read_probe" || return 1
+    "${CXX:-g++}" -O2 -march=native -fopenmp scripts/block_read_probe.cpp -o "$out/block_read_probe" || return 1
     "$PY" -c "import torch; torch.set_num_threads($THREADS); from fp8cache.bench.machine import read_bandwidth_gbps as r; \
 print(f'read probe (bench kernels): {r():.1f} GB/s')" || return 1
     THREADS="$THREADS" "$out/block_read_probe"
