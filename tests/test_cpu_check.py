@@ -1,6 +1,6 @@
 """scripts/cpu_check.sh, the CPU acceptance run: its machine step reports the choices the library makes here,
-its kernels step turns `bench kernels` into the two attention targets, and a step that fails shows in the
-summary and the exit status. (The throughput, single-stream and llama.cpp steps take minutes: not run here.)
+its kernels step turns `bench kernels` into the two attention targets, its pattern step reports plain-read rates
+of the kernels step's block pattern, and a step that fails shows in the summary and the exit status. (The throughput, single-stream and llama.cpp steps take minutes: not run here.)
 """
 
 from __future__ import annotations
