@@ -22,6 +22,7 @@
 
 #include "../common/cache_format.h"
 #include "attention_kernels.cuh"
+#include "attention_tc_kernels.cuh"
 #include "cache_kernels.cuh"
 
 namespace fp8kv::gpu {
@@ -36,6 +37,7 @@ struct BlockState {
   std::barrier<> block_barrier;
   std::vector<std::unique_ptr<std::barrier<>>> warp_barriers;
   std::vector<float> exchange;  // one slot per thread, for shuffles
+  std::vector<uint32_t> operands = std::vector<uint32_t>(exchange.size() * 6);  // a tensor core's A and B
 };
 
 // Stands in for GpuThread (platform.cuh).
@@ -49,16 +51,67 @@ struct HostThread {
   int block_z() const { return bz; }
   void sync() const { block->block_barrier.arrive_and_wait(); }
   void sync_warp() const { block->warp_barriers[tid / kWarpSize]->arrive_and_wait(); }
-  float shfl_xor(float v, int lane_mask) const {
+  float shfl_xor(float v, int lane_mask) const { return shfl(v, (tid % kWarpSize) ^ lane_mask); }
+  float shfl(float v, int src_lane) const {
     const int warp = tid / kWarpSize, lane = tid % kWarpSize;
     float* lanes = &block->exchange[warp * kWarpSize];
     std::barrier<>& barrier = *block->warp_barriers[warp];
     lanes[lane] = v;
     barrier.arrive_and_wait();
-    const float other = lanes[lane ^ lane_mask];
+    const float other = lanes[src_lane];
     barrier.arrive_and_wait();
     return other;
   }
+  uint32_t ballot(bool pred) const {
+    const int warp = tid / kWarpSize, lane = tid % kWarpSize;
+    float* lanes = &block->exchange[warp * kWarpSize];
+    std::barrier<>& barrier = *block->warp_barriers[warp];
+    lanes[lane] = pred ? 1.0f : 0.0f;
+    barrier.arrive_and_wait();
+    uint32_t mask = 0;
+    for (int other = 0; other < kWarpSize; ++other) mask |= lanes[other] != 0.0f ? 1u << other : 0u;
+    barrier.arrive_and_wait();
+    return mask;
+  }
+
+  // mma.m16n8k16.row.col with f32 accumulators, from the fragment layouts PTX defines: lane 4 g + t holds
+  // A (row g | g + 8, cols 2t, 2t + 1 | 2t + 8, 2t + 9) in a0..a3, B (rows 2t, 2t + 1 | 2t + 8, 2t + 9, col g)
+  // in b0, b1, C (row g | g + 8, cols 2t, 2t + 1) in c0..c3; the lower index in a register's low half.
+  template <MmaType kType>
+  void mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) const {
+    const int warp = tid / kWarpSize, lane = tid % kWarpSize;
+    uint32_t* regs = &block->operands[warp * kWarpSize * 6];
+    std::barrier<>& barrier = *block->warp_barriers[warp];
+    for (int i = 0; i < 4; ++i) regs[lane * 6 + i] = a[i];
+    regs[lane * 6 + 4] = b[0];
+    regs[lane * 6 + 5] = b[1];
+    barrier.arrive_and_wait();
+    const auto at = [&](int row, int k) {
+      const int owner = (row % 8) * 4 + (k % 8) / 2, reg = (row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0);
+      return static_cast<double>(unpack_half<kType>(regs[owner * 6 + reg], k % 2));
+    };
+    const auto bt = [&](int k, int col) {
+      const int owner = col * 4 + (k % 8) / 2, reg = 4 + (k >= 8 ? 1 : 0);
+      return static_cast<double>(unpack_half<kType>(regs[owner * 6 + reg], k % 2));
+    };
+    const int g = lane / 4, t = lane % 4;
+    for (int r = 0; r < 4; ++r) {
+      const int row = g + 8 * (r / 2), col = 2 * t + r % 2;
+      double sum = d[r];
+      for (int k = 0; k < 16; ++k) sum += at(row, k) * bt(k, col);
+      d[r] = static_cast<float>(sum);
+    }
+    barrier.arrive_and_wait();
+  }
+
+  // cp.async done at once: the bytes land before the call returns, the rest zero-filled.
+  template <int kBytes>
+  void copy_async(void* dst, const void* src, int src_bytes) const {
+    std::memcpy(dst, src, src_bytes);
+    std::memset(static_cast<char*>(dst) + src_bytes, 0, kBytes - src_bytes);
+  }
+  void copy_commit() const {}
+  void copy_wait(int) const {}
 };
 
 // body(const HostThread&) for every thread of a gx * gy * gz grid; block_start() before each block.
@@ -92,9 +145,13 @@ void poison(Smem& sm) {
   std::memset(static_cast<void*>(&sm), 0xFF, sizeof(sm));
 }
 
-// The streaming multiprocessors the splits are chosen for (attention_splits); tests may change it to get
-// more or fewer splits for the same shapes.
+// The streaming multiprocessors the splits are chosen for (attention_splits, tc_splits); tests may change it to
+// get more or fewer splits for the same shapes.
 int emulated_sm_count = 132;
+// Whether paged FP8 and 16-bit caches run the tensor-core kernel, as on sm_80+ GPUs (else the CUDA-core one, as
+// under HIP), and the shared memory the plan may use (an H100's).
+bool emulated_tensor_cores = true;
+constexpr int kEmulatedSmemPerSm = 228 * 1024, kEmulatedSmemPerBlock = 227 * 1024;
 
 template <typename scalar_t, typename cache_t, Fp8Format kFormat>
 int reshape_and_cache(const void* key, const void* value, void* key_cache, void* value_cache,
@@ -161,7 +218,17 @@ struct AttentionCall {
     p.scale = scale;
     p.paged = cache_ref(key_cache, value_cache, cache, block_tables, max_blocks_per_seq, num_blocks, block_size,
                         num_kv_heads, head_size);
-    p.paged_splits = attention_splits(num_seqs, kv_blocks(), max_seq_len, emulated_sm_count);
+    const int group = num_heads / num_kv_heads;
+    const TcPlan tc = tc_plan(cache, head_size, group, dtype == DType::kF32, kEmulatedSmemPerSm, kEmulatedSmemPerBlock);
+    p.tensor_cores = emulated_tensor_cores && tc.stages > 0;
+    if (p.tensor_cores) {  // as the binding plans it (torch_bindings_cuda.cu)
+      p.tc_stages = tc.stages;
+      p.tc_smem_bytes = tc.smem_bytes;
+      p.paged_splits = tc_splits(num_seqs, num_kv_heads * tc_head_blocks(group, head_size), max_seq_len,
+                                 emulated_sm_count, tc.blocks_per_sm);
+    } else {
+      p.paged_splits = attention_splits(num_seqs, kv_blocks(), max_seq_len, emulated_sm_count);
+    }
   }
 
   int kv_blocks() const {
@@ -211,6 +278,30 @@ void run_source(const AttentionParams& p, int splits) {
   });
 }
 
+// As launch_tc: the tensor-core kernel body over (KV head blocks, sequences, splits).
+template <typename cache_t, Fp8Format kFormat>
+void run_tc(const AttentionParams& p, int splits) {
+  const int group = p.num_heads / p.num_kv_heads;
+  with_tc_config<cache_t, kFormat>(p.head_size, group, p.query_dtype == DType::kF32, [&](auto config) {
+    using Cfg = decltype(config);
+    std::vector<uint8_t> shared(static_cast<size_t>(p.tc_smem_bytes));
+    run_grid(
+        p.num_kv_heads * tc_head_blocks(group, p.head_size), p.num_seqs, splits, kTcThreads,
+        [&](const HostThread& th) { tc_attention_body<Cfg>(p, shared.data(), th); },
+        [&] { std::memset(shared.data(), 0xFF, shared.size()); });
+  });
+}
+
+// The paged source's kernel: tensor cores where the call was planned for them.
+template <class Src>
+void run_paged(const AttentionParams& p, int splits) {
+  using cache_t = typename Src::Cache;
+  if constexpr (!std::is_same_v<cache_t, float>) {
+    if (p.tensor_cores) return run_tc<cache_t, Src::kFmt>(p, splits);
+  }
+  run_source<Src>(p, splits);
+}
+
 void run_reduce(const AttentionParams& p) {
   run_grid(p.num_heads, p.num_seqs, 1, kAttentionThreads, [&](const HostThread& th) { attention_reduce_body(p, th); });
 }
@@ -246,7 +337,7 @@ int paged_attention(DType dtype, DType cache, void* out, const void* query, cons
                      max_blocks_per_seq, max_seq_len, scale, k_per_head, v_per_head);
   const AttentionParams& p = call.params;
   if (p.paged_splits > 1) call.allocate_partials(p.paged_splits);
-  with_paged(cache, [&](auto src) { run_source<decltype(src)>(p, p.paged_splits); });
+  with_paged(cache, [&](auto src) { run_paged<decltype(src)>(p, p.paged_splits); });
   if (p.paged_splits > 1) run_reduce(p);
   return call.flag;
 }
@@ -271,7 +362,7 @@ int paged_attention_window(DType dtype, DType cache, DType window, void* out, co
   p.ring_splits = attention_splits(num_seqs, call.kv_blocks(), std::max(1, std::min(window_size, max_seq_len)),
                                    emulated_sm_count);
   call.allocate_partials(p.paged_splits + p.ring_splits);
-  with_paged(cache, [&](auto src) { run_source<decltype(src)>(p, p.paged_splits); });
+  with_paged(cache, [&](auto src) { run_paged<decltype(src)>(p, p.paged_splits); });
   with_ring(window, [&](auto src) { run_source<decltype(src)>(p, p.ring_splits); });
   run_reduce(p);
   return call.flag;
@@ -370,6 +461,31 @@ int fp8kv_emu_paged_attention_window(int dtype, int format, int window_dtype, vo
                                 head_size, num_blocks, num_window_blocks, block_size, max_blocks_per_seq,
                                 max_window_blocks_per_seq, window_size, max_seq_len, scale, k_per_head != 0,
                                 v_per_head != 0);
+}
+
+// Whether the emulated calls run paged FP8 and 16-bit caches on the tensor-core kernel (1, the default) or the
+// CUDA-core one (0); returns the previous setting.
+int fp8kv_emu_set_tensor_cores(int on) {
+  const bool previous = fp8kv::gpu::emulated_tensor_cores;
+  fp8kv::gpu::emulated_tensor_cores = on != 0;
+  return previous ? 1 : 0;
+}
+
+// The tensor-core plan of a call's shapes on the emulated GPU: out = {stages (0: not possible), shared memory
+// bytes, blocks per SM, splits, bytes a warp's stage holds}.
+void fp8kv_emu_tc_plan(int dtype, int format, int head_size, int group, int num_seqs, int num_kv_heads,
+                       int max_seq_len, int* out) {
+  using namespace fp8kv::gpu;
+  const DType cache = cache_dtype_code(dtype, format);
+  const TcPlan plan = tc_plan(cache, head_size, group, dtype == 0, kEmulatedSmemPerSm, kEmulatedSmemPerBlock);
+  out[0] = plan.stages;
+  out[1] = plan.smem_bytes;
+  out[2] = plan.blocks_per_sm;
+  out[3] = plan.stages > 0 ? tc_splits(num_seqs, num_kv_heads * tc_head_blocks(group, head_size), max_seq_len,
+                                       emulated_sm_count, plan.blocks_per_sm)
+                           : 0;
+  const int elem = cache == DType::kF16 || cache == DType::kBF16 ? 2 : 1;
+  out[4] = plan.stages > 0 ? tc_stage_bytes(elem, tc_dims(head_size)) : 0;
 }
 
 // The multiprocessor count the emulated calls choose their splits for; returns the previous one.

@@ -112,6 +112,11 @@ struct AttentionParams {
   int window_size;
   CacheRef ring;
   int ring_splits;
+  // The paged cache on tensor cores (attention_tc_kernels.cuh; the binding's plan, tc_plan, decides): its
+  // pipeline depth and dynamic shared memory. Otherwise the CUDA-core kernel of attention_kernels.cuh.
+  bool tensor_cores;
+  int tc_stages;
+  int tc_smem_bytes;
 };
 
 // How many splits a call's grid gets: enough thread blocks to fill the GPU about twice (sm_count blocks of
@@ -143,6 +148,104 @@ FP8KV_HOST_DEVICE FP8KV_INLINE int head_slots_for(int group, int head_size) {
 FP8KV_HOST_DEVICE FP8KV_INLINE int head_blocks_for(int group, int head_size) {
   const int slots = head_slots_for(group, head_size);
   return (group + slots - 1) / slots;
+}
+
+// ---- the tensor-core decode kernel (attention_tc_kernels.cuh): its shared-memory layout and the host's plan ----
+// A thread block of kTcWarps warps takes the (up to 8 or 16) query heads of one KV head, one sequence and one
+// split of its positions; each warp streams its own tiles of kTcTile positions through a pipeline of
+// `stages` shared-memory buffers (cp.async), so a tile's loads are in flight while earlier tiles are computed.
+constexpr int kTcWarps = 4;
+constexpr int kTcThreads = kTcWarps * 32;
+constexpr int kTcTile = 32;
+constexpr int kTcMaxSplitTokens = 2048;
+constexpr int kTcMaxSplitBlocks = kTcMaxSplitTokens / 8 + 2;  // block ids one split can touch (block size 8)
+constexpr int kTcBlockIdBytes = (kTcMaxSplitBlocks * 4 + 15) / 16 * 16;
+constexpr int kTcMinSplitTiles = 8;  // a split is at least 2 tiles a warp, unless the sequence is shorter
+constexpr int kTcSharedMemoryReserved = 1024;  // what the driver keeps of each block's shared memory
+
+// The head-size class a kernel is built for (its register arrays), and its query-head slots: 8, or 16 for
+// GQA groups over 8 at head sizes up to 128 (their outputs take twice the registers).
+FP8KV_HOST_DEVICE constexpr int tc_dims(int head_size) { return head_size <= 64 ? 64 : head_size <= 128 ? 128 : 256; }
+FP8KV_HOST_DEVICE constexpr int tc_heads(int group, int head_size) { return group > 8 && head_size <= 128 ? 16 : 8; }
+FP8KV_HOST_DEVICE constexpr int tc_head_blocks(int group, int head_size) {
+  return (group + tc_heads(group, head_size) - 1) / tc_heads(group, head_size);
+}
+// Groups of four 16-byte key chunks a lane reads per token (elem: bytes a cache element takes, 1 or 2).
+FP8KV_HOST_DEVICE constexpr int tc_key_groups(int elem, int dims) { return (dims * elem / 16 + 3) / 4; }
+// k-steps of 16 dims in Q.K: a group holds 4 / elem of them.
+FP8KV_HOST_DEVICE constexpr int tc_key_steps(int elem, int dims) { return tc_key_groups(elem, dims) * (4 / elem); }
+FP8KV_HOST_DEVICE constexpr int tc_key_stage_bytes(int elem, int dims) { return 4 * tc_key_groups(elem, dims) * 512; }
+// One warp's tile in shared memory: keys [4 n-tiles][key groups][32 lanes][16 B], then values
+// [dims / 16][elem halves][32 lanes][16 B].
+FP8KV_HOST_DEVICE constexpr int tc_stage_bytes(int elem, int dims) {
+  return tc_key_stage_bytes(elem, dims) + dims / 16 * 512 * elem;
+}
+// Query fragment registers a lane loads per k-step: the mma's four A registers (two of them zero with 8 heads:
+// loaded as they are, they need no moves), twice that when float32 queries are split in a high and a low half.
+FP8KV_HOST_DEVICE constexpr int tc_query_regs(int heads, bool precise) { return heads > 0 ? 4 * (precise ? 2 : 1) : 0; }
+FP8KV_HOST_DEVICE constexpr int tc_query_bytes(int elem, int dims, int heads, bool precise) {
+  return tc_key_steps(elem, dims) * 32 * tc_query_regs(heads, precise) * 4;
+}
+// The warps' outputs, maxima and sums, merged after the loop in the pipeline's memory.
+FP8KV_HOST_DEVICE constexpr int tc_merge_bytes(int dims, int heads) { return kTcWarps * heads * (dims + 2) * 4; }
+FP8KV_HOST_DEVICE constexpr int tc_smem_bytes(int elem, int dims, int heads, bool precise, int stages) {
+  const int pipeline = kTcWarps * stages * tc_stage_bytes(elem, dims);
+  const int merge = tc_merge_bytes(dims, heads);
+  return kTcBlockIdBytes + tc_query_bytes(elem, dims, heads, precise) + (pipeline > merge ? pipeline : merge);
+}
+
+// What the tensor-core kernel needs for one call's shapes on one device; stages 0: it cannot take them (a
+// float32 cache, a head size it is not built for, too little shared memory), the CUDA-core kernel does.
+struct TcPlan {
+  int stages = 0;
+  int smem_bytes = 0;
+  int blocks_per_sm = 0;
+};
+
+inline TcPlan tc_plan(DType cache, int head_size, int group, bool precise, int smem_per_sm, int smem_per_block) {
+  const int elem = cache == DType::kF32 ? 0 : cache == DType::kF16 || cache == DType::kBF16 ? 2 : 1;
+  if (elem == 0 || head_size <= 0 || head_size > kMaxHeadSize || head_size % (16 / elem) != 0) return {};
+  const int dims = tc_dims(head_size), heads = tc_heads(group, head_size);
+  if (precise && dims > 128) return {};  // float32 queries' split halves do not fit the registers beside 256 dims
+  // Deepest pipeline that leaves room for two blocks an SM, else for one.
+  const int budgets[2] = {smem_per_sm / 2 - kTcSharedMemoryReserved, smem_per_block};
+  for (const int budget : budgets) {
+    for (int stages = 4; stages >= 2; --stages) {
+      const int bytes = tc_smem_bytes(elem, dims, heads, precise, stages);
+      if (bytes > budget) continue;
+      int blocks = smem_per_sm / (bytes + kTcSharedMemoryReserved);
+      blocks = blocks < 1 ? 1 : blocks > 4 ? 4 : blocks;  // 4: the register limit of 128 threads at <= 128 regs
+      return {stages, bytes, blocks};
+    }
+  }
+  return {};
+}
+
+// Splits of each (sequence, head block) for the tensor-core kernel: the count whose blocks finish soonest when
+// sm_count * blocks_per_sm of them run at once (whole waves of equal splits, plus a split's fixed cost of about
+// two tiles), within [one per kTcMaxSplitTokens positions, one per kTcMinSplitTiles tiles]. From shapes only,
+// so that a CUDA graph captured for max_len suits every replay.
+inline int tc_splits(int num_seqs, int kv_head_blocks, int max_len, int sm_count, int blocks_per_sm) {
+  const int tiles = (max_len + kTcTile - 1) / kTcTile;
+  const int max_split_tiles = kTcMaxSplitTokens / kTcTile;
+  const int fewest = tiles > 0 ? (tiles + max_split_tiles - 1) / max_split_tiles : 1;
+  int most = (tiles + kTcMinSplitTiles - 1) / kTcMinSplitTiles;
+  most = most < fewest ? fewest : most > kMaxSplits ? kMaxSplits : most;
+  const long units = long(num_seqs) * kv_head_blocks;
+  const long slots = long(sm_count) * blocks_per_sm;
+  if (units <= 0 || slots <= 0) return fewest < 1 ? 1 : fewest;
+  int best = fewest;
+  long best_cost = -1;
+  for (int s = fewest; s <= most; ++s) {
+    const long waves = (units * s + slots - 1) / slots;
+    const long cost = waves * ((tiles + s - 1) / s + 2);
+    if (best_cost < 0 || cost < best_cost) {
+      best_cost = cost;
+      best = s;
+    }
+    if (waves > 64) break;  // further splits only add waves
+  }
+  return best < 1 ? 1 : best;
 }
 
 // All return the launch error (success when nothing was launched). Preconditions are checked by the

@@ -201,6 +201,9 @@ FP8KV_DEVICE void fp8_decode_pairs(const uint8_t* codes, float* out) {
 
 // ---- what a kernel thread can do ---------------------------------------------------------------------
 
+// The element type of a tensor-core tile's A and B operands (accumulation is always float).
+enum class MmaType { kF16, kBF16 };
+
 #if !defined(FP8KV_PLATFORM_HOST)
 // The calling GPU thread. Kernel bodies take a `Thread` so the host emulation can stand in for it.
 struct GpuThread {
@@ -223,6 +226,71 @@ struct GpuThread {
     return __shfl_xor_sync(0xFFFFFFFFu, v, lane_mask);
 #endif
   }
+#if defined(FP8KV_PLATFORM_CUDA)
+  // What the tensor-core decode kernel (attention_tc_kernels.cuh) needs besides: CUDA only (HIP keeps the
+  // CUDA-core kernel), the host emulation has its own.
+  FP8KV_DEVICE float shfl(float v, int src_lane) const { return __shfl_sync(0xFFFFFFFFu, v, src_lane); }
+  FP8KV_DEVICE uint32_t ballot(bool pred) const { return __ballot_sync(0xFFFFFFFFu, pred); }
+
+  // D = A * B + D for one m16n8k16 tile: A 16x16 (row-major fragment), B 16x8 (column-major), f32
+  // accumulators; fragment layouts as PTX defines them for mma.m16n8k16.
+  template <MmaType kType>
+  FP8KV_DEVICE void mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) const {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    if constexpr (kType == MmaType::kF16) {
+      asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+          "{%0,%1,%2,%3};\n"
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    } else {
+      asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+          "{%0,%1,%2,%3};\n"
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    }
+#else
+    __trap();  // the host picks this kernel only on sm_80+
+#endif
+  }
+
+  // kBytes (8 or 16) from global memory into shared memory without passing through registers; the last
+  // kBytes - src_bytes bytes are zero-filled (src_bytes 0: nothing is read, src only has to be a valid
+  // address). Completes in order of copy_commit groups: copy_wait(n) leaves at most n groups in flight, and
+  // then this thread sees its own copies (other threads' need a barrier too).
+  template <int kBytes>
+  FP8KV_DEVICE void copy_async(void* dst, const void* src, int src_bytes) const {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const auto to = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+    if constexpr (kBytes == 16) {
+      // .cg: the cache is streamed once, keep it out of L1; an L2 line of 128 bytes per request, as a warp's
+      // requests cover whole lines between them.
+      asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(to), "l"(src), "r"(src_bytes)
+                   : "memory");
+    } else {
+      static_assert(kBytes == 8, "cp.async copies 4, 8 or 16 bytes; 8 and 16 are used");
+      asm volatile("cp.async.ca.shared.global.L2::128B [%0], [%1], 8, %2;\n" ::"r"(to), "l"(src), "r"(src_bytes)
+                   : "memory");
+    }
+#else
+    __trap();
+#endif
+  }
+  FP8KV_DEVICE void copy_commit() const {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+  }
+  FP8KV_DEVICE void copy_wait(int pending) const {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    switch (pending) {  // the count is an immediate
+      case 0: asm volatile("cp.async.wait_group 0;\n" ::: "memory"); break;
+      case 1: asm volatile("cp.async.wait_group 1;\n" ::: "memory"); break;
+      case 2: asm volatile("cp.async.wait_group 2;\n" ::: "memory"); break;
+      default: asm volatile("cp.async.wait_group 3;\n" ::: "memory"); break;
+    }
+#endif
+  }
+#endif
 };
 #endif
 

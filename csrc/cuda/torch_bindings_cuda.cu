@@ -139,18 +139,37 @@ int reported_errors(const ErrorFlag& flag) {
   return flag.tensor.item<int>();
 }
 
-// Streaming multiprocessors of a device, asked once.
-int sm_count(const at::Device& device) {
-  static std::array<int, kMaxDevices> counts{};
+// What the attention plans need of a device, asked once.
+struct DeviceInfo {
+  int sm_count = 0;
+  bool tensor_cores = false;  // mma.m16n8k16 and cp.async: sm_80+ (never under ROCm: HIP runs the CUDA-core kernel)
+  int smem_per_sm = 0, smem_per_block = 0;  // bytes of shared memory an SM has, and a block may ask for
+};
+
+const DeviceInfo& device_info(const at::Device& device) {
+  static std::array<DeviceInfo, kMaxDevices> infos{};
+  static std::mutex mutex;
   const int index = device.has_index() ? device.index() : 0;
-  if (index >= kMaxDevices) return 132;
-  if (counts[index] == 0) {
+  static const DeviceInfo fallback{132, false, 0, 0};
+  if (index >= kMaxDevices) return fallback;
+  std::lock_guard<std::mutex> lock(mutex);
+  DeviceInfo& info = infos[index];
+  if (info.sm_count == 0) {
     int n = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, index));
-    counts[index] = n > 0 ? n : 1;
+#if !defined(USE_ROCM)
+    int major = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, index));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&info.smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, index));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&info.smem_per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, index));
+    info.tensor_cores = major >= 8;
+#endif
+    info.sm_count = n > 0 ? n : 1;
   }
-  return counts[index];
+  return info;
 }
+
+int sm_count(const at::Device& device) { return device_info(device).sm_count; }
 
 void raise_reported_errors(int bits, const char* op, int64_t num_slots, int64_t num_blocks) {
   TORCH_CHECK(!(bits & kErrorSlotOutOfRange), op, ": slot_mapping holds a slot >= ", num_slots,
@@ -328,11 +347,22 @@ AttentionCall attention_call(at::Tensor& out, const at::Tensor& query, const at:
               " is not supported by the GPU kernels; use 8, 16 or 32");
   TORCH_CHECK(query.size(2) == g.head_size, "query head_size ", query.size(2), " != cache head_size ",
               g.head_size);
-  TORCH_CHECK(g.head_size % 16 == 0 && g.head_size <= kMaxHeadSize, "head_size ", g.head_size,
-              " is not supported by the GPU kernels: they take any multiple of 16 up to ", kMaxHeadSize);
   const int64_t num_seqs = query.size(0), num_heads = query.size(1);
   TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "num_heads (", num_heads,
               ") must be a multiple of num_kv_heads (", num_kv_heads, ")");
+  // The tensor-core kernel (sm_80+: FP8 and 16-bit caches) or the CUDA-core one (float32 caches, ROCm, what
+  // does not fit the device's shared memory).
+  const DeviceInfo& info = device_info(device);
+  const DType cache_type = cache_dtype(key_cache, format);
+  const int group = static_cast<int>(num_heads / num_kv_heads);
+  const TcPlan tc = info.tensor_cores && g.head_size <= kMaxHeadSize
+                        ? tc_plan(cache_type, static_cast<int>(g.head_size), group, query.scalar_type() == at::kFloat,
+                                  info.smem_per_sm, info.smem_per_block)
+                        : TcPlan{};
+  TORCH_CHECK(tc.stages > 0 || (g.head_size % 16 == 0 && g.head_size <= kMaxHeadSize), "head_size ", g.head_size,
+              " is not supported by the GPU kernels here: they take multiples of 16 up to ", kMaxHeadSize,
+              info.tensor_cores ? " (multiples of 8 with a 16-bit cache)" : "",
+              "; serve this model on the CPU (--device cpu)");
   TORCH_CHECK(std::isfinite(scale), "scale must be finite, got ", scale);
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_seqs,
               "block_tables must be [num_seqs=", num_seqs, ", max_blocks], got ", block_tables.sizes());
@@ -385,10 +415,17 @@ AttentionCall attention_call(at::Tensor& out, const at::Tensor& query, const at:
   p.head_size = static_cast<int>(g.head_size);
   p.max_seq_len = static_cast<int>(max_seq_len);
   p.scale = static_cast<float>(scale);
-  p.paged = cache_ref(key_cache, value_cache, g, cache_dtype(key_cache, format), call.block_tables);
-  const int kv_blocks = static_cast<int>(num_kv_heads) *
-                        head_blocks_for(static_cast<int>(num_heads / num_kv_heads), static_cast<int>(g.head_size));
-  p.paged_splits = attention_splits(p.num_seqs, kv_blocks, p.max_seq_len, sm_count(device));
+  p.paged = cache_ref(key_cache, value_cache, g, cache_type, call.block_tables);
+  p.tensor_cores = tc.stages > 0;
+  if (p.tensor_cores) {
+    p.tc_stages = tc.stages;
+    p.tc_smem_bytes = tc.smem_bytes;
+    p.paged_splits = tc_splits(p.num_seqs, p.num_kv_heads * tc_head_blocks(group, p.head_size), p.max_seq_len,
+                               info.sm_count, tc.blocks_per_sm);
+  } else {
+    p.paged_splits = attention_splits(p.num_seqs, p.num_kv_heads * head_blocks_for(group, p.head_size),
+                                      p.max_seq_len, info.sm_count);
+  }
   return call;
 }
 
