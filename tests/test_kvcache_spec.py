@@ -166,3 +166,26 @@ def test_calculated_scales_replace_the_spec(tiny_loaded):
     assert spec.scales_source == "calculated from the first batch"
     assert runner.cache_fingerprint == spec.fingerprint != pending.fingerprint
     assert (spec.format, spec.window_size, spec.block_size) == (pending.format, pending.window_size, BLOCK)
+
+
+@pytest.mark.parametrize("backend", ["cuda", "rocm"])
+def test_a_head_size_the_gpu_kernels_do_not_take_is_refused_at_start(backend):
+    """What csrc/cuda/launch.h's kernels take (multiples of 16 up to 256; multiples of 8 up to 128 with a 16-bit
+    cache on CUDA's tensor cores) builds; anything else fails when the engine starts, naming the fix."""
+    def build(kv, dtype, head_size):
+        return KVCacheSpec.build(kv, dtype, BLOCK, LAYERS, KV_HEADS, head_size, None, backend=backend)
+
+    assert build("fp8_e4m3fnuz", torch.bfloat16, 256).head_size == 256
+    assert build("auto", torch.float32, 48).head_size == 48
+    with pytest.raises(ValueError, match="head size 36 is not supported by the GPU.*--device cpu"):
+        build("auto", torch.float32, 36)
+    with pytest.raises(ValueError, match="head size 272"):
+        build("fp8_e4m3fnuz", torch.bfloat16, 272)
+    if backend == "cuda":
+        assert build("auto", torch.bfloat16, 40).head_size == 40
+    else:
+        with pytest.raises(ValueError, match="head size 40"):
+            build("auto", torch.bfloat16, 40)
+    with pytest.raises(ValueError, match="head size 40"):
+        build("auto", torch.float32, 40)
+    assert KVCacheSpec.build("auto", torch.float32, BLOCK, LAYERS, KV_HEADS, 36, None).head_size == 36  # CPU

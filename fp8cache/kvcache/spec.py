@@ -21,6 +21,22 @@ from fp8cache.kvcache.rotation import NONE, rotation_matrix
 PENDING_SOURCE = "pending: calculated from the first batch"
 
 
+def check_gpu_head_size(head_size: int, fmt: formats.CacheFormat, model_dtype: torch.dtype, backend: str) -> None:
+    """Refuse at start a head size the GPU attention kernels do not take (csrc/cuda/launch.h): multiples of 16 up
+    to 256, and on CUDA multiples of 8 up to 128 with a 16-bit cache (the tensor-core kernel, sm_80+). The CPU
+    kernels take any head size."""
+    if backend == "cpu":
+        return
+    sixteen_bit = fmt == formats.CacheFormat.AUTO and model_dtype in (torch.bfloat16, torch.float16)
+    if head_size <= 256 and head_size % 16 == 0:
+        return
+    if backend == "cuda" and sixteen_bit and head_size <= 128 and head_size % 8 == 0:
+        return
+    raise ValueError(f"head size {head_size} is not supported by the GPU attention kernels (multiples of 16 up to "
+                     f"256, or of 8 up to 128 with a bfloat16/float16 auto cache on CUDA); serve this model on "
+                     f"the CPU (--device cpu)")
+
+
 @dataclass(frozen=True, eq=False)  # eq=False: fields hold tensors, which have no single truth value
 class KVCacheSpec:
     kv_cache_dtype: str  # as the user gave it ("fp8", "auto", ...); `name` is what it resolved to
@@ -48,6 +64,7 @@ class KVCacheSpec:
         if self.window_dtype is None:
             object.__setattr__(self, "window_dtype", self.model_dtype)
         check_block_size(self.block_size)
+        check_gpu_head_size(self.head_size, self.format, self.model_dtype, self.backend)
         if self.window_size < 0:
             raise ValueError(f"window_size={self.window_size} must be a whole number of tokens >= 0")
         try:
