@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import platform
 import shutil
@@ -241,3 +242,70 @@ def test_compilers_linking_this_process_libstdcxx_come_first(monkeypatch):
     assert _build._compilers() == ["/usr/bin/c++", "/opt/gcc/bin/g++"]
     monkeypatch.setattr(_build, "_loaded_libstdcxx", lambda: None)  # unknown: $CXX first, as asked
     assert _build._compilers() == ["/opt/gcc/bin/g++", "/usr/bin/c++"]
+
+
+def _checked_by(monkeypatch) -> list[str]:
+    """The compilers whose library each later load_library runs the self-check of, in order."""
+    checked: list[str] = []
+    check = _build.check_errors_raise
+    monkeypatch.setattr(_build, "check_errors_raise", lambda library, cxx: (checked.append(cxx), check(library, cxx)))
+    return checked
+
+
+def test_the_compiler_that_worked_is_tried_first_at_the_next_start(monkeypatch, tmp_path: Path):
+    """The GPU machine's every start relinked /opt/gcc's library, saw its self-check fail, then used /usr/bin/g++:
+    8 s and an alarming line each time. The second start goes straight to the compiler that worked."""
+    messages = _fake_build(monkeypatch, tmp_path, ["/opt/gcc/bin/g++", "/usr/bin/g++"], {"/opt/gcc/bin/g++"})
+    checked = _checked_by(monkeypatch)
+    _build.load_library(device="cpu")
+    assert checked == ["/opt/gcc/bin/g++", "/usr/bin/g++"]
+    assert any("trying the next compiler" in m for m in messages)
+
+    checked.clear(), messages.clear()
+    monkeypatch.setattr(_build, "_loaded", None)  # a new process
+    _build.load_library(device="cpu")
+    assert checked == ["/usr/bin/g++"]
+    assert not any("trying the next compiler" in m for m in messages) and "/usr/bin/g++" in messages[-1]
+
+
+def test_a_changed_toolchain_is_probed_again(monkeypatch, tmp_path: Path):
+    """The memory is keyed by the compilers' versions (and the libstdc++ they and Python use): a new /opt/gcc may
+    work, so it is tried first again, in the order _compilers() gives."""
+    _fake_build(monkeypatch, tmp_path, ["/opt/gcc/bin/g++", "/usr/bin/g++"], {"/opt/gcc/bin/g++"})
+    checked = _checked_by(monkeypatch)
+    _build.load_library(device="cpu")
+    monkeypatch.setattr(_build, "_loaded", None)
+    monkeypatch.setattr(_build, "_compiler_version", lambda cxx: "g++ (GCC) 14.2.0" if "opt" in cxx else "")
+    monkeypatch.setattr(_build, "check_errors_raise", lambda library, cxx: checked.append(cxx))  # now it works
+    checked.clear()
+    result = _build.load_library(device="cpu")
+    assert checked == ["/opt/gcc/bin/g++"] and result.compiled
+
+
+def test_a_remembered_failure_goes_last_and_a_broken_memory_file_is_ignored(monkeypatch, tmp_path: Path):
+    compilers = ["/a/g++", "/b/g++", "/c/g++"]
+    _fake_build(monkeypatch, tmp_path, compilers, {"/a/g++"})
+    checked = _checked_by(monkeypatch)
+    _build.load_library(device="cpu")  # /a fails, /b works
+    memory = json.loads((tmp_path / "ops" / _build.COMPILER_MEMORY).read_text())
+    assert (memory["works"], memory["failed"]) == ("/b/g++", ["/a/g++"])
+    # /b stops working (say its library is removed and its rebuild fails): /c is next, /a, known broken, last.
+    monkeypatch.setattr(_build, "_loaded", None)
+    monkeypatch.setattr(_build, "check_errors_raise", lambda library, cxx: (checked.append(cxx), _fail_for(
+        cxx, {"/a/g++", "/b/g++"})))
+    checked.clear()
+    _build.load_library(device="cpu")
+    assert checked == ["/b/g++", "/c/g++"]
+    memory = json.loads((tmp_path / "ops" / _build.COMPILER_MEMORY).read_text())
+    assert (memory["works"], memory["failed"]) == ("/c/g++", ["/a/g++", "/b/g++"])
+
+    (tmp_path / "ops" / _build.COMPILER_MEMORY).write_text("{not json")
+    monkeypatch.setattr(_build, "_loaded", None)
+    checked.clear()
+    _build.load_library(device="cpu")
+    assert checked == ["/a/g++", "/b/g++", "/c/g++"]  # probed afresh, in the plain order
+
+
+def _fail_for(cxx: str, broken: set[str]) -> None:
+    if cxx in broken:
+        raise RuntimeError(f"the op library built with {cxx} does not survive an op's argument error")

@@ -8,7 +8,8 @@ Environment:
   FP8KV_CACHE_DIR   fp8kv's cache root; built libraries live in its ops/ folder
                     (default $XDG_CACHE_HOME/fp8kv/ops or ~/.cache/fp8kv/ops)
   CXX, CC           the C++ / C compiler (default: c++, g++ or clang++ on PATH; if the library one builds
-                    fails its self-check, the next one is tried, e.g. the system g++ after a relocated one)
+                    fails its self-check, the next one is tried, e.g. the system g++ after a relocated one;
+                    the one that worked is remembered in ops/compiler.json and tried first from then on)
   MAX_JOBS          parallel compile jobs (torch's ninja convention)
 
 The CUDA (or ROCm) sources are compiled only for a GPU device: `load_library(device)` with a CPU device builds
@@ -182,6 +183,66 @@ def _compiler() -> str:
     return _compilers()[0]
 
 
+# Which compiler built a working library, remembered in the ops cache: without it every start on a machine
+# whose first compiler builds a broken library (a CUDA image's relocated /opt/gcc g++) relinked that library,
+# ran its self-check, saw it fail and went on to the next compiler: 8 s and an alarming line at every start.
+COMPILER_MEMORY = "compiler.json"
+
+
+def _toolchain_key(compilers: list[str]) -> str:
+    """What decides which compiler builds a working library: the candidates in order, each one's version and
+    libstdc++, the libstdc++ this process runs on and torch's version. Any change is a new toolchain, probed
+    afresh."""
+    h = hashlib.sha256()
+    for part in (torch.__version__, str(_loaded_libstdcxx())):
+        h.update(part.encode() + b"\0")
+    for cxx in compilers:
+        for part in (cxx, os.path.realpath(cxx), _compiler_version(cxx), str(_libstdcxx_of(cxx))):
+            h.update(part.encode() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def _read_compiler_memory() -> dict:
+    try:
+        with open(cache_dir() / COMPILER_MEMORY, encoding="utf-8") as f:
+            memory = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return memory if isinstance(memory, dict) else {}
+
+
+def _ordered_compilers() -> tuple[list[str], str]:
+    """(_compilers() with the one remembered to work first and those remembered to fail last, the toolchain
+    key); the plain order when nothing is remembered for this toolchain."""
+    compilers = _compilers()
+    key = _toolchain_key(compilers)
+    memory = _read_compiler_memory()
+    if memory.get("toolchain") != key:
+        return compilers, key
+    works, failed = memory.get("works"), set(memory.get("failed") or [])
+    first = [works] if works in compilers else []
+    rest = [c for c in compilers if c not in first]
+    return first + [c for c in rest if c not in failed] + [c for c in rest if c in failed], key
+
+
+def _remember_compiler(key: str, works: str, failed: list[str]) -> None:
+    """Add what this start learnt to what is remembered for this toolchain, written only when that changes
+    (a failure to write costs nothing but the next start's probe)."""
+    old = _read_compiler_memory()
+    known = set(old.get("failed") or []) if old.get("toolchain") == key else set()
+    memory = {"toolchain": key, "works": works, "failed": sorted((known | set(failed)) - {works})}
+    if old == memory:
+        return
+    path = cache_dir() / COMPILER_MEMORY
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(memory, indent=1) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as exc:
+        logger.debug("could not remember the compiler in %s: %s", path, exc)
+
+
 def _c_compiler_for(cxx: str) -> str | None:
     """The C compiler beside a C++ one (g++ -> gcc, clang++ -> clang, c++ -> cc): nvcc's host compiler."""
     directory, name = os.path.split(cxx)
@@ -306,15 +367,19 @@ def load_library(verbose: bool = False, progress_callback: Callable[[str], None]
     cuda = _cuda_sources(root, _wants_gpu(device))
     cuda_cflags = _extra_cuda_cflags(root) if cuda else []
     failures: list[str] = []
-    for cxx in _compilers():
+    failed: list[str] = []
+    compilers, toolchain = _ordered_compilers()
+    for cxx in compilers:
         library, compiled, error = _library_for(root, cflags, cuda, cuda_cflags, isa, cxx, verbose, progress_callback)
         if error is None:
             break
         failures.append(error)
+        failed.append(cxx)
         _notify(progress_callback, f"{error}; trying the next compiler")
     else:
         raise RuntimeError(failures[-1] if len(failures) == 1 else
                            "no compiler here builds a working op library:\n" + "\n".join(failures))
+    _remember_compiler(toolchain, cxx, failed)
     torch.ops.load_library(str(library))
     _loaded = BuildResult(str(library), compiled, time.perf_counter() - start, isa, bool(cuda))
     verb = "compiled" if compiled else "reused cached"
