@@ -65,18 +65,14 @@ using U32x4 = Vec<uint32_t, 4>;
 
 FP8KV_DEVICE U32x4 load_shared16(const uint8_t* p) { return load_vec<uint32_t, 4>(reinterpret_cast<const uint32_t*>(p)); }
 
-// Four cached elements of one lane as two operand registers: FP8 codes decoded (the rare special codes the
-// slow way), 16-bit values as they are.
+// Four cached elements of one lane as two operand registers: FP8 codes decoded (flagging in `specials` the
+// rare codes the decoding cannot express, for TcAttention::fix_specials), 16-bit values as they are.
 template <class Cfg>
-FP8KV_DEVICE void operand_pairs(const U32x4& raw, int quad, uint32_t& lo, uint32_t& hi) {
+FP8KV_DEVICE void operand_pairs(const U32x4& raw, int quad, uint32_t& lo, uint32_t& hi, uint32_t& specials) {
   if constexpr (Cfg::kQuantized) {
     using Quads = typename Cfg::Quads;
-    const uint32_t w = raw.e[quad];
-    if (!Quads::kMoved && Quads::has_special(w)) {
-      Quads::decode_slow(w, lo, hi);
-    } else {
-      Quads::decode(w, lo, hi);
-    }
+    Quads::decode(raw.e[quad], lo, hi);
+    if constexpr (Quads::kChecked) specials |= Quads::special(raw.e[quad]);
   } else {
     lo = raw.e[2 * quad];
     hi = raw.e[2 * quad + 1];
@@ -197,6 +193,7 @@ struct TcAttention {
       FP8KV_UNROLL
       for (int r = 0; r < 4; ++r) s[n][r] = 0.0f;
     }
+    uint32_t key_specials = 0, value_specials = 0;
     FP8KV_UNROLL
     for (int q = 0; q < kGroups; ++q) {
       FP8KV_COMPILER_FENCE();  // one group's keys in registers at a time (hoisting them all spilled at d256)
@@ -214,7 +211,7 @@ struct TcAttention {
           FP8KV_UNROLL
           for (int n = 0; n < 4; ++n) {
             uint32_t b[2];
-            operand_pairs<Cfg>(keys[n], j, b[0], b[1]);
+            operand_pairs<Cfg>(keys[n], j, b[0], b[1], key_specials);
             th.template mma<kMma>(s[n], a, b);
           }
         }
@@ -299,16 +296,16 @@ struct TcAttention {
         const U32x4 raw = load_shared16(values + (i * 32 + lane) * 16);  // words 0-1: dim g, 2-3: dim g + 8
         FP8KV_UNROLL
         for (int j = 0; j < 2; ++j) {
-          operand_pairs<Cfg>(raw, j, a[j][0], a[j][2]);
-          operand_pairs<Cfg>(raw, 2 + j, a[j][1], a[j][3]);
+          operand_pairs<Cfg>(raw, j, a[j][0], a[j][2], value_specials);
+          operand_pairs<Cfg>(raw, 2 + j, a[j][1], a[j][3], value_specials);
         }
       } else {
         const U32x4 low = load_shared16(values + ((i * 2) * 32 + lane) * 16);
         const U32x4 high = load_shared16(values + ((i * 2 + 1) * 32 + lane) * 16);
         FP8KV_UNROLL
         for (int j = 0; j < 2; ++j) {
-          operand_pairs<Cfg>(low, j, a[j][0], a[j][2]);
-          operand_pairs<Cfg>(high, j, a[j][1], a[j][3]);
+          operand_pairs<Cfg>(low, j, a[j][0], a[j][2], value_specials);
+          operand_pairs<Cfg>(high, j, a[j][1], a[j][3], value_specials);
         }
       }
       FP8KV_UNROLL
@@ -317,6 +314,46 @@ struct TcAttention {
         for (int r = 0; r < kRows; ++r) {
           FP8KV_UNROLL
           for (int half = 0; half < kHalves; ++half) th.template mma<kMma>(o[i][r], a[j], pb[r][j][half]);
+        }
+      }
+    }
+    if constexpr (Cfg::kQuantized && Cfg::Quads::kChecked) {
+      if (th.ballot((key_specials | value_specials) != 0) != 0) fix_specials(key_specials != 0, values);
+    }
+  }
+
+  // A NaN code the fast decoding read as a number (Fp8Quads): what the reference gives. Everything in a stage
+  // is a position the sequence attends to (the rest was zero-filled), so a NaN key makes every row's logits
+  // NaN at that position, hence their sums, hence every output; a NaN value makes its dim NaN for every head.
+  FP8KV_DEVICE void fix_specials(bool key_special, const uint8_t* values) {
+    if (th.ballot(key_special) != 0) {
+      FP8KV_UNROLL
+      for (int r = 0; r < kRows; ++r) l[r] = NAN;
+    }
+    // Dims with a NaN value: bit 2i + h for dim 16 i + g + 8 h, gathered over the lanes of this g (the lanes
+    // that hold those dims' outputs).
+    uint32_t dims = 0;
+    FP8KV_UNROLL
+    for (int i = 0; i < kMTiles; ++i) {
+      FP8KV_UNROLL
+      for (int h = 0; h < 2; ++h) {
+        const U32x4 raw = kE == 1 ? load_shared16(values + (i * 32 + lane) * 16)
+                                  : load_shared16(values + ((i * 2 + h) * 32 + lane) * 16);
+        uint32_t special = 0;
+        FP8KV_UNROLL
+        for (int w = 0; w < 2; ++w) special |= Cfg::Quads::special(raw.e[kE == 1 ? 2 * h + w : w]);
+        dims |= (special != 0 ? 1u : 0u) << (2 * i + h);
+      }
+    }
+    dims |= th.shfl_xor_bits(dims, 1);
+    dims |= th.shfl_xor_bits(dims, 2);
+    FP8KV_UNROLL
+    for (int i = 0; i < kMTiles; ++i) {
+      FP8KV_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        FP8KV_UNROLL
+        for (int k = 0; k < 4; ++k) {
+          if (dims >> (2 * i + (k >> 1)) & 1u) o[i][r][k] = NAN;
         }
       }
     }
@@ -400,9 +437,9 @@ FP8KV_DEVICE void tc_attention_body(const AttentionParams& p, uint8_t* smem, con
   }
 
   int* block_ids = reinterpret_cast<int*>(smem);
+  auto* scratch = reinterpret_cast<float*>(smem + kTcScratchOffset);  // the warps' largest |query|
   auto* query = reinterpret_cast<uint32_t*>(smem + kTcBlockIdBytes);
   uint8_t* pipes = smem + kTcBlockIdBytes + Cfg::kQueryBytes;
-  auto* scratch = reinterpret_cast<float*>(pipes);  // the warps' largest |query|, before the pipelines start
 
   // The split's block ids, checked once.
   const int pos_first = task.start + t0 * kTcTile;
@@ -430,17 +467,13 @@ FP8KV_DEVICE void tc_attention_body(const AttentionParams& p, uint8_t* smem, con
   }
   for (int mask = 16; mask > 0; mask /= 2) largest = fmaxf(largest, th.shfl_xor(largest, mask));
   if (lane == 0) scratch[warp] = largest;
-  th.sync();
+  th.sync();  // block ids and the warps' maxima are read by every warp
   largest = 0.0f;
   for (int w = 0; w < kTcWarps; ++w) largest = fmaxf(largest, scratch[w]);
   int exponent = 0;
   if (largest > 0.0f && std::isfinite(largest)) frexpf(largest, &exponent);
   exponent = exponent < -100 ? -100 : exponent > 100 ? 100 : exponent;
   const float q_mul = largest > 0.0f && std::isfinite(largest) ? ldexpf(1.0f, 14 - exponent) : 1.0f;
-  for (int slot = tid; slot < Cfg::kKSteps * 32; slot += kTcThreads) {
-    store_query_fragments<Cfg>(p, seq, first_head, heads, q_mul, query, slot);
-  }
-  th.sync();  // block ids and fragments are read by every warp; scratch is free for the pipelines
 
   constexpr float kLog2e = 1.4426950408889634f;
   A a{p, c, th, block_ids, query, task, lane, lane >> 2, lane & 3, first_entry,
@@ -460,7 +493,8 @@ FP8KV_DEVICE void tc_attention_body(const AttentionParams& p, uint8_t* smem, con
   }
 
   // The pipeline: stage k % stages holds this warp's k-th tile; stages - 1 tiles are in flight while one is
-  // computed. Each lane reads back only what it copied, so a lane's own wait is all the ordering needed.
+  // computed. Each lane reads back only what it copied, so a lane's own wait is all the ordering needed. The
+  // first tiles are on their way before the query fragments are built: that work hides in their latency.
   const int stages = p.tc_stages;
   const int mine = t1 - t0 > warp ? (t1 - t0 - warp + kTcWarps - 1) / kTcWarps : 0;
   uint8_t* pipe = pipes + warp * stages * Cfg::kStageBytes;
@@ -468,6 +502,10 @@ FP8KV_DEVICE void tc_attention_body(const AttentionParams& p, uint8_t* smem, con
     if (k < mine) a.issue(t0 + warp + k * kTcWarps, pipe + k * Cfg::kStageBytes);
     th.copy_commit();
   }
+  for (int slot = tid; slot < Cfg::kKSteps * 32; slot += kTcThreads) {
+    store_query_fragments<Cfg>(p, seq, first_head, heads, q_mul, query, slot);
+  }
+  th.sync();  // every warp reads every lane's fragments
   int read = 0, write = stages - 1;
   for (int k = 0; k < mine; ++k) {
     // The stage written now was read in the previous iteration, whose values are already in registers.

@@ -62,6 +62,16 @@ struct HostThread {
     barrier.arrive_and_wait();
     return other;
   }
+  uint32_t shfl_xor_bits(uint32_t v, int lane_mask) const {
+    const int warp = tid / kWarpSize, lane = tid % kWarpSize;
+    uint32_t* lanes = &block->operands[warp * kWarpSize * 6];  // free between mma calls
+    std::barrier<>& barrier = *block->warp_barriers[warp];
+    lanes[lane] = v;
+    barrier.arrive_and_wait();
+    const uint32_t other = lanes[lane ^ lane_mask];
+    barrier.arrive_and_wait();
+    return other;
+  }
   uint32_t ballot(bool pred) const {
     const int warp = tid / kWarpSize, lane = tid % kWarpSize;
     float* lanes = &block->exchange[warp * kWarpSize];

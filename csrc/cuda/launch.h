@@ -157,9 +157,13 @@ FP8KV_HOST_DEVICE FP8KV_INLINE int head_blocks_for(int group, int head_size) {
 constexpr int kTcWarps = 4;
 constexpr int kTcThreads = kTcWarps * 32;
 constexpr int kTcTile = 32;
-constexpr int kTcMaxSplitTokens = 2048;
+// Splits are long, so that few blocks pay the start-up latency of a block (sequence length, block table,
+// query fragments: ~3 us before the first bytes stream) and most calls need no reduce kernel.
+constexpr int kTcMaxSplitTokens = 8192;
 constexpr int kTcMaxSplitBlocks = kTcMaxSplitTokens / 8 + 2;  // block ids one split can touch (block size 8)
-constexpr int kTcBlockIdBytes = (kTcMaxSplitBlocks * 4 + 15) / 16 * 16;
+// The split's block ids, then 4 floats of scratch (the warps' largest query magnitudes).
+constexpr int kTcScratchOffset = kTcMaxSplitBlocks * 4;
+constexpr int kTcBlockIdBytes = (kTcScratchOffset + 16 + 15) / 16 * 16;
 constexpr int kTcMinSplitTiles = 8;  // a split is at least 2 tiles a warp, unless the sequence is shorter
 constexpr int kTcSharedMemoryReserved = 1024;  // what the driver keeps of each block's shared memory
 
@@ -222,9 +226,10 @@ inline TcPlan tc_plan(DType cache, int head_size, int group, bool precise, int s
 }
 
 // Splits of each (sequence, head block) for the tensor-core kernel: the count whose blocks finish soonest when
-// sm_count * blocks_per_sm of them run at once (whole waves of equal splits, plus a split's fixed cost of about
-// two tiles), within [one per kTcMaxSplitTokens positions, one per kTcMinSplitTiles tiles]. From shapes only,
-// so that a CUDA graph captured for max_len suits every replay.
+// sm_count * blocks_per_sm of them run at once (whole waves of equal splits, plus a block's start-up of about
+// eight tiles' streaming time, and as much again for the reduce kernel that more than one split needs), within
+// [one per kTcMaxSplitTokens positions, one per kTcMinSplitTiles tiles]. From shapes only, so that a CUDA
+// graph captured for max_len suits every replay.
 inline int tc_splits(int num_seqs, int kv_head_blocks, int max_len, int sm_count, int blocks_per_sm) {
   const int tiles = (max_len + kTcTile - 1) / kTcTile;
   const int max_split_tiles = kTcMaxSplitTokens / kTcTile;
@@ -238,7 +243,7 @@ inline int tc_splits(int num_seqs, int kv_head_blocks, int max_len, int sm_count
   long best_cost = -1;
   for (int s = fewest; s <= most; ++s) {
     const long waves = (units * s + slots - 1) / slots;
-    const long cost = waves * ((tiles + s - 1) / s + 2);
+    const long cost = waves * ((tiles + s - 1) / s + 8) + (s > 1 ? 8 : 0);
     if (best_cost < 0 || cost < best_cost) {
       best_cost = cost;
       best = s;

@@ -53,8 +53,10 @@ FP8KV_DEVICE float unpack_half(uint32_t pair, int which) {
 // Every E5M2 value is an fp16 value (its upper byte), so those are only moved. The E4M3 formats are moved
 // into fp16's exponent and mantissa fields as they are, which reads them 2^kShift too small (fp16's bias is
 // 15, theirs 7 or 8): exact, subnormals included, and the kernel multiplies the 2^kShift back into its scales.
-// That path cannot express their NaN codes (0x7F/0xFF in E4M3FN, 0x80 in E4M3FNUZ), so a word holding one goes
-// the slow way (has_special, decode_slow). On sm_89+ E4M3FN has a conversion instruction, NaN included.
+// That path cannot express their NaN codes (0x7F/0xFF in E4M3FN, 0x80 in E4M3FNUZ): `special` flags a word
+// holding one, and the kernel fixes what they touch after the tile (rare, so the common path stays a few
+// integer instructions: decoding them inline once made the E4M3FNUZ kernel twice as slow). On sm_89+ E4M3FN
+// has a conversion instruction, NaN included.
 template <Fp8Format F>
 struct Fp8Quads {
 #if defined(FP8KV_HW_FP8)
@@ -62,9 +64,9 @@ struct Fp8Quads {
 #else
   static constexpr bool kHardware = false;
 #endif
-  static constexpr bool kMoved = F == Fp8Format::E5M2 || kHardware;  // no special codes to look for
+  static constexpr bool kChecked = F != Fp8Format::E5M2 && !kHardware;  // has codes decode cannot express
   // What a decoded pair must be multiplied by to give the code's value.
-  static constexpr float kRescale = kMoved ? 1.0f : F == Fp8Format::E4M3FN ? 256.0f : 128.0f;
+  static constexpr float kRescale = kChecked ? Fp8Traits<F>::kHalfRescale : 1.0f;
 
   FP8KV_DEVICE static void decode(uint32_t w, uint32_t& lo, uint32_t& hi) {
     if constexpr (kHardware) {
@@ -90,9 +92,9 @@ struct Fp8Quads {
     }
   }
 
-  // Non-zero when a code of w has no image under the fast path of decode (see above).
-  FP8KV_DEVICE static uint32_t has_special(uint32_t w) {
-    if constexpr (kMoved) {
+  // Bit 7 of byte b set when code b of w is one decode cannot express (only where kChecked).
+  FP8KV_DEVICE static uint32_t special(uint32_t w) {
+    if constexpr (!kChecked) {
       return 0;
     } else if constexpr (F == Fp8Format::E4M3FN) {  // a byte whose low 7 bits are all set
       return ((w & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u;
@@ -100,18 +102,6 @@ struct Fp8Quads {
       const uint32_t x = w ^ 0x80808080u;
       return (x - 0x01010101u) & ~x & 0x80808080u;
     }
-  }
-
-  // decode for any word: NaN codes become fp16 NaNs, the rest as decode gives them.
-  FP8KV_DEVICE static void decode_slow(uint32_t w, uint32_t& lo, uint32_t& hi) {
-    uint16_t h[4];
-    FP8KV_UNROLL
-    for (int b = 0; b < 4; ++b) {
-      const auto code = static_cast<uint8_t>(w >> (8 * b));
-      h[b] = fp8_is_nan<F>(code) ? uint16_t(0x7E00) : half_bits(fp8_decode<F>(code) * (1.0f / kRescale));
-    }
-    lo = uint32_t(h[0]) | (uint32_t(h[1]) << 16);
-    hi = uint32_t(h[2]) | (uint32_t(h[3]) << 16);
   }
 };
 

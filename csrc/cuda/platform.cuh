@@ -230,6 +230,9 @@ struct GpuThread {
   // What the tensor-core decode kernel (attention_tc_kernels.cuh) needs besides: CUDA only (HIP keeps the
   // CUDA-core kernel), the host emulation has its own.
   FP8KV_DEVICE float shfl(float v, int src_lane) const { return __shfl_sync(0xFFFFFFFFu, v, src_lane); }
+  FP8KV_DEVICE uint32_t shfl_xor_bits(uint32_t v, int lane_mask) const {
+    return __shfl_xor_sync(0xFFFFFFFFu, v, lane_mask);
+  }
   FP8KV_DEVICE uint32_t ballot(bool pred) const { return __ballot_sync(0xFFFFFFFFu, pred); }
 
   // D = A * B + D for one m16n8k16 tile: A 16x16 (row-major fragment), B 16x8 (column-major), f32
