@@ -169,3 +169,39 @@ def test_a_16_bit_model_gives_float32_logits_on_the_gpu(tiny_path):
     with fake_gpu():  # a float32 model's head is left as it is
         engine = _engine(tiny_path, dtype="float32")
         assert type(engine.runner.model.get_output_embeddings()) is torch.nn.Linear
+
+
+def test_the_overlapped_decode_loop_waits_for_nothing(default_shapes_path):
+    """The default on a GPU: 64 sequences of the default model's shapes decode with no host sync at all. Step
+    N+1 is scheduled, its metadata copied (one non-blocking copy) and its forward pass and sampling queued before
+    step N's tokens are read, and those come back through one non-blocking copy; N+1's input ids are N's tokens,
+    copied on the device."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    hf_config = AutoConfig.from_pretrained(default_shapes_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).eval()
+    log: list[tuple[str, int]] = []
+    with fake_gpu() as work:
+        loaded = LoadedModel(model, AutoTokenizer.from_pretrained(default_shapes_path), model.config,
+                             default_shapes_path)
+        engine = _engine(default_shapes_path, loaded, kv_cache_memory="64MiB", max_num_seqs=64, kv_recent_window=0,
+                         max_num_batched_tokens=2048, max_model_len=256)
+        assert engine.overlap  # a device that queues its work
+        for n in range(64):
+            engine.add_request(str(n), [3 + n % 7] * 16, SamplingParams(max_tokens=8, ignore_eos=True, temperature=0))
+        engine.step()  # the prefill, left in flight
+        engine.trace = lambda what, number: log.append((what, number))
+        work.reset()
+        engine.step()  # the first decode step, launched before the prefill's tokens are read
+        first = dict(work.ops), work.syncs, list(work.h2d)
+        work.reset()
+        outputs = engine.step()
+    assert [what for what, _ in log] == ["schedule", "launch", "read"] * 2
+    assert [n for _, n in log] == [1, 1, 0, 2, 2, 1]
+    assert len(outputs) == 64 and all(len(o.outputs[0].token_ids) == 2 for o in outputs)
+    for ops, syncs, h2d in (first, (dict(work.ops), work.syncs, work.h2d)):
+        assert syncs == 0
+        assert len(h2d) == 1 and all(h2d)  # the step's metadata
+        assert ops["index_copy_"] == 1 and ops["index_select"] == 1  # the previous tokens into the input ids
+        assert ops["argmax"] == 1 and ops["copy_"] == 1  # greedy sampling; its tokens to the host, not waited for

@@ -122,7 +122,8 @@ class BlockManager:
 
     def register_computed_blocks(self, seq: Sequence) -> None:
         """Offer seq's blocks that are now full and computed to the prefix cache."""
-        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        # Only blocks whose token ids are all on the host: a computed position may hold a pending token.
+        num_full = min(min(seq.num_computed_tokens, len(seq.token_ids)) // self.block_size, len(seq.block_table))
         if not self.enable_prefix_caching or num_full <= seq.num_registered_blocks:
             return
         hashes = self._full_block_hashes(seq, num_full)

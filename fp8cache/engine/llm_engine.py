@@ -4,6 +4,15 @@ add_request and abort_request may be called from any thread (the HTTP server's);
 and drop a message in an inbox under a lock. step() drains the inbox, then schedules, runs the model,
 samples and detokenizes without holding the lock, so one thread must own step().
 
+The decode loop overlaps the host with the device (on by default where the device runs asynchronously, a GPU;
+docs/design.md section 1, "The overlapped decode loop"): step() schedules step N+1, builds its metadata and
+queues its forward pass and sampling, and only then reads step N's tokens (TokenReadback, inflight.py) and
+runs N's stop checks and detokenization while N+1 runs. N+1 takes N's tokens on the device. So step() returns
+the progress of the step before the one it launched; a stop that N's token value shows is seen after N+1 was
+queued, and the extra token that sequence gets from N+1 is dropped. Batches with a sequence whose sampling
+needs its newest token on the host (structured outputs, penalties) or whose logprobs are read run as one
+synchronous step, as do all steps with overlap off and with tensor parallelism.
+
 Length limits: a prompt longer than max_model_len, or longer than the whole KV cache holds, is refused
 by add_request with ValueError. A sequence that reaches either limit while generating finishes with
 finish_reason "length".
@@ -17,14 +26,17 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from fp8cache.config import EngineConfig
 from fp8cache.engine.block_manager import BlockManager
 from fp8cache.engine.detokenizer import check_stop
+from fp8cache.engine.inflight import InFlightStep, TokenReadback
 from fp8cache.engine.logprobs import score_prompt, token_logprobs
 from fp8cache.engine.outputs import CompletionOutput, RequestOutput
-from fp8cache.engine.sampler import Sampler
+from fp8cache.engine.sampler import Sampler, reads_host_history
 from fp8cache.engine.sampling_params import SamplingParams
-from fp8cache.engine.scheduler import Scheduler
+from fp8cache.engine.scheduler import Scheduler, SchedulerOutput
 from fp8cache.engine.sequence import Sequence
 from fp8cache.engine.structured_output import factory_for
 from fp8cache.kvcache.window_pool import WindowPool
@@ -72,9 +84,13 @@ class Request:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, log: Callable[[str], None] | None = None, runner=None) -> None:
+    def __init__(self, config: EngineConfig, log: Callable[[str], None] | None = None, runner=None,
+                 overlap: bool | None = None) -> None:
         """runner: a ready model runner (tests pass a fake one); None builds fp8cache's ModelRunner.
-        log: where progress lines go (default: the "fp8kv.engine" logger, see fp8cache/logger.py)."""
+        log: where progress lines go (default: the "fp8kv.engine" logger, see fp8cache/logger.py).
+        overlap: run the overlapped decode loop (None: where the runner's device runs asynchronously, a GPU;
+        on a CPU it would only hand each step's tokens out one forward pass later). May be changed between
+        steps."""
         if log is None:
             configure_default_logging()
             log = log_function("fp8kv.engine")
@@ -89,10 +105,19 @@ class LLMEngine:
         self.eos_token_ids = set(runner.eos_token_ids)
         self.block_manager = BlockManager(runner.num_blocks, runner.block_size, config.enable_prefix_caching,
                                           runner.cache_fingerprint, _window_pool(runner))
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.sampler = Sampler(config.seed)
         self.max_model_len = runner.max_model_len
         self.cache_capacity_tokens = runner.num_blocks * runner.block_size
+        self.length_limit = min(self.max_model_len, self.cache_capacity_tokens)  # a sequence this long stops
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.length_limit)
+        self.sampler = Sampler(config.seed)
+        supported = bool(getattr(runner, "supports_overlap", False))
+        if overlap and not supported:
+            raise ValueError(f"{type(runner).__name__} cannot take a step's input ids from the previous step's "
+                             "tokens on the device (tensor parallelism); run it with overlap=False")
+        self.overlap = (supported and _runs_asynchronously(runner)) if overlap is None else overlap
+        self.trace: Callable[[str, int], None] | None = None  # sees ("schedule"|"launch"|"read", step) in order
+        self._in_flight: InFlightStep | None = None  # launched, its tokens not yet read (overlapped loop)
         self.requests: dict[str, Request] = {}  # owned by the step() thread
         self._lock = threading.Lock()
         self._inbox: deque[tuple[str, object]] = deque()  # ("add", Request) | ("abort", request_id)
@@ -164,36 +189,90 @@ class LLMEngine:
     # --- the step thread ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled model step; return the requests that got new tokens or finished."""
+        """Run one scheduled model step; return the requests that got new tokens or finished (with overlap:
+        from the step launched by the previous call, see the module docstring)."""
         self._drain_inbox()
+        previous, self._in_flight = self._in_flight, None
+        progressed: dict[str, Request] = {}
+        if previous is not None and not self.overlap:  # overlap was switched off since it was launched
+            self._finish(previous, progressed)
+            previous = None
         self.block_manager.set_fingerprint(self.runner.cache_fingerprint)
+        self._trace("schedule", self.num_steps)
         plan = self.scheduler.schedule()
-        if plan.is_empty:
-            return []
-        logits = self.runner.execute(plan.batch)
+        try:
+            current = None if plan.is_empty else self._launch(plan, previous)
+        except BaseException:
+            self._in_flight = previous  # still queued on the device: its tokens are read by the next step
+            raise
+        if previous is not None:  # step N's tokens, read while step N+1 runs
+            self._finish(previous, progressed)
+        if current is not None and not current.overlaps:
+            self._finish(current, progressed)
+        elif current is not None:
+            self._in_flight = current
+        outputs = [r.output() for r in progressed.values()]
+        self._forget_finished(progressed.values())
+        return outputs
+
+    def _launch(self, plan: SchedulerOutput, previous: InFlightStep | None) -> InFlightStep:
+        """Queue the step's forward pass and its sampling on the device; nothing here waits for the device."""
+        number, batch = self.num_steps, plan.batch
+        if batch.future_rows:  # decodes of tokens the previous step sampled: the runner takes them on the device
+            if previous is None or previous.readback is None:
+                raise RuntimeError("a step feeds pending tokens but no step before it is in flight")
+            logits = self.runner.execute(batch, prev_tokens=previous.readback.tokens)
+        else:
+            logits = self.runner.execute(batch)
+        self._trace("launch", number)
         # Scales may have been computed from this very batch: hash its blocks with what they hold now.
         self.block_manager.set_fingerprint(self.runner.cache_fingerprint)
         sampled, logits = self._sampling_rows(plan, logits)
         self.scheduler.on_step_done(plan.scheduled)
         self.num_steps += 1
-        if not sampled:
-            return []
-        tokens = self.sampler(logits, sampled, self.eos_token_ids)
-        logprobs = token_logprobs(logits, sampled, tokens, self.tokenizer)
-        progressed: dict[str, Request] = {}
-        limit = min(self.max_model_len, self.cache_capacity_tokens)
-        for seq, token, entry in zip(sampled, tokens, logprobs):
-            seq.append_token(token, entry)
+        if not sampled:  # nothing to wait for: register its blocks at once
+            return InFlightStep(number, plan, [], None, None, overlaps=False)
+        readback = TokenReadback(self.sampler.sample(logits, sampled, self.eos_token_ids))
+        for row, seq in enumerate(sampled):
+            seq.num_pending_tokens += 1
+            seq.pending_row = row
+        wants_logprobs = any(s.params.logprobs is not None for s in sampled)
+        # Synchronous: logprobs are read from this step's logits, and a sequence whose next sampling reads its
+        # newest token on the host (a grammar's state, penalties' history) must have it before the next step.
+        overlaps = self.overlap and not wants_logprobs and not any(reads_host_history(s) for s in sampled)
+        return InFlightStep(number, plan, sampled, readback, logits if wants_logprobs else None, overlaps)
+
+    def _finish(self, step: InFlightStep, progressed: dict[str, Request]) -> None:
+        """Take a launched step's tokens to the host: append them, offer full blocks to the prefix cache,
+        check stops, free what finished. A sequence that finished or was aborted after the step was scheduled
+        drops its token (the one step too many of the overlapped loop)."""
+        tokens = step.readback.wait() if step.readback is not None else []
+        self._trace("read", step.number)
+        logprobs = token_logprobs(step.logits, step.sampled, tokens, self.tokenizer) if step.logits is not None \
+            else [None] * len(tokens)
+        live = []
+        for seq, token, entry in zip(step.sampled, tokens, logprobs):
+            seq.num_pending_tokens -= 1
+            if not seq.num_pending_tokens:
+                seq.pending_row = None
+            if not seq.is_finished:
+                seq.append_token(token, entry)
+                live.append((seq, token))
+        # Blocks that end in the tokens just read; before the stop checks, so that a finishing sequence's full
+        # blocks stay findable, as they always were.
+        self.scheduler.register_blocks(step.plan.scheduled)
+        for seq, token in live:
             if seq.guide is not None and token not in self.eos_token_ids:  # eos ends it: nothing to advance
                 self._advance_guide(seq, token)
             self.num_generated_tokens += 1
-            check_stop(self.tokenizer, seq, self.eos_token_ids, limit)
+            check_stop(self.tokenizer, seq, self.eos_token_ids, self.length_limit)
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq, seq.finish_reason)
             progressed[seq.request_id] = self.requests[seq.request_id]
-        outputs = [r.output() for r in progressed.values()]
-        self._forget_finished(progressed.values())
-        return outputs
+
+    def _trace(self, what: str, number: int) -> None:
+        if self.trace is not None:
+            self.trace(what, number)
 
     def _advance_guide(self, seq: Sequence, token: int) -> None:
         try:
@@ -272,6 +351,12 @@ class LLMEngine:
         if len(token_ids) > self.cache_capacity_tokens:
             raise ValueError(f"the prompt has {len(token_ids)} tokens but the whole KV cache holds "
                              f"{self.cache_capacity_tokens}; raise kv_cache_memory or shorten the prompt")
+
+
+def _runs_asynchronously(runner) -> bool:
+    """Whether the runner's device queues work instead of doing it in the call (any but the CPU)."""
+    device = getattr(runner, "device", None)
+    return device is not None and torch.device(device).type != "cpu"
 
 
 def _window_pool(runner) -> WindowPool | None:

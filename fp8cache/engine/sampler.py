@@ -4,6 +4,11 @@ Order, as in vLLM: logit bias -> min_tokens bans -> penalties -> structured outp
 temperature -> min-p -> top-k -> top-p -> typical-p (TGI's last warper) -> draw. The draw is argmax(p / q)
 with q ~ Exp(1), which is a draw from p; a seeded request makes its own q from its own generator, so its
 tokens do not depend on what else is in the batch.
+
+Nothing here waits for the device unless a feature reads device values on the host (structured-output masks,
+penalties: the engine runs those steps synchronously). Per-row settings are decided from the host's
+SamplingParams and reach the device as non-blocking copies from pinned memory, so that sampling can be queued
+behind a step that is still running (the overlapped loop).
 """
 
 from __future__ import annotations
@@ -34,6 +39,10 @@ class Sampler:
         return self._device_generators[device]
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]) -> list[int]:
+        return self.sample(logits, seqs, eos_token_ids).tolist()  # one copy, one wait for the device
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]) -> torch.Tensor:
+        """One token per row (int64), on the logits' device: queued, not waited for."""
         if logits.shape[0] != len(seqs):
             raise ValueError(f"sampler got {logits.shape[0]} logit rows for {len(seqs)} sequences")
         logits = logits.float()
@@ -47,17 +56,17 @@ class Sampler:
         greedy = [s.params.greedy for s in seqs]
         if not all(greedy):
             probs = sampling_probs(logits, seqs)
-            greedy_rows = torch.tensor(greedy, device=logits.device)
+            greedy_rows = to_device(greedy, torch.bool, logits.device)
             tokens = torch.where(greedy_rows, tokens, self.draw(probs, seqs))
-        return tokens.cpu().tolist()  # one copy, one wait for the device
+        return tokens
 
     def draw(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         q = torch.empty(probs.shape, dtype=probs.dtype, device=probs.device)
         q.exponential_(generator=self._generator_for(probs.device))
         for i, seq in enumerate(seqs):
             if seq.generator is not None and not seq.params.greedy:  # a seeded request: its own CPU generator
-                row = torch.empty(probs.shape[1], dtype=probs.dtype).exponential_(generator=seq.generator)
-                q[i].copy_(row)
+                row = torch.empty(probs.shape[1], dtype=probs.dtype, pin_memory=_pins(probs.device))
+                q[i].copy_(row.exponential_(generator=seq.generator), non_blocking=True)
         q.clamp_(min=torch.finfo(q.dtype).tiny)  # q == 0 would make a p == 0 token win (0/0 = nan)
         return (probs / q).argmax(dim=-1)
 
@@ -67,21 +76,57 @@ def _edits_logits(seq: Sequence, eos_token_ids: set[int]) -> bool:
     p = seq.params
     if p.logit_bias or seq.guide is not None:
         return True
-    if seq.num_output_tokens < p.min_tokens and (p.stop_token_ids or (eos_token_ids and not p.ignore_eos)):
+    if seq.num_sampled_tokens < p.min_tokens and (p.stop_token_ids or (eos_token_ids and not p.ignore_eos)):
         return True
+    return has_penalties(p)
+
+
+def has_penalties(p) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
+def reads_host_history(seq: Sequence) -> bool:
+    """Whether sampling seq's next token needs its newest token on the host: a structured-output mask (the
+    automaton's state) or penalties (the tokens seen so far)."""
+    return seq.guide is not None or has_penalties(seq.params)
+
+
+def _pins(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on `device`, copied from pinned memory without waiting (a plain
+    torch.tensor(..., device=cuda) copies from pageable memory and waits for the whole stream)."""
+    host = torch.tensor(values, dtype=dtype, pin_memory=_pins(device))
+    return host if device.type == "cpu" else host.to(device, non_blocking=True)
+
+
 def _column(seqs: list[Sequence], name: str, device: torch.device) -> torch.Tensor:
-    return torch.tensor([float(getattr(s.params, name)) for s in seqs], device=device).unsqueeze(1)
+    return to_device([float(getattr(s.params, name)) for s in seqs], torch.float32, device).unsqueeze(1)
+
+
+def _put(logits: torch.Tensor, rows: list[int], cols: list[int], values: list[float] | float,
+         accumulate: bool = False) -> None:
+    """logits[rows[j], cols[j]] = (or +=) values[j], with the indices copied to the device without waiting."""
+    if not rows:
+        return
+    device = logits.device
+    index = (to_device(rows, torch.long, device), to_device(cols, torch.long, device))
+    if isinstance(values, float):
+        logits[index] = values
+    else:
+        logits.index_put_(index, to_device(values, logits.dtype, device), accumulate=accumulate)
 
 
 def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    rows, cols, values = [], [], []
     for i, seq in enumerate(seqs):
-        bias = seq.params.logit_bias
-        if bias:
-            ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
-            logits[i, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+        bias = seq.params.logit_bias or {}
+        rows += [i] * len(bias)
+        cols += list(bias)
+        values += list(bias.values())
+    _put(logits, rows, cols, values, accumulate=True)
 
 
 def apply_guides(logits: torch.Tensor, seqs: list[Sequence]) -> None:
@@ -97,19 +142,20 @@ def apply_guides(logits: torch.Tensor, seqs: list[Sequence]) -> None:
 
 
 def ban_stop_tokens_before_min(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]) -> None:
+    rows, cols = [], []
     for i, seq in enumerate(seqs):
         p = seq.params
-        if seq.num_output_tokens < p.min_tokens:
+        if seq.num_sampled_tokens < p.min_tokens:
             banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
-            banned = [t for t in banned if t < logits.shape[1]]
-            if banned:
-                logits[i, banned] = -float("inf")
+            banned = sorted(t for t in banned if t < logits.shape[1])
+            rows += [i] * len(banned)
+            cols += banned
+    _put(logits, rows, cols, -float("inf"))
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     """Repetition penalty over prompt and output tokens; presence and frequency over output tokens."""
-    rows = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0
-            or s.params.presence_penalty != 0.0 or s.params.frequency_penalty != 0.0]
+    rows = [i for i, s in enumerate(seqs) if has_penalties(s.params)]
     vocab = logits.shape[1]
     for i in rows:
         p, seq = seqs[i].params, seqs[i]
@@ -131,8 +177,8 @@ def sampling_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     unused)."""
     temperature = _column(seqs, "temperature", logits.device)
     logits = logits / torch.where(temperature > 0, temperature, torch.ones_like(temperature))
-    min_p = _column(seqs, "min_p", logits.device)
-    if bool((min_p > 0).any()):
+    if any(s.params.min_p > 0 for s in seqs):  # decided on the host: no wait for the device
+        min_p = _column(seqs, "min_p", logits.device)
         probs = logits.softmax(dim=-1)
         logits = logits.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, -float("inf"))
     logits = top_k_top_p(logits, seqs)
@@ -143,9 +189,9 @@ def sampling_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 def typical(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Locally typical sampling (Meister et al.; transformers' TypicalLogitsWarper, as TGI runs it): keep the
     tokens whose surprisal is closest to the distribution's entropy until their mass reaches typical_p."""
-    mass = _column(seqs, "typical_p", logits.device)
-    if bool((mass >= 1).all()):
+    if all(s.params.typical_p >= 1 for s in seqs):
         return logits
+    mass = _column(seqs, "typical_p", logits.device)
     logprobs = logits.log_softmax(dim=-1)
     entropy = -(logprobs.exp() * logprobs).nansum(dim=-1, keepdim=True)
     distance, order = (-logprobs - entropy).abs().sort(dim=-1)
@@ -159,11 +205,11 @@ def typical(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
 def top_k_top_p(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     vocab = logits.shape[1]
-    top_k = torch.tensor([s.params.top_k if 0 < s.params.top_k < vocab else vocab for s in seqs],
-                         device=logits.device)
-    top_p = _column(seqs, "top_p", logits.device)
-    if bool((top_k == vocab).all()) and bool((top_p >= 1).all()):
+    ks = [s.params.top_k if 0 < s.params.top_k < vocab else vocab for s in seqs]
+    if all(k == vocab for k in ks) and all(s.params.top_p >= 1 for s in seqs):
         return logits
+    top_k = to_device(ks, torch.long, logits.device)
+    top_p = _column(seqs, "top_p", logits.device)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
     drop = ranks >= top_k.unsqueeze(1)

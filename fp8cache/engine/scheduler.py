@@ -6,6 +6,12 @@ blocks last. A prompt longer than the leftover budget is split; only the chunk t
 asks for logits. When blocks run out the latest-arrived running sequence is preempted by recompute:
 its blocks are freed and it goes back to the front of the queue with everything it generated so far
 as prompt, so nothing is lost or repeated (its sampler state lives on the sequence).
+
+Overlapped loop (llm_engine.py): the next step is scheduled while the previous one still runs on the device,
+so a sequence may hold a pending token (sampled, not yet on the host). It is scheduled as a decode whose input
+id the runner takes from the device (StepBatch.future_rows); one whose pending token is certainly its last
+(max_tokens or the length limit) is left out, so no step ever runs past a limit. A stop that only the token's
+value shows (eos, stop ids, stop strings) is seen a step late: the engine drops that extra token.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ class ScheduledSeq:
 
     @property
     def reaches_end(self) -> bool:
-        return self.seq.num_computed_tokens + self.num_new_tokens == len(self.seq)
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
 
 @dataclass
@@ -40,13 +46,16 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_seq_len: int | None = None) -> None:
+        """max_seq_len: the length at which a sequence finishes ("length"), when the engine has one."""
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(f"max_num_seqs ({max_num_seqs}) and max_num_batched_tokens "
                              f"({max_num_batched_tokens}) must both be >= 1")
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_seq_len = max_seq_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -84,8 +93,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
-        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
-        queue = deque(decodes + [s for s in self.running if s.num_uncomputed_tokens > 1])
+        runnable = [s for s in self.running if not self._last_token_pending(s)]
+        decodes = [s for s in runnable if s.num_uncomputed_tokens == 1]
+        queue = deque(decodes + [s for s in runnable if s.num_uncomputed_tokens > 1])
         num_preempted = 0
         while queue and budget > 0:
             seq = queue.popleft()
@@ -112,6 +122,8 @@ class Scheduler:
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
+            if seq.num_pending_tokens:
+                continue  # preempted this step with a token on its way: recomputed once the token is here
             if self._sibling_is_prefilling(seq):
                 continue  # it will find the shared prompt in the prefix cache a step later
             cached = [] if seq.needs_prompt_logits else bm.lookup_prefix(seq)
@@ -134,6 +146,14 @@ class Scheduler:
         return any(s.request_id == seq.request_id and s.num_computed_tokens < s.num_prompt_tokens
                    for s in self.running)
 
+    def _last_token_pending(self, seq: Sequence) -> bool:
+        """Whether seq's pending token will end it by length whatever its value (it must not be fed)."""
+        if not seq.num_pending_tokens:
+            return False
+        max_tokens = seq.params.max_tokens
+        return (max_tokens is not None and seq.num_sampled_tokens >= max_tokens) \
+            or (self.max_seq_len is not None and seq.num_tokens >= self.max_seq_len)
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)
@@ -147,23 +167,39 @@ class Scheduler:
         for item in scheduled:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_new_tokens
+            known = len(seq.token_ids)
             batch.token_ids.extend(seq.token_ids[start:end])
+            if end > known:  # its pending token: the runner copies it in from the previous step's tokens
+                assert end == known + 1 and seq.pending_row is not None, f"{seq}: no pending token to feed"
+                batch.future_rows.append(len(batch.token_ids))
+                batch.future_src.append(seq.pending_row)
+                batch.token_ids.append(0)
             batch.positions.extend(range(start, end))
-            batch.slot_mapping.extend(seq.block_table[p // bs] * bs + p % bs for p in range(start, end))
+            table = seq.block_table
+            batch.slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             if window:
                 batch.window_slot_mapping.extend(window_slot(seq.window_block_table, p, window, bs)
                                                  if p >= end - window else -1 for p in range(start, end))
+            # The ring's list is only ever replaced, never changed in place: the chunk may share it.
             batch.seqs.append(SeqChunk(query_len=item.num_new_tokens, context_len=end,
-                                       block_table=list(seq.block_table[:-(-end // bs)]),
+                                       block_table=table[:-(-end // bs)],
                                        want_logits=item.reaches_end, prompt_logits=seq.needs_prompt_logits,
-                                       window_block_table=list(seq.window_block_table),
+                                       window_block_table=seq.window_block_table,
                                        window_floor=seq.window_floor))
-            if item.num_new_tokens > 1 or seq.num_output_tokens == 0:
+            if item.num_new_tokens > 1 or seq.num_sampled_tokens == 0:
                 self.num_prefill_tokens_computed += item.num_new_tokens
         return batch
 
     def on_step_done(self, scheduled: list[ScheduledSeq]) -> None:
-        """Mark the fed tokens as computed and offer newly full blocks to the prefix cache."""
+        """Mark the fed tokens as computed and offer newly full blocks to the prefix cache. Called once the step
+        is queued on the device: any step that reads those K/V is queued after it."""
         for item in scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.register_computed_blocks(item.seq)
+        self.register_blocks(scheduled)
+
+    def register_blocks(self, scheduled: list[ScheduledSeq]) -> None:
+        """Offer the full computed blocks to the prefix cache whose token ids are all on the host (a block is
+        known by them): a block that ends in a pending token waits for the step that reads that token."""
+        for item in scheduled:
+            if not item.seq.is_finished:
+                self.block_manager.register_computed_blocks(item.seq)

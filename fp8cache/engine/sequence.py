@@ -3,6 +3,11 @@
 A request with n > 1 becomes n sequences that share the prompt. Prefill, chunked prefill, decode and the
 recompute after preemption are all one thing here: feed the tokens in [num_computed_tokens, len) and,
 when a step reaches the end, sample one more.
+
+With the overlapped loop (llm_engine.py) a sampled token may still be on the device: it counts in
+num_pending_tokens, not in token_ids, until its step's tokens reach the host. The scheduler feeds it from the
+device (pending_row: its row in that step's sampled tokens); everything that reads token values sees only
+token_ids.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V are in this sequence's blocks
+        self.num_pending_tokens = 0  # sampled on the device, not yet in token_ids (the overlapped loop)
+        self.pending_row: int | None = None  # the newest pending token's row in its step's sampled tokens
         self.num_cached_tokens = 0  # of those, how many came from the prefix cache at admission
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # hashes of the full blocks of token_ids, filled lazily
@@ -77,8 +84,18 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def num_tokens(self) -> int:
+        """Its length with the tokens still on the device: what the scheduler and the sampler count."""
+        return len(self.token_ids) + self.num_pending_tokens
+
+    @property
+    def num_sampled_tokens(self) -> int:
+        """Output tokens so far, those still on the device included."""
+        return self.num_output_tokens + self.num_pending_tokens
+
+    @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return self.num_tokens - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:

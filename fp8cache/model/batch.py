@@ -32,6 +32,10 @@ class StepBatch:
     slot_mapping: list[int] = field(default_factory=list)  # block * block_size + offset per token
     seqs: list[SeqChunk] = field(default_factory=list)
     window_slot_mapping: list[int] = field(default_factory=list)  # ring slot per token, -1 outside the window
+    # Tokens whose value is still on the device (the overlapped loop): token_ids[future_rows[i]] is a placeholder
+    # for row future_src[i] of the previous step's sampled tokens, which the runner copies in on the device.
+    future_rows: list[int] = field(default_factory=list)
+    future_src: list[int] = field(default_factory=list)
 
     @property
     def is_decode_only(self) -> bool:

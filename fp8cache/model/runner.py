@@ -20,7 +20,7 @@ from fp8cache.distributed import worker as tp_worker
 from fp8cache.kvcache import formats, sizing
 from fp8cache.kvcache import scales as kv_scales
 from fp8cache.kvcache.spec import PENDING_SOURCE, KVCacheSpec, check_block_size
-from fp8cache.model import attention
+from fp8cache.model import attention, step_metadata
 from fp8cache.model.batch import StepBatch
 from fp8cache.model.loader import DTYPES, LoadedModel, load_model, read_config_dict
 
@@ -242,6 +242,12 @@ class ModelRunner:
         return tokens * width * element * 2 + 2 * logits_rows * cfg.vocab_size * 4 + (256 << 20)
 
     @property
+    def supports_overlap(self) -> bool:
+        """Whether execute() can take input ids from the previous step's tokens on the device (the engine's
+        overlapped loop). Not with tensor parallelism: the other ranks would need those tokens too."""
+        return not self.tp.is_parallel
+
+    @property
     def cache_fingerprint(self) -> str:
         """What the cached bytes mean; prefix-cache hashes include it so changed scales never hit."""
         return self.kv_spec.fingerprint
@@ -288,20 +294,24 @@ class ModelRunner:
 
     # ---- one step ----------------------------------------------------------------------------------
 
-    def execute(self, batch: StepBatch, all_logits: bool = False) -> torch.Tensor:
+    def execute(self, batch: StepBatch, all_logits: bool = False,
+                prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits, [rows, vocab]: in seq order, every fed token of a prompt_logits chunk, the last one of
-        a want_logits chunk; with all_logits every token."""
-        self._check_batch(batch)
-        with tp_worker.driver_step(batch, all_logits):  # rank 0 of several: the other ranks run it too
-            return self._execute(batch, all_logits)
+        a want_logits chunk; with all_logits every token. Queued on a GPU, not waited for.
 
-    def _execute(self, batch: StepBatch, all_logits: bool) -> torch.Tensor:
+        prev_tokens: the previous step's sampled tokens, on the device, when batch.future_rows take their input
+        ids from them (the overlapped loop)."""
+        self._check_batch(batch, prev_tokens)
+        with tp_worker.driver_step(batch, all_logits):  # rank 0 of several: the other ranks run it too
+            return self._execute(batch, all_logits, prev_tokens)
+
+    def _execute(self, batch: StepBatch, all_logits: bool, prev_tokens: torch.Tensor | None) -> torch.Tensor:
         if self._kernel_errors is not None:
             self._kernel_errors.check()  # what an earlier step's kernels reported, now that it has landed
         rows = None if all_logits else self._logits_rows(batch)
         calculating = self.kv_spec.scales_pending
         if self._graphs is not None and rows is None and not calculating and not all_logits:
-            logits = self._graphs.run(batch)
+            logits = self._graphs.run(batch, prev_tokens)
             if logits is not None:
                 if self._kernel_errors is not None:
                     self._kernel_errors.after_step()
@@ -310,7 +320,8 @@ class ModelRunner:
                  "positions": np.asarray(batch.positions, dtype=np.int64)[None]}
         if rows is not None:
             extra["logits_rows"] = rows
-        ctx = self._build_context(batch, extra)
+        ctx = self._build_context(batch, extra | step_metadata.future_arrays(batch))
+        step_metadata.feed_tokens(ctx.extra["input_ids"], ctx.extra, prev_tokens)
         amax: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         if calculating:
             ctx.calculate_scales = self._scale_calculator(ctx.slot_mapping, amax)
@@ -332,10 +343,12 @@ class ModelRunner:
             logits = self.model(input_ids=input_ids, position_ids=positions, use_cache=False).logits[0]
             return logits if rows is None else logits.index_select(0, rows)
 
-    def _check_batch(self, batch: StepBatch) -> None:
+    def _check_batch(self, batch: StepBatch, prev_tokens: torch.Tensor | None = None) -> None:
         n = len(batch.token_ids)
         if not batch.seqs or n == 0:
             raise ValueError("StepBatch holds no sequences or no tokens")
+        if batch.future_rows:
+            _check_future_rows(batch, n, prev_tokens)
         if len(batch.positions) != n or len(batch.slot_mapping) != n:
             raise ValueError(f"StepBatch has {n} token_ids but {len(batch.positions)} positions and "
                              f"{len(batch.slot_mapping)} slot_mapping entries; they must match")
@@ -402,3 +415,16 @@ class ModelRunner:
         self._use_scales(scales)
         self.log(f"KV scales calculated from the first batch ({self.config.kv_scales_granularity}), "
                  f"fingerprint {scales.fingerprint()}")
+
+
+def _check_future_rows(batch: StepBatch, n: int, prev_tokens: torch.Tensor | None) -> None:
+    """Rows fed from the previous step's tokens must name a token row and a row of those tokens (checked here,
+    on the host: a bad index on the device would be a kernel fault, not an error)."""
+    if prev_tokens is None:
+        raise ValueError("StepBatch.future_rows take tokens of the previous step, but execute() got no prev_tokens")
+    if len(batch.future_src) != len(batch.future_rows):
+        raise ValueError(f"StepBatch has {len(batch.future_rows)} future_rows but {len(batch.future_src)} future_src")
+    if min(batch.future_rows) < 0 or max(batch.future_rows) >= n:
+        raise ValueError(f"StepBatch future_rows must lie in [0, {n})")
+    if min(batch.future_src) < 0 or max(batch.future_src) >= prev_tokens.shape[0]:
+        raise ValueError(f"StepBatch future_src must lie in [0, {prev_tokens.shape[0]}): the previous step's rows")

@@ -12,6 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from fp8cache.model.batch import StepBatch
+
 _ALIGN = 16  # every array starts 16-byte aligned, so an int64 view of the byte buffer is legal
 _TORCH = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
 
@@ -39,6 +41,26 @@ def to_device(arrays: dict[str, np.ndarray], device: torch.device | str,
         buffer = into
         buffer[:size].copy_(host, non_blocking=True)
     return {name: _view(buffer, offsets[name], a) for name, a in arrays.items()}
+
+
+def future_arrays(batch: StepBatch) -> dict[str, np.ndarray]:
+    """The step's input-id rows that take a token the previous step sampled (StepBatch.future_rows), and
+    which of its rows: to ride along in the step's one copy."""
+    if not batch.future_rows:
+        return {}
+    return {"future_rows": np.asarray(batch.future_rows, dtype=np.int64),
+            "future_src": np.asarray(batch.future_src, dtype=np.int64)}
+
+
+def feed_tokens(input_ids: torch.Tensor, views: dict[str, torch.Tensor], prev_tokens: torch.Tensor | None) -> None:
+    """Copy the previous step's sampled tokens into this step's input ids, on the device (the overlapped loop:
+    the host never sees them first)."""
+    if "future_rows" not in views:
+        return
+    if prev_tokens is None:
+        raise ValueError("the step feeds tokens of the previous step, but no previous tokens were given")
+    picked = prev_tokens.index_select(0, views["future_src"]).to(input_ids.dtype)
+    input_ids.view(-1).index_copy_(0, views["future_rows"], picked)
 
 
 def packed_size(arrays: dict[str, np.ndarray]) -> int:

@@ -6,6 +6,10 @@ One graph per padded batch size, captured the first time a decode step of that s
 step's single host-to-device copy refills, rows past the real batch are padding (a slot of -1, so nothing
 is written, and a one-token context whose output is dropped), and attention runs for max_model_len so that
 every length fits the captured grid. Prefill and mixed steps run eagerly.
+
+In the overlapped loop a decode's input id may be a token the previous step sampled, still on the device: its
+row and source ride in the same copy, after the captured arrays (so their offsets do not move), and two small
+ops outside the graph copy the tokens into the graph's input ids before it replays.
 """
 
 from __future__ import annotations
@@ -53,7 +57,9 @@ class DecodeGraphs:
         """Forget the graphs (the tensors they read were replaced, e.g. new KV scales)."""
         self.graphs.clear()
 
-    def run(self, batch: StepBatch) -> torch.Tensor | None:
+    def run(self, batch: StepBatch, prev_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The logits of a decode step it can replay (queued, not waited for), else None. prev_tokens: the
+        previous step's sampled tokens, when batch.future_rows feed on them."""
         n = len(batch.seqs)
         if self.disabled or not batch.is_decode_only or n > self.sizes[-1]:
             return None
@@ -66,8 +72,9 @@ class DecodeGraphs:
                 self.disabled = f"{type(exc).__name__}: {exc}"
                 self.log(f"warning: decode steps run without CUDA graphs (capture failed: {self.disabled})")
                 return None
-        arrays = self._arrays(self._padded(batch, size))
-        step_metadata.to_device(arrays, self.device, into=graph.buffer)
+        arrays = self._arrays(self._padded(batch, size)) | step_metadata.future_arrays(batch)
+        views = step_metadata.to_device(arrays, self.device, into=graph.buffer)
+        step_metadata.feed_tokens(views["input_ids"], views, prev_tokens)
         graph.graph.replay()
         return graph.logits[:n]
 
@@ -96,9 +103,17 @@ class DecodeGraphs:
 
     def _capture(self, size: int, batch: StepBatch) -> _Graph:
         padded = self._padded(batch, size)
-        buffer = torch.empty(step_metadata.packed_size(self._arrays(padded)), dtype=torch.uint8, device=self.device)
+        room = step_metadata.packed_size(self._arrays(padded)) + _future_room(size)
+        buffer = torch.empty(room, dtype=torch.uint8, device=self.device)
         ctx = self.build_context(padded, extra=self._extra(padded), table_width=self.table_width,
                                  metadata_buffer=buffer, max_decode_len=self.max_model_len)
+        # The warm-up runs below may see placeholder input ids (tokens still to come from the previous step):
+        # they write the K/V of this step's own slots, which its replay then writes again.
+        graph, logits = self._record(ctx)
+        return _Graph(graph, buffer, logits)
+
+    def _record(self, ctx: attention.ForwardContext) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """A CUDA graph of one forward pass over ctx's buffers, and the logits tensor its replays write."""
         ids, positions = ctx.extra["input_ids"], ctx.extra["positions"]
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
@@ -110,5 +125,11 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self.pool):
             logits = self.forward(ids, positions, ctx).to(torch.float32)
         self.pool = graph.pool()
-        return _Graph(graph, buffer, logits)
+        return graph, logits
+
+
+def _future_room(size: int) -> int:
+    """Bytes for the rows fed from the previous step's tokens (at most one a sequence), after the arrays."""
+    rows = np.zeros(size, dtype=np.int64)
+    return step_metadata.packed_size({"future_rows": rows, "future_src": rows})
 
