@@ -1,8 +1,11 @@
 // reshape_and_cache: write each token's K and V into its slot of the paged caches, quantizing on the way.
 //
-// One thread block per token; each thread takes one 16-byte chunk of the key cache row (x elements of
-// one head), so the key side is one wide store, and the value side x scattered element stores (the value
-// cache keeps tokens innermost, docs/design.md section 4).
+// One thread block per token; each thread takes kPiece elements of one head (a quarter of an FP8 key chunk,
+// half of a 16-bit one, a whole float32 one), so the key side is one store of kPiece elements and the value
+// side kPiece scattered element stores (the value cache keeps tokens innermost, docs/design.md section 4).
+// Small pieces because a decode step writes few tokens: the time is each thread's chain of conversions
+// (IEEE division and rounding per element), not bytes; with a whole 16-code FP8 chunk per thread the FP8
+// write of 64 tokens took 2.2x the bfloat16 write (H200, 2026-11-26).
 #pragma once
 
 #include "cache_codec.cuh"
@@ -11,11 +14,13 @@
 namespace fp8kv::gpu {
 
 constexpr int kCacheThreads = 128;
+constexpr int kCachePiece = 4;  // elements a thread converts
 
 template <typename scalar_t, typename cache_t, Fp8Format kFormat, class Thread>
 FP8KV_DEVICE void reshape_and_cache_body(const ReshapeAndCacheArgs<scalar_t, cache_t>& a, const Thread& th) {
   using Codec = CacheCodec<scalar_t, cache_t, kFormat>;
   constexpr int X = Codec::kX;
+  constexpr int kPiece = X < kCachePiece ? X : kCachePiece;
   const int64_t token = th.block_x();
   const int64_t slot = a.slot_mapping[token];
   if (slot < 0) return;  // padding
@@ -25,29 +30,30 @@ FP8KV_DEVICE void reshape_and_cache_body(const ReshapeAndCacheArgs<scalar_t, cac
   }
   const int64_t block = slot / a.block_size;
   const int offset = static_cast<int>(slot % a.block_size);
-  const int chunks_per_head = a.head_size / X;
+  const int pieces_per_head = a.head_size / kPiece;
 
-  for (int i = th.index(); i < a.num_kv_heads * chunks_per_head; i += kCacheThreads) {
-    const int head = i / chunks_per_head;
-    const int chunk = i % chunks_per_head;
-    const scalar_t* k = a.key + token * a.key_token_stride + head * a.key_head_stride + chunk * X;
-    const scalar_t* v = a.value + token * a.value_token_stride + head * a.value_head_stride + chunk * X;
+  for (int i = th.index(); i < a.num_kv_heads * pieces_per_head; i += kCacheThreads) {
+    const int head = i / pieces_per_head;
+    const int first = (i % pieces_per_head) * kPiece;  // dim of the piece's first element
+    const int chunk = first / X;
+    const scalar_t* k = a.key + token * a.key_token_stride + head * a.key_head_stride + first;
+    const scalar_t* v = a.value + token * a.value_token_stride + head * a.value_head_stride + first;
     const float k_scale = Codec::scale_of(a.k_scale, a.k_scale_per_head, head);
     const float v_scale = Codec::scale_of(a.v_scale, a.v_scale_per_head, head);
 
-    // key_cache[block, head, chunk, offset, :] = k[chunk * X : (chunk + 1) * X]
-    Vec<cache_t, X> k_chunk;
+    // key_cache[block, head, chunk, offset, first % X : + kPiece] = k[first : first + kPiece]
+    Vec<cache_t, kPiece> k_piece;
     FP8KV_UNROLL
-    for (int j = 0; j < X; ++j) k_chunk.e[j] = Codec::encode(k[j], k_scale);
-    store_vec<cache_t, X>(a.key_cache + block * a.key_cache_block_stride + head * a.key_cache_head_stride +
-                              (int64_t(chunk) * a.block_size + offset) * X,
-                          k_chunk);
+    for (int j = 0; j < kPiece; ++j) k_piece.e[j] = Codec::encode(k[j], k_scale);
+    store_vec<cache_t, kPiece>(a.key_cache + block * a.key_cache_block_stride + head * a.key_cache_head_stride +
+                                   (int64_t(chunk) * a.block_size + offset) * X + first % X,
+                               k_piece);
 
     // value_cache[block, head, d, offset] = v[d]
     cache_t* v_out = a.value_cache + block * a.value_cache_block_stride + head * a.value_cache_head_stride +
-                     int64_t(chunk) * X * a.block_size + offset;
+                     int64_t(first) * a.block_size + offset;
     FP8KV_UNROLL
-    for (int j = 0; j < X; ++j) v_out[int64_t(j) * a.block_size] = Codec::encode(v[j], v_scale);
+    for (int j = 0; j < kPiece; ++j) v_out[int64_t(j) * a.block_size] = Codec::encode(v[j], v_scale);
   }
 }
 
