@@ -206,7 +206,9 @@ struct TcPlan {
   int blocks_per_sm = 0;
 };
 
-inline TcPlan tc_plan(DType cache, int head_size, int group, bool precise, int smem_per_sm, int smem_per_block) {
+// stages: a pipeline depth asked for (2-4), 0 for the plan's own choice.
+inline TcPlan tc_plan(DType cache, int head_size, int group, bool precise, int smem_per_sm, int smem_per_block,
+                      int stages_wanted = 0) {
   const int elem = cache == DType::kF32 ? 0 : cache == DType::kF16 || cache == DType::kBF16 ? 2 : 1;
   if (elem == 0 || head_size <= 0 || head_size > kMaxHeadSize || head_size % (16 / elem) != 0) return {};
   const int dims = tc_dims(head_size), heads = tc_heads(group, head_size);
@@ -215,6 +217,7 @@ inline TcPlan tc_plan(DType cache, int head_size, int group, bool precise, int s
   const int budgets[2] = {smem_per_sm / 2 - kTcSharedMemoryReserved, smem_per_block};
   for (const int budget : budgets) {
     for (int stages = 4; stages >= 2; --stages) {
+      if (stages_wanted != 0 && stages != stages_wanted) continue;
       const int bytes = tc_smem_bytes(elem, dims, heads, precise, stages);
       if (bytes > budget) continue;
       int blocks = smem_per_sm / (bytes + kTcSharedMemoryReserved);
@@ -222,7 +225,7 @@ inline TcPlan tc_plan(DType cache, int head_size, int group, bool precise, int s
       return {stages, bytes, blocks};
     }
   }
-  return {};
+  return stages_wanted != 0 ? tc_plan(cache, head_size, group, precise, smem_per_sm, smem_per_block) : TcPlan{};
 }
 
 // Splits of each (sequence, head block) for the tensor-core kernel: the count whose blocks finish soonest when

@@ -12,6 +12,7 @@
 #include "layer_kernels.cuh"
 
 #include <algorithm>
+#include <cstdlib>
 #include <array>
 #include <mutex>
 #include <optional>
@@ -170,6 +171,17 @@ const DeviceInfo& device_info(const at::Device& device) {
 }
 
 int sm_count(const at::Device& device) { return device_info(device).sm_count; }
+
+// FP8KV_TC_STAGES=2..4 fixes the tensor-core kernel's pipeline depth (within what shared memory allows), for
+// measuring the plan's choice against the others; read once.
+int tc_stages_override() {
+  static const int stages = [] {
+    const char* value = std::getenv("FP8KV_TC_STAGES");
+    const int n = value != nullptr ? std::atoi(value) : 0;
+    return n >= 2 && n <= 4 ? n : 0;
+  }();
+  return stages;
+}
 
 void raise_reported_errors(int bits, const char* op, int64_t num_slots, int64_t num_blocks) {
   TORCH_CHECK(!(bits & kErrorSlotOutOfRange), op, ": slot_mapping holds a slot >= ", num_slots,
@@ -357,7 +369,7 @@ AttentionCall attention_call(at::Tensor& out, const at::Tensor& query, const at:
   const int group = static_cast<int>(num_heads / num_kv_heads);
   const TcPlan tc = info.tensor_cores && g.head_size <= kMaxHeadSize
                         ? tc_plan(cache_type, static_cast<int>(g.head_size), group, query.scalar_type() == at::kFloat,
-                                  info.smem_per_sm, info.smem_per_block)
+                                  info.smem_per_sm, info.smem_per_block, tc_stages_override())
                         : TcPlan{};
   TORCH_CHECK(tc.stages > 0 || (g.head_size % 16 == 0 && g.head_size <= kMaxHeadSize), "head_size ", g.head_size,
               " is not supported by the GPU kernels here: they take multiples of 16 up to ", kMaxHeadSize,
