@@ -37,3 +37,6 @@ class EngineConfig:
     kv_recent_window_dtype: str = "auto"
     enforce_eager: bool = False  # GPU: run decode steps op by op instead of replaying CUDA graphs (vLLM's name)
     tensor_parallel_size: int = 1  # ranks sharing the model; > 1 needs RANK/WORLD_SIZE/MASTER_* env
+    # auto: the model folder's safetensors weights; dummy: random weights from its config.json alone, or a shape
+    # shipped with fp8kv by name (benchmarks at a real model's size without its checkpoint; fp8cache/model/dummy.py)
+    load_format: str = "auto"

@@ -17,6 +17,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from launcher.options import SHAPES
+
 console = Console(stderr=True)
 EXIT_INTERRUPTED = 130
 
@@ -128,6 +130,15 @@ def _ratio(value) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
+# Where an engine's time went (fp8cache.bench.throughput.StepTimes); "-" for a peer without steps.
+_STEP_COLUMNS = ("peak running", "decode step ms", "decode batch", "prefill s", "decode s")
+
+
+def _step_cells(row: dict) -> tuple[str, ...]:
+    return (str(row.get("peak_running", "-")), _fmt(row.get("decode_step_ms"), ".2f"),
+            _fmt(row.get("decode_batch")), _fmt(row.get("prefill_s"), ".2f"), _fmt(row.get("decode_s"), ".2f"))
+
+
 def _machine_line(rows: list[dict]) -> str:
     m = rows[0]["machine"] if rows else {}
     return f"{m.get('cpu', '?')}, {m.get('threads', '?')} threads, torch {m.get('torch', '?')}"
@@ -212,6 +223,11 @@ _DEVICE_OPT = click.option("--device", default="auto", show_default=True,
                                 "transformers peer runs there too.")
 _PLOT_OPT = click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
                          help="Write a PNG of the figures (needs `pip install fp8kv[plot]`).")
+_LOAD_FORMAT_OPT = click.option(
+    "--load-format", type=click.Choice(["auto", "dummy"]), default="auto", show_default=True,
+    help="dummy: random weights made on the device from the model's config.json alone (MODEL may then be a "
+         f"folder with only a config, or a shape fp8kv ships: {SHAPES}), so that memory and speed at a real "
+         "model's size need no checkpoint; --compare hf runs the same random weights.")
 _TEXT_OPT = click.option("--text", "text_path", type=click.Path(dir_okay=False), default=None,
                          help="UTF-8 text the prompts are cut from (default: $FP8KV_EVAL_TEXT, else the "
                               "WikiText-2 test text shipped with fp8kv).")
@@ -246,6 +262,11 @@ def _check_text(text_path: str | None) -> str:
 @click.option("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB (default: the engine's).")
 @click.option("--max-num-seqs", default=256, show_default=True, type=click.IntRange(1))
 @click.option("--max-num-batched-tokens", default=2048, show_default=True, type=click.IntRange(1))
+@click.option("--max-model-len", default=None, type=click.IntRange(1),
+              help="The engines' longest sequence (default: the model's own limit). On a GPU a decode step's "
+                   "attention is sized for it, so a model with a 128k limit runs short requests faster with "
+                   "--max-model-len near --input-len + --output-len.")
+@_LOAD_FORMAT_OPT
 @click.option("--num-shard", "--tensor-parallel-size", "num_shard", default=1, show_default=True,
               type=click.IntRange(1),
               help="Tensor-parallel ranks for the fp8kv engines: this process is rank 0 and starts the others "
@@ -262,8 +283,9 @@ def _check_text(text_path: str | None) -> str:
 @_JSON_OPT
 @_PLOT_OPT
 def throughput(model, num_prompts, input_len, output_len, kv_cache_dtypes, compare, repeats, dtype, peer_dtype,
-               kv_cache_memory, max_num_seqs, max_num_batched_tokens, num_shard, kv_recent_window,
-               kv_recent_window_dtype, threads, text_path, device, cpu_isa, as_json, plot_path) -> None:
+               kv_cache_memory, max_num_seqs, max_num_batched_tokens, max_model_len, load_format, num_shard,
+               kv_recent_window, kv_recent_window_dtype, threads, text_path, device, cpu_isa, as_json,
+               plot_path) -> None:
     """Offline throughput per kv-cache dtype (and transformers with --compare hf), measured in one run."""
     from fp8cache.bench import plot
     from fp8cache.bench import throughput as bench
@@ -282,7 +304,8 @@ def throughput(model, num_prompts, input_len, output_len, kv_cache_dtypes, compa
         model, tuple(dtypes), num_prompts, input_len, output_len, tuple(compare), repeats, dtype,
         kv_cache_memory, max_num_seqs, max_num_batched_tokens, progress=bar, log=_log, num_shard=num_shard,
         threads_per_rank=threads, kv_recent_window=windows, kv_recent_window_dtype=kv_recent_window_dtype,
-        peer_dtype=peer_dtype, device=device, text_path=text_path))
+        peer_dtype=peer_dtype, device=device, text_path=text_path, load_format=load_format,
+        max_model_len=max_model_len))
     bench.add_ratios(rows)
     path = cpu_path(device)
     for r in rows:
@@ -293,13 +316,13 @@ def throughput(model, num_prompts, input_len, output_len, kv_cache_dtypes, compa
                         f"{shards}\n{_machine_line(rows)}" + (f", fp8kv's CPU path {path}" if path else ""))
     by_window = any("vs_window0" in r for r in rows)
     for col in ("engine", "dtype", "kv cache", "req/s", "output tok/s", "total tok/s", "elapsed s", "vs auto",
-                "vs transformers") + (("vs window 0",) if by_window else ()):
+                "vs transformers") + (("vs window 0",) if by_window else ()) + _STEP_COLUMNS:
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(r["engine"], r["dtype"], r.get("variant", r["kv_cache_dtype"]), _fmt(r["requests_per_s"], ".3f"),
                       _fmt(r["output_tokens_per_s"]), _fmt(r["total_tokens_per_s"]), _fmt(r["elapsed_s"], ".2f"),
                       _ratio(r.get("vs_auto")), _ratio(r.get("vs_transformers")),
-                      *((_ratio(r.get("vs_window0")),) if by_window else ()))
+                      *((_ratio(r.get("vs_window0")),) if by_window else ()), *_step_cells(r))
     _finish(rows, as_json, table, plot_path, plot.plot_throughput, interrupted)
 
 
@@ -321,14 +344,15 @@ def throughput(model, num_prompts, input_len, output_len, kv_cache_dtypes, compa
 @_MODEL_DTYPE_OPT
 @_WINDOW_OPT
 @_WINDOW_DTYPE_OPT
+@_LOAD_FORMAT_OPT
 @_THREADS_OPT
 @_TEXT_OPT
 @_DEVICE_OPT
 @_JSON_OPT
 @_PLOT_OPT
 def capacity(model, kv_cache_memory, contexts, output_len, kv_cache_dtypes, max_num_seqs,
-             max_num_batched_tokens, block_size, repeats, dtype, kv_recent_window, kv_recent_window_dtype, threads,
-             text_path, device, as_json, plot_path) -> None:
+             max_num_batched_tokens, block_size, repeats, dtype, kv_recent_window, kv_recent_window_dtype,
+             load_format, threads, text_path, device, as_json, plot_path) -> None:
     """Tokens that fit a KV-cache budget per dtype, the largest batch per context, and its throughput."""
     from fp8cache.bench import capacity as bench
     from fp8cache.bench import plot
@@ -343,20 +367,20 @@ def capacity(model, kv_cache_memory, contexts, output_len, kv_cache_dtypes, max_
         model, tuple(dtypes), kv_cache_memory, tuple(context_list), output_len, max_num_seqs,
         max_num_batched_tokens, int(block_size), dtype, repeats, progress=bar, log=_log,
         kv_recent_window=kv_recent_window, kv_recent_window_dtype=kv_recent_window_dtype, text_path=text_path,
-        device=device))
+        device=device, load_format=load_format))
     bench.add_ratios(rows)
     table = Table(title=f"capacity at a {kv_cache_memory} KV cache, {output_len} output tokens per sequence\n"
                         f"{_machine_line(rows)}")
-    for col in ("kv cache", "bytes/token", "tokens that fit", "context", "max batch", "batch run", "peak running",
-                "preemptions", "req/s", "output tok/s", "total tok/s", "vs auto"):
+    for col in ("kv cache", "bytes/token", "tokens that fit", "context", "max batch", "batch run",
+                "preemptions", "req/s", "output tok/s", "total tok/s", "vs auto") + _STEP_COLUMNS:
         table.add_column(col, justify="right")
     for r in rows:
         preempt = r.get("num_preemptions")
         table.add_row(r["kv_cache_dtype"], str(r["bytes_per_token"]), str(r["capacity_tokens"]), str(r["context"]),
-                      str(r["max_batch"]), str(r["batch"]), str(r.get("peak_running", "-")),
+                      str(r["max_batch"]), str(r["batch"]),
                       "-" if preempt is None else ("[green]0[/]" if preempt == 0 else f"[red]{preempt}[/]"),
                       _fmt(r.get("requests_per_s"), ".3f"), _fmt(r.get("output_tokens_per_s")),
-                      _fmt(r.get("total_tokens_per_s")), _ratio(r.get("vs_auto")))
+                      _fmt(r.get("total_tokens_per_s")), _ratio(r.get("vs_auto")), *_step_cells(r))
     _finish(rows, as_json, table, plot_path, plot.plot_capacity, interrupted)
 
 
@@ -376,7 +400,8 @@ def _rate(text: str) -> float:
               help="Base URL of a running `fp8kv run` or any OpenAI-compatible server.")
 @click.option("--model", default=None, help="Model name to request (default: the first one /v1/models lists).")
 @click.option("--tokenizer", default=None, help="Tokenizer folder that cuts the prompts (default: the default "
-                                                "model's; give the served model's folder).")
+                                                "model's; give the served model's folder, or its shape's name "
+                                                "for a server on random weights, e.g. llama-3.1-8b).")
 @click.option("--num-prompts", default=64, show_default=True, type=click.IntRange(1))
 @click.option("--input-len", default=256, show_default=True, type=click.IntRange(1))
 @click.option("--output-len", default=128, show_default=True, type=click.IntRange(1))

@@ -37,10 +37,17 @@ def _fail(message: str) -> None:
 @click.option("--windows", default=6, show_default=True, help="Number of consecutive windows.")
 @click.option("--window-len", default=1024, show_default=True, help="Tokens per window.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+@click.option("--load-format", type=click.Choice(["auto", "dummy"]), default="auto", show_default=True,
+              help="Only auto (the checkpoint's weights): random weights (dummy) have no quality to measure.")
 def eval_command(model: str | None, kv_cache_dtype: str, quantization_param_path: str | None,
                  calculate_kv_scales: bool, dtype: str, text_path: str | None, kv_recent_window: int | None,
-                 kv_recent_window_dtype: str, device: str, windows: int, window_len: int, as_json: bool) -> None:
+                 kv_recent_window_dtype: str, device: str, windows: int, window_len: int, as_json: bool,
+                 load_format: str) -> None:
     """Measure what an FP8 cache costs in quality (decode-faithful perplexity, KL, top-1 agreement)."""
+    if load_format == "dummy":
+        _fail("--load-format dummy gives random weights, whose perplexity and KL say nothing about a real model's "
+              "quality; evaluate a model folder with its weights (drop --load-format dummy), and measure random "
+              "weights' speed and memory with `fp8kv bench throughput|capacity --load-format dummy`")
     from fp8cache.config import EngineConfig
     from fp8cache.eval import evaluate
     from fp8cache.kvcache.scales import check_engine_scales

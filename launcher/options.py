@@ -16,6 +16,9 @@ import click
 from rich.console import Console
 
 from fp8cache.kvcache.formats import KV_CACHE_DTYPES
+from fp8cache.model.dummy import shape_names
+
+SHAPES = ", ".join(shape_names())  # for --help; fp8cache/data/shapes
 
 if TYPE_CHECKING:
     from fp8cache.config import EngineConfig
@@ -102,6 +105,10 @@ _ENGINE_OPTIONS = [
     option("--trust-remote-code", is_flag=True,
            help="Allow Python code shipped in the model folder to run (off: transformers' own "
                 "architectures only)."),
+    option("--load-format", type=click.Choice(["auto", "dummy"]), default="auto",
+           help="auto: the model folder's safetensors weights. dummy: random weights made on the device from "
+                "config.json alone, for benchmarks at a model's real size without its checkpoint; MODEL may "
+                f"then be a folder with only a config (and a tokenizer) or a shape fp8kv ships: {SHAPES}."),
 ]
 
 _SERVER_OPTIONS = [
@@ -169,7 +176,7 @@ def engine_config(model: str | None, kw: dict) -> EngineConfig:
         kv_cache_memory=memory_arg(kw["kv_cache_memory"]), enable_prefix_caching=kw["enable_prefix_caching"],
         seed=kw["seed"], device=kw["device"],
         gpu_memory_utilization=kw["gpu_memory_utilization"], enforce_eager=kw["enforce_eager"],
-        trust_remote_code=kw["trust_remote_code"])
+        trust_remote_code=kw["trust_remote_code"], load_format=kw["load_format"])
 
 
 def engine_errors(fn: Callable) -> Callable:

@@ -25,6 +25,7 @@ from fp8cache.bench.throughput import (
     check_kv_cache_dtypes,
     median_result,
     run_batch,
+    step_figures,
 )
 
 WARMUP_INPUT_LEN = 64
@@ -48,9 +49,11 @@ def iter_capacity(model: str | None = None, kv_cache_dtypes: tuple[str, ...] = (
                   block_size: int = 16, dtype: str = "auto", repeats: int = 1, text_path: str | None = None,
                   progress: Progress | None = None, log: Callable[[str], None] = print,
                   kv_recent_window: int | None = None, kv_recent_window_dtype: str = "auto",
-                  device: str = "auto") -> Iterator[dict]:
+                  device: str = "auto", load_format: str = "auto") -> Iterator[dict]:
     """Yield one row per (context, dtype). The dtypes of one context take turns, `repeats` rounds of
-    fresh prompts, so drift on a shared machine hits them alike; a row reports the median round."""
+    fresh prompts, so drift on a shared machine hits them alike; a row reports the median round.
+    load_format "dummy": random weights from the model's config.json alone, or a shape shipped with fp8kv
+    by name (e.g. llama-3.1-8b: capacity at a real model's size without its checkpoint)."""
     dtypes = check_kv_cache_dtypes(list(kv_cache_dtypes))
     contexts = _check_contexts(contexts, output_len)
     if max_num_seqs < 1 or repeats < 1:
@@ -58,7 +61,7 @@ def iter_capacity(model: str | None = None, kv_cache_dtypes: tuple[str, ...] = (
     engines = build_engines(model, dtypes, log, dtype=dtype, device=device, kv_cache_memory=kv_cache_memory,
                             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                             block_size=block_size, max_model_len=max(contexts), kv_recent_window=kv_recent_window,
-                            kv_recent_window_dtype=kv_recent_window_dtype)
+                            kv_recent_window_dtype=kv_recent_window_dtype, load_format=load_format)
     source = PromptSource(next(iter(engines.values())).tokenizer, text_path)
     for engine in engines.values():
         _warm_up(engine, source, min(contexts) - output_len)
@@ -103,6 +106,7 @@ def _row(engine, kv_dtype: str, context: int, output_len: int, max_num_seqs: int
         return row
     median = median_result(results)
     preemptions = sum(r.num_preemptions for r in results)
+    row.update(step_figures(median))  # its peak_running is replaced by the lowest round's below
     row.update(median.rates(), input_tokens=median.input_tokens, output_tokens=median.output_tokens,
                num_preemptions=preemptions, peak_running=min(r.peak_running for r in results),
                repeats=len(results), elapsed_all_s=[r.elapsed_s for r in results], verified=preemptions == 0)

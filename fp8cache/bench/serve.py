@@ -212,13 +212,22 @@ def latency_stats(values: list[float]) -> dict:
 
 
 def load_tokenizer(path: str | None = None):
-    """The tokenizer that cuts the prompts: the folder given, else the default model's."""
-    from transformers import AutoTokenizer
+    """The tokenizer that cuts the prompts: the folder given, else the default model's. A shape fp8kv ships
+    (llama-3.1-8b, ...), or a folder with a config and no tokenizer, gets the byte-level tokenizer that a
+    server started on it with --load-format dummy builds."""
+    import os
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from fp8cache.model import dummy
 
     if path is None:
         from fp8cache.model.default_model import ensure_default_model
 
         path = ensure_default_model()
+    folder = dummy.shape_path(path) if not os.path.exists(path) else path
+    if folder is not None and os.path.isfile(os.path.join(folder, "config.json")) and not dummy.has_tokenizer(folder):
+        return dummy.byte_tokenizer(AutoConfig.from_pretrained(folder, local_files_only=True))
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as exc:

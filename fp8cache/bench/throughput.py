@@ -38,14 +38,49 @@ _request_ids = itertools.count()
 
 
 @dataclass
+class StepTimes:
+    """Where an engine's time went, step by step: steps that computed prompt tokens (a prefill, or a chunk
+    of one, with or without decodes beside it) and steps that only decoded, each timed on the host from the
+    end of the step before (the step returns once its sampled tokens are known)."""
+    prefill_steps: int = 0
+    prefill_s: float = 0.0
+    decode_steps: int = 0
+    decode_s: float = 0.0
+    decode_tokens: int = 0  # tokens the decode-only steps generated: their batch, summed
+    decode_step_s: list[float] = field(default_factory=list)
+
+    def add(self, seconds: float, prefill_tokens: int, generated: int) -> None:
+        if prefill_tokens > 0:
+            self.prefill_steps += 1
+            self.prefill_s += seconds
+        else:
+            self.decode_steps += 1
+            self.decode_s += seconds
+            self.decode_tokens += generated
+            self.decode_step_s.append(seconds)
+
+    def figures(self, elapsed_s: float) -> dict:
+        """For a bench row: the median decode step (ms) and its mean batch, and the seconds in each kind of
+        step and outside them (submitting requests, the loop)."""
+        ordered = sorted(self.decode_step_s)
+        median = ordered[(len(ordered) - 1) // 2] if ordered else None
+        return {"steps": self.prefill_steps + self.decode_steps, "prefill_steps": self.prefill_steps,
+                "prefill_s": self.prefill_s, "decode_steps": self.decode_steps, "decode_s": self.decode_s,
+                "decode_step_ms": None if median is None else 1000 * median,
+                "decode_batch": self.decode_tokens / self.decode_steps if self.decode_steps else None,
+                "other_s": elapsed_s - self.prefill_s - self.decode_s}
+
+
+@dataclass
 class BatchResult:
     elapsed_s: float
     num_requests: int
     input_tokens: int
     output_tokens: int
     num_preemptions: int = 0
-    peak_running: int = 0
+    peak_running: int = 0  # the most sequences the engine ran at once
     finish_reasons: dict[str, int] = field(default_factory=dict)
+    steps: StepTimes | None = None  # None for a peer that reports no steps (transformers generate)
 
     def rates(self) -> dict:
         return {"elapsed_s": self.elapsed_s, "requests_per_s": self.num_requests / self.elapsed_s,
@@ -118,23 +153,30 @@ def bench_params(output_len: int):
 
 
 def run_batch(engine, prompts: list[list[int]], output_len: int,
-              on_tokens: Callable[[int], None] | None = None) -> BatchResult:
+              on_tokens: Callable[[int], None] | None = None,
+              clock: Callable[[], float] = time.perf_counter) -> BatchResult:
     """Time one batch through an LLMEngine, submitted at once. The loop is LLM.generate's own, driven
-    here so that progress shows per step and the peak of concurrently running sequences is seen."""
+    here so that progress shows per step, the peak of concurrently running sequences is seen and each
+    step's time is kept (StepTimes). clock: seconds, for tests to inject."""
     params = bench_params(output_len)
     before = engine.stats
     ids = [f"bench-{next(_request_ids)}" for _ in prompts]
     done: dict[str, object] = {}
     peak = 0
-    start = time.perf_counter()
+    steps = StepTimes()
+    start = clock()
     try:
         for rid, prompt in zip(ids, prompts):
             engine.add_request(rid, prompt, params)
+        last, previous = clock(), engine.stats
         while len(done) < len(ids):
             for out in engine.step():
                 if out.finished:
                     done[out.request_id] = out
-            stats = engine.stats
+            now, stats = clock(), engine.stats
+            steps.add(now - last, stats.num_prefill_tokens_computed - previous.num_prefill_tokens_computed,
+                      stats.num_generated_tokens - previous.num_generated_tokens)
+            last, previous = now, stats
             peak = max(peak, stats.num_running)
             if on_tokens is not None:
                 on_tokens(stats.num_generated_tokens - before.num_generated_tokens)
@@ -143,14 +185,21 @@ def run_batch(engine, prompts: list[list[int]], output_len: int,
     except BaseException:
         engine.abort_request([i for i in ids if i not in done])
         raise
-    elapsed = time.perf_counter() - start
+    elapsed = last - start  # to the end of the last step
     outputs = [done[i].outputs[0] for i in ids]
     reasons: dict[str, int] = {}
     for o in outputs:
         reasons[o.finish_reason] = reasons.get(o.finish_reason, 0) + 1
     return BatchResult(elapsed, len(prompts), sum(len(p) for p in prompts),
                        sum(len(o.token_ids) for o in outputs),
-                       engine.stats.num_preemptions - before.num_preemptions, peak, reasons)
+                       engine.stats.num_preemptions - before.num_preemptions, peak, reasons, steps)
+
+
+def step_figures(result: BatchResult) -> dict:
+    """A bench row's concurrency and step figures (empty for a result without steps)."""
+    if result.steps is None:
+        return {}
+    return {"peak_running": result.peak_running, **result.steps.figures(result.elapsed_s)}
 
 
 def run_transformers(model, prompts: list[list[int]], output_len: int, pad_token_id: int) -> BatchResult:
@@ -195,9 +244,12 @@ def iter_throughput(model: str | None = None, kv_cache_dtypes: tuple[str, ...] =
                     num_shard: int = 1, threads_per_rank: int | None = None,
                     kv_recent_window: int | list[int] | None = None,
                     kv_recent_window_dtype: str = "auto", peer_dtype: str = "same",
-                    device: str = "auto") -> Iterator[dict]:
+                    device: str = "auto", load_format: str = "auto",
+                    max_model_len: int | None = None) -> Iterator[dict]:
     """Yield one row per fp8kv kv-cache dtype, then one per peer, each after its last timed run.
     peer_dtype: the transformers peer's model dtype, "same" as the fp8kv engines' or a dtype name.
+    load_format: "dummy" runs random weights from the model's config.json alone (or a shape shipped with
+    fp8kv, by name), the peer the same ones. max_model_len: the engines' (None: the model's own limit).
     num_shard: tensor-parallel ranks of the fp8kv engines (threads_per_rank: torch threads of each worker).
     kv_recent_window: newest tokens kept in full precision beside FP8 (None: the engine's default); a
     list runs every FP8 dtype once per window, side by side (rows then say e.g. "fp8_e4m3 w32")."""
@@ -211,10 +263,14 @@ def iter_throughput(model: str | None = None, kv_cache_dtypes: tuple[str, ...] =
         raise ValueError(f"unknown peer(s) {', '.join(unknown)} for --compare; valid: {', '.join(PEERS)}")
     if peer_dtype != "same" and peer_dtype not in PEER_DTYPES:
         raise ValueError(f"peer_dtype={peer_dtype!r} is not known; valid: same, {', '.join(PEER_DTYPES)}")
+    if max_model_len is not None and max_model_len < input_len + output_len:
+        raise ValueError(f"max_model_len={max_model_len} is shorter than a request ({input_len} + "
+                         f"{output_len} tokens); use at least {input_len + output_len}")
     with open_engines(model, dtypes, log, num_shard, threads_per_rank, dtype=dtype, device=device,
                       kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                       max_num_batched_tokens=max_num_batched_tokens, windows=windows,
-                      kv_recent_window_dtype=kv_recent_window_dtype) as engines:
+                      kv_recent_window_dtype=kv_recent_window_dtype, load_format=load_format,
+                      max_model_len=max_model_len) as engines:
         yield from _race(engines, num_prompts, input_len, output_len, compare, repeats, text_path, progress,
                          num_shard, peer_dtype)
 
@@ -227,7 +283,7 @@ def _race(engines: dict[str, object], num_prompts: int, input_len: int, output_l
     contestants = [_engine_contestant(label, e, num_shard) for label, e in engines.items()]
     if "hf" in compare:
         contestants.append(_transformers_contestant(
-            runner.model_path, runner.dtype if peer_dtype == "same" else PEER_DTYPES[peer_dtype], runner.device))
+            runner, runner.dtype if peer_dtype == "same" else PEER_DTYPES[peer_dtype]))
     # On a GPU the warm-up runs the timed batch size, so the decode steps' CUDA graphs are captured before
     # the clock starts.
     warmup = num_prompts if runner.device.type == "cuda" else min(num_prompts, 4)
@@ -273,15 +329,26 @@ def cache_figures(runner) -> dict:
             "window_bytes": plan.window_bytes}
 
 
-def _transformers_contestant(model_path: str, model_dtype: torch.dtype,
-                             device: torch.device | str = "cpu") -> _Contestant:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def peer_model(model_path: str, model_dtype: torch.dtype, device: torch.device | str = "cpu",
+               load_format: str = "auto") -> torch.nn.Module:
+    """transformers' own copy of the model fp8kv runs, on `device`: the checkpoint's weights, or with
+    load_format dummy the same random weights (fp8cache.model.dummy seeds each parameter by its name)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    if load_format == "dummy":
+        from fp8cache.model import dummy
+
+        config = AutoConfig.from_pretrained(model_path, local_files_only=True)
+        return dummy.build_model(config, model_dtype, device)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=model_dtype, local_files_only=True)
+    return model.eval().to(device)
+
+
+def _transformers_contestant(runner, model_dtype: torch.dtype) -> _Contestant:
     # Its own copy of the weights, on fp8kv's device: fp8kv's runners replace the attention of the model
-    # they share.
-    hf_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=model_dtype,
-                                                    local_files_only=True).eval().to(device)
-    tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+    # they share. fp8kv's tokenizer (a random model's may exist only in memory) gives the padding id.
+    hf_model = peer_model(runner.model_path, model_dtype, runner.device, runner.config.load_format)
+    tokenizer = runner.tokenizer
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     def run(prompts: list[list[int]], n: int, on_tokens: Callable[[int], None] | None) -> BatchResult:
@@ -309,7 +376,8 @@ def _row(c: _Contestant, results: list[BatchResult], num_prompts: int, input_len
            "input_len": input_len, "output_len": output_len, **median.rates(),
            "input_tokens": median.input_tokens, "output_tokens": median.output_tokens,
            "num_preemptions": median.num_preemptions, "repeats": len(results),
-           "elapsed_all_s": [r.elapsed_s for r in results], **c.extra, "machine": info}
+           "elapsed_all_s": [r.elapsed_s for r in results], **step_figures(median), **c.extra,
+           "machine": info}
     if median.finish_reasons:
         row["finish_reasons"] = median.finish_reasons
     return row

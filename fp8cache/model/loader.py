@@ -1,4 +1,5 @@
-"""Load a Hugging Face causal LM from a local folder (or the default model) for the model runner."""
+"""Load a Hugging Face causal LM from a local folder (or the default model) for the model runner; with
+load_format dummy, random weights from its config.json alone (fp8cache/model/dummy.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from fp8cache.config import EngineConfig
 from fp8cache.device import default_model_dtype, resolve_device
+from fp8cache.model import dummy
 
 # Tensor names that carry KV cache scales (docs/design.md section 3); transformers drops these as unknown weights.
 SCALE_TENSOR_SUFFIXES = ("self_attn.kv_scale", "self_attn.k_scale", "self_attn.v_scale",
@@ -32,13 +34,33 @@ class LoadedModel:
     checkpoint_scale_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def resolve_model_path(model: str | None, progress: bool = True) -> str:
-    """The local folder behind config.model; None means the embedded default model."""
+def resolve_model_path(model: str | None, progress: bool = True, load_format: str = "auto") -> str:
+    """The local folder behind config.model; None means the embedded default model. With load_format dummy
+    a folder needs only its config.json, and a shape shipped with fp8kv may be named instead of a folder
+    (None: the default model's shape)."""
+    is_dummy = dummy.check_load_format(load_format) == "dummy"
     if model is None:
+        if is_dummy:
+            return dummy.shape_path(dummy.DEFAULT_SHAPE)
         from fp8cache.model.default_model import ensure_default_model
 
         return ensure_default_model(progress=progress)
     path = os.path.abspath(os.path.expanduser(model))
+    shape = dummy.shape_path(model) if not os.path.exists(path) else None
+    if shape is not None:
+        if is_dummy:
+            return shape
+        raise ModelLoadError(
+            f"{model!r} is not a folder here but one of the model shapes fp8kv ships without weights "
+            f"({', '.join(dummy.shape_names())}): they run with random weights, for benchmarks; add "
+            '--load-format dummy (bench throughput|capacity, run, generate; LLM(load_format="dummy")), '
+            "or give a model folder")
+    if is_dummy:
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ModelLoadError(
+                f"with --load-format dummy, MODEL {model!r} must be a folder holding a config.json (weights "
+                f"are not read) or one of the shapes fp8kv ships: {', '.join(dummy.shape_names())}")
+        return path
     check_model_folder(path, model)
     return path
 
@@ -116,10 +138,12 @@ def checkpoint_dtype(hf_config: object) -> torch.dtype | None:
 
 def load_model(config: EngineConfig, progress: bool = True, on_device: bool = True) -> LoadedModel:
     """on_device=False keeps the weights on the CPU (a tensor-parallel rank shards them there first, so that
-    only its share ever reaches its GPU)."""
+    only its share ever reaches its GPU); random weights (load_format dummy) then stay on the meta device
+    until to_device() fills the rank's share."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    path = resolve_model_path(config.model, progress=progress)
+    is_dummy = dummy.check_load_format(config.load_format) == "dummy"
+    path = resolve_model_path(config.model, progress=progress, load_format=config.load_format)
     remote = bool(config.trust_remote_code)
     try:
         hf_config = AutoConfig.from_pretrained(path, trust_remote_code=remote, local_files_only=True)
@@ -127,12 +151,20 @@ def load_model(config: EngineConfig, progress: bool = True, on_device: bool = Tr
         raise ModelLoadError(f"cannot read the model config in {path!r}: {e}") from e
     dtype = resolve_dtype(config.dtype, config.device, checkpoint_dtype(hf_config))
     tokenizer_path = config.tokenizer or path
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=remote,
-                                                  local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"cannot load a tokenizer from {tokenizer_path!r}: {e}; give one with "
-                             "--tokenizer PATH") from e
+    if is_dummy and config.tokenizer is None and not dummy.has_tokenizer(path):
+        tokenizer = dummy.byte_tokenizer(hf_config)  # a config alone (a shipped shape): any id decodes
+    else:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=remote,
+                                                      local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"cannot load a tokenizer from {tokenizer_path!r}: {e}; give one with "
+                                 "--tokenizer PATH") from e
+    if is_dummy:
+        # Straight onto the device (meta for a tensor-parallel rank, which fills only its share: to_device).
+        device = resolve_device(config.device) if on_device else "meta"
+        model = dummy.build_model(hf_config, dtype, device, remote)
+        return LoadedModel(model, tokenizer, model.config, path, {})
     model = AutoModelForCausalLM.from_pretrained(
         path, config=hf_config, dtype=dtype, use_safetensors=True, trust_remote_code=remote,
         local_files_only=True)
@@ -140,3 +172,11 @@ def load_model(config: EngineConfig, progress: bool = True, on_device: bool = Tr
     if on_device:
         model.to(resolve_device(config.device))
     return LoadedModel(model, tokenizer, model.config, path, read_scale_tensors(path))
+
+
+def to_device(model: torch.nn.Module, device: torch.device | str) -> None:
+    """model.to(device), and for random weights still on the meta device (load_model's on_device=False with
+    load_format dummy) their memory and values there."""
+    if dummy.is_meta(model):
+        dummy.materialize(model, device)
+    model.to(device)

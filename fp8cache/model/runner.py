@@ -22,7 +22,7 @@ from fp8cache.kvcache import scales as kv_scales
 from fp8cache.kvcache.spec import PENDING_SOURCE, KVCacheSpec, check_block_size
 from fp8cache.model import attention, step_metadata
 from fp8cache.model.batch import StepBatch
-from fp8cache.model.loader import DTYPES, LoadedModel, load_model, read_config_dict
+from fp8cache.model.loader import DTYPES, LoadedModel, load_model, read_config_dict, to_device
 
 
 class ModelRunner:
@@ -49,7 +49,7 @@ class ModelRunner:
             if next(self.model.parameters()).device != self.device:
                 # Only a model that is not there yet (runners sharing one loaded model: the first moved it; a
                 # CPU model's packed linears keep shape-only meta buffers, which cannot be moved).
-                self.model.to(self.device)
+                to_device(self.model, self.device)  # random weights (load_format dummy) get filled there
             if self.tp.is_driver:
                 tp_worker.register_driver()
         self.dtype = next(self.model.parameters()).dtype

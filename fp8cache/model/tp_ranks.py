@@ -74,7 +74,7 @@ def check_model_divisible(config: EngineConfig) -> None:
         return
     from transformers import AutoConfig
 
-    path = resolve_model_path(config.model)
+    path = resolve_model_path(config.model, load_format=config.load_format)
     try:
         hf_config = AutoConfig.from_pretrained(path, trust_remote_code=bool(config.trust_remote_code),
                                                local_files_only=True)
