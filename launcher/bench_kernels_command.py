@@ -6,6 +6,7 @@ The measuring is fp8cache.bench.kernels'; the other bench commands are in bench_
 from __future__ import annotations
 
 import json
+import sys
 
 import click
 from rich.console import Console
@@ -33,6 +34,9 @@ def _parse_shapes(text: str) -> list[tuple[int, int]]:
 @click.option("--num-heads", default=32, show_default=True)
 @click.option("--num-kv-heads", default=8, show_default=True)
 @click.option("--head-size", default=128, show_default=True)
+@click.option("--heads", "heads_list", default=None, metavar="H/KV/D,...",
+              help="Several attention shapes in one run, each at every --shapes pair, e.g. 32/8/128,9/3/64,28/4/128 "
+                   "(Llama-3.1-8B, the default model, Qwen2-7B); replaces --num-heads/--num-kv-heads/--head-size.")
 @click.option("--block-size", default=16, show_default=True)
 @click.option("--repeats", default=5, show_default=True, help="Timed repeats per row (median).")
 @click.option("--settle-ms", default=20.0, show_default=True, type=click.FloatRange(min=0),
@@ -43,15 +47,20 @@ def _parse_shapes(text: str) -> list[tuple[int, int]]:
               help="Where the caches live and the kernels run: auto (the first GPU if torch sees one, else the "
                    "CPU), cpu, cuda or cuda:N.")
 @CPU_ISA_OPT
-def bench_kernels(shapes: str, num_heads: int, num_kv_heads: int, head_size: int, block_size: int,
-                  repeats: int, settle_ms: float, as_json: bool, device: str, cpu_isa: str) -> None:
-    """Decode attention per kv-cache dtype vs torch SDPA on a dense float32 cache."""
+def bench_kernels(shapes: str, num_heads: int, num_kv_heads: int, head_size: int, heads_list: str | None,
+                  block_size: int, repeats: int, settle_ms: float, as_json: bool, device: str, cpu_isa: str) -> None:
+    """Decode attention per kv-cache dtype vs torch SDPA on a dense cache (float32 on a CPU, bfloat16 on a GPU)."""
     import torch
 
     from fp8cache.bench import kernels, machine
 
     if num_heads % num_kv_heads:
         raise click.BadParameter("must divide --num-heads", param_hint="--num-kv-heads")
+    try:
+        heads = kernels.parse_heads(heads_list) if heads_list else [(num_heads, num_kv_heads, head_size)]
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--heads") from exc
+    parsed_shapes = _parse_shapes(shapes)
     from fp8cache.device import DeviceError, resolve_device
 
     try:
@@ -65,8 +74,7 @@ def bench_kernels(shapes: str, num_heads: int, num_kv_heads: int, head_size: int
     console.print(f"machine: {info['cpu']}, {where}, torch {info['torch']}" + (f", CPU path {path}" if path else ""))
     with console.status("measuring...") as status:
         rows = kernels.run_kernel_bench(
-            _parse_shapes(shapes), num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
-            block_size=block_size, repeats=repeats, settle_ms=settle_ms, device=device,
+            parsed_shapes, heads=heads, block_size=block_size, repeats=repeats, settle_ms=settle_ms, device=device,
             on_row=lambda r: status.update(f"measured {r['impl']} {r['kv_cache_dtype']} "
                                            f"b{r['batch']} ctx{r['context']}: {r['ms']:.2f} ms"))
     if as_json:
@@ -75,11 +83,15 @@ def bench_kernels(shapes: str, num_heads: int, num_kv_heads: int, head_size: int
     bandwidths = sorted({round(r["read_bw_gbps"], 1) for r in rows})
     read_bw = f"{bandwidths[0]}" if len(bandwidths) == 1 else f"{bandwidths[0]}-{bandwidths[-1]}"
     probe = rows[0]["bandwidth_probe"] if rows else "read"
-    table = Table(title=f"decode attention, {num_heads} heads / {num_kv_heads} KV heads, d{head_size}, "
+    named = ", ".join(f"{h} heads / {kv} KV heads, d{d}" for h, kv, d in heads)
+    table = Table(title=f"decode attention, {named}, "
                         f"{probe} bandwidth {read_bw} GB/s (measured taking turns with each shape's cases)")
-    for col in ("impl", "kv cache", "dtype", "batch", "context", "ms", "KV GB/s", "% of bw"):
+    several = len(heads) > 1
+    for col in (("heads",) if several else ()) + ("impl", "kv cache", "dtype", "batch", "context", "ms", "KV GB/s",
+                                                  "% of bw"):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(r["impl"], r["kv_cache_dtype"], r["dtype"], str(r["batch"]), str(r["context"]),
+        table.add_row(*((f"{r['num_heads']}/{r['num_kv_heads']} d{r['head_size']}",) if several else ()),
+                      r["impl"], r["kv_cache_dtype"], r["dtype"], str(r["batch"]), str(r["context"]),
                       f"{r['ms']:.3f}", f"{r['kv_gbps']:.1f}", f"{100 * r['kv_gbps'] / r['read_bw_gbps']:.0f}%")
-    Console().print(table)
+    Console(width=None if sys.stdout.isatty() else 200).print(table)  # piped: whole cells, not 80 columns

@@ -21,8 +21,9 @@ step() {
   fi
 }
 
-# A step's note is written after it ran, so the summary reads them at the end.
-note() { [ -f "$out/$1.note" ] && head -c 400 "$out/$1.note" | tr '\n' ' '; }
+# A step's note is written after it ran, so the summary reads them at the end. Up to 1500 characters: the GPU
+# run's kernels note holds a figure set per measured shape.
+note() { [ -f "$out/$1.note" ] && head -c 1500 "$out/$1.note" | tr '\n' ' '; }
 
 # print_summary: a row per step run (result, seconds, its note or its log), also written to $out/summary.txt.
 print_summary() {

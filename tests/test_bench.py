@@ -554,6 +554,26 @@ def test_bench_kernels_rows_cover_every_case_and_add_up(settle_ms):
         assert r["kv_gbps"] == pytest.approx(kv_bytes / r["ms"] / 1e6)
 
 
+def test_bench_kernels_measures_several_attention_shapes_in_one_run():
+    """--heads: each model's heads / KV heads / head size at every --shapes pair, one bandwidth probe for all."""
+    from launcher.cli import main
+
+    args = ["bench", "kernels", "--shapes", "1x48,2x32", "--heads", "4/2/64,6/3/32", "--repeats", "1",
+            "--settle-ms", "0", "--device", "cpu", "--json"]
+    rows = _rows(_invoke(main, args))
+    assert len(rows) == 2 * 2 * 6
+    assert {(r["num_heads"], r["num_kv_heads"], r["head_size"], r["batch"], r["context"]) for r in rows} == {
+        (h, kv, d, b, c) for h, kv, d in ((4, 2, 64), (6, 3, 32)) for b, c in ((1, 48), (2, 32))}
+    for r in rows:
+        element = 1 if r["kv_cache_dtype"].startswith("fp8") else torch.empty((), dtype=getattr(
+            torch, r["dtype"])).element_size()
+        kv_bytes = 2 * r["batch"] * r["context"] * r["num_kv_heads"] * r["head_size"] * element
+        assert r["kv_gbps"] == pytest.approx(kv_bytes / r["ms"] / 1e6)
+    for bad in ("4/3/64", "4x2", "0/1/64"):
+        result = CliRunner().invoke(main, ["bench", "kernels", "--heads", bad, "--device", "cpu"])
+        assert result.exit_code != 0 and "--heads" in result.output and "32/8/128" in result.output
+
+
 @pytest.mark.slow
 def test_bench_kernels_measures_the_portable_path_on_request():
     """--cpu-isa scalar: the kernels Arm machines run, built for this CPU beside the native ones; every row says

@@ -45,7 +45,9 @@ def default_cases(device: torch.device | str = "cpu") -> list[KernelCase]:
 
 
 def _fill_cache(cache: torch.Tensor, kv_cache_dtype: str, gen: torch.Generator) -> None:
-    values = torch.randn(cache.shape, generator=gen).to(cache.device)
+    # Drawn where the generator lives: on a GPU its own (a host draw of a GiB cache, then the copy, took
+    # seconds per case); on the CPU the shared host generator, as before.
+    values = torch.randn(cache.shape, generator=gen, device=gen.device).to(cache.device)
     fmt = formats.get_format(kv_cache_dtype)
     if fmt is None:
         cache.copy_(values)
@@ -61,10 +63,10 @@ def _paged_case(case: KernelCase, batch: int, context: int, num_heads: int, num_
                                                    case.kv_cache_dtype, case.dtype, device)
     _fill_cache(key_cache, case.kv_cache_dtype, gen)
     _fill_cache(value_cache, case.kv_cache_dtype, gen)
-    block_tables = torch.randperm(num_blocks, generator=gen).to(torch.int32).view(batch, blocks_per_seq)
-    block_tables = block_tables.to(device)
+    block_tables = torch.randperm(num_blocks, generator=gen, device=gen.device).to(torch.int32)
+    block_tables = block_tables.view(batch, blocks_per_seq).to(device)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-    query = torch.randn(batch, num_heads, head_size, generator=gen).to(device, case.dtype)
+    query = torch.randn(batch, num_heads, head_size, generator=gen, device=gen.device).to(device, case.dtype)
     out = torch.empty_like(query)
     scale = torch.ones(1, dtype=torch.float32, device=device)
     code = ops.format_code(case.kv_cache_dtype, key_cache.device)  # resolved once, as the engine does
@@ -79,9 +81,11 @@ def _paged_case(case: KernelCase, batch: int, context: int, num_heads: int, num_
 
 def _sdpa_case(case: KernelCase, batch: int, context: int, num_heads: int, num_kv_heads: int,
                head_size: int, gen: torch.Generator, device: torch.device):
-    query = torch.randn(batch, num_heads, 1, head_size, generator=gen, dtype=case.dtype).to(device)
-    key = torch.randn(batch, num_kv_heads, context, head_size, generator=gen, dtype=case.dtype).to(device)
-    value = torch.randn(batch, num_kv_heads, context, head_size, generator=gen, dtype=case.dtype).to(device)
+    def draw(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=case.dtype, device=gen.device).to(device)
+
+    query, key = draw(batch, num_heads, 1, head_size), draw(batch, num_kv_heads, context, head_size)
+    value = draw(batch, num_kv_heads, context, head_size)
 
     def run() -> None:
         F.scaled_dot_product_attention(query, key, value, enable_gqa=True)
@@ -129,21 +133,41 @@ def _timed_calls(run, device: torch.device):
     return replay
 
 
+def parse_heads(text: str) -> list[tuple[int, int, int]]:
+    """"32/8/128,9/3/64" -> [(32, 8, 128), (9, 3, 64)]: attention heads / KV heads / head size, each a model's
+    attention shape; a ValueError names what is wrong."""
+    heads = []
+    for item in text.split(","):
+        parts = item.strip().split("/")
+        try:
+            num_heads, num_kv_heads, head_size = (int(p) for p in parts)
+        except ValueError:
+            raise ValueError(f"{item.strip()!r} is not HEADS/KV_HEADS/HEAD_SIZE, e.g. 32/8/128") from None
+        if min(num_heads, num_kv_heads, head_size) < 1 or num_heads % num_kv_heads:
+            raise ValueError(f"{item.strip()!r}: give positive sizes, KV heads dividing the heads (e.g. 32/8/128)")
+        heads.append((num_heads, num_kv_heads, head_size))
+    return heads
+
+
 def run_kernel_bench(shapes=DEFAULT_SHAPES, cases=None, num_heads: int = 32, num_kv_heads: int = 8,
                      head_size: int = 128, block_size: int = 16, repeats: int = 5, settle_ms: float = SETTLE_MS,
-                     on_row=None, device: torch.device | str = "cpu") -> list[dict]:
-    """One row per (case, batch, context); each row carries the read bandwidth measured in this run.
-    settle_ms: untimed calls of a twin of each case before its timed call (0: none, and no twins)."""
+                     on_row=None, device: torch.device | str = "cpu",
+                     heads: list[tuple[int, int, int]] | None = None) -> list[dict]:
+    """One row per (heads, case, batch, context); each row carries the read bandwidth measured in this run.
+    settle_ms: untimed calls of a twin of each case before its timed call (0: none, and no twins).
+    heads: several models' (heads, KV heads, head size) measured in one run, each at every shape (default:
+    num_heads, num_kv_heads, head_size)."""
     device = torch.device(device)
     cases = cases or default_cases(device)
     calls = _calls_per_timing(device)
     ops.load(device)
     cpu_path = torch.ops.fp8kv.cpu_isa() if device.type == "cpu" else None  # avx512, avx2 or scalar
     read, read_bytes = machine.read_probe(device=device)
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device if device.type == "cuda" else "cpu").manual_seed(0)
     rows = []
-    for batch, context in shapes:
-        shape = (batch, context, num_heads, num_kv_heads, head_size, block_size, gen, device)
+    models = heads or [(num_heads, num_kv_heads, head_size)]
+    for (n_heads, n_kv_heads, head_dim), (batch, context) in ((h, s) for h in models for s in shapes):
+        shape = (batch, context, n_heads, n_kv_heads, head_dim, block_size, gen, device)
         runs = [_case(case, *shape) for case in cases]
         twins = [_timed_calls(_case(case, *shape)[0], device) for case in cases] + [read] if settle_ms > 0 else None
         *times, read_ms = machine.interleaved_ms([_timed_calls(run, device) for run, _ in runs] + [read],
@@ -152,7 +176,7 @@ def run_kernel_bench(shapes=DEFAULT_SHAPES, cases=None, num_heads: int = 32, num
         for case, (_, kv_bytes), ms in zip(cases, runs, (t / calls for t in times)):
             row = {"impl": case.impl, "kv_cache_dtype": case.kv_cache_dtype,
                    "dtype": str(case.dtype).removeprefix("torch."), "batch": batch, "context": context,
-                   "num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_size": head_size,
+                   "num_heads": n_heads, "num_kv_heads": n_kv_heads, "head_size": head_dim,
                    "block_size": block_size, "device": device.type, "ms": ms, "kv_gbps": kv_bytes / ms / 1e6,
                    "read_bw_gbps": read_bw, "bandwidth_probe": machine.probe_kind(device), "cpu_path": cpu_path}
             rows.append(row)
