@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from fp8cache.config import EngineConfig
-from fp8cache.engine.detokenizer import REPLACEMENT_CHAR, check_stop, decode_new_text
+from fp8cache.engine.detokenizer import (
+    REPLACEMENT_CHAR,
+    _batch_decoder,
+    check_stop,
+    check_stops,
+    decode_new_text,
+)
 from fp8cache.engine.llm_engine import LLMEngine
 from fp8cache.engine.sampling_params import SamplingParams
 from fp8cache.engine.sequence import Sequence, SequenceStatus
@@ -103,6 +109,34 @@ def test_stop_strings_truncate_or_keep():
     assert early.output_text == "ab " and early.num_output_tokens == 5  # the first "ab" is before min_tokens
     length = run_stop_check(tok, "abcdefgh", stop="xyz", max_tokens=5)
     assert (length.output_text, length.finish_reason) == ("abcde", "length")
+
+
+def test_a_step_decoded_in_one_call_is_tokenizer_decode_sequence_by_sequence(default_tokenizer):
+    """check_stops decodes a whole step's windows in one call to the Rust tokenizer (the default model's takes that
+    path): text, stops and finish reasons are those of check_stop with tokenizer.decode, one sequence at a time,
+    with and without skipping special tokens."""
+    tok = default_tokenizer
+    assert _batch_decoder(tok) is not None
+    texts = [" Paris, 東京 and Zürich 🙂 — “quoted”", "one two STOP three four", "<|im_end|>a<|im_start|> b 🚀 c"]
+    params = [SamplingParams(max_tokens=100), SamplingParams(max_tokens=100, stop="STOP"),
+              SamplingParams(max_tokens=7, skip_special_tokens=False)]
+    runs = []
+    for batched in (False, True):
+        seqs = [Sequence(str(i), 0, tok.encode("Say:"), p) for i, p in enumerate(params)]
+        outputs = [tok.encode(t, add_special_tokens=False) for t in texts]
+        for step in range(max(len(o) for o in outputs)):
+            live = [s for s, o in zip(seqs, outputs) if step < len(o) and s.finish_reason is None]
+            for seq in live:
+                seq.append_token(outputs[seqs.index(seq)][step])
+            if batched:
+                check_stops(tok, live, set(), 10_000)
+            else:
+                for seq in live:
+                    check_stop(tok, seq, set(), 10_000)
+        runs.append([(s.output_text, s.finish_reason, s.stop_reason, s.num_output_tokens) for s in seqs])
+    assert runs[1] == runs[0]
+    assert runs[0][0][0] == texts[0] and runs[0][1][:3] == ("one two ", "stop", "STOP")
+    assert runs[0][2][1] == "length" and "<|im_end|>" in runs[0][2][0]
 
 
 def test_visible_text_holds_back_a_possible_stop_string_prefix():

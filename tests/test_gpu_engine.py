@@ -209,3 +209,24 @@ def test_bfloat16_logits_are_the_float32_sums_of_the_output_projection(model_pat
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
     assert not torch.equal(got, got.bfloat16().float())  # not rounded to bfloat16
+
+
+def test_overlapped_loop_gives_the_synchronous_loops_tokens(model_path):
+    """The default decode loop on a GPU queues step N+1 (CUDA graph replay included) before it reads step N's
+    tokens, which N+1 takes as input ids on the device. Greedy tokens are the synchronous loop's: these requests
+    start and end together, so both loops run the same batches through the same kernels. Stop token ids, seen a
+    step late, end the outputs at the same token, and no block is left behind."""
+    with LLM(model=model_path, device=DEVICE, dtype="bfloat16", kv_cache_dtype="fp8", log=lambda m: None) as llm:
+        engine = llm.engine
+        assert engine.overlap == (DEVICE != "cpu")
+        prompts = _prompt_ids(llm) * 4
+        runs = []
+        for overlap in (False, True):
+            engine.overlap = overlap
+            plain = _greedy(llm, prompts)
+            stops = [SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[tokens[5]]) for tokens in plain]
+            stopped = llm.generate([{"prompt_token_ids": p} for p in prompts], stops)
+            runs.append((plain, [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in stopped]))
+            assert engine.stats.blocks_used == 0
+    assert runs[1] == runs[0]
+    assert all(reason == "stop" and tokens[-1] == plain[5] for (tokens, reason), plain in zip(runs[0][1], runs[0][0]))

@@ -9,6 +9,8 @@ The stand-in GPU's view (host syncs, copies) is in tests/test_gpu_paths.py.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -198,3 +200,26 @@ def test_sampled_and_stopping_requests_match_the_synchronous_loop(tiny_path, pro
     assert runs[1] == runs[0]
     assert [runs[0][str(i)][2] for i in range(5)] == ["length", "stop", "length", "length", "stop"]
     assert runs[0]["1"][0] == greedy[1][:5] and runs[0]["4"][0] == greedy[4][:7]
+
+
+def test_profile_decode_reports_both_loops_and_their_phases(tiny_path, capsys):
+    """scripts/profile_decode.py on the CPU (no graph to replay there): a step time for each loop and the host's
+    phases; on a GPU it adds the replay time and the overlap ratio."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "profile_decode.py"
+    spec = importlib.util.spec_from_file_location("profile_decode", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    common = [tiny_path, "--device", "cpu", "--dtype", "float32", "--num-seqs", "4", "--input-len", "20", "--steps", "3"]
+    module.main(common + ["--loop", "both"])
+    out = capsys.readouterr().out
+    assert out.startswith("decode step of 4 sequences: overlapped loop ") and "\n  sync loop " in out
+    assert "no decode graph" in out
+    for phase in ("schedule", "execute (host)", "sample (queue)", "wait for tokens", "stops, text", "rest"):
+        assert phase in out
+    module.main(common)  # the engine's own loop on a CPU: one rate, as scripts/cpu_check.sh reads it
+    out = capsys.readouterr().out
+    assert re.findall(r"\(([0-9.]+) tok/s\)", out) and len(re.findall("tok/s", out)) == 1
+    assert out.startswith("decode step of 4 sequences: sync loop ")

@@ -141,6 +141,9 @@ class BlockManager:
     def can_allocate(self, seq: Sequence, num_new_tokens: int, cached_block_ids: list[int] = ()) -> bool:
         """Whether seq can take `cached_block_ids` (from lookup_prefix) and room for `num_new_tokens`
         more tokens after its computed ones."""
+        if not cached_block_ids and (seq.window_block_table or not self.window) \
+                and seq.num_computed_tokens + num_new_tokens <= len(seq.block_table) * self.block_size:
+            return True  # most decode steps: the tokens fit the blocks it has
         num_computed = seq.num_computed_tokens + len(cached_block_ids) * self.block_size
         new_blocks = self.blocks_needed(num_computed + num_new_tokens) - len(seq.block_table) \
             - len(cached_block_ids)

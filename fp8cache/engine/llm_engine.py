@@ -30,7 +30,7 @@ import torch
 
 from fp8cache.config import EngineConfig
 from fp8cache.engine.block_manager import BlockManager
-from fp8cache.engine.detokenizer import check_stop
+from fp8cache.engine.detokenizer import check_stops
 from fp8cache.engine.inflight import InFlightStep, TokenReadback
 from fp8cache.engine.logprobs import score_prompt, token_logprobs
 from fp8cache.engine.outputs import CompletionOutput, RequestOutput
@@ -257,15 +257,15 @@ class LLMEngine:
                 seq.pending_row = None
             if not seq.is_finished:
                 seq.append_token(token, entry)
-                live.append((seq, token))
+                if seq.guide is not None and token not in self.eos_token_ids:  # eos ends it: nothing to advance
+                    self._advance_guide(seq, token)
+                live.append(seq)
         # Blocks that end in the tokens just read; before the stop checks, so that a finishing sequence's full
         # blocks stay findable, as they always were.
-        self.scheduler.register_blocks(step.plan.scheduled)
-        for seq, token in live:
-            if seq.guide is not None and token not in self.eos_token_ids:  # eos ends it: nothing to advance
-                self._advance_guide(seq, token)
-            self.num_generated_tokens += 1
-            check_stop(self.tokenizer, seq, self.eos_token_ids, self.length_limit)
+        self.scheduler.register_blocks(live)
+        self.num_generated_tokens += len(live)
+        check_stops(self.tokenizer, live, self.eos_token_ids, self.length_limit)
+        for seq in live:
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq, seq.finish_reason)
             progressed[seq.request_id] = self.requests[seq.request_id]

@@ -165,8 +165,9 @@ class Scheduler:
         batch = StepBatch()
         bs, window = self.block_manager.block_size, self.block_manager.window_size
         for item in scheduled:
-            seq, start = item.seq, item.seq.num_computed_tokens
-            end = start + item.num_new_tokens
+            seq, n = item.seq, item.num_new_tokens
+            start = seq.num_computed_tokens
+            end = start + n
             known = len(seq.token_ids)
             batch.token_ids.extend(seq.token_ids[start:end])
             if end > known:  # its pending token: the runner copies it in from the previous step's tokens
@@ -174,20 +175,22 @@ class Scheduler:
                 batch.future_rows.append(len(batch.token_ids))
                 batch.future_src.append(seq.pending_row)
                 batch.token_ids.append(0)
-            batch.positions.extend(range(start, end))
             table = seq.block_table
-            batch.slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if n == 1:  # a decode: one position, one slot
+                batch.positions.append(start)
+                batch.slot_mapping.append(table[start // bs] * bs + start % bs)
+            else:
+                batch.positions.extend(range(start, end))
+                batch.slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             if window:
                 batch.window_slot_mapping.extend(window_slot(seq.window_block_table, p, window, bs)
                                                  if p >= end - window else -1 for p in range(start, end))
             # The ring's list is only ever replaced, never changed in place: the chunk may share it.
-            batch.seqs.append(SeqChunk(query_len=item.num_new_tokens, context_len=end,
-                                       block_table=table[:-(-end // bs)],
+            batch.seqs.append(SeqChunk(query_len=n, context_len=end, block_table=table[:-(-end // bs)],
                                        want_logits=item.reaches_end, prompt_logits=seq.needs_prompt_logits,
-                                       window_block_table=seq.window_block_table,
-                                       window_floor=seq.window_floor))
-            if item.num_new_tokens > 1 or seq.num_sampled_tokens == 0:
-                self.num_prefill_tokens_computed += item.num_new_tokens
+                                       window_block_table=seq.window_block_table, window_floor=seq.window_floor))
+            if n > 1 or seq.num_sampled_tokens == 0:
+                self.num_prefill_tokens_computed += n
         return batch
 
     def on_step_done(self, scheduled: list[ScheduledSeq]) -> None:
@@ -195,11 +198,11 @@ class Scheduler:
         is queued on the device: any step that reads those K/V is queued after it."""
         for item in scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
-        self.register_blocks(scheduled)
+        self.register_blocks([item.seq for item in scheduled])
 
-    def register_blocks(self, scheduled: list[ScheduledSeq]) -> None:
+    def register_blocks(self, seqs: list[Sequence]) -> None:
         """Offer the full computed blocks to the prefix cache whose token ids are all on the host (a block is
         known by them): a block that ends in a pending token waits for the step that reads that token."""
-        for item in scheduled:
-            if not item.seq.is_finished:
-                self.block_manager.register_computed_blocks(item.seq)
+        for seq in seqs:
+            if not seq.is_finished:
+                self.block_manager.register_computed_blocks(seq)
