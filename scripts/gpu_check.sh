@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU acceptance run, on a machine with a GPU and a CUDA (or ROCm) build of torch: build the ops, run the GPU
 # tests, check the engine against transformers and the CPU, serve over HTTP, and measure. One command, a summary
-# table at the end (each step's result, seconds and figures), non-zero exit on any failure. All the default steps
-# take about 6-7 minutes on one H100/H200 (the op build ~100 s of it), so a short GPU slot holds a run and a rerun.
+# table at the end (each step's result, seconds and figures), non-zero exit on any failure. The default steps are
+# sized to take under 8 minutes on one H100/H200 (the op build ~100 s of it), so a short GPU slot holds a run and
+# a rerun.
 #
 #   scripts/gpu_check.sh [STEP ...]   steps: build ops engine eval serve kernels throughput capacity
 #                                     (the default: all of these), profile, scale

@@ -113,6 +113,7 @@ def build_model(hf_config: object, dtype: torch.dtype, device: torch.device | st
     model.eval()
     if torch.device(device).type != "meta":
         materialize(model, device)
+        model.to(device)  # anything a model keeps outside parameters and buffers (none in Llama or Qwen2)
     return model
 
 
