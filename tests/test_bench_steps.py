@@ -152,3 +152,31 @@ def test_the_gpu_runs_capacity_budget_binds_at_the_8b_shape():
     assert capacity.max_batch(blocks, 16, context) == 32
     assert capacity.max_batch(2 * blocks, 16, context) == 64  # FP8: half the bytes, twice the blocks
     assert math.ceil(context / 16) * 16 == context
+
+
+def test_capacity_warms_up_at_the_batch_sizes_it_will_time(tiny_config):
+    """On a GPU the warm-up decodes every batch size the timed runs decode at (their CUDA graphs are captured
+    before the clock starts): its prompts are short enough to prefill in one step, so the next step decodes
+    the whole batch. On a CPU two prompts do."""
+    from types import SimpleNamespace
+
+    from fp8cache.bench.prompts import PromptSource
+
+    def runner(kind: str, blocks: int = 16896):
+        return SimpleNamespace(device=torch.device(kind), num_blocks=blocks, block_size=16,
+                               cache_plan=SimpleNamespace(window_seats=0))
+
+    # The GPU run's budget at Llama-3.1-8B's shape: 8448 bfloat16 blocks, 16896 FP8 ones; 264 blocks a sequence.
+    assert capacity.warmup_batches(runner("cuda"), [4224], 256) == [64]
+    assert capacity.warmup_batches(runner("cuda", 8448), [4224, 2112], 256) == [32, 64]
+    assert capacity.warmup_batches(runner("cuda"), [4224], 48) == [48]  # max_num_seqs caps the batch
+    assert capacity.warmup_batches(runner("cpu"), [4224], 256) == [2]
+
+    engine = _engine(tiny_config, max_num_batched_tokens=64)
+    before = engine.stats
+    capacity._warm_up(engine, PromptSource(engine.tokenizer), 120, [8])
+    after = engine.stats
+    # 8 prompts of 64 // 8 tokens: one prefill step, then one step decoding all 8 (their second token).
+    assert after.num_steps - before.num_steps == 2
+    assert after.num_prefill_tokens_computed - before.num_prefill_tokens_computed == 8 * 8
+    assert after.num_generated_tokens - before.num_generated_tokens == 8 * 2

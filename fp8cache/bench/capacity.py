@@ -64,7 +64,8 @@ def iter_capacity(model: str | None = None, kv_cache_dtypes: tuple[str, ...] = (
                             kv_recent_window_dtype=kv_recent_window_dtype, load_format=load_format)
     source = PromptSource(next(iter(engines.values())).tokenizer, text_path)
     for engine in engines.values():
-        _warm_up(engine, source, min(contexts) - output_len)
+        batches = warmup_batches(engine.runner, contexts, max_num_seqs)
+        _warm_up(engine, source, min(contexts) - output_len, batches)
     info = machine.describe()
     for context in contexts:
         results: dict[str, list[BatchResult]] = {dt: [] for dt in engines}
@@ -82,13 +83,24 @@ def iter_capacity(model: str | None = None, kv_cache_dtypes: tuple[str, ...] = (
                                results[kv_dtype], info)
 
 
-def _warm_up(engine, source: PromptSource, input_len: int) -> None:
-    # Two short prompts run every code path (prefill, decode, cache writes) before anything is timed.
+def warmup_batches(runner, contexts: list[int], max_num_seqs: int) -> list[int]:
+    """How many short prompts each warm-up batch runs: two on a CPU; on a GPU every batch size the timed runs
+    will decode at, so that those decode steps' CUDA graphs are captured before the clock starts (at 8B
+    scale a capture takes about a second, which would count against the batch it first runs)."""
+    if runner.device.type != "cuda":
+        return [2]
+    return sorted({min(fitting_batch(runner, c), max_num_seqs) for c in contexts} - {0}) or [2]
+
+
+def _warm_up(engine, source: PromptSource, input_len: int, batches: list[int]) -> None:
+    # Short prompts run every code path (prefill, decode, cache writes) before anything is timed. Short enough
+    # that a batch's prompts all prefill in one step: the next is then a decode of the whole batch.
     runner = engine.runner
-    length = min(input_len, WARMUP_INPUT_LEN)
-    count = min(2, fitting_batch(runner, length + WARMUP_OUTPUT_LEN))
-    if count:
-        run_batch(engine, source.take(count, length), WARMUP_OUTPUT_LEN)
+    for batch in batches:
+        length = max(1, min(input_len, WARMUP_INPUT_LEN, runner.config.max_num_batched_tokens // batch))
+        count = min(batch, fitting_batch(runner, length + WARMUP_OUTPUT_LEN))
+        if count:
+            run_batch(engine, source.take(count, length), WARMUP_OUTPUT_LEN)
 
 
 def _row(engine, kv_dtype: str, context: int, output_len: int, max_num_seqs: int, kv_cache_memory: int | str,
