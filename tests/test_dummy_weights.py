@@ -164,6 +164,24 @@ def test_two_ranks_run_the_model_their_shares_make(tiny_config):
     assert ours == theirs[:, 8:].tolist()
 
 
+@pytest.mark.slow
+def test_bench_throughput_over_two_ranks_shares_one_random_model_between_its_engines(tiny_config):
+    """Several engines on a tensor-parallel rank share one load: with random weights it stays shapes only until
+    the first runner fills the rank's share (a 70B model is never whole on any GPU)."""
+    from launcher import bench_commands
+
+    result = CliRunner().invoke(bench_commands.throughput, [
+        tiny_config, "--load-format", "dummy", "--num-prompts", "2", "--input-len", "8", "--output-len", "4",
+        "--kv-cache-dtype", "auto,fp8_e4m3", "--num-shard", "2", "--threads", "1", "--kv-cache-memory", "4MiB",
+        "--dtype", "float32", "--device", "cpu", "--json"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)
+    assert [(r["kv_cache_dtype"], r["num_shard"], r["output_tokens"]) for r in rows] == [
+        ("auto", 2, 8), ("fp8_e4m3", 2, 8)]
+    per_rank = TINY["num_hidden_layers"] * 2 * (TINY["num_key_value_heads"] // 2) * TINY["head_dim"]
+    assert [r["bytes_per_token"] for r in rows] == [4 * per_rank, per_rank]
+
+
 # ---- tokenizer -------------------------------------------------------------------------------------
 
 

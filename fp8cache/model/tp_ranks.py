@@ -25,7 +25,8 @@ from fp8cache.model.runner import ModelRunner
 def build_runners(configs: Sequence[EngineConfig], log: Callable[[str], None] = print) -> list[ModelRunner]:
     """This rank's ModelRunners, one per config, in order; several share one loaded copy of the weights."""
     configs = [parallel_state.initialize(c)[0] for c in configs]  # this rank's device in each
-    loaded = load_model(configs[0]) if len(configs) > 1 else None
+    # Random weights stay shapes only (meta) here: the first runner fills just this rank's share on its device.
+    loaded = load_model(configs[0], on_device=configs[0].load_format != "dummy") if len(configs) > 1 else None
     return [ModelRunner(c, log=log, loaded=loaded) for c in configs]
 
 
