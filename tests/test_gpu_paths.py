@@ -16,6 +16,7 @@ from fake_gpu import fake_gpu
 from fp8cache.config import EngineConfig
 from fp8cache.engine.llm_engine import LLMEngine
 from fp8cache.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from fp8cache.model import step_metadata
 from fp8cache.model.loader import LoadedModel, load_model
 from fp8cache.model.runner import ModelRunner
 
@@ -171,7 +172,7 @@ def test_a_16_bit_model_gives_float32_logits_on_the_gpu(tiny_path):
         assert type(engine.runner.model.get_output_embeddings()) is torch.nn.Linear
 
 
-def test_the_overlapped_decode_loop_waits_for_nothing(default_shapes_path):
+def test_the_overlapped_decode_loop_waits_for_nothing(default_shapes_path, monkeypatch):
     """The default on a GPU: 64 sequences of the default model's shapes decode with no host sync at all. Step
     N+1 is scheduled, its metadata copied (one non-blocking copy) and its forward pass and sampling queued before
     step N's tokens are read, and those come back through one non-blocking copy; N+1's input ids are N's tokens,
@@ -192,13 +193,16 @@ def test_the_overlapped_decode_loop_waits_for_nothing(default_shapes_path):
             engine.add_request(str(n), [3 + n % 7] * 16, SamplingParams(max_tokens=8, ignore_eos=True, temperature=0))
         engine.step()  # the prefill, left in flight
         engine.trace = lambda what, number: log.append((what, number))
+        to_device = step_metadata.to_device
+        monkeypatch.setattr(step_metadata, "to_device",
+                            lambda *args, **kwargs: log.append(("metadata", None)) or to_device(*args, **kwargs))
         work.reset()
         engine.step()  # the first decode step, launched before the prefill's tokens are read
         first = dict(work.ops), work.syncs, list(work.h2d)
         work.reset()
         outputs = engine.step()
-    assert [what for what, _ in log] == ["schedule", "launch", "read"] * 2
-    assert [n for _, n in log] == [1, 1, 0, 2, 2, 1]
+    assert [what for what, _ in log] == ["schedule", "metadata", "launch", "read"] * 2
+    assert [n for _, n in log] == [1, None, 1, 0, 2, None, 2, 1]
     assert len(outputs) == 64 and all(len(o.outputs[0].token_ids) == 2 for o in outputs)
     for ops, syncs, h2d in (first, (dict(work.ops), work.syncs, work.h2d)):
         assert syncs == 0
