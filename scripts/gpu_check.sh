@@ -173,7 +173,8 @@ fi
 
 if want profile; then
   step profile "$PY" scripts/profile_decode.py "$MODEL" --device "$DEVICE" --num-seqs 64
-  head -1 "$out/profile.log" > "$out/profile.note"
+  # The headline, not whatever came first (a weight-loading progress bar did, on an H100)
+  tr '\r' '\n' < "$out/profile.log" | grep -m1 "^decode step of" > "$out/profile.note"
   cat "$out/profile.log"
 fi
 

@@ -313,7 +313,10 @@ void run_paged(const AttentionParams& p, int splits) {
 }
 
 void run_reduce(const AttentionParams& p) {
-  run_grid(p.num_heads, p.num_seqs, 1, kAttentionThreads, [&](const HostThread& th) { attention_reduce_body(p, th); });
+  auto shared = std::make_unique<ReduceSmem>();
+  run_grid(
+      p.num_heads, p.num_seqs, 1, kAttentionThreads,
+      [&](const HostThread& th) { attention_reduce_body(p, *shared, th); }, [&] { poison(*shared); });
 }
 
 template <class Fn>

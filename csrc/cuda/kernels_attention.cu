@@ -11,7 +11,8 @@ FP8KV_FOR_EACH_RING_SOURCE(FP8KV_DECLARE_SOURCE)
 namespace {
 
 __global__ void __launch_bounds__(kAttentionThreads) attention_reduce_kernel(const AttentionParams params) {
-  attention_reduce_body(params, GpuThread{});
+  __shared__ ReduceSmem smem;
+  attention_reduce_body(params, smem, GpuThread{});
 }
 
 Error launch_paged(const AttentionParams& p, int splits, Stream stream) {
