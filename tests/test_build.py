@@ -104,13 +104,14 @@ def test_compile_holds_the_lock(monkeypatch, tmp_path: Path):
     monkeypatch.setattr(_build, "_notify", lambda *args: None)
     seen = {}
 
-    def fake_compile(name, *args):
+    def fake_compile(name, root, build_dir, *args):
         with open(tmp_path / "ops" / f"{name}.lock", "w") as other:
             try:
                 fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 seen["locked"] = False
             except BlockingIOError:
                 seen["locked"] = True
+        (Path(build_dir) / f"{name}.so").write_bytes(b"a library")
 
     monkeypatch.setattr(_build, "_compile", fake_compile)
     monkeypatch.setattr(_build, "check_errors_raise", lambda *args: None)  # nothing was compiled
@@ -166,6 +167,10 @@ def test_library_that_crashes_on_an_error_is_removed_and_the_fix_named(monkeypat
     assert not library.exists()
 
 
+def _write_fake_library(name: str, root: Path, build_dir: Path, *args) -> None:
+    (Path(build_dir) / f"{name}.so").write_bytes(b"a library of " + name.encode())
+
+
 def _fake_build(monkeypatch, tmp_path: Path, compilers: list[str], broken: set[str]) -> list[str]:
     """load_library with fake compiles: compilers in `broken` build a library that fails its self-check."""
     monkeypatch.setenv("FP8KV_CACHE_DIR", str(tmp_path))
@@ -173,7 +178,7 @@ def _fake_build(monkeypatch, tmp_path: Path, compilers: list[str], broken: set[s
     messages: list[str] = []
     monkeypatch.setattr(_build, "_notify", lambda callback, message: messages.append(message))
     monkeypatch.setattr(_build, "_compilers", lambda: list(compilers))
-    monkeypatch.setattr(_build, "_compile", lambda *args: None)
+    monkeypatch.setattr(_build, "_compile", _write_fake_library)
 
     def check(library, cxx):
         if cxx in broken:
@@ -210,8 +215,8 @@ def test_a_killed_compile_leaves_no_lock_that_blocks_the_next(monkeypatch, tmp_p
     stale.parent.mkdir(parents=True)
     stale.write_text("")
     seen = {}
-    monkeypatch.setattr(_build, "_compile", lambda name, root, build_dir, *args: seen.setdefault(
-        "lock", (Path(build_dir) / "lock").exists()))
+    monkeypatch.setattr(_build, "_compile", lambda name, root, build_dir, *args: (seen.setdefault(
+        "lock", (Path(build_dir) / "lock").exists()), _write_fake_library(name, root, build_dir)))
     _build.load_library(device="cpu")
     assert seen == {"lock": False}
 
@@ -262,7 +267,8 @@ def test_the_compiler_that_worked_is_tried_first_at_the_next_start(monkeypatch, 
     assert any("trying the next compiler" in m for m in messages)
 
     checked.clear(), messages.clear()
-    monkeypatch.setattr(_build, "_loaded", None)  # a new process
+    monkeypatch.setattr(_build, "_loaded", None)  # a new process, after the sources changed (new keys)
+    _forget_installed(tmp_path)
     _build.load_library(device="cpu")
     assert checked == ["/usr/bin/g++"]
     assert not any("trying the next compiler" in m for m in messages) and "/usr/bin/g++" in messages[-1]
@@ -291,6 +297,7 @@ def test_a_remembered_failure_goes_last_and_a_broken_memory_file_is_ignored(monk
     assert (memory["works"], memory["failed"]) == ("/b/g++", ["/a/g++"])
     # /b stops working (say its library is removed and its rebuild fails): /c is next, /a, known broken, last.
     monkeypatch.setattr(_build, "_loaded", None)
+    _forget_installed(tmp_path)
     monkeypatch.setattr(_build, "check_errors_raise", lambda library, cxx: (checked.append(cxx), _fail_for(
         cxx, {"/a/g++", "/b/g++"})))
     checked.clear()
@@ -301,11 +308,113 @@ def test_a_remembered_failure_goes_last_and_a_broken_memory_file_is_ignored(monk
 
     (tmp_path / "ops" / _build.COMPILER_MEMORY).write_text("{not json")
     monkeypatch.setattr(_build, "_loaded", None)
+    _forget_installed(tmp_path)
     checked.clear()
     _build.load_library(device="cpu")
     assert checked == ["/a/g++", "/b/g++", "/c/g++"]  # probed afresh, in the plain order
 
 
+def _forget_installed(tmp_path: Path) -> None:
+    """Remove the installed libraries (as a change of the sources would make them unused)."""
+    for installed in (tmp_path / "ops").glob("fp8kv_ops_*"):
+        if installed.is_dir():
+            shutil.rmtree(installed)
+
+
 def _fail_for(cxx: str, broken: set[str]) -> None:
     if cxx in broken:
         raise RuntimeError(f"the op library built with {cxx} does not survive an op's argument error")
+
+
+# ---- crash safety (issue 39): whole installs, damaged ones moved aside --------------------------------------
+
+
+def _installed_dirs(tmp_path: Path) -> list[Path]:
+    return [p for p in (tmp_path / "ops").glob("fp8kv_ops_*") if p.is_dir() and "." not in p.name]
+
+
+def test_a_cut_short_library_is_moved_aside_with_one_line_and_rebuilt(monkeypatch, tmp_path: Path, caplog):
+    """A library cut short (a full disk, a crash before the data reached the disk) used to be loaded as it was:
+    SIGBUS, exit 135, no message, at every start."""
+    _fake_build(monkeypatch, tmp_path, ["c++"], set())
+    first = _build.load_library(device="cpu")
+    installed = Path(first.path).parent
+    whole = Path(first.path).read_bytes()
+    assert _build.installed_problem(installed) is None
+    os.truncate(first.path, len(whole) // 2)
+    assert "were written" in _build.installed_problem(installed)
+
+    monkeypatch.setattr(_build, "_loaded", None)  # the next start
+    with caplog.at_level("WARNING", logger="fp8kv.ops"):
+        again = _build.load_library(device="cpu")
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(said) == 1 and str(installed) in said[0] and "moved it aside" in said[0]
+    assert again.compiled and again.path == first.path and Path(again.path).read_bytes() == whole
+    aside = installed.with_name(installed.name + ".damaged")
+    assert (aside / Path(first.path).name).stat().st_size == len(whole) // 2
+    assert _build.installed_problem(installed) is None
+
+
+def test_a_changed_byte_is_damage_too_and_a_missing_manifest_is_checked_once(monkeypatch, tmp_path: Path):
+    _fake_build(monkeypatch, tmp_path, ["c++"], set())
+    first = _build.load_library(device="cpu")
+    installed = Path(first.path).parent
+    data = bytearray(Path(first.path).read_bytes())
+    data[3] ^= 1
+    Path(first.path).write_bytes(bytes(data))
+    assert "SHA-256" in _build.installed_problem(installed)
+    (installed / _build.MANIFEST).write_text("{")
+    assert "unreadable" in _build.installed_problem(installed)
+
+
+def test_a_library_installed_without_a_manifest_is_checked_in_a_child_once(monkeypatch, tmp_path: Path):
+    """Libraries from an fp8kv before manifests: the ELF check and the self-check decide, once."""
+    from fp8cache.ops import load
+
+    load()
+    real = Path(_build.library_path())
+    _fake_build(monkeypatch, tmp_path, ["c++"], set())
+    key = _build._build_key(_build.source_dir(), ["-O3", "-std=c++17", "-fopenmp", "-Wall", "-Wno-unused-function",
+                                                  *_build._isa_cflags("native")], [], "native", "c++", False)
+    legacy = tmp_path / "ops" / f"fp8kv_ops_{key}"
+    legacy.mkdir(parents=True)
+    shutil.copy(real, legacy / f"{legacy.name}.so")
+    (legacy / "lock").write_text("")  # torch's baton, as a killed old build left it
+    assert _build.installed_problem(legacy) == "unchecked"
+    monkeypatch.setattr(_build, "_compile", lambda *args: pytest.fail("a whole library was compiled again"))
+    result = _build.load_library(device="cpu")
+    assert not result.compiled and _build.installed_problem(legacy) is None  # checked, manifest written
+
+    monkeypatch.setattr(_build, "_loaded", None)
+    (legacy / _build.MANIFEST).unlink()
+    os.truncate(legacy / f"{legacy.name}.so", real.stat().st_size - 100)
+    assert "ELF" in _build.installed_problem(legacy)
+
+
+def test_elf_check_finds_every_cut_of_a_real_library(tmp_path: Path):
+    """Where there is no manifest, a cut anywhere is still found: the headers describe every byte."""
+    import random
+
+    from fp8cache.ops import load
+
+    load()
+    data = Path(_build.library_path()).read_bytes()
+    assert _build.elf_problem(Path(_build.library_path())) is None
+    rng = random.Random(39)
+    cuts = [0, 4, 63, 64, len(data) // 2, len(data) - 1, *(rng.randrange(len(data)) for _ in range(40))]
+    for cut in cuts:
+        path = tmp_path / "cut.so"
+        path.write_bytes(data[:cut])
+        assert _build.elf_problem(path) is not None, cut
+
+
+def test_leftover_work_folders_are_removed_by_the_next_builder(monkeypatch, tmp_path: Path):
+    _fake_build(monkeypatch, tmp_path, ["c++"], set())
+    key = _build._build_key(_build.source_dir(), ["-O3", "-std=c++17", "-fopenmp", "-Wall", "-Wno-unused-function",
+                                                  *_build._isa_cflags("native")], [], "native", "c++", False)
+    stale = tmp_path / "ops" / f"fp8kv_ops_{key}.tmp-killed"
+    stale.mkdir(parents=True)
+    (stale / "half.o").write_bytes(b"\0" * 10)
+    _build.load_library(device="cpu")
+    assert not stale.exists()
+    assert [p.name for p in (tmp_path / "ops").iterdir() if ".tmp-" in p.name] == []

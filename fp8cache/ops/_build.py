@@ -4,6 +4,14 @@ The cache key is a hash of every source file's contents, the torch version, the 
 CPU code path, so a second process (or a second run) loads the cached library in well under a second and
 any change to the sources rebuilds. A file lock keeps two processes from compiling the same key at once.
 
+Crash safety: a library is compiled into a work folder of its own, checked in a child process (an op's
+argument error must raise), given a manifest (its size and SHA-256), flushed to disk and only then renamed
+into place, so a killed build, a full disk or a crash never leaves a library that a later start would load.
+Each start checks the installed library against its manifest before loading it (a cut-short library mapped
+into a process dies of SIGBUS, with no message): a damaged one is moved aside with one log line and rebuilt.
+The compile child holds the build lock with its parent and dies with it (PR_SET_PDEATHSIG, taking its
+compilers along), so a start after a kill -9 never builds beside an orphaned compile.
+
 Environment:
   FP8KV_CACHE_DIR   fp8kv's cache root; built libraries live in its ops/ folder
                     (default $XDG_CACHE_HOME/fp8kv/ops or ~/.cache/fp8kv/ops)
@@ -18,6 +26,7 @@ the CPU ops alone, so a GPU host without nvcc still runs on its CPU.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -25,10 +34,12 @@ import logging
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -388,40 +399,199 @@ def load_library(verbose: bool = False, progress_callback: Callable[[str], None]
     return _loaded
 
 
+# Files and folders of the ops cache besides the installed libraries (ops/fp8kv_ops_<key>/).
+MANIFEST = "manifest.json"  # beside each installed library: its size and SHA-256, written once it passed its check
+_WORK_MARK = ".tmp-"  # fp8kv_ops_<key>.tmp-XXXX: a build in progress (or one whose builder died)
+_DAMAGED_MARK = ".damaged"  # fp8kv_ops_<key>.damaged: the last damaged library of that key, moved aside
+_MISSING, _UNCHECKED = "missing", "unchecked"
+
+
 def _library_for(root: Path, cflags: list[str], cuda: list[Path], cuda_cflags: list[str], isa: str, cxx: str,
                  verbose: bool, progress_callback) -> tuple[Path, bool, str | None]:
-    """(path, compiled now, why it failed or None): the cached library of this compiler, else one compiled
-    and checked in child processes, so a broken one never enters this process."""
+    """(path, compiled now, why it failed or None): the installed library of this compiler if it is whole,
+    else one compiled and checked in child processes, so a broken one never enters this process."""
     key = _build_key(root, cflags, cuda_cflags, isa, cxx, bool(cuda))
     name = f"fp8kv_ops_{key}"
-    build_dir = cache_dir() / name
-    library = build_dir / f"{name}.so"
-    if library.is_file():
+    ops_dir = cache_dir()
+    installed = ops_dir / name
+    library = installed / f"{name}.so"
+    if installed_problem(installed) is None:
         return library, False, None
-    build_dir.mkdir(parents=True, exist_ok=True)
-    with open(cache_dir() / f"{name}.lock", "w") as lock:
+    ops_dir.mkdir(parents=True, exist_ok=True)
+    with _build_lock(ops_dir / f"{name}.lock", name, progress_callback) as lock_fd:
+        problem = installed_problem(installed)
+        if problem is None:  # another process installed it while we waited for the lock
+            return library, False, None
+        _remove_work_dirs(ops_dir, name)  # we hold the lock: whoever made them is gone
+        if problem == _UNCHECKED:  # installed by an older fp8kv, without a manifest: check it once
+            crash = _probe_crash(library)
+            if crash is None:
+                _write_manifest(installed, library.name)
+                return library, False, None
+            problem = f"loading it and running an op {crash}"
+        if problem != _MISSING:
+            _move_aside(installed, problem, progress_callback)
+        work = Path(tempfile.mkdtemp(prefix=name + _WORK_MARK, dir=ops_dir))
+        try:
+            _share_like_the_umask(work)
+            _compile(name, root, work, cflags, cuda, cuda_cflags, cxx, verbose, progress_callback, lock_fd)
+            try:
+                check_errors_raise(work / library.name, cxx)
+            except RuntimeError as exc:
+                return library, True, str(exc)
+            _install(work, installed, library.name)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)  # gone already once installed
+    return library, True, None
+
+
+def installed_problem(installed: Path) -> str | None:
+    """What is wrong with the library installed in the folder `installed`, None if it is whole: "missing" (no
+    folder), "unchecked" (a library without a manifest, from an fp8kv before manifests), or the damage."""
+    if not installed.is_dir():
+        return _MISSING
+    library = installed / f"{installed.name}.so"
+    manifest_path = installed / MANIFEST
+    if not library.is_file():
+        return "its library file is missing"
+    if not manifest_path.is_file():
+        return elf_problem(library) or _UNCHECKED
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        size, digest = int(manifest["bytes"]), str(manifest["sha256"])
+    except (OSError, ValueError, TypeError, KeyError):
+        return f"its manifest {manifest_path} is unreadable"
+    actual = library.stat().st_size
+    if actual != size:
+        return f"{library.name} has {actual} bytes where {size} were written"
+    if _sha256(library) != digest:
+        return f"the SHA-256 of {library.name} is not the one written with it"
+    return None
+
+
+def elf_problem(path: Path) -> str | None:
+    """Why the shared library at `path` is not a whole ELF file, None if every byte its headers describe (program
+    segments, sections, both header tables) is there. The dynamic loader maps what the headers say; a page past
+    the end of a cut-short file is a SIGBUS when first touched, maybe long after the load."""
+    import struct
+
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        return f"it cannot be read ({exc.strerror})"
+    if len(data) < 64 or data[:4] != b"\x7fELF" or data[4] not in (1, 2) or data[5] not in (1, 2):
+        return f"{path.name} is not an ELF shared library ({len(data)} bytes)"
+    wide, order = data[4] == 2, "<" if data[5] == 1 else ">"
+    header = struct.unpack_from(order + ("QQ" if wide else "II"), data, 32 if wide else 28)
+    counts = struct.unpack_from(order + "6H", data, 52 if wide else 40)  # ehsize, phentsize, phnum, shentsize, ...
+    phoff, shoff = header
+    phentsize, phnum, shentsize, shnum = counts[1], counts[2], counts[3], counts[4]
+    needed = max(phoff + phentsize * phnum, shoff + shentsize * shnum)
+    if needed > len(data):
+        return f"{path.name} has {len(data)} bytes, fewer than its ELF header tables need ({needed})"
+    for i in range(phnum):  # p_offset, p_filesz
+        at = phoff + i * phentsize
+        offset, size = (struct.unpack_from(order + "QQQQ", data, at + 8)[::3] if wide else
+                        struct.unpack_from(order + "IIIII", data, at + 4)[::4])
+        needed = max(needed, offset + size)
+    for i in range(shnum):  # sh_type, sh_offset, sh_size (SHT_NOBITS, 8, has no bytes in the file)
+        at = shoff + i * shentsize
+        kind = struct.unpack_from(order + "I", data, at + 4)[0]
+        offset, size = (struct.unpack_from(order + "QQ", data, at + 24) if wide else
+                        struct.unpack_from(order + "II", data, at + 16))
+        if kind != 8:
+            needed = max(needed, offset + size)
+    if needed > len(data):
+        return f"{path.name} has {len(data)} bytes, fewer than the {needed} its ELF headers describe"
+    return None
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@contextlib.contextmanager
+def _build_lock(path: Path, name: str, progress_callback) -> Iterator[int]:
+    """Hold the build lock of one key; yields its file descriptor, which the compile child inherits, so that an
+    orphaned compile still holds the lock and a later start waits for it instead of building beside it."""
+    with open(path, "a") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:  # another process compiles this very key: wait for it, and say so
             _notify(progress_callback, f"waiting for another process that compiles the fp8kv op library ({name})")
             fcntl.flock(lock, fcntl.LOCK_EX)
-        if library.is_file():
-            return library, False, None
-        # A compile killed mid-way leaves torch's own lock file, on which every later build would wait forever;
-        # holding our lock, nobody else is building here.
-        (build_dir / "lock").unlink(missing_ok=True)
-        _compile(name, root, build_dir, cflags, cuda, cuda_cflags, cxx, verbose, progress_callback)
-        try:
-            check_errors_raise(library, cxx)
-        except RuntimeError as exc:
-            return library, True, str(exc)
-    return library, True, None
+        yield lock.fileno()
+
+
+def _remove_work_dirs(ops_dir: Path, name: str) -> None:
+    """Work folders of `name` left by a killed build; only with its lock held."""
+    for work in ops_dir.glob(name + _WORK_MARK + "*"):
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _move_aside(installed: Path, problem: str, progress_callback) -> None:
+    """One log line, and the damaged library out of the way (the last one of a key kept for a look)."""
+    aside = installed.with_name(installed.name + _DAMAGED_MARK)
+    shutil.rmtree(aside, ignore_errors=True)
+    os.rename(installed, aside)
+    message = (f"the cached fp8kv op library {installed} is damaged ({problem}): moved it aside to {aside} "
+               "and building it again")
+    logger.warning(message)
+    if progress_callback is not None:
+        progress_callback(message)
+
+
+def _share_like_the_umask(folder: Path) -> None:
+    # mkdtemp makes 0700 folders; an installed library folder is shared like any other the umask allows.
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(folder, 0o777 & ~umask)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_manifest(folder: Path, library_name: str) -> None:
+    """The manifest of folder/library_name as it is on disk now, flushed, replacing any older one whole."""
+    library = folder / library_name
+    _fsync(library)
+    manifest = {"library": library_name, "bytes": library.stat().st_size, "sha256": _sha256(library),
+                "checked": "an op's argument error raised in a child process"}
+    scratch = folder / f"{MANIFEST}.{os.getpid()}"
+    with open(scratch, "w", encoding="utf-8") as f:
+        f.write(json.dumps(manifest, indent=1) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(scratch, folder / MANIFEST)
+    _fsync(folder)
+
+
+def _install(work: Path, installed: Path, library_name: str) -> None:
+    """Put a checked build in place: manifest, everything flushed, then one rename (whole or not at all)."""
+    _write_manifest(work, library_name)
+    os.rename(work, installed)
+    _fsync(installed.parent)
 
 
 # An op that fails with a message holding numbers: the C++ exception and its string formatting must reach
-# Python as a RuntimeError.
+# Python as a RuntimeError. The child dies with its parent (PR_SET_PDEATHSIG) where Linux offers it.
 _ERROR_PROBE = """
-import sys, torch
+import ctypes, signal, sys
+try:
+    ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)
+except (AttributeError, OSError):
+    pass
+import torch
 torch.ops.load_library(sys.argv[1])
 try:
     torch.ops.fp8kv.hadamard_transform(torch.zeros(1, 100))
@@ -431,25 +601,40 @@ sys.exit(4)
 """
 
 
+def _probe_crash(library: Path) -> str | None:
+    """How loading `library` and failing one op in a child process went wrong ("died of signal 7 (SIGBUS)",
+    "exited with status 3: ..."), None if the error was raised as it should be."""
+    try:
+        result = subprocess.run([sys.executable, "-c", _ERROR_PROBE, str(library)], capture_output=True,
+                                text=True, timeout=300, check=False)
+    except subprocess.TimeoutExpired:
+        return None  # a slow machine is not a broken build
+    if result.returncode == 0:
+        return None
+    if result.returncode < 0:
+        try:
+            signame = signal.Signals(-result.returncode).name
+        except ValueError:
+            signame = "an unknown signal"
+        how = f"signal {-result.returncode} ({signame})"
+    else:
+        how = f"exit status {result.returncode}"
+    return f"{how}; {result.stderr.strip()[-300:] or 'no output'}"
+
+
 def check_errors_raise(library: Path, cxx: str) -> None:
     """Run one failing op in a child process; if that crashes, remove the library and say which compiler
     built it. Seen on a GPU machine whose CXX was a relocated g++ (/opt/gcc, its own libstdc++ beside it):
     every argument error of every op killed the process (a segfault formatting the message) instead of
     raising; the system g++ of the same version built a library that raised."""
-    try:
-        result = subprocess.run([sys.executable, "-c", _ERROR_PROBE, str(library)], capture_output=True,
-                                text=True, timeout=300, check=False)
-    except subprocess.TimeoutExpired:
-        return  # a slow machine is not a broken build
-    if result.returncode == 0:
+    crash = _probe_crash(library)
+    if crash is None:
         return
     library.unlink(missing_ok=True)
-    how = f"signal {-result.returncode}" if result.returncode < 0 else f"exit status {result.returncode}"
     raise RuntimeError(
-        f"the op library built with {cxx} does not survive an op's argument error ({how}; "
-        f"{result.stderr.strip()[-300:] or 'no output'}). Seen when the compiler links a libstdc++ other "
-        "than the one Python loads. Point CXX and CC at the system compiler (e.g. CXX=/usr/bin/g++ "
-        "CC=/usr/bin/gcc) and run `fp8kv build` again.")
+        f"the op library built with {cxx} does not survive an op's argument error ({crash}). Seen when the "
+        "compiler links a libstdc++ other than the one Python loads. Point CXX and CC at the system compiler "
+        "(e.g. CXX=/usr/bin/g++ CC=/usr/bin/gcc) and run `fp8kv build` again.")
 
 
 def _compiled_isa(requested: str) -> str:
@@ -459,25 +644,32 @@ def _compiled_isa(requested: str) -> str:
         return requested
 
 
+# The compile child's command line, before its JSON spec (_compile_child.py: a script, so that it ties itself
+# to this process before importing torch); the crash tests put a stand-in compiler here.
+COMPILE_CHILD = [sys.executable, str(Path(__file__).with_name("_compile_child.py"))]
+
+
 def _compile(name: str, root: Path, build_dir: Path, cflags: list[str], cuda: list[Path],
              cuda_cflags: list[str], cxx: str, verbose: bool,
-             progress_callback: Callable[[str], None] | None) -> None:
+             progress_callback: Callable[[str], None] | None, lock_fd: int | None = None) -> None:
     """Compile in a child process (which loads the library to finish; this process loads it only once it
-    passed its check). Ctrl-C stops the child and the compilers it started."""
+    passed its check). The child shares the build lock (lock_fd) and dies with this process; Ctrl-C stops it
+    and the compilers it started."""
     _check_ninja()
     sources = [root / "torch_bindings.cpp", *sorted((root / "cpu").glob("*.cpp")), *cuda]
     _notify(progress_callback, f"compiling the fp8kv op library ({len(sources)} sources, once per "
             f"source version; about a minute{' (several with the GPU sources)' if cuda else ''}) with {cxx} "
             f"into {build_dir}")
     spec = {"name": name, "sources": [str(s) for s in sources], "cflags": cflags + (["-DFP8KV_WITH_CUDA"] if cuda else []),
-            "cuda_cflags": cuda_cflags, "root": str(root), "build_dir": str(build_dir), "verbose": verbose}
+            "cuda_cflags": cuda_cflags, "root": str(root), "build_dir": str(build_dir), "verbose": verbose,
+            "parent": os.getpid()}
     env = dict(os.environ, CXX=cxx)
     cc = _c_compiler_for(cxx)
     if cc is not None:
         env["CC"] = cc  # nvcc's host compiler, so that both halves link one libstdc++
-    child = subprocess.Popen([sys.executable, "-m", "fp8cache.ops._build", json.dumps(spec)], env=env,
+    child = subprocess.Popen([*COMPILE_CHILD, json.dumps(spec)], env=env,
                              stdout=None if verbose else subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             start_new_session=True)
+                             start_new_session=True, pass_fds=() if lock_fd is None else (lock_fd,))
     try:
         output, _ = child.communicate()
     except BaseException:  # Ctrl-C or a kill of this process: take the compilers down too
@@ -490,8 +682,6 @@ def _compile(name: str, root: Path, build_dir: Path, cflags: list[str], cuda: li
 
 
 def _kill_group(child: subprocess.Popen) -> None:
-    import signal
-
     try:
         os.killpg(child.pid, signal.SIGTERM)
         child.wait(timeout=10)
@@ -502,15 +692,6 @@ def _kill_group(child: subprocess.Popen) -> None:
             pass
 
 
-def _compile_in_this_process(spec: dict) -> None:
-    from torch.utils import cpp_extension
-
-    cpp_extension.load(
-        name=spec["name"], sources=spec["sources"], extra_cflags=spec["cflags"],
-        extra_cuda_cflags=spec["cuda_cflags"], extra_ldflags=["-fopenmp"], extra_include_paths=[spec["root"]],
-        build_directory=spec["build_dir"], is_python_module=False, verbose=spec["verbose"])
-
-
 def library_path() -> str | None:
     """Path of the library loaded in this process, None before the first load."""
     return _loaded.path if _loaded is not None else None
@@ -519,6 +700,3 @@ def library_path() -> str | None:
 def last_build() -> BuildResult | None:
     return _loaded
 
-
-if __name__ == "__main__":  # the compile child of _compile
-    _compile_in_this_process(json.loads(sys.argv[1]))

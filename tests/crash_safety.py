@@ -1,0 +1,260 @@
+"""Kill -9 and truncation against fp8kv's cache artefacts, in child processes on scratch cache folders.
+
+    python tests/crash_safety.py                       # 20 random points of each case (issue 39's loop)
+    python tests/crash_safety.py --iterations 3 --cases ops-kill
+    python tests/crash_safety.py --real --iterations 2 --cases ops-kill   # the real compiler (minutes each)
+
+Cases:
+  ops-kill       a first op build killed (SIGKILL) at a random moment, then a start: it succeeds, loads a whole
+                 library that passed its self-check, and no process of the killed build is left running or
+                 ran beside the new one
+  ops-truncate   an installed op library cut short at a random length: the next start says so in one line,
+                 moves it aside, rebuilds and loads a whole library (no SIGBUS)
+  ops-legacy     the same for a library installed without a manifest (by an fp8kv before manifests)
+
+The op cases run a stand-in compiler (tests/standin_compiler.py: a real library written chunk by chunk)
+unless --real is given; the self-check, the install and the load are the real ones. tests/test_crash_safety.py
+runs a few points of each case in the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+STANDIN = Path(__file__).with_name("standin_compiler.py")
+
+# One start of the op library, as `fp8kv run` makes it (argv[1]: the stand-in compiler, if any).
+OPS_START = """
+import json, sys
+from fp8cache.ops import _build
+if len(sys.argv) > 1:
+    _build.COMPILE_CHILD = [sys.executable, sys.argv[1]]
+result = _build.load_library(device="cpu")
+print(json.dumps({"compiled": result.compiled, "path": result.path}), flush=True)
+"""
+
+
+class CrashCheckFailed(AssertionError):
+    pass
+
+
+def _env(cache: Path, record: Path, real_library: Path | None) -> dict[str, str]:
+    env = dict(os.environ, FP8KV_CACHE_DIR=str(cache), FP8KV_STANDIN_RECORD=str(record),
+               PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, os.environ.get("PYTHONPATH", "").split(
+                   os.pathsep))]))
+    if real_library is not None:
+        env["FP8KV_STANDIN_LIBRARY"] = str(real_library)
+    return env
+
+
+def _ops_command(real_library: Path | None) -> list[str]:
+    return [sys.executable, "-c", OPS_START, *([str(STANDIN)] if real_library is not None else [])]
+
+
+def processes_of(cache: Path) -> list[int]:
+    """Live processes (zombies left out) started for the scratch cache `cache`: their environment names it, as
+    every process a start runs inherits (the compile child, ninja, the compilers, the probe)."""
+    needle = f"FP8KV_CACHE_DIR={cache}".encode() + b"\0"
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle not in (entry / "environ").read_bytes() + b"\0":
+                continue
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state not in ("Z", "X"):
+            found.append(int(entry.name))
+    return found
+
+
+def wait_until_gone(cache: Path, limit_s: float = 60.0) -> None:
+    """Every process of a killed start ends; `limit_s` only bounds the wait (the kernel's parent-death signal
+    ends them at once: an orphaned compile of the old code ran on for minutes)."""
+    deadline = time.monotonic() + limit_s
+    while (left := processes_of(cache)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if left:
+        names = []
+        for pid in left:
+            try:
+                command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:120]
+                names.append(f"{pid} ({command.decode(errors='replace')})")
+            except OSError:
+                names.append(str(pid))
+        for pid in left:  # do not leave them to the next case
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        raise CrashCheckFailed(f"{len(left)} process(es) of the killed start outlived it by {limit_s:g} s: "
+                               + "; ".join(names))
+
+
+def _run(command: list[str], env: dict[str, str], timeout: float = 1200) -> subprocess.CompletedProcess:
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, check=False,
+                          cwd=REPO)
+
+
+def _started(result: subprocess.CompletedProcess, what: str) -> dict:
+    if result.returncode != 0:
+        how = (f"died of signal {-result.returncode} ({signal.Signals(-result.returncode).name})"
+               if result.returncode < 0 else f"exited with status {result.returncode}")
+        raise CrashCheckFailed(f"{what}: the start {how}:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _check_installed(cache: Path, started: dict, real_library: Path | None, record: Path) -> None:
+    from fp8cache.ops import _build
+
+    path = Path(started["path"])
+    if path.parent.parent != cache / "ops":
+        raise CrashCheckFailed(f"the start loaded {path}, not a library of its cache {cache}")
+    problem = _build.installed_problem(path.parent)
+    if problem is not None:
+        raise CrashCheckFailed(f"the start loaded {path}, whose install is not whole: {problem}")
+    if real_library is not None and _sha256(path) != _sha256(real_library):
+        raise CrashCheckFailed(f"the start loaded {path}, which is not the library the compiler wrote")
+    leftovers = [p.name for p in (cache / "ops").iterdir() if ".tmp-" in p.name]
+    if leftovers:
+        raise CrashCheckFailed(f"work folders left after a successful start: {leftovers}")
+    for name, what in (("raced", "two compiles of one key ran at once"),
+                       ("outlived", "a compile went on after the start that ran it was killed")):
+        if (record / name).exists():
+            raise CrashCheckFailed(f"{what} ({(record / name).read_text().strip()})")
+
+
+def ops_first_build(work: Path, real_library: Path | None) -> tuple[Path, float]:
+    """A whole first build in a fresh cache (the template the truncation cases copy); its duration."""
+    cache, record = work / "template-cache", work / "template-record"
+    record.mkdir(parents=True)
+    start = time.monotonic()
+    started = _started(_run(_ops_command(real_library), _env(cache, record, real_library)), "a first build")
+    seconds = time.monotonic() - start
+    _check_installed(cache, started, real_library, record)
+    return cache, seconds
+
+
+def ops_kill(work: Path, rng: random.Random, span_s: float, real_library: Path | None, index: int) -> str:
+    """A first build killed at a random moment of a whole build's span, then a start."""
+    cache, record = work / f"kill-{index}" / "cache", work / f"kill-{index}" / "record"
+    record.mkdir(parents=True)
+    env = _env(cache, record, real_library)
+    delay = rng.uniform(0, span_s)
+    child = subprocess.Popen(_ops_command(real_library), env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, cwd=REPO)
+    try:
+        child.wait(timeout=delay)
+        outcome = "finished before the kill"
+    except subprocess.TimeoutExpired:
+        child.kill()  # kill -9
+        child.wait()
+        outcome = "killed"
+    wait_until_gone(cache)
+    started = _started(_run(_ops_command(real_library), env), f"the start after a kill at {delay:.2f} s")
+    _check_installed(cache, started, real_library, record)
+    return f"kill at {delay:.2f} s ({outcome}), then a start: ok"
+
+
+def ops_truncate(work: Path, rng: random.Random, template: Path, real_library: Path | None, index: int,
+                 manifest: bool = True) -> str:
+    """The template's installed library cut to a random length; the next start must rebuild it."""
+    case = work / f"truncate-{index}{'' if manifest else '-legacy'}"
+    cache, record = case / "cache", case / "record"
+    record.mkdir(parents=True)
+    shutil.copytree(template, cache)
+    installed = next(p for p in (cache / "ops").iterdir() if p.is_dir() and "." not in p.name)
+    library = installed / f"{installed.name}.so"
+    size = library.stat().st_size
+    cut = rng.randrange(size)
+    os.truncate(library, cut)
+    if not manifest:
+        (installed / "manifest.json").unlink()
+    result = _run(_ops_command(real_library), _env(cache, record, real_library))
+    started = _started(result, f"the start after the library was cut to {cut} of {size} bytes")
+    said = [line for line in result.stderr.splitlines() if "damaged" in line]
+    if len(said) != 1 or str(installed) not in said[0]:
+        raise CrashCheckFailed(f"the damaged library was not named in exactly one line: {said}\n{result.stderr}")
+    _check_installed(cache, started, real_library, record)
+    return f"library cut to {cut} of {size} bytes{'' if manifest else ' (no manifest)'}: ok"
+
+
+def _real_library() -> Path:
+    from fp8cache import ops
+    from fp8cache.ops import _build
+
+    ops.load("cpu")
+    return Path(_build.library_path())
+
+
+def run_cases(cases: list[str], iterations: int, seed: int | None = None, real: bool = False,
+              say: Callable[[str], None] = print, work: Path | None = None) -> None:
+    """`iterations` random points of each case; raises CrashCheckFailed at the first failure."""
+    seed = random.randrange(2**32) if seed is None else seed
+    rng = random.Random(seed)
+    say(f"seed {seed}")
+    owned = work is None
+    work = Path(tempfile.mkdtemp(prefix="fp8kv-crash-")) if work is None else work
+    try:
+        op_cases = [c for c in cases if c.startswith("ops-")]
+        if op_cases:
+            real_library = None if real else _real_library()
+            template, span = ops_first_build(work, real_library)
+            say(f"a whole first build took {span:.1f} s")
+            for i in range(iterations):
+                if "ops-kill" in cases:
+                    say(f"ops-kill {i + 1}/{iterations}: " + ops_kill(work, rng, span, real_library, i))
+                if "ops-truncate" in cases:
+                    say(f"ops-truncate {i + 1}/{iterations}: " + ops_truncate(work, rng, template, real_library, i))
+                if "ops-legacy" in cases:
+                    say(f"ops-legacy {i + 1}/{iterations}: "
+                        + ops_truncate(work, rng, template, real_library, i, manifest=False))
+    finally:
+        if owned:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+ALL_CASES = ["ops-kill", "ops-truncate", "ops-legacy"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--iterations", type=int, default=20, help="random points of each case (default 20)")
+    parser.add_argument("--cases", default=",".join(ALL_CASES), help="comma-separated: " + ", ".join(ALL_CASES))
+    parser.add_argument("--seed", type=int, help="the random points' seed (printed at the start)")
+    parser.add_argument("--real", action="store_true", help="compile with the real compiler (minutes a build)")
+    args = parser.parse_args(argv)
+    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    unknown = sorted(set(cases) - set(ALL_CASES))
+    if unknown:
+        parser.error(f"unknown case(s) {', '.join(unknown)}; the cases are {', '.join(ALL_CASES)}")
+    try:
+        run_cases(cases, args.iterations, args.seed, args.real)
+    except CrashCheckFailed as exc:
+        print(f"FAILED: {exc}", file=sys.stderr)
+        return 1
+    print("all passed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

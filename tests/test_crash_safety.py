@@ -1,0 +1,22 @@
+"""Issue 39's kill -9 and truncation cases, a few random points each, in child processes on scratch caches
+(`python tests/crash_safety.py` runs 20 points of every case; the seed is printed to rerun a failure)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from crash_safety import run_cases
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PR_SET_PDEATHSIG")
+
+
+def test_a_build_killed_at_a_random_point_leaves_nothing_that_breaks_the_next_start(tmp_path):
+    """Old code: the orphaned compile ran on beside the next start, whose build then died on torch's lock file
+    (FileNotFoundError), and a later start loaded the orphan's library, never self-checked."""
+    run_cases(["ops-kill", "ops-truncate"], iterations=1, work=tmp_path, say=print)
+
+
+@pytest.mark.slow
+def test_more_random_kill_and_truncation_points(tmp_path):
+    run_cases(["ops-kill", "ops-truncate", "ops-legacy"], iterations=4, work=tmp_path, say=print)
