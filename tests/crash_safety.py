@@ -11,9 +11,15 @@ Cases:
   ops-truncate   an installed op library cut short at a random length: the next start says so in one line,
                  moves it aside, rebuilds and loads a whole library (no SIGBUS)
   ops-legacy     the same for a library installed without a manifest (by an fp8kv before manifests)
+  model-kill     the default model's first conversion killed at a random moment, then a start: it gets the
+                 whole model, and no work folder is left
+  model-truncate one file of the converted default model cut to a random length (a safetensors file or a
+                 JSON one): the next start says so in one line, moves the folder aside and converts again
 
 The op cases run a stand-in compiler (tests/standin_compiler.py: a real library written chunk by chunk)
-unless --real is given; the self-check, the install and the load are the real ones. tests/test_crash_safety.py
+unless --real is given; the self-check, the install and the load are the real ones. The model cases convert
+with a stand-in too (a small safetensors model written file by file, chunk by chunk, as save_pretrained
+writes), and check the result against it byte for byte and with safetensors' own reader. tests/test_crash_safety.py
 runs a few points of each case in the test suite.
 """
 
@@ -44,6 +50,28 @@ if len(sys.argv) > 1:
     _build.COMPILE_CHILD = [sys.executable, sys.argv[1]]
 result = _build.load_library(device="cpu")
 print(json.dumps({"compiled": result.compiled, "path": result.path}), flush=True)
+"""
+
+
+# One start's default model, converted by a stand-in that writes argv[1]'s files chunk by chunk.
+MODEL_START = """
+import os, sys, time
+from fp8cache.model import default_model as d
+template = sys.argv[1]
+d._locate_wheel = lambda work, say: os.path.join(work, "standin.whl")
+d._extract_gguf = lambda wheel, work: os.path.join(work, "standin.gguf")
+def convert(gguf, out):
+    os.makedirs(out)
+    for name in sorted(os.listdir(template)):
+        with open(os.path.join(template, name), "rb") as f:
+            data = f.read()
+        with open(os.path.join(out, name), "wb") as f:
+            for i in range(8):
+                f.write(data[i * len(data) // 8:(i + 1) * len(data) // 8])
+                f.flush()
+                time.sleep(0.02)
+d._convert = convert
+print(d.ensure_default_model(progress=False), flush=True)
 """
 
 
@@ -198,6 +226,93 @@ def ops_truncate(work: Path, rng: random.Random, template: Path, real_library: P
     return f"library cut to {cut} of {size} bytes{'' if manifest else ' (no manifest)'}: ok"
 
 
+def model_template(folder: Path) -> Path:
+    """What the stand-in conversion writes: a small model's files (several tensors, config, tokenizer)."""
+    import torch
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True)
+    generator = torch.Generator().manual_seed(39)
+    tensors = {f"model.layers.{i}.mlp.{name}.weight": torch.randn(96, 64 + 32 * i, generator=generator)
+               for i in range(4) for name in ("gate_proj", "up_proj")}
+    tensors["model.embed_tokens.weight"] = torch.randn(512, 64, generator=generator).to(torch.bfloat16)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 4}, indent=2))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 8192, "eos_token": "</s>"}))
+    (folder / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {f"t{i}": i for i in range(2000)}}}))
+    (folder / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}\n")
+    return folder
+
+
+def _model_command(template: Path) -> list[str]:
+    return [sys.executable, "-c", MODEL_START, str(template)]
+
+
+def _check_model(cache: Path, result: subprocess.CompletedProcess, template: Path, what: str) -> None:
+    from safetensors import safe_open
+
+    if result.returncode != 0:
+        raise CrashCheckFailed(f"{what}: the start exited with status {result.returncode}:\n{result.stderr[-3000:]}")
+    folder = Path(result.stdout.strip().splitlines()[-1])
+    for name in sorted(p.name for p in template.iterdir()):
+        if not (folder / name).is_file() or (folder / name).read_bytes() != (template / name).read_bytes():
+            raise CrashCheckFailed(f"{what}: {folder / name} is not the file the conversion wrote")
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        names = f.keys()  # a safe_open is not iterable
+        for key in names:
+            f.get_tensor(key)
+    models = folder.parent
+    leftovers = [p.name for p in models.iterdir() if p.name.startswith(".convert-")]
+    if leftovers:
+        raise CrashCheckFailed(f"{what}: conversion work folders left after a successful start: {leftovers}")
+
+
+def model_first_conversion(work: Path, template: Path) -> tuple[Path, float]:
+    cache = work / "model-template-cache"
+    start = time.monotonic()
+    result = _run(_model_command(template), _env(cache, work, None))
+    seconds = time.monotonic() - start
+    _check_model(cache, result, template, "a first conversion")
+    return cache, seconds
+
+
+def model_kill(work: Path, rng: random.Random, span_s: float, template: Path, index: int) -> str:
+    cache = work / f"model-kill-{index}"
+    env = _env(cache, work, None)
+    delay = rng.uniform(0, span_s)
+    child = subprocess.Popen(_model_command(template), env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, cwd=REPO)
+    try:
+        child.wait(timeout=delay)
+        outcome = "finished before the kill"
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+        outcome = "killed"
+    wait_until_gone(cache)
+    _check_model(cache, _run(_model_command(template), env), template, f"the start after a kill at {delay:.2f} s")
+    return f"kill at {delay:.2f} s ({outcome}), then a start: ok"
+
+
+def model_truncate(work: Path, rng: random.Random, converted: Path, template: Path, index: int) -> str:
+    cache = work / f"model-truncate-{index}"
+    shutil.copytree(converted, cache)
+    folder = next(p for p in (cache / "models").iterdir() if p.is_dir() and not p.name.startswith("."))
+    victim = folder / rng.choice(["model.safetensors", "model.safetensors", "config.json", "tokenizer.json",
+                                  "chat_template.jinja"])
+    size = victim.stat().st_size
+    cut = rng.randrange(size)
+    os.truncate(victim, cut)
+    result = _run(_model_command(template), _env(cache, work, None))
+    what = f"the start after {victim.name} was cut to {cut} of {size} bytes"
+    said = [line for line in result.stderr.splitlines() if "damaged" in line]
+    if result.returncode == 0 and (len(said) != 1 or str(folder) not in said[0]):
+        raise CrashCheckFailed(f"{what}: the damaged model was not named in exactly one line: {said}\n"
+                               + result.stderr[-2000:])
+    _check_model(cache, result, template, what)
+    return f"{victim.name} cut to {cut} of {size} bytes: ok"
+
+
 def _real_library() -> Path:
     from fp8cache import ops
     from fp8cache.ops import _build
@@ -228,12 +343,22 @@ def run_cases(cases: list[str], iterations: int, seed: int | None = None, real: 
                 if "ops-legacy" in cases:
                     say(f"ops-legacy {i + 1}/{iterations}: "
                         + ops_truncate(work, rng, template, real_library, i, manifest=False))
+        model_cases = [c for c in cases if c.startswith("model-")]
+        if model_cases:
+            template = model_template(work / "model-files")
+            converted, span = model_first_conversion(work, template)
+            say(f"a whole first conversion took {span:.1f} s")
+            for i in range(iterations):
+                if "model-kill" in cases:
+                    say(f"model-kill {i + 1}/{iterations}: " + model_kill(work, rng, span, template, i))
+                if "model-truncate" in cases:
+                    say(f"model-truncate {i + 1}/{iterations}: " + model_truncate(work, rng, converted, template, i))
     finally:
         if owned:
             shutil.rmtree(work, ignore_errors=True)
 
 
-ALL_CASES = ["ops-kill", "ops-truncate", "ops-legacy"]
+ALL_CASES = ["ops-kill", "ops-truncate", "ops-legacy", "model-kill", "model-truncate"]
 
 
 def main(argv: list[str] | None = None) -> int:

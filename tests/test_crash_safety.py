@@ -17,6 +17,13 @@ def test_a_build_killed_at_a_random_point_leaves_nothing_that_breaks_the_next_st
     run_cases(["ops-kill", "ops-truncate"], iterations=1, work=tmp_path, say=print)
 
 
+def test_a_conversion_killed_or_cut_short_at_random_points_is_converted_whole(tmp_path):
+    """Old code: a converted model.safetensors cut short was taken as converted (a SafetensorError traceback
+    at every start, no reconversion)."""
+    run_cases(["model-kill", "model-truncate"], iterations=2, work=tmp_path, say=print)
+
+
 @pytest.mark.slow
 def test_more_random_kill_and_truncation_points(tmp_path):
-    run_cases(["ops-kill", "ops-truncate", "ops-legacy"], iterations=4, work=tmp_path, say=print)
+    run_cases(["ops-kill", "ops-truncate", "ops-legacy", "model-kill", "model-truncate"], iterations=4,
+              work=tmp_path, say=print)

