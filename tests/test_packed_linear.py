@@ -3,7 +3,6 @@ F.linear."""
 
 from __future__ import annotations
 
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -91,46 +90,74 @@ def test_bfloat16_models_are_packed_without_the_probe(tiny_llama_path, monkeypat
     assert not any(type(m) is nn.Linear for m in model.modules())
 
 
-def test_packing_pays_follows_the_measured_times(monkeypatch):
-    def slowed(call):
+class FakeClock:
+    """Time that passes only when a test says so: a measurement against it does not depend on the machine's load
+    (these tests raced a real 2 ms sleep against measured times, and failed whenever the machine was busy)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def timer(self, call, *args) -> float:
+        """probes.best_time on this clock: one untimed call, then the best of three."""
+        call(*args)
+        best = float("inf")
+        for _ in range(3):
+            start = self.now
+            call(*args)
+            best = min(best, self.now - start)
+        return best
+
+    def slowed(self, call, seconds: float = 0.002):
         def slow(*args):
-            time.sleep(0.002)
+            self.now += seconds
             return call(*args)
         return slow
 
+
+def test_packing_pays_follows_the_measured_times(monkeypatch):
     shapes = frozenset({(64, 48), (48, 64)})
     measure = packed_linear.measure_packing  # the measurement itself, not its memo or its file
     ops.load()
     for panels in (False, True):
-        # One copy of each weight, so that each call sleeps (set again after each undo, which drops it too).
-        monkeypatch.setattr(packed_linear, "_PROBE_MAX_BYTES", 0)
-        monkeypatch.setattr(packed_linear.PackedLinear, "forward", slowed(packed_linear.PackedLinear.forward))
-        assert not measure(shapes, panels)
+        clock = FakeClock()
+        monkeypatch.setattr(packed_linear, "_PROBE_MAX_BYTES", 0)  # one copy of each weight: a quicker race
+        monkeypatch.setattr(packed_linear.PackedLinear, "forward", clock.slowed(packed_linear.PackedLinear.forward))
+        assert not measure(shapes, panels, timer=clock.timer)
+        assert clock.now > 0  # the packed layers ran, and only they took time
         monkeypatch.undo()
+        clock = FakeClock()
         monkeypatch.setattr(packed_linear, "_PROBE_MAX_BYTES", 0)
-        monkeypatch.setattr(packed_linear, "F", SimpleNamespace(linear=slowed(F.linear)))
-        assert measure(shapes, panels)
+        monkeypatch.setattr(packed_linear, "F", SimpleNamespace(linear=clock.slowed(F.linear)))
+        assert measure(shapes, panels, timer=clock.timer)
         monkeypatch.undo()
 
 
 def test_bf16_panels_pay_follows_the_measured_times(monkeypatch):
     """On an AMX CPU, bfloat16 weights go to whichever packing the probe times faster."""
-    def slowed_when(panels: bool):
+    def slowed_when(clock: FakeClock, panels: bool):
         forward = packed_linear.PackedLinear.forward
 
-        def slow(self, x):
+        def maybe_slow(self, x):
             if self.panels == panels:
-                time.sleep(0.002)
+                clock.now += 0.002
             return forward(self, x)
-        return slow
+        return maybe_slow
 
     shapes = frozenset({(64, 48), (48, 64)})
     ops.load()
     for panels in (False, True):
-        monkeypatch.setattr(packed_linear, "_PROBE_MAX_BYTES", 0)  # one copy of each weight: each call sleeps
-        monkeypatch.setattr(packed_linear.PackedLinear, "forward", slowed_when(panels))
-        assert packed_linear.measure_bf16_panels(shapes) == (not panels)
+        clock = FakeClock()
+        monkeypatch.setattr(packed_linear, "_PROBE_MAX_BYTES", 0)
+        monkeypatch.setattr(packed_linear.PackedLinear, "forward", slowed_when(clock, panels))
+        assert packed_linear.measure_bf16_panels(shapes, timer=clock.timer) == (not panels)
         monkeypatch.undo()
+
+
+def test_the_probe_times_with_the_machine_clock_by_default(monkeypatch):
+    """Without an injected timer the race times with probes.best_time, the measurement a start makes."""
+    monkeypatch.setattr(packed_linear, "_PROBE_MAX_BYTES", 0)
+    spent = packed_linear.race([(packed_linear._plain, torch.float32)], frozenset({(32, 16)}))
+    assert len(spent) == 1 and 0 < spent[0] < float("inf")
 
 
 def test_the_probe_streams_decode_batches_over_more_weights_than_the_cache_holds(monkeypatch):

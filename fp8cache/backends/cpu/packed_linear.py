@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -265,10 +266,14 @@ def packing_pays(shapes: frozenset[tuple[int, int]], panels: bool = False) -> bo
                              lambda: measure_packing(shapes, panels))
 
 
-def measure_packing(shapes: frozenset[tuple[int, int]], panels: bool = False) -> bool:
+# A timer: seconds of call(*args) (probes.best_time; the tests give one that reads an injected clock).
+Timer = Callable[..., float]
+
+
+def measure_packing(shapes: frozenset[tuple[int, int]], panels: bool = False, timer: Timer = best_time) -> bool:
     """packing_pays's measurement: packed against F.linear (see race)."""
     plain, packed = race([(_plain, torch.float32), (lambda linear: PackedLinear(linear, panels), torch.float32)],
-                         shapes)
+                         shapes, timer)
     return packed < plain
 
 
@@ -280,14 +285,14 @@ def bf16_panels_pay(shapes: frozenset[tuple[int, int]]) -> bool:
     return probes.remembered(["bfloat16 panels beat oneDNN", sorted(shapes)], lambda: measure_bf16_panels(shapes))
 
 
-def measure_bf16_panels(shapes: frozenset[tuple[int, int]]) -> bool:
+def measure_bf16_panels(shapes: frozenset[tuple[int, int]], timer: Timer = best_time) -> bool:
     """bf16_panels_pay's measurement: both packings of the same bfloat16 weights (see race)."""
     onednn, panels = race([(lambda linear: PackedLinear(linear, False), torch.bfloat16),
-                           (lambda linear: PackedLinear(linear, True), torch.bfloat16)], shapes)
+                           (lambda linear: PackedLinear(linear, True), torch.bfloat16)], shapes, timer)
     return panels < onednn
 
 
-def race(candidates: list, shapes: frozenset[tuple[int, int]]) -> list[float]:
+def race(candidates: list, shapes: frozenset[tuple[int, int]], timer: Timer = best_time) -> list[float]:
     """Seconds of each candidate, a (maker of a callable from an nn.Linear, weight dtype) pair, summed over up to
     six of the shapes at a decode-sized and a prefill-sized batch (best of three each, candidates taking turns).
     The decode-sized batch runs over enough copies of each weight to overflow the last-level cache, as a decode
@@ -309,8 +314,8 @@ def race(candidates: list, shapes: frozenset[tuple[int, int]]) -> list[float]:
                 calls = [make(linear) for linear in [base, *(_copy_of(base) for _ in range(copies - 1))]]
                 runs.append((calls, decode.to(dtype), prefill.to(dtype)))
             for i, (calls, x_decode, x_prefill) in enumerate(runs):
-                spent[i] += best_time(lambda x, fns=calls: [fn(x) for fn in fns], x_decode) / len(calls)
-                spent[i] += best_time(calls[0], x_prefill) * _BATCH_HINT / _PROBE_ROWS
+                spent[i] += timer(lambda x, fns=calls: [fn(x) for fn in fns], x_decode) / len(calls)
+                spent[i] += timer(calls[0], x_prefill) * _BATCH_HINT / _PROBE_ROWS
     return spent
 
 
