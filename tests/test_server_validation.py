@@ -73,6 +73,8 @@ CASES = [
     Case("presence_penalty 3", CMPL, {"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"),
     Case("frequency_penalty -3", CMPL, {"prompt": "x", "frequency_penalty": -3}, 400, "frequency_penalty"),
     Case("repetition_penalty 0", CMPL, {"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    Case("repetition_penalty 1e-300", CMPL, {"prompt": "x", "repetition_penalty": 1e-300}, 400,
+         "repetition_penalty"),  # finite in JSON, inf in float32 logits: every seen token tied at inf
     Case("n zero", CMPL, {"prompt": "x", "n": 0}, 400, "n"),
     Case("n too many", CMPL, {"prompt": "x", "n": 100}, 400, "n"),
     Case("stop too many", CMPL, {"prompt": "x", "stop": ["a"] * 17}, 400, "stop"),

@@ -216,8 +216,9 @@ def top_k_top_p(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     sorted_logits = sorted_logits.masked_fill(drop, -float("inf"))
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
-    # Keep the smallest set whose mass reaches top_p (always >= 1 token); top_p == 1 keeps everything,
-    # even where rounding pushes the running sum past 1.
+    # Keep the smallest set whose mass reaches top_p (always >= 1 token: the first, whatever top_p rounds to);
+    # top_p == 1 keeps everything, even where rounding pushes the running sum past 1.
     drop = (mass_before >= top_p) & (top_p < 1)
+    drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, -float("inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)

@@ -2,6 +2,13 @@
 
 Every bad value raises ValueError naming the field, the value and the allowed range: the HTTP server
 turns these into 400 responses as they are.
+
+Numbers are checked for the dtype they are used in (the sampler works in float32, whose smallest normal is
+1.2e-38 and largest 3.4e38): a value that is finite in Python but under- or overflows there would be read one
+way by the host (0 < temperature: sample) and another by the kernel (0.0 in float32: divide by 1). So every
+float must be finite, ranges keep the float32 arithmetic finite, and values too small to mean anything are
+given the meaning they have in the limit, as vLLM does: a temperature below SAMPLING_EPS is greedy (stored as
+0), a top_p or typical_p below it is SAMPLING_EPS (the most likely token alone).
 """
 
 from __future__ import annotations
@@ -12,6 +19,13 @@ from dataclasses import dataclass, field
 from fp8cache.engine.structured_output import StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # top logprobs per token, as vLLM's default max_logprobs and OpenAI's top_logprobs
+SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it is greedy
+# Beyond this every token the other settings keep is equally likely, to float32's precision, for any logits a
+# model makes; a larger number is a mistake, not a setting.
+MAX_TEMPERATURE = 1e4
+# A penalty divides (or multiplies) logits: 1/100 .. 100 keeps float32 logits finite and ordered; a penalty of
+# 1e-300 made every seen token's logit inf (all tied: the first one in the vocabulary won, every time).
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 
 
 @dataclass
@@ -41,12 +55,16 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, 1, None, "an integer >= 1")
-        _check_number("temperature", self.temperature, lambda v: v >= 0, "a number >= 0 (0 means greedy)")
+        _check_number("temperature", self.temperature, lambda v: 0 <= v <= MAX_TEMPERATURE,
+                      f"a number in [0, {MAX_TEMPERATURE:g}] (0 means greedy, and so does anything below "
+                      f"{SAMPLING_EPS:g})")
         _check_number("top_p", self.top_p, lambda v: 0 < v <= 1, "a number in (0, 1]")
         _check_int("top_k", self.top_k, -1, None, "-1 or 0 (off) or an integer >= 1")
         _check_number("min_p", self.min_p, lambda v: 0 <= v <= 1, "a number in [0, 1]")
         _check_number("typical_p", self.typical_p, lambda v: 0 < v <= 1, "a number in (0, 1] (1 means off)")
-        _check_number("repetition_penalty", self.repetition_penalty, lambda v: v > 0, "a number > 0")
+        _check_number("repetition_penalty", self.repetition_penalty,
+                      lambda v: MIN_REPETITION_PENALTY <= v <= MAX_REPETITION_PENALTY,
+                      f"a number in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1 means off)")
         _check_number("presence_penalty", self.presence_penalty, lambda v: -2 <= v <= 2,
                       "a number in [-2, 2]")
         _check_number("frequency_penalty", self.frequency_penalty, lambda v: -2 <= v <= 2,
@@ -67,6 +85,10 @@ class SamplingParams:
             _fail("structured_outputs", self.structured_outputs, "a StructuredOutputsParams or None")
         self.stop_strings = _stop_list(self.stop)
         self.stop_token_ids = _token_id_list(self.stop_token_ids)
+        # The values the sampler works with (see the module's docstring).
+        self.temperature = 0.0 if self.temperature < SAMPLING_EPS else float(self.temperature)
+        self.top_p = max(float(self.top_p), SAMPLING_EPS)
+        self.typical_p = max(float(self.typical_p), SAMPLING_EPS)
 
     @property
     def greedy(self) -> bool:
@@ -74,7 +96,9 @@ class SamplingParams:
 
 
 def _fail(name: str, value: object, allowed: str) -> None:
-    raise ValueError(f"SamplingParams.{name}={value!r} is invalid: it must be {allowed}.")
+    shown = repr(value)
+    shown = shown if len(shown) <= 64 else shown[:60] + "..."
+    raise ValueError(f"SamplingParams.{name}={shown} is invalid: it must be {allowed}.")
 
 
 def _check_int(name: str, value: object, low: int | None, high: int | None, allowed: str) -> None:
@@ -85,7 +109,13 @@ def _check_int(name: str, value: object, low: int | None, high: int | None, allo
 
 
 def _check_number(name: str, value: object, ok, allowed: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or not ok(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        _fail(name, value, allowed)
+    try:
+        finite = math.isfinite(value)  # an int too big for a float overflows here
+    except OverflowError:
+        finite = False
+    if not finite or not ok(value):
         _fail(name, value, allowed)
 
 

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
+from fp8cache.engine.sampling_params import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
 from fp8cache.engine.structured_output import StructuredOutputsParams
 from fp8cache.server.protocol.base import (
     INT64_MAX,
@@ -68,7 +69,7 @@ class SamplingFields(Strict):
     # vLLM extensions
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
+    repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_SEQUENCES)
     min_tokens: int | None = Field(None, ge=0)

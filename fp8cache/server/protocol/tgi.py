@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
+from fp8cache.engine.sampling_params import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
 from fp8cache.engine.structured_output import StructuredOutputsParams
 from fp8cache.server.protocol.base import INT64_MAX, MAX_LOGPROBS, Strict, check_stop, refuse_if_set
 
@@ -43,7 +44,7 @@ class GenerateParameters(Strict):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     grammar: TGIGrammar | None = None
     max_new_tokens: int | None = Field(None, ge=1)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
+    repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     return_full_text: bool | None = False
     seed: int | None = Field(None, ge=0, le=INT64_MAX)
     stop: Any = None
