@@ -39,6 +39,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from standin_compiler import CHUNK_PAUSE_S, CHUNKS
+
 REPO = Path(__file__).resolve().parents[1]
 STANDIN = Path(__file__).with_name("standin_compiler.py")
 
@@ -182,14 +184,25 @@ def ops_first_build(work: Path, real_library: Path | None) -> tuple[Path, float]
     return cache, seconds
 
 
-def ops_kill(work: Path, rng: random.Random, span_s: float, real_library: Path | None, index: int) -> str:
-    """A first build killed at a random moment of a whole build's span, then a start."""
+def _compiling(cache: Path) -> bool:
+    return any((cache / "ops").glob("*.tmp-*/build.ninja"))
+
+
+def ops_kill(work: Path, rng: random.Random, span_s: float, real_library: Path | None, index: int,
+             compile_s: float = 1.0) -> str:
+    """A first build killed at a random moment, then a start. Every other point is drawn inside the compile
+    (counted from when its build.ninja appears; `compile_s`: how long the compile takes), the rest anywhere in
+    a whole build's span (`span_s`: before the lock, during the self-check, around the install)."""
     cache, record = work / f"kill-{index}" / "cache", work / f"kill-{index}" / "record"
     record.mkdir(parents=True)
     env = _env(cache, record, real_library)
-    delay = rng.uniform(0, span_s)
+    in_compile = index % 2 == 0
+    delay = rng.uniform(0, compile_s if in_compile else span_s)
     child = subprocess.Popen(_ops_command(real_library), env=env, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL, cwd=REPO)
+    if in_compile:
+        while not _compiling(cache) and child.poll() is None:
+            time.sleep(0.01)
     try:
         child.wait(timeout=delay)
         outcome = "finished before the kill"
@@ -197,10 +210,11 @@ def ops_kill(work: Path, rng: random.Random, span_s: float, real_library: Path |
         child.kill()  # kill -9
         child.wait()
         outcome = "killed"
+    when = f"{delay:.2f} s into the compile" if in_compile else f"{delay:.2f} s after the start"
     wait_until_gone(cache)
-    started = _started(_run(_ops_command(real_library), env), f"the start after a kill at {delay:.2f} s")
+    started = _started(_run(_ops_command(real_library), env), f"the start after a kill {when}")
     _check_installed(cache, started, real_library, record)
-    return f"kill at {delay:.2f} s ({outcome}), then a start: ok"
+    return f"kill {when} ({outcome}), then a start: ok"
 
 
 def ops_truncate(work: Path, rng: random.Random, template: Path, real_library: Path | None, index: int,
@@ -335,9 +349,10 @@ def run_cases(cases: list[str], iterations: int, seed: int | None = None, real: 
             real_library = None if real else _real_library()
             template, span = ops_first_build(work, real_library)
             say(f"a whole first build took {span:.1f} s")
+            compile_s = 0.8 * span if real else CHUNKS * CHUNK_PAUSE_S
             for i in range(iterations):
                 if "ops-kill" in cases:
-                    say(f"ops-kill {i + 1}/{iterations}: " + ops_kill(work, rng, span, real_library, i))
+                    say(f"ops-kill {i + 1}/{iterations}: " + ops_kill(work, rng, span, real_library, i, compile_s))
                 if "ops-truncate" in cases:
                     say(f"ops-truncate {i + 1}/{iterations}: " + ops_truncate(work, rng, template, real_library, i))
                 if "ops-legacy" in cases:

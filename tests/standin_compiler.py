@@ -2,7 +2,7 @@
 
 Run as `_build.COMPILE_CHILD`, it ties itself to its parent exactly as the real child does
 (fp8cache/ops/_compile_child.py's main, loaded by path so that torch is not imported), starts a "compiler"
-process under it (as ninja starts g++), and writes the library slowly, chunk by chunk, as a linker does: a copy
+process under it (as ninja starts g++: in a process group of its own), and writes the library slowly, chunk by chunk, as a linker does: a copy
 of a real, working library ($FP8KV_STANDIN_LIBRARY), so the probe and the load after it are the real ones. A kill
 then lands in the middle of a half-written file.
 
@@ -41,7 +41,8 @@ def standin_compile(spec: dict) -> None:
     except BlockingIOError:
         (record / "raced").write_text(f"{spec['build_dir']}\n")
         sys.exit(3)
-    compiler = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+    # In a process group of its own, as ninja starts each compiler (posix_spawn with POSIX_SPAWN_SETPGROUP).
+    compiler = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"], preexec_fn=os.setpgrp)
     (Path(spec["build_dir"]) / "build.ninja").write_text("# the stand-in compiler's\n")
     data = Path(os.environ["FP8KV_STANDIN_LIBRARY"]).read_bytes()
     with open(Path(spec["build_dir"]) / f"{spec['name']}.so", "wb") as out:
