@@ -9,7 +9,9 @@ DEFAULT_KV_RECENT_WINDOW = 32
 
 @dataclass
 class EngineConfig:
-    model: str | None = None  # None: the embedded default model (docs/design.md section 6)
+    model: str | None = None  # a folder, a hub id (org/name), or None: the embedded default model (docs/design.md section 6)
+    revision: str | None = None  # hub ids: the branch, tag or commit (None: main)
+    download_dir: str | None = None  # hub ids: the Hugging Face cache folder to use (None: $HF_HOME/hub)
     tokenizer: str | None = None  # None: same folder as the model
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: the faster of float32 and bfloat16 on a CPU, the checkpoint's 16-bit dtype on a GPU)
     kv_cache_dtype: str = "auto"

@@ -63,8 +63,12 @@ def option(*decls: str, help: str, **kwargs) -> Callable:
 
 _ENGINE_OPTIONS = [
     option("--model", "model_option", metavar="PATH", envvar="FP8KV_MODEL",
-           help="Model folder (safetensors); same as the MODEL argument. Default: the embedded "
-                "SmolLM2-135M-Instruct."),
+           help="Model folder (safetensors) or Hugging Face hub id (org/name: the hub cache first, else a "
+                "download); same as the MODEL argument. Default: the embedded SmolLM2-135M-Instruct."),
+    option("--revision", metavar="REV",
+           help="Hub ids: the branch, tag or commit to use (default: main)."),
+    option("--download-dir", metavar="DIR", type=click.Path(file_okay=False),
+           help="Hub ids: the Hugging Face cache folder to read and download into (default: $HF_HOME/hub)."),
     option("--tokenizer", metavar="PATH", help="Tokenizer folder, if not the model's."),
     option("--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default="auto",
            help="KV cache storage: auto (the model dtype) or an FP8 format; fp8 is E4M3FN on CPU and CUDA, "
@@ -118,7 +122,7 @@ _SERVER_OPTIONS = [
     option("--api-key", metavar="KEY",
            help="Require 'Authorization: Bearer KEY' on every route except /health."),
     option("--served-model-name", metavar="NAME",
-           help="Model name in the OpenAI API (default: the model folder's name)."),
+           help="Model name in the OpenAI API (default: the hub id, or the model folder's name)."),
     option("--graceful-timeout", type=click.FloatRange(min=0), default=DEFAULT_GRACEFUL_TIMEOUT,
            help="Seconds in-flight requests get to finish after SIGTERM/SIGINT."),
     option("--log-format", type=click.Choice(["text", "json"]), default="text",
@@ -176,7 +180,8 @@ def engine_config(model: str | None, kw: dict) -> EngineConfig:
         kv_cache_memory=memory_arg(kw["kv_cache_memory"]), enable_prefix_caching=kw["enable_prefix_caching"],
         seed=kw["seed"], device=kw["device"],
         gpu_memory_utilization=kw["gpu_memory_utilization"], enforce_eager=kw["enforce_eager"],
-        trust_remote_code=kw["trust_remote_code"], load_format=kw["load_format"])
+        trust_remote_code=kw["trust_remote_code"], load_format=kw["load_format"],
+        revision=kw["revision"], download_dir=kw["download_dir"])
 
 
 def engine_errors(fn: Callable) -> Callable:

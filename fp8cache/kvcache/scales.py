@@ -515,19 +515,50 @@ def _write_atomically(path: str | os.PathLike, text: str) -> None:
 
 # ---------------------------------------------------------------------------------------------------
 # Checkpoint scales
+#
+# The names each tool writes, after "layers.<i>.self_attn." (docs/design.md section 3). vLLM's loader
+# (maybe_remap_kv_scale_name, the compressed-tensors and Quark cache-scale mappers) reads the same set.
 
-# suffix after "layers.<i>.self_attn." -> which of K/V it scales
+# suffix -> which of K/V it scales
 _CHECKPOINT_SUFFIXES = {
-    "kv_scale": "kv",  # TGI
-    "k_scale": "k", "v_scale": "v",  # llm-compressor, vLLM
+    "kv_scale": "kv",  # TGI, AutoFP8: one scale for K and V
+    "k_scale": "k", "v_scale": "v",  # llm-compressor / compressed-tensors kv_cache_scheme, vLLM
     "attn.k_scale": "k", "attn.v_scale": "v",  # vLLM's own saved layout
-    "k_proj.output_scale": "k", "v_proj.output_scale": "v",  # compressed-tensors
-    "k_proj.k_scale": "k", "v_proj.v_scale": "v",  # ModelOpt
+    "k_proj.output_scale": "k", "v_proj.output_scale": "v",  # AMD Quark, older compressed-tensors
+    "k_proj.k_scale": "k", "v_proj.v_scale": "v",  # NVIDIA ModelOpt
 }
 _CHECKPOINT_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.("
                               + "|".join(re.escape(s) for s in _CHECKPOINT_SUFFIXES) + r")$")
+# Zero points beside KV scales (compressed-tensors registers them even for symmetric schemes): all zeros
+# means symmetric, which is what the cache does; anything else is an asymmetric scheme fp8kv cannot run.
+_ZERO_POINT_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.(?:attn\.)?(k|v)_zero_point$")
+# Attention tensors the tools write that fp8kv has no use for: fp8kv quantizes K and V only, never Q or the
+# attention probabilities. They are reported, never read silently as something else.
+_UNUSED_ATTENTION_SCALE = re.compile(r"(?:^|\.)self_attn\.(?:(?:attn\.)?q_scale|q_proj\.output_scale|"
+                                     r"(?:attn\.)?prob_scale|prob_output_scale|(?:attn\.)?q_zero_point)$")
 _CHECKPOINT_FIX = ("export the checkpoint's KV scales again, or pass --quantization-param-path with a scales "
                    "file (it wins over checkpoint scales)")
+# Spellings of a scheme's format in the tools' configs -> canonical kv-cache-dtype.
+_E4M3_NAMES = {"fp8", "fp8_e4m3", "fp8_e4m3fn", "float8_e4m3fn", "e4m3", "e4m3fn"}
+
+
+@dataclass(frozen=True)
+class CheckpointKVScheme:
+    """What a checkpoint's quantization config says about its KV cache."""
+
+    tool: str  # "compressed-tensors", "ModelOpt", "Quark"
+    fmt_name: str  # canonical kv-cache-dtype the scales are for
+    granularity: str | None  # "tensor" | "head"; None: not said
+    dynamic: bool  # scales computed at run time, none stored
+
+    def describe(self) -> str:
+        how = "dynamic" if self.dynamic else {"tensor": "per tensor", "head": "per KV head"}.get(
+            self.granularity or "", "static")
+        return f"{self.tool} KV cache scheme, {how}"
+
+
+class CheckpointSchemeError(CheckpointScalesError):
+    """A quantization config whose KV cache scheme fp8kv cannot run."""
 
 
 def checkpoint_scale_tensor_names(names: Iterable[str]) -> list[str]:
@@ -535,10 +566,111 @@ def checkpoint_scale_tensor_names(names: Iterable[str]) -> list[str]:
     return [n for n in names if _CHECKPOINT_NAME.search(n)]
 
 
+def is_kv_zero_point(name: str) -> bool:
+    return bool(_ZERO_POINT_NAME.search(name))
+
+
+def is_unused_attention_scale(name: str) -> bool:
+    """A Q or attention-probability scale (or zero point), which fp8kv has no use for."""
+    return bool(_UNUSED_ATTENTION_SCALE.search(name))
+
+
+def check_kv_zero_points(tensors: Mapping[str, torch.Tensor]) -> None:
+    """Refuse K/V zero points that are not all zero (an asymmetric scheme)."""
+    for name, t in tensors.items():
+        if is_kv_zero_point(name) and bool((t.detach().to("cpu", torch.float32) != 0).any()):
+            raise CheckpointScalesError(f"checkpoint tensor {name} holds non-zero K/V zero points: an asymmetric "
+                                        "KV cache scheme, which fp8kv cannot run (its FP8 cache is symmetric); "
+                                        "export the KV scales with symmetric: true")
+
+
+def checkpoint_kv_scheme(config: Mapping | None) -> CheckpointKVScheme | None:
+    """The KV cache scheme declared by a checkpoint's config.json (compressed-tensors kv_cache_scheme,
+    ModelOpt kv_cache_quant_algo, Quark kv_cache_group); None when it declares none. An unknown or
+    unsupported scheme raises CheckpointSchemeError, naming the key and what fp8kv reads."""
+    quant = (config or {}).get("quantization_config")
+    if not isinstance(quant, Mapping):
+        return None
+    method = str(quant.get("quant_method", "")).lower()
+    if method == "compressed-tensors":
+        return _compressed_tensors_kv(quant.get("kv_cache_scheme"))
+    if method == "modelopt":
+        inner = quant.get("quantization") if isinstance(quant.get("quantization"), Mapping) else quant
+        return _modelopt_kv(inner.get("kv_cache_quant_algo"))
+    if method == "quark":
+        return _quark_kv(quant)
+    return None
+
+
+def _scheme_error(key: str, problem: str, reads: str) -> CheckpointSchemeError:
+    return CheckpointSchemeError(
+        f"config.json quantization_config.{key}: {problem}; fp8kv reads {reads}. Remove that key to run the "
+        "model without its KV scheme (then --kv-cache-dtype fp8 with --calculate-kv-scales or a scales file)")
+
+
+_CT_READS = ("FP8 KV cache schemes (type float, num_bits 8, symmetric) with strategy tensor or attn_head, "
+             "static (k_scale/v_scale tensors) or dynamic: true")
+
+
+def _compressed_tensors_kv(scheme: object) -> CheckpointKVScheme | None:
+    if scheme is None:
+        return None
+    if not isinstance(scheme, Mapping):
+        raise _scheme_error("kv_cache_scheme", f"{_preview(scheme)} is not an object", _CT_READS)
+    kind = str(scheme.get("type", "int")).lower()  # compressed-tensors' default type is int
+    bits = scheme.get("num_bits", 8)
+    if kind != "float" or bits != 8:
+        raise _scheme_error("kv_cache_scheme", f"type {kind} with num_bits {bits} is not an FP8 cache", _CT_READS)
+    if scheme.get("symmetric", True) is not True:
+        raise _scheme_error("kv_cache_scheme", "symmetric: false (zero points) is not supported", _CT_READS)
+    strategy = scheme.get("strategy") or "tensor"
+    granularity = {"tensor": "tensor", "attn_head": "head"}.get(str(strategy).lower())
+    if granularity is None or scheme.get("group_size") or scheme.get("block_structure"):
+        raise _scheme_error("kv_cache_scheme", f"strategy {strategy!r} is not supported", _CT_READS)
+    dynamic = scheme.get("dynamic", False)
+    if dynamic not in (True, False):
+        raise _scheme_error("kv_cache_scheme", f"dynamic: {_preview(dynamic)} is not supported", _CT_READS)
+    return CheckpointKVScheme("compressed-tensors", "fp8_e4m3", granularity, bool(dynamic))
+
+
+def _modelopt_kv(algo: object) -> CheckpointKVScheme | None:
+    if algo is None:
+        return None
+    if str(algo).upper() != "FP8":
+        raise _scheme_error("kv_cache_quant_algo", f"{_preview(algo)} is not supported",
+                            "kv_cache_quant_algo FP8 (per-tensor k_proj.k_scale / v_proj.v_scale)")
+    return CheckpointKVScheme("ModelOpt", "fp8_e4m3", "tensor", False)
+
+
+def _quark_kv(quant: Mapping) -> CheckpointKVScheme | None:
+    export = quant.get("export") if isinstance(quant.get("export"), Mapping) else {}
+    groups = export.get("kv_cache_group") or quant.get("kv_cache_group") or []
+    if not groups:
+        return None
+    import fnmatch
+
+    reads = "Quark KV caches of dtype fp8_e4m3 with qscheme per_tensor (k_proj/v_proj output_scale)"
+    layers = quant.get("layer_quant_config") if isinstance(quant.get("layer_quant_config"), Mapping) else {}
+    specs = [cfg.get("output_tensors") for name, cfg in layers.items() if isinstance(cfg, Mapping)
+             and any(fnmatch.fnmatchcase(name, pattern) for pattern in groups)]
+    if not specs or not all(isinstance(s, Mapping) for s in specs):
+        raise _scheme_error("export.kv_cache_group", f"names {list(groups)} but layer_quant_config has no "
+                            "output_tensors for them", reads)
+    for spec in specs:
+        if str(spec.get("dtype", "")).lower() not in _E4M3_NAMES or spec.get("qscheme") != "per_tensor":
+            raise _scheme_error("layer_quant_config", f"KV output_tensors dtype {spec.get('dtype')!r}, qscheme "
+                                f"{spec.get('qscheme')!r} are not supported", reads)
+    return CheckpointKVScheme("Quark", "fp8_e4m3", "tensor", any(bool(s.get("is_dynamic")) for s in specs))
+
+
 def scales_from_checkpoint(tensors: Mapping[str, torch.Tensor], num_layers: int, num_kv_heads: int,
                            config: dict | None, kv_cache_dtype: str) -> KVScales | None:
-    """KV scales stored in a checkpoint's tensors (full model, all heads); None when it has none."""
+    """KV scales stored in a checkpoint's tensors (full model, all heads); None when it has none.
+
+    Per-head scales may be stored as [heads] or, as compressed-tensors' attn_head strategy writes them,
+    [heads, 1, 1]; one scale as [], [1] or [1, 1, 1]."""
     _check_canonical(kv_cache_dtype)
+    check_kv_zero_points(tensors)
     found: dict[tuple[int, str], list[tuple[str, torch.Tensor]]] = {}
     for name in checkpoint_scale_tensor_names(tensors):
         match = _CHECKPOINT_NAME.search(name)
@@ -558,16 +690,20 @@ def scales_from_checkpoint(tensors: Mapping[str, torch.Tensor], num_layers: int,
                                     f"{shown}: {_CHECKPOINT_FIX}")
     k = [_one_value(found[(i, "k")]) for i in range(num_layers)]
     v = [_one_value(found[(i, "v")]) for i in range(num_layers)]
-    made_for = _checkpoint_format(config)
-    scales = KVScales(k, v, made_for.name, "checkpoint")
+    scheme = checkpoint_kv_scheme(config)
+    made_for = _checkpoint_format(config, scheme)
+    source = "checkpoint" if scheme is None else f"checkpoint ({scheme.describe()})"
+    scales = KVScales(k, v, made_for.name, source)
     return scales if kv_cache_dtype == formats.AUTO else scales.for_format(kv_cache_dtype)
 
 
 def _checkpoint_value(name: str, tensor: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     t = tensor.detach().to("cpu", torch.float32).reshape(-1)
-    if t.numel() not in (1, num_kv_heads):
-        raise CheckpointScalesError(f"checkpoint tensor {name} has {t.numel()} values; a KV scale has 1 or "
-                                    f"num_kv_heads={num_kv_heads}: {_CHECKPOINT_FIX}")
+    if t.numel() not in (1, num_kv_heads) or (t.numel() > 1 and tensor.dim() > 1
+                                              and any(d != 1 for d in tensor.shape[1:])):
+        raise CheckpointScalesError(f"checkpoint tensor {name} has shape {list(tensor.shape)}; a KV scale has 1 "
+                                    f"value or one per KV head (num_kv_heads={num_kv_heads}: [{num_kv_heads}] or "
+                                    f"[{num_kv_heads}, 1, 1]): {_CHECKPOINT_FIX}")
     if not bool(torch.isfinite(t).all()) or not bool((t > 0).all()):
         raise CheckpointScalesError(f"checkpoint tensor {name} holds {t.tolist()}; scales must be positive "
                                     f"finite numbers: {_CHECKPOINT_FIX}")
@@ -583,12 +719,14 @@ def _one_value(candidates: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
     return first
 
 
-def _checkpoint_format(config: dict | None) -> formats.Fp8Format:
+def _checkpoint_format(config: dict | None, scheme: CheckpointKVScheme | None = None) -> formats.Fp8Format:
     """The format the checkpoint's scales were calibrated for (E4M3FN unless config.json says)."""
     config = config or {}
     quant = config.get("quantization_config") or {}
     name = config.get("kv_cache_torch_dtype") or (quant.get("kv_cache_torch_dtype") if isinstance(quant, dict)
-                                                  else None) or "float8_e4m3fn"
+                                                  else None)
+    if name is None:
+        return formats.FP8_FORMATS[scheme.fmt_name if scheme is not None else "fp8_e4m3"]
     try:
         return formats.format_for_scale_file_dtype(str(name).removeprefix("torch."))
     except formats.KVCacheDtypeError as e:
@@ -623,8 +761,15 @@ def resolve_scales(kv_cache_dtype: str, num_layers: int, num_kv_heads: int,
         if calculate:
             warn("--calculate-kv-scales is ignored: KV scales come from the checkpoint")
         return scales.shard(tp_rank, tp_size)
+    scheme = checkpoint_kv_scheme(config)
+    if scheme is not None and scheme.dynamic:
+        return None  # the checkpoint asks for scales computed at run time: the caller computes them
     if calculate:
         return None
+    if scheme is not None:
+        raise CheckpointScalesError(f"config.json declares a static {scheme.describe()}, but the checkpoint holds "
+                                    "no k_scale/v_scale tensors: export it again with its scales, or pass "
+                                    f"{_FLAGS_FIX}")
     warn(f"kv-cache-dtype {kv_cache_dtype} runs with KV scales of 1.0, which may saturate or lose precision; "
          f"pass {_FLAGS_FIX} to use proper scales")
     return ones(num_layers, kv_cache_dtype)

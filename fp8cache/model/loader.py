@@ -1,10 +1,15 @@
-"""Load a Hugging Face causal LM from a local folder (or the default model) for the model runner; with
-load_format dummy, random weights from its config.json alone (fp8cache/model/dummy.py)."""
+"""Load a Hugging Face causal LM for the model runner: from a local folder, a hub id (model/hub.py: the cache
+first, a download otherwise) or the default model; with load_format dummy, random weights from its config.json
+alone (fp8cache/model/dummy.py).
+
+Quantized checkpoints (model/checkpoints.py) load without the quantization tools' packages: their config is
+read here and hidden from transformers, which loads the plain tensors; FP8 weights then become real weights
+(model/fp8_weights.py: FP8 matmuls on a GPU with FP8 units, dequantized elsewhere) and KV scales go to the
+runner. Tensors the checkpoint holds and nothing uses are reported, never dropped in silence."""
 
 from __future__ import annotations
 
 import glob
-import json
 import os
 from dataclasses import dataclass, field
 
@@ -12,11 +17,9 @@ import torch
 
 from fp8cache.config import EngineConfig
 from fp8cache.device import default_model_dtype, resolve_device
-from fp8cache.model import dummy
+from fp8cache.kvcache import scales as kv_scales
+from fp8cache.model import checkpoints, dummy, fp8_weights, hub
 
-# Tensor names that carry KV cache scales (docs/design.md section 3); transformers drops these as unknown weights.
-SCALE_TENSOR_SUFFIXES = ("self_attn.kv_scale", "self_attn.k_scale", "self_attn.v_scale",
-                         "k_proj.output_scale", "v_proj.output_scale")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _CPU_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -32,12 +35,19 @@ class LoadedModel:
     hf_config: object
     model_path: str
     checkpoint_scale_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Startup lines about the checkpoint for the runner to log (FP8 weights, unused tensors; "warning: ...").
+    notes: list[str] = field(default_factory=list)
+    quant: checkpoints.CheckpointQuant = field(default_factory=checkpoints.CheckpointQuant)
 
 
-def resolve_model_path(model: str | None, progress: bool = True, load_format: str = "auto") -> str:
-    """The local folder behind config.model; None means the embedded default model. With load_format dummy
-    a folder needs only its config.json, and a shape shipped with fp8kv may be named instead of a folder
-    (None: the default model's shape)."""
+def resolve_model_path(model: str | None, progress: bool = True, load_format: str = "auto",
+                       revision: str | None = None, download_dir: str | None = None,
+                       trust_remote_code: bool = False) -> str:
+    """The local folder behind config.model; None means the embedded default model. A local folder wins; a
+    name that is none and looks like a hub id (`org/name`) resolves through the Hugging Face cache, or a
+    download (model/hub.py; `revision`, `download_dir`). With load_format dummy a folder needs only its
+    config.json (a hub id fetches only config and tokenizer), and a shape shipped with fp8kv may be named
+    instead of a folder (None: the default model's shape)."""
     is_dummy = dummy.check_load_format(load_format) == "dummy"
     if model is None:
         if is_dummy:
@@ -55,6 +65,8 @@ def resolve_model_path(model: str | None, progress: bool = True, load_format: st
             f"({', '.join(dummy.shape_names())}): they run with random weights, for benchmarks; add "
             '--load-format dummy (bench throughput|capacity, run, generate; LLM(load_format="dummy")), '
             "or give a model folder")
+    if not os.path.exists(path) and hub.looks_like_repo_id(model):
+        return hub.resolve(model, revision, download_dir, trust_remote_code, progress, tokenizer_only=is_dummy)
     if is_dummy:
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise ModelLoadError(
@@ -65,13 +77,30 @@ def resolve_model_path(model: str | None, progress: bool = True, load_format: st
     return path
 
 
+def model_folder(config: EngineConfig, progress: bool = True) -> str:
+    """resolve_model_path for an EngineConfig's model, revision, download folder and load format."""
+    return resolve_model_path(config.model, progress, config.load_format, config.revision, config.download_dir,
+                              bool(config.trust_remote_code))
+
+
+def tokenizer_folder(config: EngineConfig, model_path: str, progress: bool = True) -> str:
+    """config.tokenizer as a folder (a hub id resolves to its tokenizer files), else the model's."""
+    name = config.tokenizer
+    if name is None:
+        return model_path
+    if not os.path.exists(os.path.expanduser(name)) and hub.looks_like_repo_id(name):
+        return hub.resolve(name, config.revision if config.model == name else None, config.download_dir,
+                           bool(config.trust_remote_code), progress, tokenizer_only=True)
+    return name
+
+
 def check_model_folder(path: str, given: str | None = None) -> None:
     """Raise ModelLoadError unless `path` is a Hugging Face folder with safetensors weights."""
     given = given or path
     if not os.path.exists(path):
         raise ModelLoadError(
             f"model path {given!r} does not exist; give a local Hugging Face model folder (config.json + "
-            "*.safetensors), or no model for the default model (no model hub is used)")
+            "*.safetensors), a Hugging Face hub id (org/name), or no model for the default model")
     if not os.path.isdir(path):
         raise ModelLoadError(
             f"model path {given!r} is not a folder; give the folder that holds config.json and the "
@@ -108,21 +137,17 @@ def resolve_dtype(name: str, device: str | torch.device = "cpu",
 
 
 def read_scale_tensors(path: str) -> dict[str, torch.Tensor]:
-    """KV scale tensors stored beside the weights, read directly from the safetensors files."""
-    from safetensors import safe_open
-
-    found = {}
-    for file in safetensors_files(path):
-        with safe_open(file, framework="pt") as f:
-            names = [n for n in f.keys() if n.endswith(SCALE_TENSOR_SUFFIXES)]  # noqa: SIM118 (no __iter__)
-            for name in names:
-                found[name] = f.get_tensor(name)
-    return found
+    """KV scale tensors stored beside the weights (every name of docs/design.md section 3, and their zero
+    points), read directly from the safetensors files the model's weights are in."""
+    tensors = checkpoints.inventory(path)
+    names = kv_scales.checkpoint_scale_tensor_names(tensors)
+    names += [n for n in tensors if kv_scales.is_kv_zero_point(n)]
+    return checkpoints.read_tensors(names, tensors)
 
 
 def read_config_dict(path: str) -> dict:
-    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-        return json.load(f)
+    """config.json as a dict (with a ModelOpt hf_quant_config.json folded in, checkpoints.read_config)."""
+    return checkpoints.read_config(path)
 
 
 def checkpoint_dtype(hf_config: object) -> torch.dtype | None:
@@ -140,17 +165,20 @@ def load_model(config: EngineConfig, progress: bool = True, on_device: bool = Tr
     """on_device=False keeps the weights on the CPU (a tensor-parallel rank shards them there first, so that
     only its share ever reaches its GPU); random weights (load_format dummy) then stay on the meta device
     until to_device() fills the rank's share."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     is_dummy = dummy.check_load_format(config.load_format) == "dummy"
-    path = resolve_model_path(config.model, progress=progress, load_format=config.load_format)
+    path = model_folder(config, progress)
     remote = bool(config.trust_remote_code)
     try:
         hf_config = AutoConfig.from_pretrained(path, trust_remote_code=remote, local_files_only=True)
     except ValueError as e:  # unknown model_type, or custom code without trust_remote_code
         raise ModelLoadError(f"cannot read the model config in {path!r}: {e}") from e
+    quant = checkpoints.describe(checkpoints.read_config(path)) if not is_dummy else checkpoints.CheckpointQuant()
+    if quant.own:
+        checkpoints.strip_quantization(hf_config)
     dtype = resolve_dtype(config.dtype, config.device, checkpoint_dtype(hf_config))
-    tokenizer_path = config.tokenizer or path
+    tokenizer_path = tokenizer_folder(config, path, progress)
     if is_dummy and config.tokenizer is None and not dummy.has_tokenizer(path):
         tokenizer = dummy.byte_tokenizer(hf_config)  # a config alone (a shipped shape): any id decodes
     else:
@@ -165,13 +193,124 @@ def load_model(config: EngineConfig, progress: bool = True, on_device: bool = Tr
         device = resolve_device(config.device) if on_device else "meta"
         model = dummy.build_model(hf_config, dtype, device, remote)
         return LoadedModel(model, tokenizer, model.config, path, {})
-    model = AutoModelForCausalLM.from_pretrained(
-        path, config=hf_config, dtype=dtype, use_safetensors=True, trust_remote_code=remote,
-        local_files_only=True)
+    tensors = checkpoints.inventory(path)
+    model, unexpected = _from_pretrained(path, hf_config, dtype, remote)
     model.eval()
+    device = resolve_device(config.device)
+    notes: list[str] = []
+    used = _apply_fp8_weights(model, tensors, quant, dtype, device, on_device and _tp_size(config) == 1, notes)
+    scale_names = kv_scales.checkpoint_scale_tensor_names(tensors)
+    scale_names += [n for n in tensors if kv_scales.is_kv_zero_point(n)]
+    kv_tensors = checkpoints.read_tensors(scale_names, tensors)
+    notes += _unused_tensors(unexpected, used | set(scale_names))
     if on_device:
-        model.to(resolve_device(config.device))
-    return LoadedModel(model, tokenizer, model.config, path, read_scale_tensors(path))
+        model.to(device)
+    return LoadedModel(model, tokenizer, model.config, path, kv_tensors, notes, quant)
+
+
+def _tp_size(config: EngineConfig) -> int:
+    size = config.tensor_parallel_size
+    return size if isinstance(size, int) else 1
+
+
+def _from_pretrained(path: str, hf_config: object, dtype: torch.dtype, remote: bool) -> tuple[torch.nn.Module,
+                                                                                                list[str]]:
+    """transformers' load, its report of unexpected tensors returned instead of printed (fp8kv says what they
+    are), and missing weights refused: they would run as random values."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            path, config=hf_config, dtype=dtype, use_safetensors=True, trust_remote_code=remote,
+            local_files_only=True, output_loading_info=True)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        raise ModelLoadError(f"the checkpoint in {path} lacks {len(missing)} weights the model needs "
+                             f"({checkpoints.group_names(missing, 3)}): they would run as random values; is the "
+                             "folder complete, and is it this architecture's checkpoint?")
+    return model, sorted(info.get("unexpected_keys") or [])
+
+
+def _apply_fp8_weights(model: torch.nn.Module, tensors: dict[str, checkpoints.TensorInfo],
+                       quant: checkpoints.CheckpointQuant, dtype: torch.dtype, device: torch.device,
+                       may_run_fp8: bool, notes: list[str]) -> set[str]:
+    """Turn the checkpoint's FP8 layers into real weights (as FP8 matmuls where this device runs them);
+    returns the checkpoint names they used. transformers loaded the codes cast to `dtype`, unscaled."""
+    if not checkpoints.fp8_weight_names(tensors):
+        return set()
+    layers, used = checkpoints.fp8_layer_tensors(tensors)
+    scheme = quant.weights or checkpoints.WeightScheme("FP8 checkpoint", "dynamic-token", name="weights")
+    why_not = _why_not_fp8(layers, scheme, dtype, device, may_run_fp8)
+    report = fp8_weights.apply(model, layers, scheme.activations, dtype, why_not is None, scheme.block)
+    what = f"FP8 weights ({scheme.describe()})"
+    if report.fp8_layers:
+        modes = ", ".join(f"{n} {mode}" for mode, n in sorted(report.modes.items()))
+        rest = (f"; {report.dequantized} dequantized to {_dtype_name(dtype)} (shapes or scales the FP8 kernel "
+                "does not take)" if report.dequantized else "")
+        notes.append(f"{what}: {report.fp8_layers} linear layers run as FP8 matmuls (torch._scaled_mm, {modes}) "
+                     f"on {fp8_weights.fp8_matmul_support(device)[1]}{rest}")
+    else:
+        notes.append(f"{what}: {report.dequantized} layers dequantized once to {_dtype_name(dtype)} at load "
+                     f"(activations stay unquantized): {why_not}")
+    return used
+
+
+def _why_not_fp8(layers: dict[str, dict[str, torch.Tensor]], scheme: checkpoints.WeightScheme, dtype: torch.dtype,
+                 device: torch.device, may_run_fp8: bool) -> str | None:
+    """None when the FP8 layers run as FP8 matmuls here, else why they are dequantized."""
+    if not may_run_fp8:
+        return "tensor parallelism shards plain weights"
+    if scheme.activations == "none":
+        return "a weight-only scheme keeps 16-bit activations, which the FP8 matmul does not take"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"the model runs in {_dtype_name(dtype)} (FP8 matmuls write bfloat16 or float16)"
+    supported, reason = fp8_weights.fp8_matmul_support(device)
+    if not supported:
+        return reason
+    modes = set()
+    for tensors in layers.values():
+        codes, scale = tensors["weight"], tensors["scale"]
+        kind = fp8_weights.scale_kind(scale, *codes.shape, scheme.block)
+        mode = fp8_weights.matmul_mode(kind, scheme.activations, scheme.block)
+        if mode is not None:
+            modes.add((mode, scheme.activations))
+    if not modes:
+        return "no layer's scales fit an FP8 matmul kernel"
+    if device.type == "cuda":  # the stand-in device of the tests holds no values to check
+        failed = fp8_weights.probe(device, dtype, modes)
+        if failed is not None:
+            return f"the device's self-check failed: {failed}"
+    return None
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _unused_tensors(unexpected: list[str], used: set[str]) -> list[str]:
+    """Warnings naming checkpoint tensors nothing reads: scale-like ones (a tool's convention fp8kv does not
+    know would otherwise run at scale 1.0 in silence) and the rest."""
+    left = [n for n in unexpected if n not in used]
+    notes = []
+    attention = [n for n in left if kv_scales.is_unused_attention_scale(n)]
+    scales = [n for n in left if checkpoints.is_scale_like(n) and n not in attention]
+    others = [n for n in left if n not in scales and n not in attention]
+    if attention:
+        notes.append(f"warning: the checkpoint holds Q / attention-probability scales, which fp8kv does not use "
+                     f"(it quantizes only K and V): {checkpoints.group_names(attention)}")
+    if scales:
+        notes.append(f"warning: the checkpoint holds scale tensors fp8kv does not use, so they have no effect: "
+                     f"{checkpoints.group_names(scales)}; if they are KV cache scales under a name fp8kv does not "
+                     "know, pass them as a scales file (--quantization-param-path)")
+    if others:
+        notes.append(f"warning: the checkpoint holds tensors the model has no place for (ignored): "
+                     f"{checkpoints.group_names(others)}")
+    return notes
 
 
 def to_device(model: torch.nn.Module, device: torch.device | str) -> None:

@@ -54,6 +54,8 @@ class ModelRunner:
                 tp_worker.register_driver()
         self.dtype = next(self.model.parameters()).dtype
         log(f"model dtype: {describe_model_dtype(config.dtype, self.device, self.dtype)}")
+        for note in loaded.notes:  # what the checkpoint holds besides plain weights (model/loader.py)
+            log(note)
         ops.load(self.device)  # compiled once per source hash and cached on disk
         self._describe_ops(log)
         self._kernel_errors = gpu_errors.for_device(self.device)

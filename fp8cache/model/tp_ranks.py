@@ -18,7 +18,7 @@ from fp8cache.distributed import parallel_state
 from fp8cache.distributed import worker as step_channel
 from fp8cache.distributed.group import TensorParallelGroup
 from fp8cache.distributed.sharding import check_divisible
-from fp8cache.model.loader import load_model, resolve_dtype, resolve_model_path
+from fp8cache.model.loader import load_model, model_folder, resolve_dtype
 from fp8cache.model.runner import ModelRunner
 
 
@@ -75,7 +75,7 @@ def check_model_divisible(config: EngineConfig) -> None:
         return
     from transformers import AutoConfig
 
-    path = resolve_model_path(config.model, load_format=config.load_format)
+    path = model_folder(config)
     try:
         hf_config = AutoConfig.from_pretrained(path, trust_remote_code=bool(config.trust_remote_code),
                                                local_files_only=True)
