@@ -21,6 +21,7 @@ from fp8cache.config import EngineConfig
 from fp8cache.engine.llm_engine import LLMEngine
 from fp8cache.engine.outputs import RequestOutput
 from fp8cache.engine.sampling_params import SamplingParams
+from fp8cache.engine.warmup import warm_up
 from fp8cache.logger import configure_default_logging, log_function
 
 _CONFIG_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
@@ -91,6 +92,7 @@ class LLM:
                                  "its ranks")
         try:
             self.llm_engine = LLMEngine(config, log=log, runner=runner)
+            warm_up(self.llm_engine, log)  # a model that cannot run fails here, not in the first generate()
         except BaseException:
             self.close()
             raise

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -174,6 +175,22 @@ class ModelRunner:
             calculate=self.config.calculate_kv_scales, warn=lambda msg: self.log(f"warning: {msg}"))
         self.log(f"KV scales: {scales.source if scales is not None else PENDING_SOURCE}")
         return scales
+
+    @contextlib.contextmanager
+    def scales_kept_pending(self) -> Iterator[None]:
+        """Scales still to be calculated stay so after the block (the engine's warm-up must not calculate them
+        from its own two tokens)."""
+        spec = self.kv_spec
+        try:
+            yield
+        finally:
+            if spec.scales_pending and not self.kv_spec.scales_pending:
+                self._replace_spec(spec)
+
+    def capture_decode_graphs(self) -> int:
+        """Capture the decode CUDA graphs of every padded batch size now (from the last decode step's shape), not
+        on first use; how many were captured (0 where decode steps run without graphs)."""
+        return self._graphs.capture_all() if self._graphs is not None else 0
 
     def _use_scales(self, scales: kv_scales.KVScales) -> None:
         self._replace_spec(self.kv_spec.with_scales(scales, self.device))

@@ -13,6 +13,7 @@ import dataclasses
 import ipaddress
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -172,6 +173,7 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
     """Load the engine, serve until a signal or an engine crash; the process exit code."""
     from fp8cache.engine.llm_engine import LLMEngine
     from fp8cache.engine.sampling_params import SamplingParams
+    from fp8cache.engine.warmup import warm_up
     from fp8cache.server.app import create_app
     from fp8cache.server.async_engine import AsyncEngine
     from fp8cache.server.metrics import ServerMetrics
@@ -192,9 +194,13 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
     notifier.status("loading the model")
     with _exit_on_signal(notifier):
         engine = LLMEngine(config, log=_log_line)
+        notifier.status("warming up")
+        # Before /health answers and systemd hears READY: a model that cannot run fails here (EngineStartError,
+        # exit 2 with one line), not on the first request.
+        warm_up(engine, _log_line)
     info = ModelInfo.from_runner(engine.runner)
     model_path = str(getattr(engine.runner, "model_path", None) or config.model or "")
-    name = options.served_model_name or _default_name(model_path)
+    name = options.served_model_name or default_served_name(config.model, model_path)
     metrics = ServerMetrics(name, info.kv_cache_dtype, {"scales_source": info.scales_source,
                                                          "capacity_tokens": str(info.capacity_tokens),
                                                          "block_size": str(info.block_size)})
@@ -289,6 +295,14 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def default_served_name(model: str | None, model_path: str) -> str:
+    """The model name the API serves: a hub id as given (its folder is a snapshot named by a commit hash), else
+    the model folder's name."""
+    if model and not os.path.exists(os.path.expanduser(model)) and os.path.abspath(model) != model_path:
+        return model
+    return _default_name(model_path)
 
 
 def _default_name(model_path: str) -> str:

@@ -52,6 +52,7 @@ class DecodeGraphs:
         self.graphs: dict[int, _Graph] = {}
         self.pool = None  # one memory pool shared by the graphs (largest first is not needed: steps reuse)
         self.disabled: str | None = None
+        self.template: StepBatch | None = None  # the last decode batch run: capture_all pads it to each size
 
     def invalidate(self) -> None:
         """Forget the graphs (the tensors they read were replaced, e.g. new KV scales)."""
@@ -64,6 +65,7 @@ class DecodeGraphs:
         if self.disabled or not batch.is_decode_only or n > self.sizes[-1]:
             return None
         size = next(s for s in self.sizes if s >= n)
+        self.template = batch
         graph = self.graphs.get(size)
         if graph is None:
             try:
@@ -77,6 +79,23 @@ class DecodeGraphs:
         step_metadata.feed_tokens(views["input_ids"], views, prev_tokens)
         graph.graph.replay()
         return graph.logits[:n]
+
+    def capture_all(self) -> int:
+        """Capture every padded size not captured yet, from the last decode batch run (its first sequence pads
+        the others, as in _padded); the number of graphs held afterwards. Capture failures disable graphs, as
+        in run()."""
+        template = self.template
+        if self.disabled or template is None:
+            return len(self.graphs)
+        for size in self.sizes:
+            if size not in self.graphs:
+                try:
+                    self.graphs[size] = self._capture(size, replace(template, future_rows=[], future_src=[]))
+                except Exception as exc:  # noqa: BLE001 - a model we cannot capture still runs, eagerly
+                    self.disabled = f"{type(exc).__name__}: {exc}"
+                    self.log(f"warning: decode steps run without CUDA graphs (capture failed: {self.disabled})")
+                    break
+        return len(self.graphs)
 
     # ---- capture -----------------------------------------------------------------------------------------
 
