@@ -21,6 +21,7 @@ own inverse) gives each layer's `unrotated_scales` value: the larger of K's and 
 from __future__ import annotations
 
 import json
+import math
 import os
 import reprlib
 import shutil
@@ -440,40 +441,142 @@ def write_scales(result: CalibrationResult, path: str) -> None:
 
 # ---------------------------------------------------------------------------------------------------
 # A checkpoint that carries the scales
+#
+# Written as llm-compressor writes a kv_cache_scheme checkpoint, so that vLLM, SGLang, llm-compressor and
+# transformers (with compressed-tensors) read it: config.json's quantization_config (quant_method
+# compressed-tensors, a kv_cache_scheme of type float, 8 bits, strategy tensor or attn_head) and, per layer,
+# model.layers.<i>.self_attn.k_scale / v_scale of shape [1] or [num_kv_heads, 1, 1] in a safetensors file
+# the weight index lists. The weight files are linked, not copied, where the file system allows.
 
-def write_checkpoint(result: CalibrationResult, out_dir: str) -> str:
-    """Copy the model folder to `out_dir` with k_scale/v_scale tensors and config.json's kv_cache_torch_dtype.
+SCALES_FILE_IN_CHECKPOINT = "kv_cache_scales.safetensors"
+# compressed-tensors' attn_head strategy (per-head KV scales) first appeared in its 0.13.0.
+COMPRESSED_TENSORS_FORMAT_VERSION = "0.13.0"
+_SAFETENSORS_ITEMSIZE = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
+                         "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}
 
-    The scales go into their own safetensors file (listed in the weight index when the model has one), so
-    the weight files are copied byte for byte."""
+
+@dataclass
+class WrittenCheckpoint:
+    path: str
+    linked: list[str]  # weight files hard-linked to the model's
+    copied: list[str]  # files copied (weights where linking was refused, and the small files)
+
+
+def kv_cache_scheme(granularity: str) -> dict:
+    """compressed-tensors' kv_cache_scheme (QuantizationArgs as it serializes them) for FP8 E4M3 KV scales."""
+    return {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None,
+            "strategy": "attn_head" if granularity == "head" else "tensor", "block_structure": None,
+            "dynamic": False, "actorder": None, "scale_dtype": None, "zp_dtype": None, "observer": "minmax",
+            "observer_kwargs": {}}
+
+
+def checkpoint_scale_tensors(scales: kv_scales.KVScales, num_kv_heads: int) -> dict[str, torch.Tensor]:
+    """model.layers.<i>.self_attn.k_scale / v_scale as compressed-tensors shapes them: [1] per tensor,
+    [num_kv_heads, 1, 1] per head (every layer per head when any is)."""
+    per_head = scales.per_head()
+    tensors = {}
+    for i, (k, v) in enumerate(zip(scales.k, scales.v)):
+        for kind, t in (("k", k), ("v", v)):
+            value = t.detach().to("cpu", torch.float32).reshape(-1)
+            value = value.expand(num_kv_heads).reshape(num_kv_heads, 1, 1) if per_head else value.reshape(1)
+            tensors[f"model.layers.{i}.self_attn.{kind}_scale"] = value.contiguous()
+    return tensors
+
+
+def write_checkpoint(result: CalibrationResult, out_dir: str) -> WrittenCheckpoint:
+    """The model folder at `out_dir` as a compressed-tensors checkpoint carrying the scales (see above).
+
+    Scales are written for E4M3FN, the format compressed-tensors' float 8-bit scheme means (E4M3FNUZ scales are
+    halved; E5M2 scales, which it cannot express, are refused). A model whose only weight file is
+    model.safetensors gets an index and its weights as model-00001-of-00002.safetensors, since transformers
+    reads a lone model.safetensors and never the index."""
     from safetensors.torch import save_file
 
+    from fp8cache.model import checkpoints
     from fp8cache.model.loader import read_scale_tensors
 
     scales, src = result.scales, result.model_path
     out_dir = os.path.abspath(out_dir)
     if os.path.abspath(src) == out_dir:
         raise CalibrationError(f"--write-checkpoint {out_dir} is the model folder itself; give a new folder")
-    check_checkpoint_target(out_dir, scales.rotation)
+    check_checkpoint_target(out_dir, scales.rotation, scales.fmt_name)
     existing = sorted(read_scale_tensors(src))
     if existing:
         raise CalibrationError(f"the model already carries KV scales ({existing[0]}, ...); write the checkpoint "
                                "from weights without KV scales")
+    config = checkpoints.read_config(src)
+    quant = _checkpoint_quantization(config, scales.per_head())
+    e4m3 = scales.for_format("fp8_e4m3")
+    tensors = checkpoint_scale_tensors(e4m3, result.num_kv_heads)
+    weights = checkpoints.weight_files(src)
+    single = [os.path.basename(w) for w in weights] == ["model.safetensors"]
+    names = {w: ("model-00001-of-00002.safetensors" if single else os.path.basename(w)) for w in weights}
+    scales_file = "model-00002-of-00002.safetensors" if single else SCALES_FILE_IN_CHECKPOINT
     os.makedirs(out_dir, exist_ok=True)
+    linked, copied = [], []
     for name in sorted(os.listdir(src)):
         path = os.path.join(src, name)
-        if os.path.isfile(path) and not name.startswith("."):
+        if not os.path.isfile(path) or name.startswith(".") or name in ("config.json", "model.safetensors.index.json",
+                                                                        checkpoints.MODELOPT_FILE):
+            continue
+        if path in names:
+            target = os.path.join(out_dir, names[path])
+            (linked if _link_or_copy(path, target) else copied).append(names[path])
+        elif not name.endswith(".safetensors"):  # small files are copied: editing one must not edit the model's
             shutil.copy2(path, os.path.join(out_dir, name))
-    tensors = {}
-    for i, (k, v) in enumerate(zip(scales.k, scales.v)):
-        for kind, t in (("k", k), ("v", v)):
-            # One value is stored as a 0-dim tensor like vLLM's and llm-compressor's k_scale/v_scale.
-            value = t.reshape(()) if t.numel() == 1 else t.reshape(-1)
-            tensors[f"model.layers.{i}.self_attn.{kind}_scale"] = value.to(torch.float32).contiguous()
-    save_file(tensors, os.path.join(out_dir, SCALES_FILE_IN_CHECKPOINT), metadata={"format": "pt"})
-    _add_to_index(out_dir, list(tensors))
-    _set_config(out_dir, "kv_cache_torch_dtype", formats.FP8_FORMATS[scales.fmt_name].scale_file_dtype)
-    return out_dir
+            copied.append(name)
+    save_file(tensors, os.path.join(out_dir, scales_file), metadata={"format": "pt"})
+    _write_index(out_dir, src, weights, names, scales_file, tensors)
+    config["quantization_config"] = quant
+    config["kv_cache_torch_dtype"] = formats.FP8_FORMATS["fp8_e4m3"].scale_file_dtype  # TGI's key
+    _write_json(os.path.join(out_dir, "config.json"), config)
+    return WrittenCheckpoint(out_dir, linked, copied)
+
+
+def _checkpoint_quantization(config: dict, per_head: bool) -> dict:
+    """config.json's quantization_config with the KV scheme: a new compressed-tensors one, or the model's own
+    compressed-tensors config (FP8 weights) with kv_cache_scheme added."""
+    quant = config.get("quantization_config")
+    scheme = kv_cache_scheme("head" if per_head else "tensor")
+    if quant is None:
+        return {"config_groups": {}, "format": "dense", "global_compression_ratio": None, "ignore": [],
+                "kv_cache_scheme": scheme, "quant_method": "compressed-tensors", "quantization_status": "compressed",
+                "sparsity_config": {}, "transform_config": {}, "version": COMPRESSED_TENSORS_FORMAT_VERSION}
+    if not isinstance(quant, dict) or quant.get("quant_method") != "compressed-tensors":
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise CalibrationError(f"--write-checkpoint writes a compressed-tensors checkpoint, and this model's weights "
+                               f"are quantized by {method!r}, which cannot carry its KV scheme; write the scales "
+                               "file (--output) and serve with --quantization-param-path")
+    return {**quant, "kv_cache_scheme": scheme}
+
+
+def _link_or_copy(src: str, dst: str) -> bool:
+    """Hard-link dst to src (True), or copy it where the file system refuses links (False)."""
+    try:
+        os.link(os.path.realpath(src), dst)
+        return True
+    except OSError:
+        shutil.copy2(src, dst)
+        return False
+
+
+def _write_index(out_dir: str, src: str, weights: list[str], names: dict[str, str], scales_file: str,
+                 tensors: dict[str, torch.Tensor]) -> None:
+    from fp8cache.model import checkpoints
+
+    inventory = checkpoints.inventory(src)
+    weight_map = {name: names[info.file] for name, info in inventory.items()}
+    weight_map.update({name: scales_file for name in tensors})
+    total = sum(math.prod(info.shape) * _SAFETENSORS_ITEMSIZE.get(info.dtype, 4) for info in inventory.values())
+    total += sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    _write_json(os.path.join(out_dir, "model.safetensors.index.json"), index)
+
+
+def _write_json(path: str, doc: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=2, sort_keys=True)
+        f.write("\n")
 
 
 def check_output_target(path: str, force: bool = False) -> None:
@@ -491,34 +594,16 @@ def check_output_target(path: str, force: bool = False) -> None:
                                "(nothing was overwritten)")
 
 
-def check_checkpoint_target(out_dir: str, kv_rotation: str) -> None:
+def check_checkpoint_target(out_dir: str, kv_rotation: str, kv_cache_dtype: str | None = None) -> None:
     """Refuse a checkpoint request before calibrating rather than after."""
     if kv_rotation != "none":
         raise CalibrationError("--write-checkpoint cannot carry scales made with --kv-rotation "
                                f"{kv_rotation}: checkpoint scales have no rotation field, and other engines "
                                "would apply them to unrotated K/V; use the scales file (--output) instead")
+    if kv_cache_dtype == "fp8_e5m2":
+        raise CalibrationError("--write-checkpoint writes compressed-tensors' FP8 KV scheme, which means E4M3 scales; "
+                               "calibrate the checkpoint with --kv-cache-dtype fp8_e4m3 (or fp8), and keep E5M2 "
+                               "scales in the scales file (--output)")
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise CalibrationError(f"--write-checkpoint {os.path.abspath(out_dir)} exists and is not an empty "
                                "folder; give a new folder (nothing is overwritten)")
-
-
-def _add_to_index(out_dir: str, names: list[str]) -> None:
-    path = os.path.join(out_dir, "model.safetensors.index.json")
-    if not os.path.isfile(path):
-        return
-    with open(path, encoding="utf-8") as f:
-        index = json.load(f)
-    index.setdefault("weight_map", {}).update({n: SCALES_FILE_IN_CHECKPOINT for n in names})
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(index, f, indent=2)
-        f.write("\n")
-
-
-def _set_config(out_dir: str, key: str, value: str) -> None:
-    path = os.path.join(out_dir, "config.json")
-    with open(path, encoding="utf-8") as f:
-        config = json.load(f)
-    config[key] = value
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(config, f, indent=2)
-        f.write("\n")

@@ -42,7 +42,9 @@ console = Console(stderr=True)
               help="Scales JSON to write (vLLM/aphrodite schema plus fp8kv keys).")
 @click.option("--force", is_flag=True, help="Replace an existing --output file.")
 @click.option("--write-checkpoint", metavar="DIR", type=click.Path(file_okay=False),
-              help="Also write a copy of the model carrying k_scale/v_scale tensors and kv_cache_torch_dtype.")
+              help="Also write the model as a compressed-tensors checkpoint carrying the scales (kv_cache_scheme; "
+                   "k_scale/v_scale in its indexed weights), as llm-compressor does: vLLM, SGLang and "
+                   "llm-compressor load it. Weight files are linked, not copied, where the file system allows.")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
               help="Dtype the model runs in (auto: as fp8kv run picks it).")
 @click.option("--device", default="auto", show_default=True,
@@ -68,7 +70,7 @@ def calibrate(model: str | None, dataset: str | None, num_samples: int, max_seq_
         # Everything that can be refused without the model is, before minutes of loading and calibrating.
         cal.check_output_target(output, force)
         if write_checkpoint:
-            cal.check_checkpoint_target(write_checkpoint, kv_rotation)
+            cal.check_checkpoint_target(write_checkpoint, kv_rotation, kv_cache_dtype)
         with _progress() as on_samples:
             result = cal.calibrate(
                 model, dataset, kv_cache_dtype=kv_cache_dtype, num_samples=num_samples, max_seq_len=max_seq_len,
@@ -90,7 +92,12 @@ def calibrate(model: str | None, dataset: str | None, num_samples: int, max_seq_
                     f"--quantization-param-path {output}"])
     console.print(f"use it: {run}", highlight=False)
     if checkpoint:
-        console.print(f"[green]wrote[/] checkpoint {checkpoint}: fp8kv run {checkpoint} --kv-cache-dtype {fmt}",
+        copied = [n for n in checkpoint.copied if n.endswith(".safetensors")]
+        how = f"{len(checkpoint.linked)} weight files linked" + (
+            f", {len(copied)} copied (this file system refused links)" if copied else "")
+        console.print(f"[green]wrote[/] checkpoint {checkpoint.path} (compressed-tensors kv_cache_scheme, "
+                      f"{'attn_head' if result.scales.per_head() else 'tensor'}; {how}): fp8kv run "
+                      f"{checkpoint.path} --kv-cache-dtype fp8, or vLLM: LLM(model=..., kv_cache_dtype=\"fp8\")",
                       highlight=False)
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from hadamard_reference import walsh_hadamard
+from safetensors.torch import load_file, save_file
 
 from fp8cache import calibrate as cal
 from fp8cache.config import EngineConfig
@@ -219,24 +220,100 @@ def test_runner_uses_the_per_head_file(head_amax, loaded):
 
 # ---- checkpoint ----------------------------------------------------------------------------------------
 
+# What llm-compressor 0.14 (compressed-tensors 0.19) writes into config.json for a kv_cache_scheme-only
+# checkpoint of the default model (save_pretrained(save_compressed=True)), key for key: the layout fp8kv's
+# --write-checkpoint follows so that vLLM, SGLang and llm-compressor read it.
+LLM_COMPRESSOR_QUANTIZATION_KEYS = {"config_groups", "format", "global_compression_ratio", "ignore", "kv_cache_scheme",
+                                    "quant_method", "quantization_status", "sparsity_config", "transform_config",
+                                    "version"}
+LLM_COMPRESSOR_KV_SCHEME_KEYS = {"actorder", "block_structure", "dynamic", "group_size", "num_bits", "observer",
+                                 "observer_kwargs", "scale_dtype", "strategy", "symmetric", "type", "zp_dtype"}
+
+
 @pytest.mark.parametrize("made_for, run_with, factor", [("fp8_e4m3", "fp8_e4m3", 1.0),
                                                         ("fp8_e4m3fnuz", "fp8_e4m3", 0.5)])
 def test_checkpoint_carries_the_scales(head_amax, loaded, tmp_path, made_for, run_with, factor):
     result, _ = head_amax
     scales = result.scales.for_format(made_for)
     made = cal.CalibrationResult(**{**result.__dict__, "scales": scales})
-    out = cal.write_checkpoint(made, str(tmp_path / "ckpt"))
+    written = cal.write_checkpoint(made, str(tmp_path / "ckpt"))
+    out = written.path
     config = read_config_dict(out)
-    assert config["kv_cache_torch_dtype"] == formats.FP8_FORMATS[made_for].scale_file_dtype
+    quant = config["quantization_config"]
+    assert set(quant) == LLM_COMPRESSOR_QUANTIZATION_KEYS and quant["quant_method"] == "compressed-tensors"
+    kv = quant["kv_cache_scheme"]
+    assert set(kv) == LLM_COMPRESSOR_KV_SCHEME_KEYS
+    assert (kv["type"], kv["num_bits"], kv["strategy"], kv["dynamic"], kv["symmetric"]) == \
+        ("float", 8, "attn_head", False, True)
+    # The scales are inside the indexed weights, at compressed-tensors' names and attn_head shape.
+    with open(Path(out) / "model.safetensors.index.json") as f:
+        weight_map = json.load(f)["weight_map"]
+    assert not (Path(out) / "model.safetensors").exists()  # transformers would read it and skip the index
+    files = sorted(set(weight_map.values()))
+    assert files == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    stored = load_file(str(Path(out) / "model-00002-of-00002.safetensors"))
+    assert sorted(stored) == sorted(f"model.layers.{i}.self_attn.{kind}_scale" for i in range(30) for kind in "kv")
+    assert all(t.shape == (3, 1, 1) and t.dtype == torch.float32 for t in stored.values())
+    assert all(weight_map[n] == "model-00002-of-00002.safetensors" for n in stored)
+    assert sorted(written.linked + written.copied) == ["chat_template.jinja", "generation_config.json",
+                                                       "model-00001-of-00002.safetensors", "tokenizer.json",
+                                                       "tokenizer_config.json"]
     with_scales = load_model(EngineConfig(model=out), progress=False)
     assert len(with_scales.checkpoint_scale_tensors) == 60
-    back = scales_from_checkpoint(with_scales.checkpoint_scale_tensors, 30, 3, config, made_for)
-    assert all(torch.equal(a, b) for a, b in zip(back.k + back.v, scales.k + scales.v))
+    e4m3 = scales.for_format("fp8_e4m3")  # compressed-tensors' float 8-bit scheme means E4M3FN
+    back = scales_from_checkpoint(with_scales.checkpoint_scale_tensors, 30, 3, config, "fp8_e4m3")
+    assert all(torch.equal(a, b) for a, b in zip(back.k + back.v, e4m3.k + e4m3.v))
     runner = ModelRunner(EngineConfig(model=out, kv_cache_dtype=run_with, kv_cache_memory="16MiB"),
                          log=lambda m: None, loaded=with_scales)
-    assert runner.scales_source == "checkpoint"
+    assert runner.scales_source == "checkpoint (compressed-tensors KV cache scheme, per KV head)"
     for got, want in zip(runner.scales.k + runner.scales.v, scales.k + scales.v):
         torch.testing.assert_close(got, want * factor, rtol=0, atol=0)
+
+
+def test_checkpoint_links_weight_files_and_keeps_a_sharded_index(tmp_path):
+    """A sharded model keeps its shard names; the scales join the index in a file of their own. The shards are
+    hard links to the model's (one file system here), the small files copies."""
+    from conftest import build_tiny_model
+
+    from fp8cache.model import checkpoints
+
+    src = build_tiny_model(str(tmp_path / "src"))
+    tensors = load_file(str(Path(src) / "model.safetensors"))
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[:8], "model-00002-of-00002.safetensors": names[8:]}
+    (Path(src) / "model.safetensors").unlink()
+    for shard, part in shards.items():
+        save_file({n: tensors[n] for n in part}, str(Path(src) / shard), metadata={"format": "pt"})
+    index = {"metadata": {"total_size": 0}, "weight_map": {n: f for f, part in shards.items() for n in part}}
+    (Path(src) / "model.safetensors.index.json").write_text(json.dumps(index))
+    k = [torch.tensor([0.01 * (i + 1)]) for i in range(2)]
+    result = cal.CalibrationResult(cal.kv_scales.KVScales(k, [t / 2 for t in k], "fp8_e4m3", "t"), k, k, "amax",
+                                   "tensor", 1, 1, src, "llama", 2)
+    written = cal.write_checkpoint(result, str(tmp_path / "out"))
+    assert sorted(written.linked) == sorted(shards)
+    for shard in shards:
+        assert (Path(written.path) / shard).stat().st_ino == (Path(src) / shard).stat().st_ino
+    assert "tokenizer.json" in written.copied
+    assert (Path(written.path) / "tokenizer.json").stat().st_ino != (Path(src) / "tokenizer.json").stat().st_ino
+    weight_map = json.loads((Path(written.path) / "model.safetensors.index.json").read_text())["weight_map"]
+    assert {n: weight_map[n] for n in names} == index["weight_map"]
+    assert weight_map["model.layers.1.self_attn.v_scale"] == cal.SCALES_FILE_IN_CHECKPOINT
+    assert set(checkpoints.inventory(written.path)) == set(weight_map)
+    loaded = load_model(EngineConfig(model=written.path), progress=False)
+    assert torch.equal(loaded.checkpoint_scale_tensors["model.layers.1.self_attn.v_scale"], torch.tensor([0.01]))
+
+
+def test_per_tensor_checkpoint_scales_have_shape_one(head_amax, tmp_path):
+    result, _ = head_amax
+    per_tensor = cal.kv_scales.KVScales([k.max().reshape(1) for k in result.scales.k],
+                                        [v.max().reshape(1) for v in result.scales.v], "fp8_e4m3", "t")
+    written = cal.write_checkpoint(cal.CalibrationResult(**{**result.__dict__, "scales": per_tensor}),
+                                   str(tmp_path / "ckpt"))
+    config = read_config_dict(written.path)
+    assert config["quantization_config"]["kv_cache_scheme"]["strategy"] == "tensor"
+    stored = load_file(str(Path(written.path) / "model-00002-of-00002.safetensors"))
+    assert all(t.shape == (1,) for t in stored.values())
+    assert torch.equal(stored["model.layers.7.self_attn.v_scale"], per_tensor.v[7])
 
 
 def test_checkpoint_refusals(head_amax, tmp_path):
@@ -251,6 +328,10 @@ def test_checkpoint_refusals(head_amax, tmp_path):
         cal.write_checkpoint(result, str(tmp_path / "full"))
     with pytest.raises(cal.CalibrationError, match="is the model folder itself"):
         cal.write_checkpoint(result, result.model_path)
+    e5m2 = cal.CalibrationResult(**{**result.__dict__, "scales": cal.kv_scales.KVScales(
+        result.scales.k, result.scales.v, "fp8_e5m2", "x")})
+    with pytest.raises(cal.CalibrationError, match="means E4M3 scales; calibrate the checkpoint with --kv-cache-dtype"):
+        cal.write_checkpoint(e5m2, str(tmp_path / "b"))
 
 
 # ---- statistics ----------------------------------------------------------------------------------------
@@ -447,6 +528,13 @@ def test_command_writes_the_file_and_prints_the_table(tiny_llama_path, tmp_path)
                                                  "hadamard", "--output", str(out), "--force", "--write-checkpoint",
                                                  str(tmp_path / "ckpt")])
     assert bad.exit_code == 2 and "cannot carry" in bad.output
+    ckpt = tmp_path / "ckpt"
+    made = CliRunner().invoke(calibrate_command, [tiny_llama_path, "--dataset", str(data), "--num-samples", "1",
+                                                  "--max-seq-len", "32", "--output", str(out), "--force",
+                                                  "--write-checkpoint", str(ckpt)], terminal_width=400)
+    assert made.exit_code == 0, made.output
+    assert "compressed-tensors kv_cache_scheme, attn_head; 1 weight files linked" in _flat(made.output)
+    assert json.loads((ckpt / "config.json").read_text())["quantization_config"]["kv_cache_scheme"]["num_bits"] == 8
 
 
 @pytest.mark.slow
