@@ -466,7 +466,7 @@ def kv_cache_scheme(granularity: str) -> dict:
     """compressed-tensors' kv_cache_scheme (QuantizationArgs as it serializes them) for FP8 E4M3 KV scales."""
     return {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None,
             "strategy": "attn_head" if granularity == "head" else "tensor", "block_structure": None,
-            "dynamic": False, "actorder": None, "scale_dtype": None, "zp_dtype": None, "observer": "minmax",
+            "dynamic": False, "actorder": None, "scale_dtype": None, "zp_dtype": None, "observer": None,
             "observer_kwargs": {}}
 
 
