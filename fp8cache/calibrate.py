@@ -393,7 +393,8 @@ def calibrate(model: str | None, dataset: str | None = None, kv_cache_dtype: str
               max_seq_len: int | None = None, granularity: str = "head", kv_rotation: str = "none",
               statistic: str = DEFAULT_STATISTIC, dtype: str = "auto", device: str = "auto",
               tokenizer: str | None = None, trust_remote_code: bool = False, progress: bool = False,
-              on_samples: Callable[[int], Callable[[int], None]] | None = None) -> CalibrationResult:
+              on_samples: Callable[[int], Callable[[int], None]] | None = None, revision: str | None = None,
+              download_dir: str | None = None) -> CalibrationResult:
     """Scales for `model` from `dataset` (None: the default text of read_samples). max_seq_len None: DEFAULT_MAX_SEQ_LEN or the model's limit if lower.
     `on_samples(n)` is told the sample count and returns a per-sample callback (given the sample's token
     count), e.g. to drive a progress bar."""
@@ -410,7 +411,8 @@ def calibrate(model: str | None, dataset: str | None = None, kv_cache_dtype: str
     if kv_rotation not in rotation.ROTATIONS:
         raise CalibrationError(f"unknown kv rotation {kv_rotation!r}; valid: {', '.join(rotation.ROTATIONS)}")
     loaded = load_model(EngineConfig(model=model, tokenizer=tokenizer, dtype=dtype, device=device,
-                                     trust_remote_code=trust_remote_code), progress=progress)
+                                     trust_remote_code=trust_remote_code, revision=revision,
+                                     download_dir=download_dir), progress=progress)
     cfg = loaded.hf_config
     limit = getattr(cfg, "max_position_embeddings", None)
     if max_seq_len is None:

@@ -54,11 +54,15 @@ console = Console(stderr=True)
               help="Record the recent-token window (newest tokens kept in full precision) to use with these scales; "
                    "run/eval/bench take it when not given one.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow Python code shipped in the model folder to run.")
+@click.option("--revision", metavar="REV", help="Hub ids: the branch, tag or commit to use (default: main).")
+@click.option("--download-dir", metavar="DIR", type=click.Path(file_okay=False),
+              help="Hub ids: the Hugging Face cache folder to read and download into (default: $HF_HOME/hub).")
 @owns_its_children
 def calibrate(model: str | None, dataset: str | None, num_samples: int, max_seq_len: int | None,
               granularity: str, kv_rotation: str, kv_cache_dtype: str, statistic: str, output: str, force: bool,
               write_checkpoint: str | None, dtype: str, device: str, tokenizer: str | None,
-              kv_recent_window: int | None, trust_remote_code: bool) -> None:
+              kv_recent_window: int | None, trust_remote_code: bool, revision: str | None,
+              download_dir: str | None) -> None:
     """Measure KV cache scales of MODEL (default: the embedded model) on a calibration dataset.
 
     Example: fp8kv calibrate ./my-model --dataset calib.txt --kv-cache-dtype fp8 --output scales.json
@@ -76,7 +80,7 @@ def calibrate(model: str | None, dataset: str | None, num_samples: int, max_seq_
                 model, dataset, kv_cache_dtype=kv_cache_dtype, num_samples=num_samples, max_seq_len=max_seq_len,
                 granularity=granularity, kv_rotation=kv_rotation, statistic=statistic, dtype=dtype,
                 device=device, tokenizer=tokenizer, trust_remote_code=trust_remote_code, progress=True,
-                on_samples=on_samples)
+                on_samples=on_samples, revision=revision, download_dir=download_dir)
         if kv_recent_window is not None:
             result.scales = dataclasses.replace(result.scales, recent_window=kv_recent_window)
         cal.write_scales(result, output)

@@ -39,10 +39,13 @@ def _fail(message: str) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 @click.option("--load-format", type=click.Choice(["auto", "dummy"]), default="auto", show_default=True,
               help="Only auto (the checkpoint's weights): random weights (dummy) have no quality to measure.")
+@click.option("--revision", metavar="REV", help="Hub ids: the branch, tag or commit to use (default: main).")
+@click.option("--download-dir", metavar="DIR", type=click.Path(file_okay=False),
+              help="Hub ids: the Hugging Face cache folder to read and download into (default: $HF_HOME/hub).")
 def eval_command(model: str | None, kv_cache_dtype: str, quantization_param_path: str | None,
                  calculate_kv_scales: bool, dtype: str, text_path: str | None, kv_recent_window: int | None,
                  kv_recent_window_dtype: str, device: str, windows: int, window_len: int, as_json: bool,
-                 load_format: str) -> None:
+                 load_format: str, revision: str | None, download_dir: str | None) -> None:
     """Measure what an FP8 cache costs in quality (decode-faithful perplexity, KL, top-1 agreement)."""
     if load_format == "dummy":
         _fail("--load-format dummy gives random weights, whose perplexity and KL say nothing about a real model's "
@@ -56,7 +59,7 @@ def eval_command(model: str | None, kv_cache_dtype: str, quantization_param_path
                           quantization_param_path=quantization_param_path,
                           calculate_kv_scales=calculate_kv_scales, enable_prefix_caching=False,
                           kv_recent_window=kv_recent_window, kv_recent_window_dtype=kv_recent_window_dtype,
-                          device=device)
+                          device=device, revision=revision, download_dir=download_dir)
     try:
         check_engine_scales(config)  # a bad scales file fails now, not after the model loads
         result = evaluate(config, text_path=text_path, windows=windows, window_len=window_len,

@@ -198,3 +198,29 @@ def test_fp8kv_run_exits_2_before_ready_when_the_model_cannot_run(tiny, tmp_path
     message = str(err.value)
     assert "exited with 2 before serving" in message
     assert "the model failed its warm-up" in message and "Traceback" not in message
+
+
+def test_calibrate_and_the_early_scales_check_take_a_hub_id(tiny, tmp_path, offline):
+    from click.testing import CliRunner
+
+    from fp8cache.config import EngineConfig
+    from fp8cache.kvcache.scales import ScalesFileError, check_engine_scales
+    from launcher.calibrate_command import calibrate
+
+    cache = str(tmp_path / "hub")
+    cache_layout(cache, "org/tiny", COMMIT, tiny)
+    out = tmp_path / "scales.json"
+    run = CliRunner().invoke(calibrate, ["org/tiny", "--download-dir", cache, "--num-samples", "2", "--max-seq-len",
+                                         "64", "-o", str(out)])
+    assert run.exit_code == 0, run.output
+    doc = json.loads(out.read_text())
+    assert len(doc["kv_cache"]["k_scaling_factor"]["0"]) == 2  # the tiny model's layers
+    # A file made for another model is refused before any weight loads: the hub model's shape is read from the cache.
+    doc["kv_cache"]["scaling_factor"]["0"]["2"] = 0.5
+    for table in ("k_scaling_factor", "v_scaling_factor"):
+        del doc["kv_cache"][table]
+    out.write_text(json.dumps(doc))
+    config = EngineConfig(model="org/tiny", download_dir=cache, kv_cache_dtype="fp8_e4m3",
+                          quantization_param_path=str(out))
+    with pytest.raises(ScalesFileError, match="the file has 3 layers, the model 2"):
+        check_engine_scales(config)

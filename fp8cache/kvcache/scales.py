@@ -261,7 +261,7 @@ def check_engine_scales(config: EngineConfig) -> None:
     if name not in formats.FP8_FORMATS:
         return  # auto ignores the file (the runner says so); unknown names are the engine's to refuse
     tp_size = config.tensor_parallel_size if isinstance(config.tensor_parallel_size, int) else 1
-    num_layers, num_kv_heads = _model_shape(config.model)
+    num_layers, num_kv_heads = _model_shape(config.model, config.revision, config.download_dir)
     if num_kv_heads is not None and _splits(num_kv_heads, tp_size):
         load_scales_file(path, num_layers, num_kv_heads, name, 0, tp_size, warn=lambda msg: None)
     else:
@@ -276,8 +276,10 @@ def _splits(num_kv_heads: int, tp_size: int) -> bool:
     return True
 
 
-def _model_shape(model: str | None) -> tuple[int | None, int | None]:
-    """(layers, KV heads) from the model folder's config.json; (None, None) when not at hand."""
+def _model_shape(model: str | None, revision: str | None = None,
+                 download_dir: str | None = None) -> tuple[int | None, int | None]:
+    """(layers, KV heads) from the model folder's config.json (a hub id's cached snapshot); (None, None) when
+    not at hand."""
     if model is None:
         from fp8cache.model.default_model import default_model_dir, is_converted
 
@@ -286,6 +288,12 @@ def _model_shape(model: str | None) -> tuple[int | None, int | None]:
             return None, None
     else:
         folder = os.path.abspath(os.path.expanduser(model))
+        if not os.path.exists(folder):
+            from fp8cache.model import hub
+
+            cached = hub.cached_folder(model, revision, download_dir, tokenizer_only=True) \
+                if hub.looks_like_repo_id(model) else None
+            folder = cached or folder
     try:
         with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
             cfg = json.load(f)
