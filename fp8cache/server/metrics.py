@@ -47,7 +47,8 @@ class ServerMetrics:
         self.engine_alive = self._gauge("fp8kv_engine_alive", "1 while the engine loop runs.")
         self.structured_output_compiles = Counter(
             "fp8kv_structured_output_compiles", "Structured output grammars asked for, by outcome: compiled, "
-            "cached, refused (too big or invalid), timeout, memory (over budget), cancelled (client gone).",
+            "cached, refused (too big, too costly or invalid), busy (costly ones' line full: 429), timeout, memory "
+            "(over budget), cancelled (client gone).",
             _COMMON + ("outcome",), registry=r)
         self.cache_info = Info("fp8kv_kv_cache", "KV cache configuration.", registry=r)
         self.cache_info.info({"kv_cache_dtype": kv_cache_dtype, "model_name": model_name, **(info or {})})

@@ -87,4 +87,7 @@ async def compile_structure(request: Request, state: AppState, params: Any, para
         params.structured_outputs = await until_disconnect(request, state.grammar_compiler().compile(structure),
                                                            gone=ClientDisconnect)
     except G.GrammarError as exc:
-        raise RequestError(f"{param}: {exc}", param=param, code="invalid_value") from None
+        busy = exc.status == 429  # the costly grammars' line is full: load, not this grammar
+        raise RequestError(f"{param}: {exc}", status=exc.status, param=param,
+                           code="grammar_queue_full" if busy else "invalid_value",
+                           error_type="rate_limit_error" if busy else "invalid_request_error") from None
