@@ -25,13 +25,14 @@ TORCH_LIBRARY(fp8kv, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "int num_kv_heads, float scale, Tensor block_tables, Tensor seq_lens, int block_size, "
-      "int max_seq_len, Tensor? alibi_slopes, int kv_cache_format, Tensor k_scale, Tensor v_scale) -> ()");
+      "int max_seq_len, Tensor? alibi_slopes, int kv_cache_format, Tensor k_scale, Tensor v_scale, "
+      "int sliding_window=0, float logit_softcap=0.0, Tensor? sinks=None) -> ()");
   m.def(
       "paged_attention_window(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor window_key_cache, Tensor window_value_cache, int num_kv_heads, float scale, "
       "Tensor block_tables, Tensor window_block_tables, Tensor seq_lens, Tensor window_starts, "
       "int window_size, int block_size, int max_seq_len, Tensor? alibi_slopes, int kv_cache_format, "
-      "Tensor k_scale, Tensor v_scale) -> ()");
+      "Tensor k_scale, Tensor v_scale, int sliding_window=0, float logit_softcap=0.0, Tensor? sinks=None) -> ()");
   m.def("quantize_fp8(Tensor x, int kv_cache_format, Tensor scale) -> Tensor");
   m.def("dequantize_fp8(Tensor codes, int kv_cache_format, Tensor scale, ScalarType out_dtype) -> Tensor");
   // Decoder-layer elementwise ops of the CPU fast path (fp8cache/backends/cpu/fused_layer.py); CPU kernels only.

@@ -83,14 +83,17 @@ def emu_reshape_and_cache(emu: ctypes.CDLL, key, value, key_cache, value_cache, 
 
 
 def emu_paged_attention(emu: ctypes.CDLL, out, query, key_cache, value_cache, block_tables, seq_lens,
-                        max_seq_len, alibi, kv_cache_dtype, k_scale, v_scale, scale) -> int:
+                        max_seq_len, alibi, kv_cache_dtype, k_scale, v_scale, scale, sliding_window: int = 0,
+                        logit_softcap: float = 0.0, sinks: torch.Tensor | None = None) -> int:
     num_blocks, num_kv_heads, _, block_size, _ = key_cache.shape
     num_seqs, num_heads, head_size = query.shape
+    sinks = None if sinks is None else sinks.to(torch.float32).contiguous()
     return emu.fp8kv_emu_paged_attention(
         DTYPE_CODES[query.dtype], FORMAT_CODES[kv_cache_dtype], _p(out), _p(query), _p(key_cache),
         _p(value_cache), _p(block_tables), _p(seq_lens), _p(alibi), _p(k_scale), _p(v_scale), num_seqs,
         num_heads, num_kv_heads, head_size, num_blocks, block_size, block_tables.shape[1], max_seq_len,
-        ctypes.c_float(scale), int(k_scale.numel() > 1), int(v_scale.numel() > 1))
+        ctypes.c_float(scale), int(k_scale.numel() > 1), int(v_scale.numel() > 1), sliding_window,
+        ctypes.c_float(logit_softcap), _p(sinks))
 
 
 def _scales(per_head: bool, num_kv_heads: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -266,3 +266,85 @@ def test_compiled_kernels_fit_the_plan(emu, unit, dtype, kv, tmp_path):
         per_thread = (used["registers"] + 7) // 8 * 8
         by_registers = 65536 // (per_thread * 128)
         assert by_registers >= plan["blocks_per_sm"], (dims, heads, precise, used, plan)
+
+
+# ---- sliding windows, soft-capping, sinks (both GPU kernels) --------------------------------------------
+
+FEATURE_CASES = [
+    # kv, dtype, head_size, group, num_kv_heads, block_size, lens, sliding_window, softcap, sinks
+    ("fp8_e4m3", bf16, 64, 4, 2, 16, (15, 16, 17, 40, 300), 16, 0.0, False),
+    ("fp8_e5m2", f32, 128, 1, 2, 8, (9, 33, 64, 65, 700), 33, 2.0, True),
+    ("fp8_e4m3fnuz", f16, 128, 7, 1, 32, (1, 100, 1500), 200, 0.0, True),
+    ("auto", bf16, 64, 3, 2, 16, (30, 513), 0, 1.5, False),
+    ("fp8_e4m3", f32, 96, 8, 1, 16, (2, 47, 2100), 0, 0.0, True),
+    ("fp8_e4m3", bf16, 128, 16, 1, 8, (31, 32, 95, 96, 97), 32, 3.0, True),
+]
+
+
+def _attend_features(emu, kv, dtype, head_size, group, num_kv_heads, block_size, lens, window, softcap, sinks,
+                     sm_count, poison_before_window=False):
+    gen = torch.Generator().manual_seed(head_size + len(lens))
+    num_heads = group * num_kv_heads
+    num_blocks = sum((s + block_size - 1) // block_size for s in lens) + 2
+    k_scale, v_scale = _scales(True, num_kv_heads, gen)
+    key_cache, value_cache = _filled_cache(num_blocks, block_size, num_kv_heads, head_size, kv,
+                                           dtype if kv == "auto" else f32, k_scale, v_scale, gen)
+    tables = _disjoint_tables(lens, block_size, num_blocks, gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    query = torch.randn(len(lens), num_heads, head_size, generator=gen).to(dtype)
+    sink_values = torch.randn(num_heads, generator=gen) * 2.0 if sinks else None
+    scale = head_size**-0.5
+    expected = torch.empty(query.shape, dtype=f32)
+    reference.paged_attention(expected, query, key_cache, value_cache, num_kv_heads, scale, tables, seq_lens,
+                              block_size, max(lens), None, kv, k_scale, v_scale, window, softcap, sink_values)
+    if poison_before_window:  # NaN before each window in its first block, -1 for the blocks wholly before it
+        nan = NAN_CODES.get(kv, float("nan"))
+        for s, length in enumerate(lens):
+            first = max(0, length - window)
+            for pos in range(first // block_size * block_size, first):
+                block = tables[s, pos // block_size]
+                key_cache[block, :, :, pos % block_size, :] = nan
+                value_cache[block, :, :, pos % block_size] = nan
+            tables[s, : first // block_size] = -1
+    out = torch.full(query.shape, float("nan"), dtype=dtype)
+    previous = emu.fp8kv_emu_set_sm_count(sm_count)
+    try:
+        error = emu_paged_attention(emu, out, query, key_cache, value_cache, tables, seq_lens, max(lens), None, kv,
+                                    k_scale, v_scale, scale, window, softcap, sink_values)
+    finally:
+        emu.fp8kv_emu_set_sm_count(previous)
+    return error, out, expected
+
+
+@pytest.mark.parametrize("tensor_cores", [1, 0], ids=["tensor-cores", "cuda-cores"])
+@pytest.mark.parametrize("case", FEATURE_CASES, ids=lambda c: f"{c[0]}-d{c[2]}-g{c[3]}-bs{c[5]}-w{c[7]}-cap{c[8]:g}"
+                                                             + ("-sinks" if c[9] else ""))
+@pytest.mark.parametrize("sm_count", [1, 100_000])
+def test_sliding_window_softcap_and_sinks_match_reference(emu, tensor_cores, case, sm_count):
+    dtype, head_size = case[1], case[2]
+    if not tensor_cores and head_size % 16:
+        pytest.skip("the CUDA-core kernel takes multiples of 16")
+    previous = emu.fp8kv_emu_set_tensor_cores(tensor_cores)
+    try:
+        error, out, expected = _attend_features(emu, *case, sm_count)
+    finally:
+        emu.fp8kv_emu_set_tensor_cores(previous)
+    assert error == 0
+    tol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("tensor_cores", [1, 0], ids=["tensor-cores", "cuda-cores"])
+@pytest.mark.parametrize("kv,block_size", [("fp8_e4m3", 8), ("fp8_e4m3fnuz", 16), ("auto", 32)])
+def test_nothing_before_a_sliding_window_is_read(emu, tensor_cores, kv, block_size):
+    """The GPU kernels never look up a block id before the window (-1 there would be reported) and zero what
+    they copied of the window's first block before its first position (NaN there stays out of the output)."""
+    previous = emu.fp8kv_emu_set_tensor_cores(tensor_cores)
+    try:
+        error, out, expected = _attend_features(emu, kv, bf16, 64, 4, 2, block_size, (45, 77, 130), 21, 0.0, False,
+                                                132, poison_before_window=True)
+    finally:
+        emu.fp8kv_emu_set_tensor_cores(previous)
+    assert error == 0
+    assert torch.isfinite(out.float()).all()
+    torch.testing.assert_close(out.float(), expected, rtol=TOLERANCES[bf16], atol=TOLERANCES[bf16])

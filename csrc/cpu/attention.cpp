@@ -72,6 +72,9 @@ struct Problem {
   const float* query;  // [num_seqs, num_heads, head_size]
   const float* alibi;  // [num_heads] or nullptr
   float scale;
+  float softcap = 0.f;            // > 0: logit soft-capping (PartitionWork::softcap)
+  const float* sinks = nullptr;   // [num_heads]: one more logit per head in the softmax's denominator (gpt-oss)
+  int sliding_window = 0;         // > 0: a sequence attends to its newest sliding_window positions only
   CacheSource sources[2];
   std::vector<Span> spans;      // grouped by sequence, in order
   std::vector<int> first_span;  // [num_seqs + 1]: sequence s owns spans [first_span[s], first_span[s + 1])
@@ -140,7 +143,7 @@ void run_spans(const Problem& p) {
     auto work_of = [&](const Unit& u, int kvh) {
       const Span& span = p.spans[u.span];
       const CacheSource& src = p.sources[span.source];
-      const bool single = p.spans_of(span.seq) == 1;
+      const bool single = p.spans_of(span.seq) == 1 && p.sinks == nullptr;  // sinks join in the merge
       const int head0 = kvh * G;
       const int64_t part_row = static_cast<int64_t>(u.span) * p.num_heads + head0;
       const int64_t out_row = static_cast<int64_t>(span.seq) * p.num_heads + head0;
@@ -160,6 +163,7 @@ void run_spans(const Problem& p) {
       w.qk_scale = p.scale * src.k_scale[kvh];
       w.v_scale = src.v_scale[kvh];
       w.alibi = p.alibi ? p.alibi + head0 : nullptr;
+      w.softcap = p.softcap;
       w.out = single ? p.out + out_row * D : p.partial_out + part_row * D;
       w.max_logit = p.partial_max + part_row;
       w.exp_sum = p.partial_sum + part_row;
@@ -190,9 +194,9 @@ void run_spans(const Problem& p) {
       i = claim_ahead ? j : next_unit.fetch_add(1);
     }
   }
-  // Merge partitions: weight each partition's normalised output by its share of the softmax mass. Sequences of
-  // one span each wrote their output directly: then there is nothing to merge.
-  bool single_spans = true;
+  // Merge partitions: weight each partition's normalised output by its share of the softmax mass; a sink is one
+  // more share, with no value. Sequences of one span and no sinks wrote their output directly.
+  bool single_spans = p.sinks == nullptr;
   for (int s = 0; s < p.num_seqs; ++s) single_spans &= p.spans_of(s) == 1;
   if (single_spans) return;
   at::parallel_for(0, static_cast<int64_t>(p.num_seqs) * p.num_heads, 1, [&](int64_t begin, int64_t end) {
@@ -204,12 +208,12 @@ void run_spans(const Problem& p) {
         std::fill(dst, dst + D, 0.f);  // empty sequence: defined as zeros
         continue;
       }
-      if (np == 1) continue;
+      if (np == 1 && p.sinks == nullptr) continue;
       auto row = [&](int part) { return static_cast<int64_t>(p.first_span[s] + part) * p.num_heads + h; };
-      float global_max = -INFINITY;
+      float global_max = p.sinks != nullptr ? p.sinks[h] : -INFINITY;
       for (int part = 0; part < np; ++part) global_max = std::fmax(global_max, p.partial_max[row(part)]);
       std::fill(dst, dst + D, 0.f);
-      float total = 0.f;
+      float total = p.sinks != nullptr ? std::exp(p.sinks[h] - global_max) : 0.f;
       for (int part = 0; part < np; ++part) {
         const float weight = p.partial_sum[row(part)] * std::exp(p.partial_max[row(part)] - global_max);
         total += weight;
@@ -250,7 +254,8 @@ class Launch {
   Launch(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
          int64_t num_kv_heads, double scale, const at::Tensor& block_tables, const at::Tensor& seq_lens,
          int64_t block_size, const std::optional<at::Tensor>& alibi_slopes, int64_t kv_cache_format,
-         const at::Tensor& k_scale, const at::Tensor& v_scale)
+         const at::Tensor& k_scale, const at::Tensor& v_scale, int64_t sliding_window, double logit_softcap,
+         const std::optional<at::Tensor>& sinks)
       : out_(out) {
     const KVFormat format = kv_format_from_code(kv_cache_format);
     paged_ = check_caches(key_cache, value_cache, format != KVFormat::AUTO);
@@ -292,6 +297,17 @@ class Launch {
       p.alibi = alibi_.data_ptr<float>();
     }
     p.scale = static_cast<float>(scale);
+    TORCH_CHECK(sliding_window >= 0, "sliding_window = ", sliding_window, " must be >= 0 (0: no sliding window)");
+    TORCH_CHECK(std::isfinite(logit_softcap) && logit_softcap >= 0, "logit_softcap = ", logit_softcap,
+                " must be a finite number >= 0 (0: no soft-capping)");
+    p.sliding_window = static_cast<int>(std::min<int64_t>(sliding_window, INT32_MAX));
+    p.softcap = static_cast<float>(logit_softcap);
+    if (sinks.has_value()) {
+      TORCH_CHECK(sinks->numel() == num_heads && sinks->device().is_cpu(), "sinks must be a CPU tensor of num_heads = ",
+                  num_heads, " values, got shape ", sinks->sizes(), " on ", sinks->device());
+      sinks_ = sinks->to(at::kFloat).contiguous();
+      p.sinks = sinks_.data_ptr<float>();
+    }
     // Scales only mean something for FP8 caches; an "auto" cache holds the values themselves.
     const bool fp8 = format != KVFormat::AUTO;
     CacheSource& src = p.sources[kPaged];
@@ -317,15 +333,23 @@ class Launch {
   Problem& problem() { return problem_; }
   int seq_len(int s) const { return seq_lens_.data_ptr<int32_t>()[s]; }
 
-  // Positions [0, n) of sequence `seq` from the paged cache; `what` names where n came from in errors.
+  // The oldest position sequence `seq` attends to: 0, or its newest sliding_window positions' first.
+  int first_position(int seq) const {
+    const int w = problem_.sliding_window;
+    return w > 0 ? std::max(0, seq_len(seq) - w) : 0;
+  }
+
+  // Positions [first_position, n) of sequence `seq` from the paged cache (only their blocks are read and
+  // checked: a sliding window's older blocks may be gone); `what` names where n came from in errors.
   void add_paged(int seq, int n, const char* what) {
     const CacheSource& src = problem_.sources[kPaged];
     const int64_t blocks = (n + paged_.block_size - 1) / paged_.block_size;
     TORCH_CHECK(blocks <= src.block_table_stride, what, "[", seq, "] = ", n, " needs ", blocks,
                 " blocks but block_tables has only ", src.block_table_stride, " columns");
-    check_block_ids(src.block_tables + seq * src.block_table_stride, seq, 0, n, paged_.block_size,
+    const int first = std::min(first_position(seq), n);
+    check_block_ids(src.block_tables + seq * src.block_table_stride, seq, first, n, paged_.block_size,
                     paged_.num_blocks, "block_tables", "cache's");
-    add_spans(problem_, seq, kPaged, 0, n, seq_len(seq) - 1);
+    add_spans(problem_, seq, kPaged, first, n, seq_len(seq) - 1);
   }
 
   // The window ring of paged_attention_window: checked, and its kernel picked from its dtype.
@@ -374,7 +398,7 @@ class Launch {
     const CacheSource& ring = problem_.sources[kWindow];
     const int32_t* row = ring.block_tables + seq * ring.block_table_stride;
     const int64_t len = seq_len(seq);
-    for (int64_t pos = start; pos < len;) {
+    for (int64_t pos = std::max(start, first_position(seq)); pos < len;) {
       const int64_t lap = pos / window_size_ * window_size_;  // the position ring slot 0 holds in this lap
       const int64_t end = std::min(len, lap + window_size_);
       check_block_ids(row, seq, pos - lap, end - lap, window_.block_size, window_.num_blocks, "window_block_tables",
@@ -391,7 +415,7 @@ class Launch {
   void finish() {
     Problem& p = problem_;
     const int64_t num_spans = static_cast<int64_t>(p.spans.size());
-    bool merged = false;
+    bool merged = p.sinks != nullptr;
     for (int s = 0; s < p.num_seqs; ++s) merged |= p.spans_of(s) > 1;
     const auto f32 = q_.options();
     at::Tensor out_f32 =
@@ -411,7 +435,7 @@ class Launch {
   CacheGeometry paged_, window_{};
   int64_t window_size_ = 0;
   Problem problem_;
-  at::Tensor seq_lens_, q_, alibi_, tables_, window_starts_, window_tables_;
+  at::Tensor seq_lens_, q_, alibi_, sinks_, tables_, window_starts_, window_tables_;
 };
 
 }  // namespace
@@ -421,10 +445,11 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t block_size,
                      int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes,
                      int64_t kv_cache_format, const at::Tensor& k_scale,
-                     const at::Tensor& v_scale) {
+                     const at::Tensor& v_scale, int64_t sliding_window, double logit_softcap,
+                     const std::optional<at::Tensor>& sinks) {
   (void)max_seq_len;  // partitions are sized from seq_lens itself, so a stale max_seq_len cannot overflow
   Launch launch(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens, block_size,
-                alibi_slopes, kv_cache_format, k_scale, v_scale);
+                alibi_slopes, kv_cache_format, k_scale, v_scale, sliding_window, logit_softcap, sinks);
   for (int s = 0; s < launch.problem().num_seqs; ++s) {
     launch.add_paged(s, launch.seq_len(s), "seq_lens");
     launch.end_sequence();
@@ -439,12 +464,13 @@ void paged_attention_window(at::Tensor& out, const at::Tensor& query, const at::
                             const at::Tensor& seq_lens, const at::Tensor& window_starts, int64_t window_size,
                             int64_t block_size, int64_t max_seq_len,
                             const std::optional<at::Tensor>& alibi_slopes, int64_t kv_cache_format,
-                            const at::Tensor& k_scale, const at::Tensor& v_scale) {
+                            const at::Tensor& k_scale, const at::Tensor& v_scale, int64_t sliding_window,
+                            double logit_softcap, const std::optional<at::Tensor>& sinks) {
   (void)max_seq_len;
   TORCH_CHECK(window_size >= 1, "window_size = ", window_size,
               " must be >= 1; call paged_attention when there is no window");
   Launch launch(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens, block_size,
-                alibi_slopes, kv_cache_format, k_scale, v_scale);
+                alibi_slopes, kv_cache_format, k_scale, v_scale, sliding_window, logit_softcap, sinks);
   launch.set_window(window_key_cache, window_value_cache, window_block_tables, window_starts, window_size);
   for (int s = 0; s < launch.problem().num_seqs; ++s) {
     const int start = launch.window_start(s);

@@ -232,6 +232,7 @@ void run_partition(const PartitionWork& w) {
     }
   }
   for (int h = 0; h < G; ++h) {
+    soft_cap(logits + h * stride, skip, n, w.softcap);
     softmax_numerators(logits + h * stride, n, stride, w.max_logit + h, w.exp_sum + h, skip);
     norm[h] = w.v_scale * kRescale / w.exp_sum[h];
   }

@@ -111,6 +111,7 @@ void run_fp8_partition(const PartitionWork& w, const View<uint8_t>& view, const 
                             h0 == 0 ? k_ahead : idle, h0 == 0 ? v_ahead_qk : idle);
   });
   for (int h = 0; h < G; ++h) {
+    soft_cap(logits + h * stride, skip, P, w.softcap);
     softmax_numerators(logits + h * stride, P, stride, w.max_logit + h, w.exp_sum + h, skip);
     norm[h] = w.v_scale / w.exp_sum[h];
   }
@@ -150,7 +151,8 @@ void run_partition(const PartitionWork& unaligned) {
                                                       logits + h0 * stride, stride, w.prefetch_from, h0 == 0 ? w.prefetch_heads : 0);
     });
     for (int h = 0; h < G; ++h) {
-      softmax_numerators(logits + h * stride, P, stride, w.max_logit + h, w.exp_sum + h, skip);
+      soft_cap(logits + h * stride, skip, P, w.softcap);
+    softmax_numerators(logits + h * stride, P, stride, w.max_logit + h, w.exp_sum + h, skip);
       norm[h] = w.v_scale / w.exp_sum[h];
     }
     switch (w.block_size) {

@@ -175,7 +175,10 @@ void run_partition(const PartitionWork& w) {
       logits[h * P + (t - w.start)] = logit;
     }
   }
-  for (int h = 0; h < G; ++h) softmax_numerators(logits + h * P, P, w.max_logit + h, w.exp_sum + h);
+  for (int h = 0; h < G; ++h) {
+    soft_cap(logits + h * P, 0, P, w.softcap);
+    softmax_numerators(logits + h * P, P, w.max_logit + h, w.exp_sum + h);
+  }
 
   // P.V a token at a time, out[h] += p[h][t] * V[t]: V is [head dim][token] in a block, so its valid tokens
   // (stale slots may hold NaN) are decoded token-major first. Dot products over a block's 16 tokens spent

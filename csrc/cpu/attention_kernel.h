@@ -6,6 +6,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 namespace fp8kv::cpu {
@@ -27,6 +28,7 @@ struct PartitionWork {
   float qk_scale;      // softmax scale * k_scale[kv_head]
   float v_scale;       // v_scale[kv_head]
   const float* alibi;  // [group] slopes or nullptr
+  float softcap = 0.f;  // > 0: a logit l (scaled, ALiBi included) becomes softcap * tanh(l / softcap) (Gemma 2)
   float* out;          // [group, head_size]: this partition's softmax-weighted V (normalised)
   float* max_logit;    // [group]
   float* exp_sum;      // [group]: sum of exp(logit - max_logit) over the partition
@@ -40,6 +42,14 @@ struct PartitionWork {
   // passes; nullptr otherwise.
   const PartitionWork* then = nullptr;
 };
+
+// Logit soft-capping over row[begin, end) (Gemma 2's attn_logit_softcapping), before the softmax's maximum.
+// std::tanh, not a vector approximation: a capped logit feeds exp and must stay as exact as the logit was.
+inline void soft_cap(float* row, int begin, int end, float cap) {
+  if (!(cap > 0.f)) return;
+  const float inv = 1.f / cap;
+  for (int i = begin; i < end; ++i) row[i] = cap * std::tanh(row[i] * inv);
+}
 
 // Scratch size run_partition needs (both paths fit in this).
 inline int64_t scratch_floats(int group, int head_size, int block_size) {

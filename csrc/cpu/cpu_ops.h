@@ -20,8 +20,12 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t block_size,
                      int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes,
                      int64_t kv_cache_format, const at::Tensor& k_scale,
-                     const at::Tensor& v_scale);
+                     const at::Tensor& v_scale, int64_t sliding_window = 0, double logit_softcap = 0.0,
+                     const std::optional<at::Tensor>& sinks = std::nullopt);
 
+// sliding_window > 0: each sequence attends to its newest sliding_window positions; logit_softcap > 0: logits
+// become logit_softcap * tanh(logit / logit_softcap); sinks [num_heads]: one more logit per head in the
+// softmax's denominator (docs/design.md section 4).
 // paged_attention whose newest positions [window_starts[i], seq_lens[i]) come from a model-dtype ring
 // (window_key_cache / window_value_cache, ring slot = position % window_size) instead of the paged cache.
 void paged_attention_window(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
@@ -31,7 +35,8 @@ void paged_attention_window(at::Tensor& out, const at::Tensor& query, const at::
                             const at::Tensor& seq_lens, const at::Tensor& window_starts, int64_t window_size,
                             int64_t block_size, int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes,
                             int64_t kv_cache_format, const at::Tensor& k_scale,
-                            const at::Tensor& v_scale);
+                            const at::Tensor& v_scale, int64_t sliding_window = 0, double logit_softcap = 0.0,
+                            const std::optional<at::Tensor>& sinks = std::nullopt);
 
 at::Tensor quantize_fp8(const at::Tensor& x, int64_t kv_cache_format, const at::Tensor& scale);
 

@@ -76,6 +76,7 @@ struct alignas(16) AttentionSmem {
 struct Task {
   int seq, kv_head, seq_len;
   int start, end;  // positions of this source: [start, end)
+  int lo;          // the oldest position attended to (a sliding window's first); start <= lo, earlier masked
 };
 
 // ---- the sources a split reads --------------------------------------------------------------------------
@@ -180,12 +181,19 @@ struct RingSource {
 // The sequence's length and this source's positions, checked (report: one thread per sequence reports).
 template <class Src>
 FP8KV_DEVICE Task make_task(const AttentionParams& p, int seq, int kv_head, bool report) {
-  Task t{seq, kv_head, 0, 0, 0};
+  Task t{seq, kv_head, 0, 0, 0, 0};
   const int64_t table_capacity = int64_t(p.paged.table_width) * p.paged.block_size;
+  // A paged cache's tiles start on a kWindowAlign boundary at or before the window's first position.
+  const auto from_window = [&](Task& task) {
+    const int first = p.sliding_window > 0 && task.seq_len > p.sliding_window ? task.seq_len - p.sliding_window : 0;
+    task.lo = min_int(first, task.end);
+    task.start = task.lo / kWindowAlign * kWindowAlign;
+  };
   if (p.window_starts == nullptr) {
     const int capacity = static_cast<int>(table_capacity < p.max_seq_len ? table_capacity : p.max_seq_len);
     t.seq_len = checked_in(p.seq_lens[seq], 0, capacity, p.error_flag, kErrorSeqLenOutOfRange, report);
     t.end = t.seq_len;
+    from_window(t);
     return t;
   }
   t.seq_len = checked_in(p.seq_lens[seq], 0, p.max_seq_len, p.error_flag, kErrorSeqLenOutOfRange, report);
@@ -195,8 +203,11 @@ FP8KV_DEVICE Task make_task(const AttentionParams& p, int seq, int kv_head, bool
   if constexpr (Src::kBlockIds) {
     const int capacity = static_cast<int>(table_capacity < window_start ? table_capacity : window_start);
     t.end = checked_in(window_start, 0, capacity, p.error_flag, kErrorSeqLenOutOfRange, report);
+    from_window(t);
   } else {
-    t.start = window_start;
+    const int first = p.sliding_window > 0 && t.seq_len > p.sliding_window ? t.seq_len - p.sliding_window : 0;
+    t.start = window_start > first ? window_start : first;
+    t.lo = t.start;
     t.end = t.seq_len;
   }
   return t;
@@ -265,7 +276,7 @@ struct Attention {
   FP8KV_DEVICE Token locate(int tile) const {
     const int pos = task.start + tile * kTile + lane % kTile;
     Token t{0, 0, false};
-    const int block = pos < task.end ? block_of(pos, t.offset) : -1;
+    const int block = pos < task.end && pos >= task.lo ? block_of(pos, t.offset) : -1;
     t.ok = block >= 0;
     t.key_base = key_base(t.ok ? block : 0);
     return t;
@@ -295,7 +306,7 @@ struct Attention {
     const int d = lane + k * kWarpSize;
     FP8KV_UNROLL
     for (int e = 0; e < kE; ++e) out[e] = Raw16{};
-    if (d >= head_size) return;
+    if (d >= head_size || pos0 + kTile <= task.lo) return;
     if (c.block_size >= kTile) {
       const int block = sm.block_ids[first];
       if (block < 0) return;
@@ -307,7 +318,8 @@ struct Attention {
     // Block size 8: 8 tokens of each of two blocks, 8 * kE bytes each, halves of the 16 * kE.
     FP8KV_UNROLL
     for (int half = 0; half < 2; ++half) {
-      const int block = half == 0 || pos0 + 8 < task.end ? sm.block_ids[first + half] : -1;
+      const int block = (half == 0 || pos0 + 8 < task.end) && pos0 + 8 * half + 8 > task.lo
+                            ? sm.block_ids[first + half] : -1;
       if (block < 0) continue;
       const uint8_t* row = value + (value_base(block) + int64_t(d) * c.block_size) * kE;
       FP8KV_UNROLL
@@ -366,7 +378,8 @@ FP8KV_DEVICE void attention_body(const AttentionParams& p, AttentionSmem<kHeads,
   const int tiles_per_split = (tiles + num_splits - 1) / num_splits;
   const int t0 = split * tiles_per_split;
   const int t1 = min_int(t0 + tiles_per_split, tiles);
-  const bool direct = num_splits == 1 && p.window_starts == nullptr;  // no reduce: write the output here
+  // No reduce: write the output here (sinks join the softmax in the reduce).
+  const bool direct = num_splits == 1 && p.window_starts == nullptr && p.sinks == nullptr;
   const int64_t row0 = int64_t(seq) * p.num_heads + first_head;  // (seq, first head)
   const int total_splits = p.paged_splits + (p.window_starts != nullptr ? p.ring_splits : 0);
   const int part = Src::split_base(p) + split;
@@ -398,7 +411,8 @@ FP8KV_DEVICE void attention_body(const AttentionParams& p, AttentionSmem<kHeads,
                      : 0.0f;
   }
   if constexpr (Src::kBlockIds) {
-    const int pos_first = task.start + t0 * kTile;
+    // Block ids from the first attended position on: a sliding window's older blocks may be gone.
+    const int pos_first = task.start + t0 * kTile > task.lo ? task.start + t0 * kTile : task.lo;
     const int pos_last = min_int(task.start + t1 * kTile, task.end) - 1;
     a.first_entry = pos_first >> c.block_shift;
     const int entries = (pos_last >> c.block_shift) - a.first_entry + 1;
@@ -477,7 +491,8 @@ FP8KV_DEVICE void attention_body(const AttentionParams& p, AttentionSmem<kHeads,
     // Online softmax over the tile's 16 tokens (lanes t and t + 16 hold the same values).
     FP8KV_UNROLL
     for (int h = 0; h < kHeads; ++h) {
-      const float logit = cur.token.ok ? dot[h] + slope[h] * static_cast<float>(pos - newest) : -INFINITY;
+      float logit = cur.token.ok ? dot[h] + slope[h] * static_cast<float>(pos - newest) : -INFINITY;
+      if (p.softcap > 0.0f && cur.token.ok) logit = p.softcap * tanhf(logit / p.softcap);
       float tile_max = logit;
       for (int mask = kTile / 2; mask > 0; mask /= 2) tile_max = fmaxf(tile_max, th.shfl_xor(tile_max, mask));
       const float m_new = fmaxf(m[h], tile_max);
@@ -515,9 +530,11 @@ FP8KV_DEVICE void attention_body(const AttentionParams& p, AttentionSmem<kHeads,
       } else {
         a.ring_values(d, v);
       }
-      if (pos0 + kTile > task.end) {  // the last tile: past the end a block holds stale (even NaN) values
+      // The last tile: past the end a block holds stale (even NaN) values; the first of a sliding window:
+      // before its first position nothing was read.
+      if (pos0 + kTile > task.end || pos0 < task.lo) {
         FP8KV_UNROLL
-        for (int j = 0; j < kTile; ++j) v[j] = pos0 + j < task.end ? v[j] : 0.0f;
+        for (int j = 0; j < kTile; ++j) v[j] = pos0 + j < task.end && pos0 + j >= task.lo ? v[j] : 0.0f;
       }
       FP8KV_UNROLL
       for (int h = 0; h < kHeads; ++h) {
@@ -629,7 +646,9 @@ FP8KV_DEVICE void attention_reduce_body(const AttentionParams& p, ReduceSmem& sm
   const float* part_max = p.partial_max + row * total_splits;
   const float* part_sum = p.partial_sum + row * total_splits;
   const float* part_out = p.partial_out + row * total_splits * p.head_size;
-  float max_logit = -INFINITY;
+  // A sink is one more logit in the denominator, with no value (the kernels leave it to this merge).
+  const float sink = p.sinks != nullptr ? p.sinks[head] : -INFINITY;
+  float max_logit = sink;
   for (int s = tid; s < total_splits; s += kAttentionThreads) max_logit = fmaxf(max_logit, part_max[s]);
   max_logit = block_reduce<true>(max_logit, sm, th);
 
@@ -665,7 +684,7 @@ FP8KV_DEVICE void attention_reduce_body(const AttentionParams& p, ReduceSmem& sm
     }
     th.sync();  // sm.weight is rewritten for the next chunk
   }
-  denom = block_reduce<false>(denom, sm, th);
+  denom = block_reduce<false>(denom, sm, th) + softmax_weight(sink, max_logit);
   FP8KV_UNROLL
   for (int k = 0; k < kReduceDims; ++k) {
     const int d = tid + k * kAttentionThreads;

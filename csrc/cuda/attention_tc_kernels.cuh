@@ -97,6 +97,7 @@ struct TcAttention {
   Task task;
   int lane, g, t, first_entry;
   float logit_scale;  // log2(e) * k_scale * kRescale / (the query's power-of-two factor): logits in log2 units
+  float cap_log2;      // log2(e) * the logit soft-cap, 0 for none
   float slope[kRows];  // log2(e) * the ALiBi slope of each row
 
   // Where this lane's copies come from: its KV head's chunk t (keys) and dim g (values) of block 0, and the
@@ -136,12 +137,16 @@ struct TcAttention {
   FP8KV_DEVICE void issue(int tile, uint8_t* stage) const {
     const int base = task.start + tile * kTcTile;
     const int key_pos = base + tc_token(0, g);
-    const int key_block = key_pos < task.end ? block_at(key_pos) : -1;
+    // The block of the lane's group of 8 (looked up at a position the sequence attends to, if any: a sliding
+    // window's older blocks may be gone).
+    const int key_seen = key_pos > task.lo ? key_pos : task.lo;
+    const int key_block = key_seen < task.end && key_seen <= key_pos + 6 ? block_at(key_seen) : -1;
     const uint8_t* key = key_lane + int64_t(key_block < 0 ? 0 : key_block) * key_block_bytes +
                          (key_pos & (c.block_size - 1)) * 16;
     FP8KV_UNROLL
     for (int n = 0; n < 4; ++n) {
-      const int bytes = key_block >= 0 && key_pos + 2 * n < task.end ? 16 : 0;
+      const int pos = key_pos + 2 * n;
+      const int bytes = key_block >= 0 && pos < task.end && pos >= task.lo ? 16 : 0;
       FP8KV_UNROLL
       for (int q = 0; q < kGroups; ++q) {
         th.template copy_async<16>(stage + ((n * kGroups + q) * 32 + lane) * 16,
@@ -150,7 +155,7 @@ struct TcAttention {
     }
     const int value_pos = base + 8 * t;
     const int count = min_int(task.end - value_pos, 8);
-    const int value_block = count > 0 ? block_at(value_pos) : -1;
+    const int value_block = count > 0 && value_pos + 8 > task.lo ? block_at(value_pos > task.lo ? value_pos : task.lo) : -1;
     const int bytes = value_block >= 0 ? count * kE : 0;
     const uint8_t* value = value_lane + int64_t(value_block < 0 ? 0 : value_block) * value_block_bytes +
                            (value_pos & (c.block_size - 1)) * kE;
@@ -180,11 +185,32 @@ struct TcAttention {
     }
   }
 
+  // A sliding window's first tile: value bytes of positions before the window's first were copied with their
+  // group of 8; zero them (this lane's own copies), so that not even a NaN there reaches P.V.
+  FP8KV_DEVICE void clear_before_window(int base, uint8_t* stage) const {
+    uint8_t* values = stage + Cfg::kKeyBytes;
+    const int pos0 = base + 8 * t;
+    FP8KV_UNROLL
+    for (int i = 0; i < kMTiles; ++i) {
+      FP8KV_UNROLL
+      for (int h = 0; h < 2; ++h) {
+        uint8_t* slot = kE == 1 ? values + (i * 32 + lane) * 16 + 8 * h : values + ((i * 2 + h) * 32 + lane) * 16;
+        for (int j = 0; j < 8; ++j) {
+          if (pos0 + j < task.lo) {
+            FP8KV_UNROLL
+            for (int b = 0; b < kE; ++b) slot[j * kE + b] = 0;
+          }
+        }
+      }
+    }
+  }
+
   // One tile, from the stage this lane's copies filled.
-  FP8KV_DEVICE void compute(int tile, const uint8_t* stage) {
+  FP8KV_DEVICE void compute(int tile, uint8_t* stage) {
     const int base = task.start + tile * kTcTile;
+    if (base < task.lo) clear_before_window(base, stage);
     const int mine = base + lane;
-    const uint32_t valid = th.ballot(mine < task.end && block_at(mine) >= 0);
+    const uint32_t valid = th.ballot(mine < task.end && mine >= task.lo && block_at(mine) >= 0);
 
     // S = Q K^T for the tile's 4 n-tiles of 8 tokens.
     float s[4][4];
@@ -229,7 +255,9 @@ struct TcAttention {
         FP8KV_UNROLL
         for (int cc = 0; cc < 2; ++cc) {
           const int token = tc_token(n, 2 * t + cc);
-          const float logit = s[n][2 * r + cc] * logit_scale + slope[r] * static_cast<float>(base + token - newest);
+          float logit = s[n][2 * r + cc] * logit_scale + slope[r] * static_cast<float>(base + token - newest);
+          // cap * tanh(l / cap) in natural units is this in log2 units, cap_log2 = cap * log2(e)
+          if (cap_log2 > 0.0f) logit = cap_log2 * tanhf(logit / cap_log2);
           x[n][cc] = (valid >> token) & 1u ? logit : -INFINITY;
           tile_max = fmaxf(tile_max, x[n][cc]);
         }
@@ -416,7 +444,8 @@ FP8KV_DEVICE void tc_attention_body(const AttentionParams& p, uint8_t* smem, con
   const int tiles_per_split = (tiles + num_splits - 1) / num_splits;
   const int t0 = split * tiles_per_split;
   const int t1 = min_int(t0 + tiles_per_split, tiles);
-  const bool direct = num_splits == 1 && p.window_starts == nullptr;  // no reduce: write the output here
+  // No reduce: write the output here (sinks join the softmax in the reduce).
+  const bool direct = num_splits == 1 && p.window_starts == nullptr && p.sinks == nullptr;
   const int64_t row0 = int64_t(seq) * p.num_heads + first_head;
   const int total_splits = p.paged_splits + (p.window_starts != nullptr ? p.ring_splits : 0);
 
@@ -441,8 +470,9 @@ FP8KV_DEVICE void tc_attention_body(const AttentionParams& p, uint8_t* smem, con
   auto* query = reinterpret_cast<uint32_t*>(smem + kTcBlockIdBytes);
   uint8_t* pipes = smem + kTcBlockIdBytes + Cfg::kQueryBytes;
 
-  // The split's block ids, checked once.
-  const int pos_first = task.start + t0 * kTcTile;
+  // The split's block ids, checked once, from the first attended position on (a sliding window's older blocks
+  // may be gone).
+  const int pos_first = task.start + t0 * kTcTile > task.lo ? task.start + t0 * kTcTile : task.lo;
   const int pos_last = min_int(task.start + t1 * kTcTile, task.end) - 1;
   const int first_entry = pos_first >> c.block_shift;
   const int entries = (pos_last >> c.block_shift) - first_entry + 1;
@@ -477,7 +507,7 @@ FP8KV_DEVICE void tc_attention_body(const AttentionParams& p, uint8_t* smem, con
 
   constexpr float kLog2e = 1.4426950408889634f;
   A a{p, c, th, block_ids, query, task, lane, lane >> 2, lane & 3, first_entry,
-      kLog2e * Src::k_scale(p, kv_head) * Cfg::kRescale / q_mul};
+      kLog2e * Src::k_scale(p, kv_head) * Cfg::kRescale / q_mul, kLog2e * p.softcap};
   a.locate(head_size);
   FP8KV_UNROLL
   for (int r = 0; r < Cfg::kRows; ++r) {

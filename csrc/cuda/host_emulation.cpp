@@ -206,8 +206,14 @@ struct AttentionCall {
                 const void* value_cache, const int* block_tables, const int* seq_lens, const float* alibi,
                 const float* k_scale, const float* v_scale, int num_seqs, int num_heads, int num_kv_heads,
                 int head_size, int num_blocks, int block_size, int max_blocks_per_seq, int max_seq_len,
-                float scale, bool k_per_head, bool v_per_head) {
+                float scale, bool k_per_head, bool v_per_head, int sliding_window, float softcap,
+                const float* sinks) {
     AttentionParams& p = params;
+    p.sliding_window = sliding_window;
+    p.softcap = softcap;
+    p.sinks = sinks;
+    // As the binding plans: a sliding window's positions at most.
+    const int plan_len = sliding_window > 0 ? std::min(max_seq_len, sliding_window + kWindowAlign) : max_seq_len;
     p.out = out;
     p.out_dtype = p.query_dtype = dtype;
     p.query = query;
@@ -234,10 +240,10 @@ struct AttentionCall {
     if (p.tensor_cores) {  // as the binding plans it (torch_bindings_cuda.cu)
       p.tc_stages = tc.stages;
       p.tc_smem_bytes = tc.smem_bytes;
-      p.paged_splits = tc_splits(num_seqs, num_kv_heads * tc_head_blocks(group, head_size), max_seq_len,
+      p.paged_splits = tc_splits(num_seqs, num_kv_heads * tc_head_blocks(group, head_size), plan_len,
                                  emulated_sm_count, tc.blocks_per_sm);
     } else {
-      p.paged_splits = attention_splits(num_seqs, kv_blocks(), max_seq_len, emulated_sm_count);
+      p.paged_splits = attention_splits(num_seqs, kv_blocks(), plan_len, emulated_sm_count);
     }
   }
 
@@ -344,14 +350,16 @@ int paged_attention(DType dtype, DType cache, void* out, const void* query, cons
                     const void* value_cache, const int* block_tables, const int* seq_lens, const float* alibi,
                     const float* k_scale, const float* v_scale, int num_seqs, int num_heads, int num_kv_heads,
                     int head_size, int num_blocks, int block_size, int max_blocks_per_seq, int max_seq_len,
-                    float scale, bool k_per_head, bool v_per_head) {
+                    float scale, bool k_per_head, bool v_per_head, int sliding_window, float softcap,
+                    const float* sinks) {
   AttentionCall call(dtype, cache, out, query, key_cache, value_cache, block_tables, seq_lens, alibi, k_scale,
                      v_scale, num_seqs, num_heads, num_kv_heads, head_size, num_blocks, block_size,
-                     max_blocks_per_seq, max_seq_len, scale, k_per_head, v_per_head);
+                     max_blocks_per_seq, max_seq_len, scale, k_per_head, v_per_head, sliding_window, softcap, sinks);
   const AttentionParams& p = call.params;
-  if (p.paged_splits > 1) call.allocate_partials(p.paged_splits);
+  const bool reduce = p.paged_splits > 1 || p.sinks != nullptr;  // as launch_paged_attention
+  if (reduce) call.allocate_partials(p.paged_splits);
   with_paged(cache, [&](auto src) { run_paged<decltype(src)>(p, p.paged_splits); });
-  if (p.paged_splits > 1) run_reduce(p);
+  if (reduce) run_reduce(p);
   return call.flag;
 }
 
@@ -362,10 +370,11 @@ int paged_attention_window(DType dtype, DType cache, DType window, void* out, co
                            const float* v_scale, int num_seqs, int num_heads, int num_kv_heads, int head_size,
                            int num_blocks, int num_window_blocks, int block_size, int max_blocks_per_seq,
                            int max_window_blocks_per_seq, int window_size, int max_seq_len, float scale,
-                           bool k_per_head, bool v_per_head) {
+                           bool k_per_head, bool v_per_head, int sliding_window, float softcap,
+                           const float* sinks) {
   AttentionCall call(dtype, cache, out, query, key_cache, value_cache, block_tables, seq_lens, alibi, k_scale,
                      v_scale, num_seqs, num_heads, num_kv_heads, head_size, num_blocks, block_size,
-                     max_blocks_per_seq, max_seq_len, scale, k_per_head, v_per_head);
+                     max_blocks_per_seq, max_seq_len, scale, k_per_head, v_per_head, sliding_window, softcap, sinks);
   AttentionParams& p = call.params;
   p.window_starts = window_starts;
   p.window_size = window_size;
@@ -445,13 +454,13 @@ int fp8kv_emu_paged_attention(int dtype, int format, void* out, const void* quer
                               const float* alibi, const float* k_scale, const float* v_scale, int num_seqs,
                               int num_heads, int num_kv_heads, int head_size, int num_blocks, int block_size,
                               int max_blocks_per_seq, int max_seq_len, float scale, int k_per_head,
-                              int v_per_head) {
+                              int v_per_head, int sliding_window, float softcap, const float* sinks) {
   using namespace fp8kv::gpu;
   if (dtype < 0 || dtype > 2 || !fp8kv::is_kv_format_code(format)) return -1;
   return paged_attention(model_dtype_code(dtype), cache_dtype_code(dtype, format), out, query, key_cache,
                          value_cache, block_tables, seq_lens, alibi, k_scale, v_scale, num_seqs, num_heads,
                          num_kv_heads, head_size, num_blocks, block_size, max_blocks_per_seq, max_seq_len, scale,
-                         k_per_head != 0, v_per_head != 0);
+                         k_per_head != 0, v_per_head != 0, sliding_window, softcap, sinks);
 }
 
 // window_dtype: the window cache's, coded as dtype.
@@ -464,7 +473,7 @@ int fp8kv_emu_paged_attention_window(int dtype, int format, int window_dtype, vo
                                      int num_kv_heads, int head_size, int num_blocks, int num_window_blocks,
                                      int block_size, int max_blocks_per_seq, int max_window_blocks_per_seq,
                                      int window_size, int max_seq_len, float scale, int k_per_head,
-                                     int v_per_head) {
+                                     int v_per_head, int sliding_window, float softcap, const float* sinks) {
   using namespace fp8kv::gpu;
   if (dtype < 0 || dtype > 2 || !fp8kv::is_kv_format_code(format) || window_dtype < 0 || window_dtype > 2) return -1;
   return paged_attention_window(model_dtype_code(dtype), cache_dtype_code(dtype, format),
@@ -473,7 +482,7 @@ int fp8kv_emu_paged_attention_window(int dtype, int format, int window_dtype, vo
                                 window_starts, alibi, k_scale, v_scale, num_seqs, num_heads, num_kv_heads,
                                 head_size, num_blocks, num_window_blocks, block_size, max_blocks_per_seq,
                                 max_window_blocks_per_seq, window_size, max_seq_len, scale, k_per_head != 0,
-                                v_per_head != 0);
+                                v_per_head != 0, sliding_window, softcap, sinks);
 }
 
 // Whether the emulated calls run paged FP8 and 16-bit caches on the tensor-core kernel (1, the default) or the

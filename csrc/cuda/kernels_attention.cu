@@ -47,7 +47,7 @@ Error launch_paged_attention(const AttentionParams& p, Stream stream) {
   if (p.num_seqs == 0 || p.num_heads == 0) return kSuccess;
   if (p.window_starts != nullptr || p.paged_splits < 1) return kInvalidValue;
   const Error error = launch_paged(p, p.paged_splits, stream);
-  if (error != kSuccess || p.paged_splits == 1) return error;
+  if (error != kSuccess || (p.paged_splits == 1 && p.sinks == nullptr)) return error;
   return launch_reduce(p, stream);
 }
 

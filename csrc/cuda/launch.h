@@ -117,7 +117,17 @@ struct AttentionParams {
   bool tensor_cores;
   int tc_stages;
   int tc_smem_bytes;
+  // Model features (docs/design.md section 4): a sequence attends to its newest sliding_window positions (0: all
+  // of them); logits become softcap * tanh(logit / softcap) (0: as they are); sinks [num_heads] (nullptr: none)
+  // are one more logit per head in the softmax's denominator, merged in the reduce kernel.
+  int sliding_window;
+  float softcap;
+  const float* sinks;
 };
+
+// Where a kernel's tiles of a paged cache start when a sliding window begins at position `first`: on a multiple
+// of every kernel's tile (and so of 8-position value groups), the positions before `first` masked.
+constexpr int kWindowAlign = 32;
 
 // How many splits a call's grid gets: enough thread blocks to fill the GPU about twice (sm_count blocks of
 // 4 per core), none longer than kMaxSplitTokens positions of max_seq_len, and none shorter than 256 unless

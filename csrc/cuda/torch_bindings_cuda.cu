@@ -329,7 +329,7 @@ CacheRef cache_ref(const at::Tensor& key_cache, const at::Tensor& value_cache, c
 struct AttentionCall {
   AttentionParams params{};
   at::Tensor out, result, query, block_tables, seq_lens, alibi, k_scale, v_scale;
-  at::Tensor window_tables, window_starts, partial_out, partial_max, partial_sum;
+  at::Tensor window_tables, window_starts, partial_out, partial_max, partial_sum, sinks;
   ErrorFlag flag;
   Geometry g;
 };
@@ -339,9 +339,13 @@ AttentionCall attention_call(at::Tensor& out, const at::Tensor& query, const at:
                              int64_t num_kv_heads, double scale, const at::Tensor& block_tables,
                              const at::Tensor& seq_lens, int64_t block_size, int64_t max_seq_len,
                              const std::optional<at::Tensor>& alibi_slopes, const at::Tensor& k_scale,
-                             const at::Tensor& v_scale) {
+                             const at::Tensor& v_scale, int64_t sliding_window, double logit_softcap,
+                             const std::optional<at::Tensor>& sinks) {
   const at::Device device = key_cache.device();
   TORCH_CHECK(query.dim() == 3, "query must be [num_seqs, num_heads, head_size], got ", query.sizes());
+  TORCH_CHECK(sliding_window >= 0, "sliding_window = ", sliding_window, " must be >= 0 (0: no sliding window)");
+  TORCH_CHECK(std::isfinite(logit_softcap) && logit_softcap >= 0, "logit_softcap = ", logit_softcap,
+              " must be a finite number >= 0 (0: no soft-capping)");
   check_model_dtype(query, "query");
   check_model_dtype(out, "out");
   TORCH_CHECK(out.sizes() == query.sizes(), "out ", out.sizes(), " must have the shape of query ",
@@ -399,6 +403,12 @@ AttentionCall attention_call(at::Tensor& out, const at::Tensor& query, const at:
     check_on(*alibi_slopes, device, "alibi_slopes");
     call.alibi = alibi_slopes->to(at::kFloat).contiguous();
   }
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->numel() == num_heads, "sinks must have num_heads = ", num_heads, " values, got shape ",
+                sinks->sizes());
+    check_on(*sinks, device, "sinks");
+    call.sinks = sinks->to(at::kFloat).contiguous();
+  }
   call.out = out;
   call.query = query.stride(2) == 1 ? query : query.contiguous();
   const bool direct = out.is_contiguous();  // the kernels write any model dtype into a dense output
@@ -427,16 +437,22 @@ AttentionCall attention_call(at::Tensor& out, const at::Tensor& query, const at:
   p.head_size = static_cast<int>(g.head_size);
   p.max_seq_len = static_cast<int>(max_seq_len);
   p.scale = static_cast<float>(scale);
+  p.sliding_window = static_cast<int>(std::min<int64_t>(sliding_window, INT32_MAX));
+  p.softcap = static_cast<float>(logit_softcap);
+  p.sinks = call.sinks.defined() ? call.sinks.data_ptr<float>() : nullptr;
   p.paged = cache_ref(key_cache, value_cache, g, cache_type, call.block_tables);
+  // The positions a split plan covers: a sliding window's, from its aligned start, at most.
+  const int plan_len = p.sliding_window > 0 ? std::min<int64_t>(p.max_seq_len, int64_t(p.sliding_window) + kWindowAlign)
+                                            : p.max_seq_len;
   p.tensor_cores = tc.stages > 0;
   if (p.tensor_cores) {
     p.tc_stages = tc.stages;
     p.tc_smem_bytes = tc.smem_bytes;
-    p.paged_splits = tc_splits(p.num_seqs, p.num_kv_heads * tc_head_blocks(group, p.head_size), p.max_seq_len,
+    p.paged_splits = tc_splits(p.num_seqs, p.num_kv_heads * tc_head_blocks(group, p.head_size), plan_len,
                                info.sm_count, tc.blocks_per_sm);
   } else {
-    p.paged_splits = attention_splits(p.num_seqs, p.num_kv_heads * head_blocks_for(group, p.head_size),
-                                      p.max_seq_len, info.sm_count);
+    p.paged_splits = attention_splits(p.num_seqs, p.num_kv_heads * head_blocks_for(group, p.head_size), plan_len,
+                                      info.sm_count);
   }
   return call;
 }
@@ -465,14 +481,16 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t block_size,
                      int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes,
                      int64_t kv_cache_format, const at::Tensor& k_scale,
-                     const at::Tensor& v_scale) {
+                     const at::Tensor& v_scale, int64_t sliding_window, double logit_softcap,
+                     const std::optional<at::Tensor>& sinks) {
   const KVFormat format = kv_format_from_code(kv_cache_format);
   const Geometry g = check_caches(key_cache, value_cache, format);
   const c10::cuda::OptionalCUDAGuard guard(key_cache.device());
   AttentionCall call = attention_call(out, query, key_cache, value_cache, g, format, num_kv_heads, scale,
                                       block_tables, seq_lens, block_size, max_seq_len, alibi_slopes, k_scale,
-                                      v_scale);
-  if (call.params.paged_splits > 1) allocate_partials(call, call.params.paged_splits);
+                                      v_scale, sliding_window, logit_softcap, sinks);
+  // Sinks are merged by the reduce kernel, which reads partials even for one split.
+  if (call.params.paged_splits > 1 || call.params.sinks != nullptr) allocate_partials(call, call.params.paged_splits);
   C10_CUDA_CHECK(launch_paged_attention(call.params, c10::cuda::getCurrentCUDAStream()));
   raise_reported_errors(finish_attention(call), "paged_attention", g.num_blocks * g.block_size, g.num_blocks);
 }
@@ -555,7 +573,8 @@ void paged_attention_window(at::Tensor& out, const at::Tensor& query, const at::
                             const at::Tensor& seq_lens, const at::Tensor& window_starts, int64_t window_size,
                             int64_t block_size, int64_t max_seq_len,
                             const std::optional<at::Tensor>& alibi_slopes, int64_t kv_cache_format,
-                            const at::Tensor& k_scale, const at::Tensor& v_scale) {
+                            const at::Tensor& k_scale, const at::Tensor& v_scale, int64_t sliding_window,
+                            double logit_softcap, const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(window_size >= 1, "window_size = ", window_size,
               " must be >= 1; call paged_attention when there is no window");
   TORCH_CHECK(window_size <= INT32_MAX - kMaxSplitTokens, "window_size = ", window_size, " is too large");
@@ -564,7 +583,7 @@ void paged_attention_window(at::Tensor& out, const at::Tensor& query, const at::
   const c10::cuda::OptionalCUDAGuard guard(key_cache.device());
   AttentionCall call = attention_call(out, query, key_cache, value_cache, g, format, num_kv_heads, scale,
                                       block_tables, seq_lens, block_size, max_seq_len, alibi_slopes, k_scale,
-                                      v_scale);
+                                      v_scale, sliding_window, logit_softcap, sinks);
   add_window(call, window_key_cache, window_value_cache, window_block_tables, window_starts, window_size);
   allocate_partials(call, call.params.paged_splits + call.params.ring_splits);
   C10_CUDA_CHECK(launch_paged_attention_window(call.params, c10::cuda::getCurrentCUDAStream()));

@@ -70,10 +70,15 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
                     value_cache: torch.Tensor, num_kv_heads: int, scale: float,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
                     max_seq_len: int, alibi_slopes: torch.Tensor | None, kv_cache_dtype: str | int,
-                    k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+                    k_scale: torch.Tensor, v_scale: torch.Tensor, sliding_window: int = 0,
+                    logit_softcap: float = 0.0, sinks: torch.Tensor | None = None) -> None:
+    """Decode attention over the paged cache (docs/design.md section 4); sliding_window > 0: the newest positions
+    only; logit_softcap > 0: logits become cap * tanh(logit / cap); sinks [num_heads]: one more logit per head
+    in the softmax's denominator."""
     load().paged_attention(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables,
                            seq_lens, block_size, max_seq_len, alibi_slopes,
-                           format_code(kv_cache_dtype, key_cache.device), k_scale, v_scale)
+                           format_code(kv_cache_dtype, key_cache.device), k_scale, v_scale, sliding_window,
+                           logit_softcap, sinks)
 
 
 def paged_attention_window(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
@@ -82,13 +87,16 @@ def paged_attention_window(out: torch.Tensor, query: torch.Tensor, key_cache: to
                            block_tables: torch.Tensor, window_block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, window_starts: torch.Tensor, window_size: int,
                            block_size: int, max_seq_len: int, alibi_slopes: torch.Tensor | None,
-                           kv_cache_dtype: str | int, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+                           kv_cache_dtype: str | int, k_scale: torch.Tensor, v_scale: torch.Tensor,
+                           sliding_window: int = 0, logit_softcap: float = 0.0,
+                           sinks: torch.Tensor | None = None) -> None:
     """paged_attention reading positions [window_starts[i], seq_lens[i]) from the model-dtype window ring
     (ring slot = position % window_size) instead of the paged cache; one softmax over all positions."""
     load().paged_attention_window(out, query, key_cache, value_cache, window_key_cache, window_value_cache,
                                   num_kv_heads, scale, block_tables, window_block_tables, seq_lens,
                                   window_starts, window_size, block_size, max_seq_len, alibi_slopes,
-                                  format_code(kv_cache_dtype, key_cache.device), k_scale, v_scale)
+                                  format_code(kv_cache_dtype, key_cache.device), k_scale, v_scale, sliding_window,
+                                  logit_softcap, sinks)
 
 
 # Decoder-layer elementwise ops (CPU kernels only; fp8cache.backends.cpu.fused_layer binds torch.ops.fp8kv directly).

@@ -88,17 +88,30 @@ def _check_attention(out, query, key_cache, value_cache, num_kv_heads, block_tab
     _check_scale(v_scale, num_kv_heads, device, "v_scale")
 
 
+def _check_features(query, key_cache, sliding_window, logit_softcap, sinks) -> None:
+    _check(sliding_window >= 0, f"sliding_window = {sliding_window} must be >= 0 (0: no sliding window)")
+    _check(logit_softcap >= 0 and logit_softcap != float("inf"),
+           f"logit_softcap = {logit_softcap} must be a finite number >= 0 (0: no soft-capping)")
+    if sinks is not None:
+        _check(sinks.numel() == query.shape[1], f"sinks must have num_heads = {query.shape[1]} values")
+        _same_device(key_cache.device, sinks=sinks)
+
+
 def paged_attention(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens, block_size,
-                    max_seq_len, alibi_slopes, kv_cache_format, k_scale, v_scale) -> None:
+                    max_seq_len, alibi_slopes, kv_cache_format, k_scale, v_scale, sliding_window=0, logit_softcap=0.0,
+                    sinks=None) -> None:
     _check_attention(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens, kv_cache_format,
                      k_scale, v_scale, alibi_slopes)
+    _check_features(query, key_cache, sliding_window, logit_softcap, sinks)
 
 
 def paged_attention_window(out, query, key_cache, value_cache, window_key_cache, window_value_cache, num_kv_heads,
                            scale, block_tables, window_block_tables, seq_lens, window_starts, window_size,
-                           block_size, max_seq_len, alibi_slopes, kv_cache_format, k_scale, v_scale) -> None:
+                           block_size, max_seq_len, alibi_slopes, kv_cache_format, k_scale, v_scale, sliding_window=0,
+                           logit_softcap=0.0, sinks=None) -> None:
     _check_attention(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens, kv_cache_format,
                      k_scale, v_scale, alibi_slopes)
+    _check_features(query, key_cache, sliding_window, logit_softcap, sinks)
     _check_caches(window_key_cache, window_value_cache, CacheFormat.AUTO, "window_")
     _same_device(key_cache.device, window_key_cache=window_key_cache, window_block_tables=window_block_tables,
                  window_starts=window_starts)

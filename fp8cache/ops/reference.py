@@ -55,15 +55,22 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
 
 def gather_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
               seq_len: int, kv_cache_dtype: str | int, k_scale: torch.Tensor,
-              v_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of positions [0, seq_len) of one sequence, dequantized to float32 [seq_len, heads, d]."""
+              v_scale: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of positions [start, seq_len) of one sequence, dequantized to float32 [seq_len - start, heads,
+    d]. Only the blocks holding those positions are read (a sliding window's older blocks may be gone)."""
     num_blocks, block_size = key_cache.shape[0], key_cache.shape[3]
-    n_blocks = (seq_len + block_size - 1) // block_size
-    ids = block_table[:n_blocks].long()
-    if n_blocks and (bool((ids < 0).any()) or bool((ids >= num_blocks).any())):
+    first = start // block_size
+    n_blocks = (seq_len + block_size - 1) // block_size - first
+    ids = block_table[first:first + n_blocks].long()
+    if n_blocks > 0 and (bool((ids < 0).any()) or bool((ids >= num_blocks).any())):
         raise IndexError(f"block table holds a block id outside [0, {num_blocks})")
-    k, v = gather_kv_blocks(key_cache, value_cache, ids[None], seq_len, kv_cache_dtype, k_scale, v_scale)
-    return k[0].transpose(0, 1), v[0].transpose(0, 1)
+    if n_blocks <= 0:
+        empty = torch.zeros(0, key_cache.shape[1], value_cache.shape[2], device=key_cache.device)
+        return empty, empty.clone()
+    k, v = gather_kv_blocks(key_cache, value_cache, ids[None], seq_len - first * block_size, kv_cache_dtype,
+                            k_scale, v_scale)
+    skip = start - first * block_size
+    return k[0].transpose(0, 1)[skip:], v[0].transpose(0, 1)[skip:]
 
 
 def gather_kv_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int,
@@ -87,12 +94,42 @@ def gather_kv_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor, block_i
     return dequantize(k, k_scale, fmt, head_dim=1), dequantize(v, v_scale, fmt, head_dim=1)
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, alibi_slopes: torch.Tensor | None,
+           first_pos: int = 0, logit_softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """One query row per head, the newest position's, against positions [first_pos, first_pos + T) of its
+    sequence: q [heads, d], k and v [T, heads, d], float32; returns [heads, d].
+
+    - logit_softcap c > 0 (Gemma 2): a logit l (scaled, ALiBi included) becomes c * tanh(l / c);
+    - sinks [heads] (gpt-oss): one more logit per head in the softmax's denominator, with no value, as
+      transformers' gpt-oss concatenates them to the scores and drops their column after the softmax.
+    """
+    newest = first_pos + k.shape[0] - 1
+    logits = torch.einsum("hd,thd->ht", q, k) * scale
+    if alibi_slopes is not None:
+        pos = torch.arange(first_pos, newest + 1, dtype=torch.float32, device=q.device)
+        logits = logits + alibi_slopes.to(torch.float32)[:, None] * (pos - newest)[None]
+    if logit_softcap > 0:
+        logits = logit_softcap * torch.tanh(logits / logit_softcap)
+    if sinks is not None:
+        logits = torch.cat([logits, sinks.to(torch.float32).to(q.device)[:, None]], dim=-1)
+    probs = torch.softmax(logits, dim=-1)[:, :k.shape[0]]
+    return torch.einsum("ht,thd->hd", probs, v)
+
+
+def window_first(seq_len: int, sliding_window: int) -> int:
+    """The oldest position a query at seq_len - 1 attends to: 0, or seq_len - W with a sliding window of W
+    (transformers' sliding-window mask: key j counts for query i when i - j < W)."""
+    return max(0, seq_len - sliding_window) if sliding_window > 0 else 0
+
+
 def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
                     value_cache: torch.Tensor, num_kv_heads: int, scale: float,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
                     max_seq_len: int, alibi_slopes: torch.Tensor | None, kv_cache_dtype: str | int,
-                    k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
-    """Decode attention: each query row attends to positions [0, seq_len) of its sequence."""
+                    k_scale: torch.Tensor, v_scale: torch.Tensor, sliding_window: int = 0,
+                    logit_softcap: float = 0.0, sinks: torch.Tensor | None = None) -> None:
+    """Decode attention: each query row attends to positions [0, seq_len) of its sequence, the newest
+    sliding_window of them when that is > 0; see attend for logit_softcap and sinks."""
     num_seqs, num_heads, _ = query.shape
     group = num_heads // num_kv_heads
     for i in range(num_seqs):
@@ -100,17 +137,12 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
         if seq_len == 0:
             out[i] = 0
             continue
-        k, v = gather_kv(key_cache, value_cache, block_tables[i], seq_len, kv_cache_dtype,
-                         k_scale, v_scale)
+        first = window_first(seq_len, sliding_window)
+        k, v = gather_kv(key_cache, value_cache, block_tables[i], seq_len, kv_cache_dtype, k_scale, v_scale, first)
         k = k.repeat_interleave(group, dim=1)  # [T, heads, d]
         v = v.repeat_interleave(group, dim=1)
-        q = query[i].to(torch.float32)  # [heads, d]
-        logits = torch.einsum("hd,thd->ht", q, k) * scale
-        if alibi_slopes is not None:
-            pos = torch.arange(seq_len, dtype=torch.float32, device=q.device)
-            logits = logits + alibi_slopes.to(torch.float32)[:, None] * (pos - (seq_len - 1))[None]
-        probs = torch.softmax(logits, dim=-1)
-        out[i] = torch.einsum("ht,thd->hd", probs, v).to(out.dtype)
+        out[i] = attend(query[i].to(torch.float32), k, v, scale, alibi_slopes, first, logit_softcap,
+                        sinks).to(out.dtype)
 
 
 # ---- recent-token window (issue 8) ------------------------------------------------------------------
@@ -154,7 +186,9 @@ def paged_attention_window(out: torch.Tensor, query: torch.Tensor, key_cache: to
                            block_tables: torch.Tensor, window_block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, window_starts: torch.Tensor, window_size: int,
                            block_size: int, max_seq_len: int, alibi_slopes: torch.Tensor | None,
-                           kv_cache_dtype: str | int, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+                           kv_cache_dtype: str | int, k_scale: torch.Tensor, v_scale: torch.Tensor,
+                           sliding_window: int = 0, logit_softcap: float = 0.0,
+                           sinks: torch.Tensor | None = None) -> None:
     """Decode attention over FP8 positions [0, window_start) and window positions [window_start, seq_len)."""
     if window_size < 1:
         raise ValueError(f"window_size {window_size} must be >= 1 (use paged_attention without a window)")
@@ -168,19 +202,15 @@ def paged_attention_window(out: torch.Tensor, query: torch.Tensor, key_cache: to
         if seq_len == 0:
             out[i] = 0
             continue
+        first = window_first(seq_len, sliding_window)
         k_old, v_old = gather_kv(key_cache, value_cache, block_tables[i], start, kv_cache_dtype, k_scale,
-                                 v_scale)
-        k_new, v_new = gather_window_kv(window_key_cache, window_value_cache, window_block_tables[i], start,
-                                        seq_len, window_size)
+                                 v_scale, min(first, start))
+        k_new, v_new = gather_window_kv(window_key_cache, window_value_cache, window_block_tables[i],
+                                        max(first, start), seq_len, window_size)
         k = torch.cat([k_old, k_new]).repeat_interleave(group, dim=1)  # [T, heads, d]
         v = torch.cat([v_old, v_new]).repeat_interleave(group, dim=1)
-        q = query[i].to(torch.float32)
-        logits = torch.einsum("hd,thd->ht", q, k) * scale
-        if alibi_slopes is not None:
-            pos = torch.arange(seq_len, dtype=torch.float32, device=q.device)
-            logits = logits + alibi_slopes.to(torch.float32)[:, None] * (pos - (seq_len - 1))[None]
-        probs = torch.softmax(logits, dim=-1)
-        out[i] = torch.einsum("ht,thd->hd", probs, v).to(out.dtype)
+        out[i] = attend(query[i].to(torch.float32), k, v, scale, alibi_slopes, first, logit_softcap,
+                        sinks).to(out.dtype)
 
 
 # ---- decoder-layer elementwise ops: transformers' own formulas (Llama's RMSNorm, rotary, MLP) ----------
