@@ -201,9 +201,10 @@ def dense_window_logits(runner: ModelRunner, ids: list[int], floor: int = 0) -> 
     without a window every position as the cache holds it."""
     window = runner.kv_recent_window
 
-    def dense(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
+    def dense(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
+              features: attention.LayerFeatures = attention.PLAIN) -> torch.Tensor:
         ctx = attention.get_forward_context()
-        assert ctx.rotation == "none" and ctx.calculate_scales is None
+        assert ctx.rotation == "none" and ctx.calculate_scales is None and features.plain
         fmt = formats.get_format(ctx.kv_cache_dtype, "cpu")
 
         def as_cached(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:  # [T, kv_heads, d] as read back

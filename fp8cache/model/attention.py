@@ -31,6 +31,52 @@ from fp8cache.model.batch import StepBatch, window_slot
 
 ATTENTION_NAME = "fp8kv_paged"
 
+
+@dataclass(frozen=True)
+class LayerFeatures:
+    """What a layer's attention adds to plain causal attention, as transformers hands it to its own attention
+    functions: a sliding window (Mistral, Gemma 2/3, gpt-oss, Qwen2 with use_sliding_window), logit
+    soft-capping (Gemma 2) and attention sinks (gpt-oss). The compiled ops do all three."""
+
+    sliding_window: int = 0  # 0: none
+    logit_softcap: float = 0.0  # 0: none
+    sinks: torch.Tensor | None = None  # [num_heads], the layer's own parameter
+
+    @property
+    def plain(self) -> bool:
+        return not self.sliding_window and not self.logit_softcap and self.sinks is None
+
+    def op_args(self) -> tuple[int, float, torch.Tensor | None]:
+        sinks = self.sinks
+        if sinks is not None and sinks.dtype != torch.float32:
+            sinks = sinks.to(torch.float32)
+        return self.sliding_window, self.logit_softcap, sinks
+
+
+PLAIN = LayerFeatures()
+
+
+def features_of(attn: torch.nn.Module, config: object) -> LayerFeatures:
+    """The features transformers passes to `attn`'s attention function: models with per-layer types keep the
+    layer's window in attn.sliding_window (None on full-attention layers); the others (Mistral, Mixtral,
+    Phi-3, Qwen3-MoE) pass config.sliding_window to every layer."""
+    window = attn.sliding_window if hasattr(attn, "sliding_window") else getattr(config, "sliding_window", None)
+    softcap = getattr(attn, "attn_logit_softcapping", None)
+    sinks = getattr(attn, "sinks", None)
+    return LayerFeatures(binding_window(window, config), float(softcap or 0.0),
+                         sinks if isinstance(sinks, torch.Tensor) else None)
+
+
+def binding_window(window: int | None, config: object) -> int:
+    """A sliding window, or 0 where it can never mask anything: one at least as long as the model's context
+    (Mistral's config default of 4096 on a shorter model) is plain causal attention."""
+    longest = getattr(config, "max_position_embeddings", None)
+    return 0 if not window or (longest is not None and window >= longest) else int(window)
+
+
+# Attention a model may ask for that the ops do not compute: refused when the model loads, naming it.
+UNSUPPORTED_CONFIG = {"attention_chunk_size": "chunked attention (Llama 4's attention_chunk_size)"}
+
 # (layer, key [T, kv_heads, d], value [T, kv_heads, d]) -> (k_scale, v_scale) for that layer
 ScaleCalculator = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -322,18 +368,22 @@ def get_forward_context() -> ForwardContext:
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                             value: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float | None = None,
                             dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
-    """query [1, heads, T, d], key/value [1, kv_heads, T, d] -> output [1, T, heads, d], no weights."""
-    _refuse_unsupported(kwargs)
+    """query [1, heads, T, d], key/value [1, kv_heads, T, d] -> output [1, T, heads, d], no weights. The layer's
+    sliding window, soft cap and sinks come as transformers passes them to its own attention functions."""
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    features = LayerFeatures(binding_window(kwargs.get("sliding_window"), getattr(module, "config", None)),
+                             float(kwargs.get("softcap") or 0.0), kwargs.get("s_aux"))
     out = attend(module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1).contiguous(),
-                 value[0].transpose(0, 1).contiguous(), scaling)
+                 value[0].transpose(0, 1).contiguous(), scaling, features)
     return out.unsqueeze(0), None
 
 
-def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
+def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
+           features: LayerFeatures = PLAIN) -> torch.Tensor:
     """One layer's attention for the step: q [T, heads, d], k/v [T, kv_heads, d] (any strides) -> [T, heads, d].
-    Writes the step's K/V into the caches first."""
+    Writes the step's K/V into the caches first. Prefill rows are decode queries of their own lengths, so a
+    sliding window, soft cap and sinks apply to them exactly as to decode."""
     ctx = get_forward_context()
     if ctx.rotation != NONE:
         # q.k and softmax(qk)V are unchanged: Q meets K in the same rotated basis and the output rotates back
@@ -355,10 +405,10 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scalin
                                   v_scale)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous: the decode op writes into it
     if ctx.num_decode:
-        _decode(ctx, q, out, key_cache, value_cache, k_scale, v_scale, scaling, window)
+        _decode(ctx, q, out, key_cache, value_cache, k_scale, v_scale, scaling, window, features)
     for n, group in enumerate(ctx.prefill_groups):
         _prefill(ctx, group, q, k, v, out, key_cache, value_cache, k_scale, v_scale, scaling,
-                 earlier[n] if window else None)
+                 earlier[n] if window else None, features)
     if ctx.rotation != NONE:
         out = apply_rotation(out, ctx.rotation)
     return out
@@ -380,16 +430,9 @@ def decode_step_args(layer: int) -> tuple | None:
             ctx.decode_window_starts if window else None, ctx.window_size)
 
 
-def _refuse_unsupported(kwargs: dict) -> None:
-    for name in ("softcap", "s_aux"):
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(f"this model's attention uses {name!r}, which fp8kv's paged attention "
-                                      "does not implement")
-
-
 def _decode(ctx: ForwardContext, q: torch.Tensor, out: torch.Tensor, key_cache: torch.Tensor,
             value_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor, scaling: float,
-            window: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+            window: tuple[torch.Tensor, torch.Tensor] | None, features: LayerFeatures) -> None:
     if ctx.all_decode:  # the packed rows are the decode rows already: write the output in place
         # The GPU op reads rows of any stride (q is a column view of the merged q/k/v projection).
         query, result = (q.contiguous() if q.device.type == "cpu" else q), out
@@ -399,7 +442,7 @@ def _decode(ctx: ForwardContext, q: torch.Tensor, out: torch.Tensor, key_cache: 
     ring = None if window is None else (*window, ctx.decode_window_block_tables, ctx.decode_window_starts,
                                          ctx.window_size)
     _decode_op(ctx, result, query, key_cache, value_cache, k_scale, v_scale, scaling, ctx.decode_block_tables,
-               ctx.decode_context_lens, ctx.max_decode_len, ring)
+               ctx.decode_context_lens, ctx.max_decode_len, ring, features)
     if not ctx.all_decode:
         out.index_copy_(0, ctx.decode_tokens, result)
 
@@ -407,25 +450,27 @@ def _decode(ctx: ForwardContext, q: torch.Tensor, out: torch.Tensor, key_cache: 
 def _decode_op(ctx: ForwardContext, result: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
                value_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor, scaling: float,
                block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int,
-               ring: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int] | None) -> None:
+               ring: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int] | None,
+               features: LayerFeatures = PLAIN) -> None:
     """One query row per entry of seq_lens through the decode op; ring: (window key cache, window value cache,
     window block tables, window starts, ring size) reads each row's newest positions from there."""
+    extra = () if features.plain else features.op_args()
     if ring is None:
         ctx.ops.paged_attention(result, query, key_cache, value_cache, key_cache.shape[1], float(scaling),
                                 block_tables, seq_lens, ctx.block_size, max_len, None, ctx.kv_cache_dtype,
-                                k_scale, v_scale)
+                                k_scale, v_scale, *extra)
     else:
         ring_k, ring_v, ring_tables, window_starts, ring_size = ring
         ctx.ops.paged_attention_window(
             result, query, key_cache, value_cache, ring_k, ring_v, key_cache.shape[1], float(scaling), block_tables,
             ring_tables, seq_lens, window_starts, ring_size, ctx.block_size, max_len, None, ctx.kv_cache_dtype,
-            k_scale, v_scale)
+            k_scale, v_scale, *extra)
 
 
 def _prefill(ctx: ForwardContext, group: PrefillGroup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              out: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, k_scale: torch.Tensor,
              v_scale: torch.Tensor, scaling: float,
-             earlier: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+             earlier: tuple[torch.Tensor, torch.Tensor] | None, features: LayerFeatures = PLAIN) -> None:
     """The group's rows through the decode op (see RowQueries); the chunk's K/V are in the cache already.
     earlier: float32 full-precision K/V [n * earlier, kv_heads, d] of the positions before each chunk that its
     rows read (recent-token window; the chunk's own K/V follow them); None without a window."""
@@ -455,7 +500,7 @@ def _prefill(ctx: ForwardContext, group: PrefillGroup, q: torch.Tensor, k: torch
                                   v_scale)
         ring = (scratch_k, scratch_v, rows.window_tables, rows.window_starts, rows.window_span)
     _decode_op(ctx, result, query, key_cache, value_cache, k_scale, v_scale, scaling, rows.block_tables,
-               rows.seq_lens, rows.max_len, ring)
+               rows.seq_lens, rows.max_len, ring, features)
     if not group.token_range:
         out.index_copy_(0, group.tokens, result)
 
@@ -468,7 +513,12 @@ def register() -> None:
 
 
 def install(model: torch.nn.Module) -> None:
-    """Switch every attention layer of `model` to our paged attention."""
+    """Switch every attention layer of `model` to our paged attention; refuse, naming it, attention the ops do
+    not compute (at load, not at the first request)."""
+    for key, what in UNSUPPORTED_CONFIG.items():
+        if getattr(model.config, key, None) is not None:
+            raise ValueError(f"{type(model).__name__} uses {what}, which fp8kv's paged attention does not "
+                             "compute; serve it with another engine")
     register()
     model.set_attn_implementation(ATTENTION_NAME)
     if getattr(model.config, "_attn_implementation", None) != ATTENTION_NAME:

@@ -123,12 +123,7 @@ class ModelRunner:
         length = wanted or model_limit
         if length is None:
             raise ValueError("the model config has no max_position_embeddings; set max_model_len")
-        window = getattr(self.hf_config, "sliding_window", None)
-        if window and getattr(self.hf_config, "use_sliding_window", True) and length > window:
-            # Our attention is full attention; beyond the window it would differ from the model's own.
-            self.log(f"max_model_len {length} is capped to the model's sliding window {window}")
-            length = window
-        return int(length)
+        return int(length)  # sliding-window models too: the ops attend to each layer's window
 
     def _resolve_recent_window(self, fmt_name: str, scales: kv_scales.KVScales | None) -> int:
         wanted = self.config.kv_recent_window

@@ -65,7 +65,9 @@ class FusedDecoderLayer:
         project = _device_projections if on_gpu else _projections
         self.qkv = project(attn.q_proj, attn.k_proj, attn.v_proj)
         self.gate_up = project(mlp.gate_proj, mlp.up_proj)
-        self.decode_args = None if on_gpu else _decode_layer_args(layer)
+        # The layer's sliding window, soft cap and sinks (features_of); the whole-layer CPU op has none of them.
+        self.features = attention.features_of(attn, getattr(attn, "config", None))
+        self.decode_args = None if on_gpu or not self.features.plain else _decode_layer_args(layer)
         self.decode_op = torch.ops.fp8kv.decode_layer.default if self.decode_args is not None else None
         self.decode_dtype = self.input_norm.weight.dtype  # the dtype its packed weights were made for
 
@@ -85,7 +87,7 @@ class FusedDecoderLayer:
         ops.rms_norm(h, x, self.input_norm.weight, self.input_norm.variance_epsilon)
         q, k, v = (t.view(tokens, -1, self.head_dim) for t in self.qkv(h))
         ops.rotary(q, k, cos[0], sin[0])
-        out = attention.attend(self.layer_idx, q, k, v, self.scaling)
+        out = attention.attend(self.layer_idx, q, k, v, self.scaling, self.features)
         h = self.o_proj(out.view(tokens, -1))
         ops.fused_add_rms_norm(h, x, self.post_norm.weight, self.post_norm.variance_epsilon)
         gate, up = self.gate_up(h)
