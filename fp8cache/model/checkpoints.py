@@ -328,9 +328,11 @@ def fp8_weight_names(tensors: Mapping[str, TensorInfo]) -> list[str]:
                   if name.endswith(".weight") and info.dtype in _SAFETENSORS_DTYPES)
 
 
-def fp8_layer_tensors(tensors: Mapping[str, TensorInfo]) -> tuple[dict[str, dict[str, torch.Tensor]], set[str]]:
-    """The FP8 layers' codes, weight scales and input scales (read), and every checkpoint name they use."""
-    layers: dict[str, dict[str, torch.Tensor]] = {}
+def fp8_layers(tensors: Mapping[str, TensorInfo]) -> tuple[dict[str, dict[str, str]], set[str]]:
+    """Per FP8 layer (module path), the checkpoint names of its codes ("weight"), weight scale ("scale") and,
+    if stored, static input scale ("input_scale"); and every checkpoint name the FP8 layers account for. Nothing
+    is read: a layer's tensors are read when it is converted, one layer at a time."""
+    layers: dict[str, dict[str, str]] = {}
     used: set[str] = set()
     for path in fp8_weight_names(tensors):
         scale = next((f"{path}.{n}" for n in ("weight_scale", "weight_scale_inv") if f"{path}.{n}" in tensors), None)
@@ -341,11 +343,15 @@ def fp8_layer_tensors(tensors: Mapping[str, TensorInfo]) -> tuple[dict[str, dict
         names = {"weight": f"{path}.weight", "scale": scale}
         if f"{path}.input_scale" in tensors:
             names["input_scale"] = f"{path}.input_scale"
-        read = read_tensors(list(names.values()), tensors)
-        layers[path] = {key: read[name] for key, name in names.items()}
+        layers[path] = names
         used.update(names.values())
         used.update(n for n in (f"{path}.weight_zero_point", f"{path}.input_zero_point") if n in tensors)
     return layers, used
+
+
+def shape_of(info: TensorInfo) -> torch.Tensor:
+    """A meta tensor of a checkpoint tensor's shape (for shape logic without reading it)."""
+    return torch.empty(info.shape, device="meta")
 
 
 def is_scale_like(name: str) -> bool:

@@ -268,42 +268,39 @@ class Fp8Report:
     modes: dict[str, int] = field(default_factory=dict)
 
 
-def apply(model: nn.Module, layers: dict[str, dict[str, torch.Tensor]], activations: str, dtype: torch.dtype,
-          run_fp8: bool, block: tuple[int, int] | None = None,
-          resolve: Callable[[str], str] | None = None) -> Fp8Report:
-    """Give each FP8 layer of `model` its real weight. `layers` maps a module path to its checkpoint tensors
-    ("weight" codes, "scale", optionally "input_scale"); `resolve` maps a checkpoint path to the model's.
-    run_fp8: replace nn.Linear layers _scaled_mm can take by Fp8Linear; the rest, and all without it, get
-    their codes dequantized into the module's own weight."""
+def apply(model: nn.Module, layers: dict[str, dict[str, str]], read: Callable[[list[str]], dict[str, torch.Tensor]],
+          activations: str, dtype: torch.dtype, run_fp8: bool, block: tuple[int, int] | None = None) -> Fp8Report:
+    """Give each FP8 layer of `model` its real weight. `layers` maps a module path to the checkpoint names of
+    its "weight" codes, "scale" and optionally "input_scale"; `read` reads named tensors (one layer at a time, so
+    the codes of a large model never all sit in memory beside it). run_fp8: replace nn.Linear layers _scaled_mm
+    can take by Fp8Linear; the rest, and all without it, get their codes dequantized into the module's weight."""
     report = Fp8Report()
-    for path, tensors in layers.items():
-        target = resolve(path) if resolve is not None else path
+    for path, names in layers.items():
         try:
-            module = model.get_submodule(target)
+            module = model.get_submodule(path)
         except AttributeError:
             raise Fp8WeightsError(f"the checkpoint's FP8 weight {path}.weight belongs to no layer of the model "
                                   f"({type(model).__name__})") from None
+        stored = read(list(names.values()))
+        tensors = {key: stored[name] for key, name in names.items()}
         codes, scale = tensors["weight"], tensors["scale"]
         weight = getattr(module, "weight", None)
         if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != tuple(codes.shape):
             raise Fp8WeightsError(f"the checkpoint's FP8 weight {path}.weight has shape {list(codes.shape)}, the "
-                                  f"model's {type(module).__name__} {target} "
+                                  f"model's {type(module).__name__} "
                                   f"{list(weight.shape) if isinstance(weight, torch.Tensor) else 'none'}")
         try:
             fast = make_fp8_linear(codes, scale, activations, tensors.get("input_scale"), module.bias, dtype,
                                    block) if run_fp8 and type(module) is nn.Linear else None
+            real = None if fast is not None else dequantize(codes, scale, weight.dtype, block)
         except Fp8WeightsError as exc:
             raise Fp8WeightsError(f"{path}: {exc}") from None
         if fast is not None:
-            parent, _, child = target.rpartition(".")
+            parent, _, child = path.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, fast)
             report.fp8_layers += 1
             report.modes[fast.mode] = report.modes.get(fast.mode, 0) + 1
             continue
-        try:
-            real = dequantize(codes, scale, weight.dtype, block)
-        except Fp8WeightsError as exc:
-            raise Fp8WeightsError(f"{path}: {exc}") from None
         with torch.no_grad():
             weight.copy_(real)
         report.dequantized += 1

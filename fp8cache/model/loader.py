@@ -174,9 +174,13 @@ def load_model(config: EngineConfig, progress: bool = True, on_device: bool = Tr
         hf_config = AutoConfig.from_pretrained(path, trust_remote_code=remote, local_files_only=True)
     except ValueError as e:  # unknown model_type, or custom code without trust_remote_code
         raise ModelLoadError(f"cannot read the model config in {path!r}: {e}") from e
-    quant = checkpoints.describe(checkpoints.read_config(path)) if not is_dummy else checkpoints.CheckpointQuant()
-    if quant.own:
+    if is_dummy:  # random weights in the model's shapes: its quantization has nothing to act on
+        quant = checkpoints.CheckpointQuant()
         checkpoints.strip_quantization(hf_config)
+    else:
+        quant = checkpoints.describe(checkpoints.read_config(path))
+        if quant.own:
+            checkpoints.strip_quantization(hf_config)
     dtype = resolve_dtype(config.dtype, config.device, checkpoint_dtype(hf_config))
     tokenizer_path = tokenizer_folder(config, path, progress)
     if is_dummy and config.tokenizer is None and not dummy.has_tokenizer(path):
@@ -243,10 +247,11 @@ def _apply_fp8_weights(model: torch.nn.Module, tensors: dict[str, checkpoints.Te
     returns the checkpoint names they used. transformers loaded the codes cast to `dtype`, unscaled."""
     if not checkpoints.fp8_weight_names(tensors):
         return set()
-    layers, used = checkpoints.fp8_layer_tensors(tensors)
+    layers, used = checkpoints.fp8_layers(tensors)
     scheme = quant.weights or checkpoints.WeightScheme("FP8 checkpoint", "dynamic-token", name="weights")
-    why_not = _why_not_fp8(layers, scheme, dtype, device, may_run_fp8)
-    report = fp8_weights.apply(model, layers, scheme.activations, dtype, why_not is None, scheme.block)
+    why_not = _why_not_fp8(layers, tensors, scheme, dtype, device, may_run_fp8)
+    report = fp8_weights.apply(model, layers, lambda names: checkpoints.read_tensors(names, tensors),
+                               scheme.activations, dtype, why_not is None, scheme.block)
     what = f"FP8 weights ({scheme.describe()})"
     if report.fp8_layers:
         modes = ", ".join(f"{n} {mode}" for mode, n in sorted(report.modes.items()))
@@ -260,8 +265,9 @@ def _apply_fp8_weights(model: torch.nn.Module, tensors: dict[str, checkpoints.Te
     return used
 
 
-def _why_not_fp8(layers: dict[str, dict[str, torch.Tensor]], scheme: checkpoints.WeightScheme, dtype: torch.dtype,
-                 device: torch.device, may_run_fp8: bool) -> str | None:
+def _why_not_fp8(layers: dict[str, dict[str, str]], tensors: dict[str, checkpoints.TensorInfo],
+                 scheme: checkpoints.WeightScheme, dtype: torch.dtype, device: torch.device,
+                 may_run_fp8: bool) -> str | None:
     """None when the FP8 layers run as FP8 matmuls here, else why they are dequantized."""
     if not may_run_fp8:
         return "tensor parallelism shards plain weights"
@@ -273,9 +279,12 @@ def _why_not_fp8(layers: dict[str, dict[str, torch.Tensor]], scheme: checkpoints
     if not supported:
         return reason
     modes = set()
-    for tensors in layers.values():
-        codes, scale = tensors["weight"], tensors["scale"]
-        kind = fp8_weights.scale_kind(scale, *codes.shape, scheme.block)
+    for names in layers.values():
+        codes, scale = tensors[names["weight"]], checkpoints.shape_of(tensors[names["scale"]])
+        try:
+            kind = fp8_weights.scale_kind(scale, *codes.shape, scheme.block)
+        except fp8_weights.Fp8WeightsError as exc:
+            raise fp8_weights.Fp8WeightsError(f"{names['scale']}: {exc}") from None
         mode = fp8_weights.matmul_mode(kind, scheme.activations, scheme.block)
         if mode is not None:
             modes.add((mode, scheme.activations))
