@@ -225,3 +225,58 @@ def test_random_operations_keep_contents_and_invariants(ops):
     for seq in live:
         bm.free(seq)
     assert bm.num_used_blocks == 0 and bm.num_free_blocks == bm.num_blocks
+
+
+def test_blocks_behind_every_layers_window_are_given_back_and_the_rest_read_back():
+    """released_window W: a block ending more than W positions and a block before the next position is given
+    back (its table entry -1); the positions any later query reads (the last W) still read back right."""
+    window = 6
+    bm = BlockManager(num_blocks=6, block_size=BS, released_window=window)
+    cache = CacheModel(bm)
+    seq = make_seq(list(range(100, 105)))
+    cache.admit(seq)
+    for t in range(60):  # 65 tokens in a cache of 24 slots: only possible by giving blocks back
+        bm.release_behind_window(seq)
+        seq.append_token(t)
+        bm.append(seq, 1)
+        cache.compute(seq, 1)
+        bm.check_invariants()
+        n = seq.num_computed_tokens
+        given_back = [i for i, b in enumerate(seq.block_table) if b < 0]
+        assert all((i + 1) * BS <= n - window - BS for i in given_back)  # never one a later query reads
+        assert len(seq.block_table) - len(given_back) <= -(-(window + 2 * BS) // BS) + 1
+        bs = BS
+        recent = [cache.slots[seq.block_table[p // bs] * bs + p % bs] for p in range(n - window, n)]
+        assert recent == seq.token_ids[n - window:n]
+    assert seq.block_table[0] == -1 and seq.num_released_blocks > 10
+    bm.free(seq)
+    assert bm.num_free_blocks == bm.num_blocks and seq.block_table == []
+    bm.check_invariants()
+
+
+def test_a_shared_block_given_back_by_one_sequence_stays_with_the_other():
+    bm = BlockManager(num_blocks=16, block_size=BS, released_window=BS)
+    cache = CacheModel(bm)
+    a = make_seq(list(range(100, 100 + 5 * BS + 1)))
+    cache.admit(a)
+    b = make_seq(list(range(100, 100 + 5 * BS)) + [7])
+    assert cache.admit(b) == 5 * BS
+    shared = a.block_table[0]
+    bm.release_behind_window(a)
+    assert a.block_table[0] == -1 and b.block_table[0] == shared
+    assert bm.blocks[shared].ref_count == 1 and shared not in bm.free_block_ids
+    bm.check_invariants()
+    bm.free(b)
+    assert shared in bm.free_block_ids  # the last user gone: free, and still findable in the prefix cache
+    assert bm.lookup_prefix(make_seq(list(range(100, 100 + 2 * BS)) + [1]))[:1] == [shared]
+    bm.free(a)
+    assert bm.num_used_blocks == 0
+    bm.check_invariants()
+
+
+def test_no_window_keeps_every_block():
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    seq = make_seq(list(range(40)))
+    CacheModel(bm).admit(seq)
+    bm.release_behind_window(seq)
+    assert -1 not in seq.block_table and bm.num_used_blocks == 10

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY_WORDS
+from conftest import TINY_WORDS, build_tiny_tokenizer
 
 from fp8cache import LLM, SamplingParams
 
@@ -36,6 +36,8 @@ FAMILIES = {
                 "intermediate_size": 256, **MOE},
 }
 PROMPTS = [" ".join(TINY_WORDS[(7 * i + k) % len(TINY_WORDS)] for i in range(40 + 3 * k)) for k in range(3)]
+# Prompts go in as token ids of the word-level tokenizer the models are saved with: transformers loads some
+# families' own tokenizer class over it (Qwen2Tokenizer, which reads every word as one unknown byte run).
 NEW_TOKENS = 8
 
 
@@ -61,14 +63,18 @@ def family_paths(make_tiny_model) -> dict[str, str]:
     return paths
 
 
-def transformers_greedy(path: str, prompts: list[str]) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def prompt_ids(prompts: list[str]) -> list[list[int]]:
+    tok = build_tiny_tokenizer()
+    return [tok(prompt).input_ids for prompt in prompts]
 
-    tok = AutoTokenizer.from_pretrained(path)
+
+def transformers_greedy(path: str, prompts: list[str]) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).eval()
     outs = []
-    for prompt in prompts:
-        ids = tok(prompt, return_tensors="pt").input_ids
+    for prompt in prompt_ids(prompts):
+        ids = torch.tensor([prompt])
         with torch.no_grad():
             gen = model.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
         outs.append(gen[0, ids.shape[1]:].tolist())
@@ -78,10 +84,11 @@ def transformers_greedy(path: str, prompts: list[str]) -> list[list[int]]:
 def fp8kv_greedy(path: str, prompts: list[str], kv_cache_dtype: str, **overrides) -> tuple[list[list[int]], list]:
     """Greedy output tokens, and each prompt's tokens' log-probabilities (teacher-forced: the same contexts
     whatever the cache)."""
-    llm = LLM(model=path, kv_cache_dtype=kv_cache_dtype, dtype="float32", kv_cache_memory="16MiB",
-              calculate_kv_scales=kv_cache_dtype != "auto", **overrides)
+    settings = {"dtype": "float32", "kv_cache_memory": "16MiB", "calculate_kv_scales": kv_cache_dtype != "auto",
+                **overrides}
+    llm = LLM(model=path, kv_cache_dtype=kv_cache_dtype, **settings)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, prompt_logprobs=1)
-    outs = llm.generate(prompts, params)
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids(prompts)], params)
     scored = [[entry[tok].logprob for entry, tok in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])] for o in outs]
     return [o.outputs[0].token_ids for o in outs], scored
 
@@ -101,12 +108,33 @@ def test_family_decodes_as_transformers_and_fp8_stays_close(family_paths, family
 
 def test_a_window_16_model_answers_a_2000_token_prompt(make_tiny_model):
     """The context is the model's, not its window: positions past the window are attended to by the layers
-    that see them (here all of Mistral's, windowed), and the answer is transformers'."""
+    that see them (here all of Mistral's, windowed), and the answer is transformers'. Every layer slides, so
+    blocks behind the window are given back as the sequence goes: the 2,000 tokens run in a cache of 512."""
     path = make_tiny_model("mistral", sliding_window=WINDOW, max_position_embeddings=4096)
     prompt = " ".join(TINY_WORDS[(11 * i) % len(TINY_WORDS)] for i in range(2000))
     want = transformers_greedy(path, [prompt])
-    got, _ = fp8kv_greedy(path, [prompt], "auto", max_model_len=2048 + NEW_TOKENS + 64)
+    small_cache = {"max_model_len": 2048 + NEW_TOKENS + 64, "kv_cache_memory": "1MiB", "max_num_batched_tokens": 256}
+    got, auto_scores = fp8kv_greedy(path, [prompt], "auto", **small_cache)
     assert got == want
+    _, fp8_scores = fp8kv_greedy(path, [prompt], "fp8_e4m3", **small_cache)
+    shifts = torch.tensor(auto_scores[0]) - torch.tensor(fp8_scores[0])
+    assert shifts.numel() > 1900 and shifts.abs().max() < 0.05
+
+
+def test_models_with_full_attention_layers_keep_every_block(make_tiny_model):
+    """Gemma 3 mixes full-attention layers in: they read the whole context, so nothing is given back and the
+    cache still bounds a sequence's length; Mistral gives back what its window has passed."""
+    from fp8cache.config import EngineConfig
+    from fp8cache.engine.llm_engine import LLMEngine
+
+    mixed = make_tiny_model("gemma3_text", **FAMILIES["gemma3_text"], max_position_embeddings=4096)
+    windowed = make_tiny_model("mistral", sliding_window=WINDOW, max_position_embeddings=4096)
+    limits = {}
+    for name, path in (("mixed", mixed), ("windowed", windowed)):
+        engine = LLMEngine(EngineConfig(model=path, dtype="float32", kv_cache_memory="1MiB",
+                                        max_num_batched_tokens=256))
+        limits[name] = (engine.block_manager.released_window, engine.length_limit)
+    assert limits == {"mixed": (0, 512), "windowed": (WINDOW, 4096)}
 
 
 def test_a_model_with_attention_the_ops_do_not_compute_is_refused_at_load(make_tiny_model):

@@ -10,6 +10,12 @@ Sharing covers only blocks that are already computed: a block is registered afte
 it. A sequence never writes into a block it shares, because the cached prefix it takes stops short of
 its last token (that token must be fed again so that its logits exist).
 
+When every attention layer slides within a window of W positions (Mistral; released_window=W), the blocks of a
+running sequence that end more than W positions (and one block of slack, for a step still on the device) before
+its next position are given back as it goes: its table keeps -1 in their place, which the attention ops never
+read (they start at the window). A model that mixes in full-attention layers (Gemma 2/3, gpt-oss) keeps every
+block, since those layers read the whole context.
+
 With a recent-token window (kv_recent_window N > 0) sharing covers only the old, quantized part of a prompt:
 a hit stops at the last block boundary at least N tokens before the prompt's end, so a shared prefix that
 reaches into the newest N tokens is partly recomputed, and one shorter than N gives no hit at all.
@@ -41,7 +47,7 @@ def block_hash(prev_hash: int | None, token_ids: list[int], fingerprint: str) ->
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 cache_fingerprint: str = "", window: WindowPool | None = None) -> None:
+                 cache_fingerprint: str = "", window: WindowPool | None = None, released_window: int = 0) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"BlockManager needs num_blocks >= 1 and block_size >= 1, "
                              f"got {num_blocks} and {block_size}")
@@ -50,6 +56,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.cache_fingerprint = cache_fingerprint
         self.window = window  # recent-token window seats (kv_recent_window > 0), else None
+        self.released_window = released_window  # every layer's sliding window (0: keep every block)
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU
         self.hash_to_block_id: dict[int, int] = {}
@@ -128,6 +135,8 @@ class BlockManager:
             return
         hashes = self._full_block_hashes(seq, num_full)
         for i in range(seq.num_registered_blocks, num_full):
+            if seq.block_table[i] < 0:
+                continue  # given back before it could be offered
             block = self.blocks[seq.block_table[i]]
             if block.hash is None and hashes[i] not in self.hash_to_block_id:
                 block.hash = hashes[i]
@@ -191,18 +200,37 @@ class BlockManager:
         """Release seq's blocks. Cached ones stay findable until reused. Safe to call twice."""
         # Tail blocks first, so that they are evicted before the prefix blocks others may share.
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            if block.ref_count <= 0:
-                raise RuntimeError(f"double free of KV block {block_id} by {seq}")
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_block_ids[block_id] = None
+            if block_id >= 0:
+                self._release(block_id, seq)
         seq.block_table = []
+        seq.num_released_blocks = 0
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
         if self.window:
             self.window.release(seq)
         seq.window_floor = 0
+
+    def release_behind_window(self, seq: Sequence) -> None:
+        """Give back seq's blocks that no layer reads again: with every layer's window W, the next position p
+        reads from p - W + 1 on; a block ending before p - W - block_size is past it, with one block of slack
+        for the step still running on the device (it read positions up to a block earlier)."""
+        if not self.released_window:
+            return
+        first_read = seq.num_computed_tokens - self.released_window - self.block_size
+        behind = min(max(first_read, 0) // self.block_size, len(seq.block_table))
+        for i in range(seq.num_released_blocks, behind):
+            if seq.block_table[i] >= 0:
+                self._release(seq.block_table[i], seq)
+                seq.block_table[i] = -1
+        seq.num_released_blocks = max(seq.num_released_blocks, behind)
+
+    def _release(self, block_id: int, seq: Sequence) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count <= 0:
+            raise RuntimeError(f"double free of KV block {block_id} by {seq}")
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_block_ids[block_id] = None
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]

@@ -104,10 +104,14 @@ class LLMEngine:
         self.tokenizer = runner.tokenizer
         self.eos_token_ids = set(runner.eos_token_ids)
         self.block_manager = BlockManager(runner.num_blocks, runner.block_size, config.enable_prefix_caching,
-                                          runner.cache_fingerprint, _window_pool(runner))
+                                          runner.cache_fingerprint, _window_pool(runner),
+                                          released_window=getattr(runner, "attention_window", 0))
         self.max_model_len = runner.max_model_len
         self.cache_capacity_tokens = runner.num_blocks * runner.block_size
-        self.length_limit = min(self.max_model_len, self.cache_capacity_tokens)  # a sequence this long stops
+        self.cache_bounds_length = not _window_releases_enough(self.block_manager, config.max_num_batched_tokens)
+        # A sequence this long stops: the cache's capacity too, unless blocks behind the window are given back.
+        self.length_limit = min(self.max_model_len, self.cache_capacity_tokens) if self.cache_bounds_length \
+            else self.max_model_len
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.length_limit)
         self.sampler = Sampler(config.seed)
@@ -348,9 +352,17 @@ class LLMEngine:
         if len(token_ids) > self.max_model_len:
             raise ValueError(f"the prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len};"
                              f" shorten the prompt or raise max_model_len")
-        if len(token_ids) > self.cache_capacity_tokens:
+        if len(token_ids) > self.cache_capacity_tokens and self.cache_bounds_length:
             raise ValueError(f"the prompt has {len(token_ids)} tokens but the whole KV cache holds "
                              f"{self.cache_capacity_tokens}; raise kv_cache_memory or shorten the prompt")
+
+
+def _window_releases_enough(block_manager: BlockManager, max_num_batched_tokens: int) -> bool:
+    """Whether one sequence, giving back its blocks behind every layer's sliding window, never holds more than
+    the cache: its window, a block of slack, a partly filled block and one step's chunk of new tokens."""
+    window = block_manager.released_window
+    held = window + 2 * block_manager.block_size + max_num_batched_tokens
+    return bool(window) and held <= block_manager.num_blocks * block_manager.block_size
 
 
 def _runs_asynchronously(runner) -> bool:

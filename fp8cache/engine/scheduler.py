@@ -199,6 +199,8 @@ class Scheduler:
         for item in scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
         self.register_blocks([item.seq for item in scheduled])
+        for item in scheduled:
+            self.block_manager.release_behind_window(item.seq)
 
     def register_blocks(self, seqs: list[Sequence]) -> None:
         """Offer the full computed blocks to the prefix cache whose token ids are all on the host (a block is

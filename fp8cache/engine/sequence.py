@@ -44,7 +44,8 @@ class Sequence:
         self.num_pending_tokens = 0  # sampled on the device, not yet in token_ids (the overlapped loop)
         self.pending_row: int | None = None  # the newest pending token's row in its step's sampled tokens
         self.num_cached_tokens = 0  # of those, how many came from the prefix cache at admission
-        self.block_table: list[int] = []
+        self.block_table: list[int] = []  # -1: a block given back behind every layer's sliding window
+        self.num_released_blocks = 0  # leading block_table entries given back (BlockManager.release_behind_window)
         self.block_hashes: list[int] = []  # hashes of the full blocks of token_ids, filled lazily
         self.hash_fingerprint: str | None = None  # the cache fingerprint block_hashes were made with
         self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache

@@ -74,6 +74,15 @@ def binding_window(window: int | None, config: object) -> int:
     return 0 if not window or (longest is not None and window >= longest) else int(window)
 
 
+def model_window(model: torch.nn.Module) -> int:
+    """The sliding window every attention layer of `model` keeps within (the longest of theirs), or 0 when
+    any layer attends to its whole context (Gemma 2/3 and gpt-oss mix full layers in). Positions further back
+    than it are never read again, so their cache blocks can be given back (BlockManager)."""
+    windows = [features_of(m, getattr(m, "config", None)).sliding_window for m in model.modules()
+               if hasattr(m, "layer_idx") and type(m).__name__.endswith("Attention")]
+    return max(windows) if windows and all(windows) else 0
+
+
 # Attention a model may ask for that the ops do not compute: refused when the model loads, naming it.
 UNSUPPORTED_CONFIG = {"attention_chunk_size": "chunked attention (Llama 4's attention_chunk_size)"}
 
@@ -231,14 +240,15 @@ def step_arrays(batch: StepBatch, kv_caches: list[tuple[torch.Tensor, torch.Tens
 def _block_table_array(rows: list[list[int]], num_blocks: int, width: int | None = None) -> np.ndarray:
     """int32 [rows, longest (or width)]; entries past a row's end stay 0 and are never read (only blocks below
     ceil(context_len / block_size) are). Ids are checked here, on the host, so no kernel ever sees one
-    outside the cache."""
+    outside the cache; -1 marks a block given back behind every layer's sliding window, which the ops never
+    look up (they start at the window)."""
     longest = max(len(r) for r in rows)
     if width is not None and width < longest:
         raise ValueError(f"a block table of {longest} blocks does not fit the {width} columns of this step")
     tables = np.zeros((len(rows), width or longest), dtype=np.int32)
     for i, row in enumerate(rows):
         tables[i, :len(row)] = row
-    if tables.size and (int(tables.min()) < 0 or int(tables.max()) >= num_blocks):
+    if tables.size and (int(tables.min()) < -1 or int(tables.max()) >= num_blocks):
         raise IndexError(f"block table holds a block id outside [0, {num_blocks})")
     return tables
 

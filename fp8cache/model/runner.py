@@ -77,6 +77,7 @@ class ModelRunner:
         self._read_shapes()
         self.max_model_len = self._resolve_max_model_len()
         self.eos_token_ids = self._eos_token_ids()
+        self.attention_window = attention.model_window(self.model)  # 0: some layer reads all its context
         fused = fused_layer.install(self.model)
         if fused:
             log(f"{fused} decoder layers run fp8kv's fused forward")
