@@ -1,4 +1,4 @@
-"""The GPU sources compile: CUDA kernels for sm_80/89/90, the CUDA torch bindings, the kernels as HIP for
+"""The GPU sources compile: CUDA kernels for sm_80 and sm_90, the CUDA torch bindings, the kernels as HIP for
 gfx90a/gfx940, and the kernels as torch's hipify rewrites them for a ROCm build.
 
 Nothing is run on a GPU (there is none here); scripts/compile_check.sh does the compiling and prints the

@@ -167,8 +167,14 @@ def _wait_refused(url: str) -> bool:
 CRASH_PRELUDE = """
 import fp8cache.engine.llm_engine as _engine
 
+_real_step = _engine.LLMEngine.step
+
 def _crashing_step(self):
-    raise RuntimeError("simulated engine crash")
+    # The warm-up's request runs as before (a model that fails it never serves); a client's request crashes.
+    queued = [*self.scheduler.waiting, *self.scheduler.running]
+    if any(not seq.request_id.startswith("fp8kv-warm-up") for seq in queued):
+        raise RuntimeError("simulated engine crash")
+    return _real_step(self)
 
 _engine.LLMEngine.step = _crashing_step
 """
