@@ -146,17 +146,24 @@ def _score_window(baseline: ModelRunner, tested: ModelRunner, ids: list[int], to
 
 
 def _logger(progress: bool) -> Callable[[str], None]:
+    from fp8cache.logger import configure_default_logging, log_function
+
+    configure_default_logging()  # as LLM() does: a handler unless the application set up its own logging
+    write = log_function("fp8kv.eval")
+
     def log(msg: str) -> None:
         # Warnings always show; the rest only with progress output on.
         if progress or msg.startswith("warning"):
-            print(msg, file=sys.stderr)
+            write(msg)
 
     return log
 
 
 @contextmanager
 def _progress_bar(enabled: bool, total: int) -> Iterator[Callable[[], None]]:
-    if not enabled:
+    from fp8cache.logger import is_terminal
+
+    if not enabled or not is_terminal(sys.stderr):  # a log file or journald gets the log lines, not a bar
         yield lambda: None
         return
     from rich.console import Console

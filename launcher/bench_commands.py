@@ -19,7 +19,7 @@ from rich.table import Table
 
 from launcher.options import SHAPES
 
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)
 EXIT_INTERRUPTED = 130
 
 

@@ -14,7 +14,7 @@ from rich.table import Table
 
 from launcher.bench_commands import CPU_ISA_OPT, cpu_path, load_cpu_path
 
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)
 
 
 def _parse_shapes(text: str) -> list[tuple[int, int]]:

@@ -7,7 +7,7 @@ import sys
 import click
 from rich.console import Console
 
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)
 
 
 def _fail(message: str) -> None:

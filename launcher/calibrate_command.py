@@ -17,7 +17,7 @@ from fp8cache.kvcache.rotation import ROTATIONS
 from fp8cache.kvcache.scales import GRANULARITIES
 from launcher.supervisor import owns_its_children
 
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)
 
 
 @click.command("calibrate", context_settings={"show_default": True})

@@ -12,6 +12,9 @@ import click
 @click.version_option(package_name="fp8kv")
 def main() -> None:
     """Serve language models with an FP8 KV cache."""
+    from launcher.logs import progress_bars_only_on_a_terminal
+
+    progress_bars_only_on_a_terminal()
 
 
 @main.group()

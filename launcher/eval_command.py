@@ -9,11 +9,13 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)
 
 
 def _fail(message: str) -> None:
-    console.print(f"[bold red]error:[/] {message}")
+    from launcher.logs import say_error
+
+    say_error(message, console)
     sys.exit(2)
 
 
@@ -54,6 +56,9 @@ def eval_command(model: str | None, kv_cache_dtype: str, quantization_param_path
     from fp8cache.config import EngineConfig
     from fp8cache.eval import evaluate
     from fp8cache.kvcache.scales import check_engine_scales
+    from launcher.logs import setup_logging
+
+    setup_logging()
 
     config = EngineConfig(model=model, kv_cache_dtype=kv_cache_dtype, dtype=dtype,
                           quantization_param_path=quantization_param_path,

@@ -7,15 +7,14 @@ import sys
 from typing import TYPE_CHECKING
 
 import click
-from rich.console import Console
 
+from fp8cache.logger import log_function
+from launcher.logs import logger, setup_logging
 from launcher.options import engine_config, engine_errors, engine_options, fail, option, pick_model
 from launcher.supervisor import owns_its_children
 
 if TYPE_CHECKING:
     from fp8cache.engine.llm import LLM
-
-console = Console(stderr=True)
 
 
 @click.command("generate", context_settings={"show_default": True})
@@ -55,6 +54,7 @@ def generate(args: tuple[str, ...], **kw) -> None:
     if len(args) > 2:
         raise click.UsageError(f"expected [MODEL] PROMPT, got {len(args)} arguments; quote the prompt")
     model, prompt = (args[0], args[1]) if len(args) == 2 else (None, args[0])
+    setup_logging()  # from here every line of stderr, an error included, is in the log's format
     from fp8cache.distributed import parallel_state
     from fp8cache.distributed.group import WorkerDiedError
     from fp8cache.engine.llm import LLM
@@ -65,11 +65,7 @@ def generate(args: tuple[str, ...], **kw) -> None:
     from fp8cache.kvcache.scales import check_engine_scales
 
     check_engine_scales(config)  # a bad scales file fails now, not after the model loads (in every rank)
-
-    def log(msg: str) -> None:
-        from rich.markup import escape
-
-        console.print(f"[dim]{escape(msg)}[/]", highlight=False)  # worker lines start "[rank 1]"
+    log = log_function("fp8kv")  # worker lines start "[rank 1]"
 
     if num_shard > 1 and (parallel_state.env_rank() or 0) > 0:  # one worker rank of an outside launcher
         from fp8cache.model.tp_ranks import run_worker
@@ -80,8 +76,8 @@ def generate(args: tuple[str, ...], **kw) -> None:
     if prompt == "-":
         prompt = sys.stdin.read()
     try:
-        with console.status("loading the model..."):
-            llm = LLM.from_config(config, log=log)  # with --num-shard N, also starts and stops ranks 1..N-1
+        logger.info("loading the model")
+        llm = LLM.from_config(config, log=log)  # with --num-shard N, also starts and stops ranks 1..N-1
         with llm:
             _generate(llm, prompt, kw)
     except WorkerDiedError as exc:
@@ -107,4 +103,4 @@ def _generate(llm: LLM, prompt: str, kw: dict) -> None:
     except KeyboardInterrupt:
         finish = "interrupted"
     sys.stdout.write("\n")
-    console.print(f"[dim]finish reason: {finish}[/]", highlight=False)
+    logger.info("finish reason: %s", finish)

@@ -23,13 +23,16 @@ SHAPES = ", ".join(shape_names())  # for --help; fp8cache/data/shapes
 if TYPE_CHECKING:
     from fp8cache.config import EngineConfig
 
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)
 DEFAULT_GRACEFUL_TIMEOUT = 30.0
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
-    """Print one error line and exit with `code` (2: a configuration error, which a restart does not fix)."""
-    console.print(f"[bold red]error:[/] {message}", highlight=False)
+    """Print one error line and exit with `code` (2: a configuration error, which a restart does not fix).
+    Once the command has set up its log (launcher/logs.py), the line is an ERROR line of that log."""
+    from launcher.logs import say_error
+
+    say_error(message, console)
     distributed = sys.modules.get("torch.distributed")
     if distributed is not None and distributed.is_available() and distributed.is_initialized():
         # A tensor-parallel rank (a model too large for its cache, say) ends without interpreter teardown, where

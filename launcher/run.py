@@ -9,7 +9,6 @@ import dataclasses
 import sys
 
 import click
-from rich.console import Console
 
 from launcher.options import (
     engine_config,
@@ -22,8 +21,6 @@ from launcher.options import (
     server_options,
 )
 from launcher.supervisor import owns_its_children
-
-console = Console(stderr=True)
 
 
 @click.command("run", context_settings={"show_default": True})
@@ -42,10 +39,14 @@ def run(model: str | None, **kw) -> None:
     Example: fp8kv run ./my-model --kv-cache-dtype fp8 --quantization-param-path scales.json
     """
     from fp8cache.distributed import parallel_state
-    from fp8cache.server.serve import ServeOptions, configure_logging, serve
+    from fp8cache.server.serve import ServeOptions, serve
+    from launcher.logs import logger, setup_logging
 
     num_shard = kw.pop("num_shard")
     rank = parallel_state.env_rank() if num_shard > 1 else 0
+    # From here every line of stderr, an error included, is in the log's format; with --num-shard N each
+    # rank's lines name it, and the supervisor (rank None) writes its own in the same format.
+    setup_logging(kw["log_format"], rank=rank if num_shard > 1 else None)
     config = dataclasses.replace(engine_config(pick_model(model, kw["model_option"]), kw),
                                  tensor_parallel_size=num_shard)
     from fp8cache.kvcache.scales import check_engine_scales
@@ -65,8 +66,8 @@ def run(model: str | None, **kw) -> None:
             check_listen(kw["host"], kw["port"])
         except ListenError as exc:
             fail(str(exc), code=EXIT_PORT_IN_USE)
-        sys.exit(supervise(sys.argv[1:], num_shard, stop_timeout=kw["graceful_timeout"] + 30))
-    configure_logging(kw["log_format"])
+        sys.exit(supervise(sys.argv[1:], num_shard, stop_timeout=kw["graceful_timeout"] + 30,
+                           log_format=kw["log_format"]))
     if rank > 0:
         import logging
 
@@ -76,8 +77,8 @@ def run(model: str | None, **kw) -> None:
         parallel_state.exit_rank(run_worker(config, log=logging.getLogger("fp8kv").info,
                                             on_ready=lambda status: Notifier().ready(status)))
     if kw["host"] not in ("127.0.0.1", "localhost", "::1") and not kw["api_key"]:
-        console.print(f"[yellow]warning:[/] listening on {kw['host']} without --api-key: anyone who can "
-                      "reach this port can use the model", highlight=False)
+        logger.warning("listening on %s without --api-key: anyone who can reach this port can use the model",
+                       kw["host"])
     options = ServeOptions(host=kw["host"], port=kw["port"], api_key=kw["api_key"] or None,
                            served_model_name=kw["served_model_name"], graceful_timeout=kw["graceful_timeout"],
                            log_format=kw["log_format"], max_request_bytes=kw["max_request_bytes"],

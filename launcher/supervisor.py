@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import os
 import signal
 import socket
@@ -31,6 +32,7 @@ from fp8cache.distributed.processes import (
     rank_env,
     relay_output,
 )
+from fp8cache.logger import LOG_LINE, log_formatter
 from fp8cache.server.notify import Notifier
 
 MASTER_ADDR = LOOPBACK
@@ -63,21 +65,38 @@ def _rank_env(rank: int, world: int, port: int, notify_path: str) -> dict[str, s
 
 class Supervisor:
     def __init__(self, argv: list[str], num_shard: int, stop_timeout: float,
-                 write: Callable[[str], None] | None = None) -> None:
+                 write: Callable[[str], None] | None = None, log_format: str = "text") -> None:
         """argv: the command's arguments after the program name; stop_timeout: seconds a graceful stop
-        may take before the ranks are killed."""
+        may take before the ranks are killed; log_format: the ranks' (--log-format), which the supervisor's
+        own lines follow, so that the whole output is in one format."""
         self.argv, self.num_shard, self.stop_timeout = argv, num_shard, stop_timeout
         self._write_lock = threading.Lock()
         self._write = write or sys.stderr.write
+        self._formatter = log_formatter(log_format)
         self.ranks: list[Rank] = []
         self.stop_signal: int | None = None
         self.systemd = Notifier()
         self._rank0_status: str | None = None
 
-    def say(self, text: str) -> None:
+    def say(self, text: str, level: int = logging.INFO) -> None:
+        """One line of the supervisor's, as the `fp8kv` logger's record in the ranks' format."""
+        record = logging.LogRecord("fp8kv", level, __file__, 0, text, None, None)
+        self._put(self._formatter.format(record))
+
+    def _put(self, line: str) -> None:
         with self._write_lock:
-            self._write(text if text.endswith("\n") else text + "\n")
+            self._write(line if line.endswith("\n") else line + "\n")
             sys.stderr.flush()
+
+    def _relay(self, line: str) -> None:
+        """A rank's output line (relay_output made it "[rank r] line"): its log lines, already in the format
+        and labelled with the rank, pass as they are; anything else it wrote (a traceback, a library's print)
+        becomes a warning line of the supervisor's."""
+        label, _, text = line.partition("] ")
+        if LOG_LINE.match(text):
+            self._put(text)
+        else:
+            self.say(f"{label}] {text}", logging.WARNING)
 
     def run(self) -> int:
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -97,7 +116,7 @@ class Supervisor:
 
     def _start(self, tmp: str) -> None:
         port = int(os.environ.get("MASTER_PORT") or free_port())
-        self.say(f"fp8kv: starting {self.num_shard} tensor-parallel ranks (MASTER_ADDR={MASTER_ADDR} "
+        self.say(f"starting {self.num_shard} tensor-parallel ranks (MASTER_ADDR={MASTER_ADDR} "
                  f"MASTER_PORT={port})")
         for r in range(self.num_shard):
             path = os.path.join(tmp, f"rank-{r}.notify")
@@ -108,10 +127,10 @@ class Supervisor:
                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     start_new_session=True, preexec_fn=die_with_parent)  # noqa: PLW1509 (no threads yet)
             self.ranks.append(Rank(r, proc, notify=sock))
-            self.say(f"fp8kv: rank {r} started (pid {proc.pid})")
+            self.say(f"rank {r} started (pid {proc.pid})")
         # Relay threads start after the last fork: preexec_fn is only safe while this process has one thread.
         for rank in self.ranks:
-            threading.Thread(target=relay_output, args=(rank, self.say), daemon=True).start()
+            threading.Thread(target=relay_output, args=(rank, self._relay), daemon=True).start()
 
     def _watch(self) -> int:
         """Until a stop signal or a rank's exit; the exit status."""
@@ -139,7 +158,7 @@ class Supervisor:
         if "READY=1" in fields and not rank.ready:
             rank.ready = True
             waiting = [r.rank for r in self.ranks if not r.ready]
-            self.say(f"fp8kv: rank {rank.rank} ready" + (f"; waiting for {waiting}" if waiting else
+            self.say(f"rank {rank.rank} ready" + (f"; waiting for {waiting}" if waiting else
                                                          "; all ranks ready"))
             if not waiting:
                 status = self._rank0_status or f"{self.num_shard} tensor-parallel ranks ready"
@@ -155,31 +174,31 @@ class Supervisor:
 
     def _fail(self, failed: Rank, code: int) -> int:
         why = describe_exit(code)
-        self.say(f"fp8kv: rank {failed.rank} {why}; stopping the other ranks")
+        self.say(f"rank {failed.rank} {why}; stopping the other ranks", logging.ERROR)
         self.systemd.stopping(f"rank {failed.rank} {why}")
         self._signal_all(signal.SIGTERM)
         self._wait_all(_FAILURE_GRACE_S)
         time.sleep(0.2)  # let the relay threads print the last lines
-        self.say(f"fp8kv: last output of rank {failed.rank}:")
+        self.say(f"last output of rank {failed.rank}:", logging.ERROR)
         for line in failed.tail:
-            self.say(f"  | {line}")
-        self.say(f"error: tensor-parallel rank {failed.rank} {why}")
+            self.say(f"  | {line}", logging.ERROR)
+        self.say(f"tensor-parallel rank {failed.rank} {why}", logging.ERROR)
         return code if code > 0 else 1
 
     def _stop_gracefully(self) -> int:
         name = signal.Signals(self.stop_signal).name
-        self.say(f"fp8kv: {name} received: stopping all {self.num_shard} ranks (up to {self.stop_timeout:g}s)")
+        self.say(f"{name} received: stopping all {self.num_shard} ranks (up to {self.stop_timeout:g}s)")
         self._signal_all(signal.SIGTERM)
         if not self._wait_all(self.stop_timeout):
-            self.say(f"fp8kv: ranks still running after {self.stop_timeout:g}s; killing them")
+            self.say(f"ranks still running after {self.stop_timeout:g}s; killing them")
         time.sleep(0.2)
         codes = [r.proc.returncode for r in self.ranks]
         # A rank still importing when the SIGTERM came has no handler yet and dies of it: that is the stop
         # asked for, not an error.
         bad = [(r.rank, c) for r, c in zip(self.ranks, codes) if c not in (0, -signal.SIGTERM)]
         for r, c in bad:
-            self.say(f"fp8kv: rank {r} {describe_exit(c)}")
-        self.say(f"fp8kv: stopped ({'cleanly' if not bad else 'with errors'})")
+            self.say(f"rank {r} {describe_exit(c)}", logging.ERROR)
+        self.say(f"stopped ({'cleanly' if not bad else 'with errors'})")
         if bad:
             return 1
         # Ctrl-C before every rank was up interrupted the start (the shell's 130); after that it is a stop.
@@ -212,9 +231,9 @@ class Supervisor:
             rank.notify.close()
 
 
-def supervise(argv: list[str], num_shard: int, stop_timeout: float) -> int:
+def supervise(argv: list[str], num_shard: int, stop_timeout: float, log_format: str = "text") -> int:
     """Run `fp8kv <argv>` as num_shard ranks on this machine; the exit status for the whole group."""
-    return Supervisor(argv, num_shard, stop_timeout).run()
+    return Supervisor(argv, num_shard, stop_timeout, log_format=log_format).run()
 
 
 # -- no process outlives the command ----------------------------------------------------------------

@@ -16,7 +16,7 @@ from rich.console import Console
 from launcher.options import engine_options, memory_arg, pick_model, server_options
 from launcher.systemd import MEMORY_HEADROOM, render_unit
 
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)
 
 
 @click.command("systemd-unit", context_settings={"show_default": True})

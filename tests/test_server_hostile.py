@@ -402,14 +402,14 @@ def test_a_compile_is_abandoned_when_its_client_goes(grammar_server):
 def test_log_lines_once_per_cause_per_interval(monkeypatch):
     import logging
 
-    from fp8cache.server import serve
+    from fp8cache import logger as fp8kv_logging
 
     now = [1000.0]
-    monkeypatch.setattr(serve.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(fp8kv_logging.time, "monotonic", lambda: now[0])
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())
-    handler.addFilter(serve.OncePerInterval(interval=10))
+    handler.addFilter(fp8kv_logging.OncePerInterval(interval=10))
     log = logging.getLogger("fp8kv.test-once-per-interval")
     log.addHandler(handler)
     log.propagate = False

@@ -88,7 +88,7 @@ def serve_and_compare(model: str, num_shard: int, kv_cache_dtype: str, prompts: 
         # The launcher noticed, stopped the other ranks, and failed naming the rank.
         assert code != 0
         assert f"rank {num_shard - 1} was killed by SIGKILL" in output
-        assert f"error: tensor-parallel rank {num_shard - 1}" in output
+        assert f" ERROR   fp8kv: tensor-parallel rank {num_shard - 1}" in output
     else:
         # SIGTERM reached every rank: rank 0 drained and released the workers, and all exited 0.
         assert code == 0, output[-3000:]
@@ -130,7 +130,7 @@ def test_a_failing_rank_at_start_shows_its_error(tiny_llama_path, tmp_path):
                           capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode != 0
     assert "holds no block" in proc.stderr
-    assert re.search(r"error: tensor-parallel rank \d exited with status 2", proc.stderr)
+    assert re.search(r" ERROR   fp8kv: tensor-parallel rank \d exited with status 2", proc.stderr)
 
 
 # ---- the runner on each rank: scale slices and logits -------------------------------------------------------

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from fp8cache.jsonkind import json_kind
 from fp8cache.kvcache import formats
 
 if TYPE_CHECKING:
@@ -197,7 +198,7 @@ def load_scales_file(path: str | os.PathLike, num_layers: int | None, num_kv_hea
     doc = _read_json(path)
     kv = doc.get("kv_cache")
     if not isinstance(kv, dict):
-        problem = "is missing" if kv is None else f"must be an object, not {type(kv).__name__}"
+        problem = "is missing" if kv is None else f"must be an object, not {json_kind(kv)}"
         raise ScalesFileError(path, "kv_cache", problem)
     fmt = _file_format(path, kv, kv_cache_dtype)
     rotation = _file_rotation(path, doc)
@@ -317,7 +318,7 @@ def _read_json(path: str | os.PathLike) -> dict:
     except RecursionError:
         raise ScalesFileError(path, "", "not valid scales JSON (nested too deeply to read)", remake) from None
     if not isinstance(doc, dict):
-        raise ScalesFileError(path, "", f"the top level must be a JSON object, not {type(doc).__name__}")
+        raise ScalesFileError(path, "", f"the top level must be a JSON object, not {json_kind(doc)}")
     return doc
 
 

@@ -189,10 +189,11 @@ def describe(plan: CachePlan, kv_cache_dtype: str, max_model_len: int, max_num_s
     if plan.window_size:
         shown = window_dtype if window_dtype is not None else model_dtype
         dtype = str(shown).replace("torch.", "") if shown is not None else "the model dtype"
+        s = "s" if plan.window_seats != 1 else ""
         lines.append(f"Recent-token window: the newest {plan.window_size} tokens of each sequence also in {dtype},"
-                     f" {plan.window_seats} seats ({plan.window_bytes / 2**20:.1f} MiB of the budget)")
+                     f" {plan.window_seats} seat{s} ({plan.window_bytes / 2**20:.1f} MiB of the budget)")
         if plan.window_seats < max_num_seqs:
-            lines.append(f"note: the recent-token window has seats for {plan.window_seats} sequences, fewer than "
+            lines.append(f"note: the recent-token window has seats for {plan.window_seats} sequence{s}, fewer than "
                          f"max_num_seqs {max_num_seqs}; at most {plan.window_seats} run at once "
                          "(raise kv_cache_memory or lower kv_recent_window)")
     if plan.capacity_tokens < max_model_len:

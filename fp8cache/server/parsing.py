@@ -11,6 +11,7 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
+from fp8cache.jsonkind import json_kind
 from fp8cache.server.protocol.request_error import RequestError, validation_error
 from fp8cache.server.state import app_state
 
@@ -76,7 +77,7 @@ async def read_json(request: Request, limit: int) -> Any:
         reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
         raise RequestError(f"request body is not valid JSON: {reason}", param="body", code="invalid_json")
     if not isinstance(body, dict):
-        raise RequestError(f"request body must be a JSON object, not {type(body).__name__}", param="body",
+        raise RequestError(f"request body must be a JSON object ({{...}}), not {json_kind(body)}", param="body",
                            code="invalid_json")
     if _SURROGATE_ESCAPE.search(text):
         _refuse_lone_surrogates(body)

@@ -11,13 +11,10 @@ import asyncio
 import contextlib
 import dataclasses
 import ipaddress
-import json
 import logging
 import os
 import signal
-import sys
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +22,7 @@ from typing import Any
 import uvicorn
 
 from fp8cache.config import EngineConfig
+from fp8cache.logger import JsonFormatter, OncePerInterval, configure_logging  # noqa: F401 - the log's set-up lives there
 from fp8cache.server import grammar as G
 from fp8cache.server.connections import DEFAULT_READ_TIMEOUT_S, connection_limits, protocol_class
 from fp8cache.server.listener import ListenError, bind_listeners
@@ -56,64 +54,6 @@ class ServeOptions:
 # After the graceful timeout the server ends the streams still running (each gets its final event), then
 # gives them this long to go out before uvicorn cancels what is left.
 FINAL_EVENTS_S = 2.0
-LOG_INTERVAL_S = 10.0
-
-
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line, for journald/Loki/ELK."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        entry = {"time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}",
-                 "level": record.levelname.lower(), "logger": record.name, "message": record.getMessage()}
-        entry.update(getattr(record, "fields", {}))
-        if record.exc_info:
-            entry["exception"] = self.formatException(record.exc_info)
-        return json.dumps(entry, ensure_ascii=False, default=str)
-
-
-class OncePerInterval(logging.Filter):
-    """One record per cause (logger, level and message template) per interval; the next one let through says
-    how many were dropped. A flood of bad connections then costs a line every few seconds, not 150 MB a minute.
-    The access log, one line per request by design, is left alone."""
-
-    def __init__(self, interval: float = LOG_INTERVAL_S, exempt: tuple[str, ...] = ("uvicorn.access",)) -> None:
-        super().__init__()
-        self.interval = interval
-        self.exempt = exempt
-        self._seen: dict[tuple, list] = {}  # cause -> [when last let through, dropped since]
-        self._lock = threading.Lock()
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.name in self.exempt:
-            return True
-        key, now = (record.name, record.levelno, str(record.msg)), time.monotonic()
-        with self._lock:
-            entry = self._seen.get(key)
-            if entry is not None and now - entry[0] < self.interval:
-                entry[1] += 1
-                return False
-            dropped = entry[1] if entry is not None else 0
-            self._seen[key] = [now, 0]
-            if len(self._seen) > 4096:  # messages formatted in advance are causes of their own: forget old ones
-                self._seen = {k: v for k, v in self._seen.items() if now - v[0] < self.interval}
-        if dropped:
-            record.msg = f"{record.msg} [and {dropped} more like this in the {self.interval:g} s before, not logged]"
-        return True
-
-
-def configure_logging(log_format: str) -> None:
-    if log_format not in ("text", "json"):
-        raise ValueError(f"log format {log_format!r} is not known; use text or json")
-    handler = logging.StreamHandler(sys.stderr)
-    handler.addFilter(OncePerInterval())
-    handler.setFormatter(JsonFormatter() if log_format == "json" else
-                         logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s", "%H:%M:%S"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(logging.INFO)
-    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
-        logging.getLogger(name).handlers[:] = []
-        logging.getLogger(name).propagate = True
 
 
 def _log_line(message: str) -> None:

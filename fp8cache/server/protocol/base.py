@@ -42,7 +42,7 @@ def check_stop(value: Any, *, allow_str: bool) -> list[str] | None:
     if isinstance(value, str) and allow_str:
         value = [value]
     if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-        raise ValueError("must be " + ("a string or " if allow_str else "") + "a list of strings")
+        raise ValueError("must be " + ("a string or " if allow_str else "") + "an array of strings")
     if len(value) > MAX_STOP_SEQUENCES:
         raise ValueError(f"has {len(value)} sequences; at most {MAX_STOP_SEQUENCES} are allowed")
     for s in value:
@@ -55,7 +55,7 @@ def check_stop(value: Any, *, allow_str: bool) -> list[str] | None:
 
 def check_token_ids(value: Any, what: str) -> list[int]:
     if not isinstance(value, list) or not all(type(t) is int for t in value):
-        raise ValueError(f"{what} must be a list of integer token ids")
+        raise ValueError(f"{what} must be an array of integer token ids")
     if any(t < 0 for t in value):
         raise ValueError(f"{what} must not contain negative token ids")
     return value

@@ -37,8 +37,8 @@ class CompletionRequest(SamplingFields):
         elif isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
             prompts = value
         else:
-            raise ValueError("must be a string, a list of strings, a list of token ids or a list of lists "
-                             "of token ids, and not empty")
+            raise ValueError("must be a string, an array of strings, an array of token ids or an array of "
+                             "arrays of token ids, and not empty")
         if len(prompts) > MAX_PROMPTS:
             raise ValueError(f"has {len(prompts)} prompts; at most {MAX_PROMPTS} per request")
         for p in prompts:
