@@ -153,6 +153,7 @@ def configure_logging(log_format: str = "text", stream: TextIO | None = None, li
     for name in (ROOT, "uvicorn", "uvicorn.error", "uvicorn.access", "py.warnings"):
         logging.getLogger(name).handlers[:] = []
         logging.getLogger(name).propagate = True
+        logging.getLogger(name).disabled = False  # a dictConfig before (uvicorn's) may have switched it off
     logging.captureWarnings(True)
     warnings.showwarning = _log_warning
     if not is_terminal(stream):

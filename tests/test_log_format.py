@@ -52,7 +52,11 @@ def fresh_logging(monkeypatch):
     hf_state = hf_root.handlers[:], hf_root.propagate
     for var in ("TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS"):
         monkeypatch.delenv(var, raising=False)  # restored by monkeypatch, whatever configure_logging sets
+    disabled = {name: logging.getLogger(name).disabled for name in named}
+    hf_logging.enable_progress_bar()  # as a fresh process has them, whatever an earlier test in this one did
     yield
+    for name, off in disabled.items():
+        logging.getLogger(name).disabled = off
     logging.captureWarnings(False)
     root.handlers[:], root.level, warnings.showwarning = saved[0], saved[1], saved[2]
     for name, (handlers, propagate) in named.items():
