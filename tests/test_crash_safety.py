@@ -25,5 +25,5 @@ def test_a_conversion_killed_or_cut_short_at_random_points_is_converted_whole(tm
 
 @pytest.mark.slow
 def test_more_random_kill_and_truncation_points(tmp_path):
-    run_cases(["ops-kill", "ops-truncate", "ops-legacy", "model-kill", "model-truncate"], iterations=4,
+    run_cases(["ops-kill", "ops-truncate", "ops-legacy", "model-kill", "model-truncate"], iterations=2,
               work=tmp_path, say=print)

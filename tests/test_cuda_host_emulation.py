@@ -9,6 +9,8 @@ check what only a GPU shows (the sm_89+ conversion instructions, timing, memory 
 from __future__ import annotations
 
 import ctypes
+import fcntl
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -52,15 +54,19 @@ def load_emulation(variant: str, tmp_path_factory: pytest.TempPathFactory) -> ct
         if include is None:
             pytest.skip("cuda_fp8.h not found under /usr/local/cuda*/include: no CUDA toolkit")
         flags += ["-DFP8KV_HOST_EMULATION_CUDA_FP8", "-I", str(include)]
-    lib = tmp_path_factory.getbasetemp() / "fp8kv_host_emulation" / f"{variant}.so"
-    if not lib.is_file():
-        lib.parent.mkdir(exist_ok=True)
-        partial = lib.with_suffix(".partial")
-        cmd = [cxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", *flags,
-               str(CSRC / "cuda" / "host_emulation.cpp"), "-o", str(partial)]
-        done = subprocess.run(cmd, check=False, capture_output=True, text=True)
-        assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stderr}"
-        partial.rename(lib)
+    # pytest-xdist's workers each have a base temp folder of their own under the run's: build in the run's, once.
+    base = tmp_path_factory.getbasetemp()
+    lib = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "fp8kv_host_emulation" / f"{variant}.so"
+    lib.parent.mkdir(exist_ok=True)
+    with open(lib.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the other worker waits for this build instead of making its own
+        if not lib.is_file():
+            partial = lib.with_suffix(".partial")
+            cmd = [cxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", *flags,
+                   str(CSRC / "cuda" / "host_emulation.cpp"), "-o", str(partial)]
+            done = subprocess.run(cmd, check=False, capture_output=True, text=True)
+            assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stderr}"
+            partial.rename(lib)
     return ctypes.CDLL(str(lib))
 
 

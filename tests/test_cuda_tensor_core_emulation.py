@@ -218,7 +218,16 @@ _SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 _STATIC_SMEM = re.compile(r"(\d+) bytes smem")
 
 
+_REPORTS: dict[str, dict] = {}  # one nvcc run per unit, whichever emulation variant asks
+
+
 def _resource_report(unit: str, tmp_path: Path) -> dict[tuple[int, int, bool], dict[str, int]]:
+    if unit not in _REPORTS:
+        _REPORTS[unit] = _compile_resource_report(unit, tmp_path)
+    return _REPORTS[unit]
+
+
+def _compile_resource_report(unit: str, tmp_path: Path) -> dict[tuple[int, int, bool], dict[str, int]]:
     nvcc = shutil.which("nvcc") or next((str(p) for p in (Path("/usr/local/cuda/bin/nvcc"),) if p.is_file()), None)
     if nvcc is None:
         pytest.skip("nvcc not found: the kernels' resources come from its report")
