@@ -42,7 +42,7 @@ def standin_compile(spec: dict) -> None:
         (record / "raced").write_text(f"{spec['build_dir']}\n")
         sys.exit(3)
     # In a process group of its own, as ninja starts each compiler (posix_spawn with POSIX_SPAWN_SETPGROUP).
-    compiler = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"], preexec_fn=os.setpgrp)
+    compiler = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"], process_group=0)
     (Path(spec["build_dir"]) / "build.ninja").write_text("# the stand-in compiler's\n")
     data = Path(os.environ["FP8KV_STANDIN_LIBRARY"]).read_bytes()
     with open(Path(spec["build_dir"]) / f"{spec['name']}.so", "wb") as out:
