@@ -32,11 +32,20 @@ def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "slow: takes more than about 10 s (leave out with -m 'not slow')")
     config.addinivalue_line("markers", "real_auto_dtype: --dtype auto on a CPU is this machine's own choice, not "
                                        "the tests' float32")
+    import compile_ahead
+
+    config._fp8kv_compile_ahead = compile_ahead.start(config)
     if config.getoption("--cpu-isa"):
         # One op library per process: the asked-for path must be the first one loaded.
         from fp8cache import ops
 
         ops.load("cpu", cpu_isa=config.getoption("--cpu-isa"))
+
+
+def pytest_unconfigure(config) -> None:
+    import compile_ahead
+
+    compile_ahead.stop(getattr(config, "_fp8kv_compile_ahead", []))
 
 
 @pytest.fixture(scope="session", autouse=True)
