@@ -23,6 +23,8 @@ import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from fp8cache.fsync import fsync_path
+
 logger = logging.getLogger("fp8kv.model")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -168,7 +170,7 @@ def ensure_default_model(progress: bool = True) -> str:
                 raise DefaultModelError(f"the converted default model is not whole ({problem}); this is a bug in "
                                         "fp8kv's conversion, please report it, or give a local model folder")
             os.replace(out, target)
-            _fsync(os.path.dirname(target))
+            fsync_path(os.path.dirname(target))
         say(f"Default model ready at {target}")
     return target
 
@@ -190,16 +192,8 @@ def _seal(folder: str) -> None:
     with open(os.path.join(folder, MANIFEST), "w", encoding="utf-8") as f:
         json.dump(sizes, f, indent=1)
     for name in [*sizes, MANIFEST]:
-        _fsync(os.path.join(folder, name))
-    _fsync(folder)
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fsync_path(os.path.join(folder, name))
+    fsync_path(folder)
 
 
 def extract_default_gguf(dest: str) -> str:

@@ -45,6 +45,8 @@ from pathlib import Path
 
 import torch
 
+from fp8cache.fsync import fsync_path
+
 logger = logging.getLogger("fp8kv.ops")
 
 CPU_ISAS = ("native", "avx512", "avx2", "scalar")
@@ -553,18 +555,10 @@ def _share_like_the_umask(folder: Path) -> None:
     os.chmod(folder, 0o777 & ~umask)
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_manifest(folder: Path, library_name: str) -> None:
     """The manifest of folder/library_name as it is on disk now, flushed, replacing any older one whole."""
     library = folder / library_name
-    _fsync(library)
+    fsync_path(library)
     manifest = {"library": library_name, "bytes": library.stat().st_size, "sha256": _sha256(library),
                 "checked": "an op's argument error raised in a child process"}
     scratch = folder / f"{MANIFEST}.{os.getpid()}"
@@ -573,14 +567,14 @@ def _write_manifest(folder: Path, library_name: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(scratch, folder / MANIFEST)
-    _fsync(folder)
+    fsync_path(folder)
 
 
 def _install(work: Path, installed: Path, library_name: str) -> None:
     """Put a checked build in place: manifest, everything flushed, then one rename (whole or not at all)."""
     _write_manifest(work, library_name)
     os.rename(work, installed)
-    _fsync(installed.parent)
+    fsync_path(installed.parent)
 
 
 # An op that fails with a message holding numbers: the C++ exception and its string formatting must reach
