@@ -23,14 +23,14 @@ def bench() -> None:
 
 
 def _register_commands() -> None:
-    from launcher.bench_commands import capacity, serve, throughput
-    from launcher.bench_kernels_command import bench_kernels
-    from launcher.build_command import build
-    from launcher.calibrate_command import calibrate
-    from launcher.eval_command import eval_command
-    from launcher.generate_command import generate
+    from launcher.bench import capacity, serve, throughput
+    from launcher.bench_kernels import bench_kernels
+    from launcher.build import build
+    from launcher.calibrate import calibrate
+    from launcher.eval import eval_command
+    from launcher.generate import generate
     from launcher.run import run
-    from launcher.systemd_command import systemd_unit
+    from launcher.systemd_unit import systemd_unit
 
     for command in (build, run, generate, systemd_unit, calibrate, eval_command):
         main.add_command(command)

@@ -1,4 +1,4 @@
-"""The commands' log: fp8cache.logger.configure_logging for the process a command runs in.
+"""The commands' log: fp8cache.platform.log.configure_logging for the process a command runs in.
 
 Only where the command owns the process's stderr: a command invoked in-process (click's CliRunner, in the tests,
 or another program embedding the CLI) leaves its host's logging as it found it.
@@ -10,7 +10,7 @@ import logging
 import sys
 from typing import TYPE_CHECKING
 
-from fp8cache.logger import command_log_is_set_up, configure_logging, is_terminal, progress_bars_off
+from fp8cache.platform.log import command_log_is_set_up, configure_logging, is_terminal, progress_bars_off
 
 if TYPE_CHECKING:
     from rich.console import Console

@@ -49,14 +49,14 @@ def run(model: str | None, **kw) -> None:
     setup_logging(kw["log_format"], rank=rank if num_shard > 1 else None)
     config = dataclasses.replace(engine_config(pick_model(model, kw["model_option"]), kw),
                                  tensor_parallel_size=num_shard)
-    from fp8cache.kvcache.scales import check_engine_scales
+    from fp8cache.model.preflight import check_engine_scales
 
     check_engine_scales(config)  # a bad scales file fails now, not after the model loads (in every rank)
     if rank is None:  # one machine: start the ranks and watch them (rank 0 serves HTTP)
-        from fp8cache.device import resolve_device
         from fp8cache.model.tp_ranks import check_model_divisible
-        from fp8cache.server.listener import ListenError, check_listen
+        from fp8cache.platform.device import resolve_device
         from fp8cache.server.serve import EXIT_PORT_IN_USE
+        from fp8cache.systemd.listener import ListenError, check_listen
         from launcher.supervisor import supervise
 
         # What would fail in every rank after its model load is refused here, once, before any starts.
@@ -72,7 +72,7 @@ def run(model: str | None, **kw) -> None:
         import logging
 
         from fp8cache.model.tp_ranks import run_worker
-        from fp8cache.server.notify import Notifier
+        from fp8cache.systemd.notify import Notifier
 
         parallel_state.exit_rank(run_worker(config, log=logging.getLogger("fp8kv").info,
                                             on_ready=lambda status: Notifier().ready(status)))
@@ -97,8 +97,8 @@ def run(model: str | None, **kw) -> None:
 
 
 if __name__ == "__main__":  # `python -m launcher.run`: the three engine commands without the rest of fp8kv
-    from launcher.generate_command import generate
-    from launcher.systemd_command import systemd_unit
+    from launcher.generate import generate
+    from launcher.systemd_unit import systemd_unit
 
     @click.group()
     def _cli() -> None:

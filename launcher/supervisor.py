@@ -32,8 +32,8 @@ from fp8cache.distributed.processes import (
     rank_env,
     relay_output,
 )
-from fp8cache.logger import LOG_LINE, log_formatter
-from fp8cache.server.notify import Notifier
+from fp8cache.platform.log import LOG_LINE, log_formatter
+from fp8cache.systemd.notify import Notifier
 
 MASTER_ADDR = LOOPBACK
 __all__ = ["MASTER_ADDR", "Supervisor", "free_port", "kill_descendants", "owns_its_children", "rank_command",

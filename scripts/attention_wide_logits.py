@@ -13,6 +13,7 @@ import time
 import torch
 
 from fp8cache import ops
+from fp8cache.kvcache.layout import allocate_kv_cache
 
 
 def time_call(fn, repeats: int = 200) -> float:
@@ -35,7 +36,7 @@ def main() -> None:
     heads, kv_heads, head_size, block_size = 9, 3, 64, 16  # the default model's attention
     blocks_per_seq = -(-args.context // block_size)
     num_blocks = args.batch * blocks_per_seq
-    key_cache, value_cache = ops.allocate_kv_cache(num_blocks, block_size, kv_heads, head_size,
+    key_cache, value_cache = allocate_kv_cache(num_blocks, block_size, kv_heads, head_size,
                                                    args.kv_cache_dtype, torch.float32)
     tokens = torch.randn(2, num_blocks * block_size, kv_heads, head_size)
     ops.reshape_and_cache(tokens[0], tokens[1], key_cache, value_cache, torch.randperm(num_blocks * block_size),

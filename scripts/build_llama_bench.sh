@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 version=0.3.36
-dir="${1:-$("$PY" -c 'from fp8cache.model.default_model import cache_root; print(cache_root())')/llama.cpp}"
+dir="${1:-$("$PY" -c 'from fp8cache.platform.paths import cache_root; print(cache_root())')/llama.cpp}"
 # On AMX CPUs llama.cpp 0.3.36's ggml runs tile instructions without asking Linux for the tile state
 # (arch_prctl ARCH_REQ_XCOMP_PERM): SIGILL at the first prompt (seen on a Sapphire Rapids Xeon, 2026-11-27, at
 # tileloadd). There it is built without them (its AVX-512 paths), in a folder of its own.

@@ -29,7 +29,7 @@ if want machine; then
 import json
 import torch
 from fp8cache import ops
-from fp8cache.backends.cpu import model_dtype, packed_linear
+from fp8cache.model.cpu import dtype_probe, packed_linear
 from fp8cache.ops import _build, probes
 
 ops.load("cpu")
@@ -38,7 +38,7 @@ print(f"torch {torch.__version__}, op library path {features.isa}, AVX512-BF16 d
       f"AMX {features.amx}")
 for dtype in (torch.float32, torch.bfloat16):
     print(f"linear kernel for {dtype}: {packed_linear.linear_kernel(dtype, features)}")
-choice = model_dtype.cpu_auto_dtype()
+choice = dtype_probe.cpu_auto_dtype()
 print(f"--dtype auto: {choice.describe()}")
 path = _build.cache_dir() / probes.FILE_NAME
 print(f"{path}:", json.dumps(json.loads(path.read_text()), indent=1) if path.is_file() else "(none yet)")

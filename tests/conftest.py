@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp8cache.backends.cpu import model_dtype
+from fp8cache.model.cpu import dtype_probe
+from fp8cache.platform import model_dtype
 
-MACHINES_AUTO_DTYPE = model_dtype.cpu_auto_dtype  # before the tests pin it (cpu_auto_dtype_is_float32)
+MACHINES_AUTO_DTYPE = dtype_probe.cpu_auto_dtype  # before the tests pin it (cpu_auto_dtype_is_float32)
 
 
 def machines_auto_dtype() -> str:
@@ -56,14 +57,14 @@ def cpu_auto_dtype_is_float32():
     test_model_dtype.py and, end to end, by the tests marked real_auto_dtype."""
     pinned = model_dtype.DtypeChoice(torch.float32, "auto: float32, pinned by the tests")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(model_dtype, "cpu_auto_dtype", lambda: pinned)
-        yield model_dtype.cpu_auto_dtype
+        patch.setattr(dtype_probe, "cpu_auto_dtype", lambda: pinned)
+        yield dtype_probe.cpu_auto_dtype
 
 
 @pytest.fixture(autouse=True)
 def _machines_own_auto_dtype(request, monkeypatch):
     if request.node.get_closest_marker("real_auto_dtype"):
-        monkeypatch.setattr(model_dtype, "cpu_auto_dtype", MACHINES_AUTO_DTYPE)
+        monkeypatch.setattr(dtype_probe, "cpu_auto_dtype", MACHINES_AUTO_DTYPE)
 
 
 @pytest.fixture(scope="session")

@@ -20,11 +20,11 @@ import torch
 import torch.nn.functional as F
 
 from fp8cache import ops
-from fp8cache.ops import _build
+from fp8cache.platform import cpu_info
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
 CXX = shutil.which("g++")
-FEATURES = _build.cpu_feature_names()
+FEATURES = cpu_info.cpu_feature_names()
 
 pytestmark = pytest.mark.skipif(
     platform.machine() != "x86_64" or CXX is None or "avx512_bf16" not in FEATURES,

@@ -32,7 +32,7 @@ def test_llm_keeps_stdout_for_the_program(tiny_llama_path):
     done = _run_script(tiny_llama_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout == "tokens: 2\n"  # only what the script printed
-    # the engine's lines, named by logger, in the one format of every fp8kv log (fp8cache/logger.py)
+    # the engine's lines, named by logger, in the one format of every fp8kv log (fp8cache/platform/log.py)
     assert re.search(r"^\d\d:\d\d:\d\d INFO    fp8kv[.\w]*: KV cache:", done.stderr, re.MULTILINE), done.stderr
     assert "WARNING" in done.stderr  # "scales of 1.0" is a warning, not an info line
     quiet = _run_script(tiny_llama_path, FP8KV_CONFIGURE_LOGGING="0")  # the application's call

@@ -24,8 +24,8 @@ from fastapi import FastAPI, Request  # module level: the route's annotation mus
 from fastapi.responses import JSONResponse, StreamingResponse
 
 import fp8cache.ops as fp8cache_ops
-from fp8cache.ops import _build
-from launcher import bench_commands
+from fp8cache.platform import cpu_info
+from launcher import bench as bench_commands
 
 SMALL = ["--num-prompts", "4", "--input-len", "32", "--output-len", "8"]
 # One thread: on a shared machine with 2 cores, two OpenMP threads per process oversubscribe badly.
@@ -69,7 +69,7 @@ def tokenizer(default_tokenizer):
 
 def test_prompts_are_distinct_windows_of_the_eval_text(tokenizer):
     from fp8cache.bench.prompts import PromptSource
-    from fp8cache.eval import locate_eval_text, read_text
+    from fp8cache.quality.eval import locate_eval_text, read_text
 
     text = read_text(locate_eval_text())
     source = PromptSource(tokenizer)
@@ -185,7 +185,7 @@ def test_throughput_compares_recent_windows_side_by_side(default_model_path):
 def test_throughput_runs_a_lower_cpu_path_on_request(default_model_path):
     """--cpu-isa avx2: the engines run the op library built for AVX2 CPUs (Zen 2/3, Haswell to Cascade Lake),
     and the fp8kv rows say so. In its own process: a process holds one op library."""
-    if "avx2" not in _build.cpu_feature_names():
+    if "avx2" not in cpu_info.cpu_feature_names():
         pytest.skip("this CPU has no AVX2")
     args = ["bench", "throughput", default_model_path, *SMALL, *THREADS, "--kv-cache-dtype", "fp8_e4m3",
             "--kv-cache-memory", "32MiB", "--device", "cpu", "--cpu-isa", "avx2", "--json"]

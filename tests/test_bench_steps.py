@@ -92,7 +92,7 @@ def test_run_batch_times_each_step_with_the_clock_it_is_given(tiny_config, budge
 
 
 def test_throughput_rows_say_where_the_time_went(tiny_config):
-    from launcher import bench_commands
+    from launcher import bench as bench_commands
 
     args = [tiny_config, "--load-format", "dummy", "--num-prompts", "3", "--input-len", "24", "--output-len", "6",
             "--kv-cache-dtype", "auto,fp8_e4m3", "--compare", "hf", "--kv-cache-memory", "4MiB", "--max-model-len",
@@ -115,7 +115,7 @@ def test_throughput_rows_say_where_the_time_went(tiny_config):
 def test_capacity_at_a_budget_that_binds(tiny_config):
     """1 MiB of float32 cache (2 layers x 2 KV heads x 32 x K and V x 4 bytes = 1 KiB a token) holds 64 blocks of
     16: 8 sequences of 128 tokens; FP8 four times as many. Each batch runs whole, without preemption."""
-    from launcher import bench_commands
+    from launcher import bench as bench_commands
 
     args = [tiny_config, "--load-format", "dummy", "--kv-cache-memory", "1MiB", "--context", "128",
             "--output-len", "8", "--kv-recent-window", "0", "--device", "cpu", "--dtype", "float32", *THREADS,

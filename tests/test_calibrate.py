@@ -14,14 +14,14 @@ from click.testing import CliRunner
 from hadamard_reference import walsh_hadamard
 from safetensors.torch import load_file, save_file
 
-from fp8cache import calibrate as cal
 from fp8cache.config import EngineConfig
-from fp8cache.eval import evaluate, locate_eval_text, read_text
-from fp8cache.kvcache import formats
-from fp8cache.kvcache.scales import load_scales_file, scales_from_checkpoint
+from fp8cache.kvcache import formats, scale_files
+from fp8cache.kvcache.scale_files import load_scales_file, scales_from_checkpoint
 from fp8cache.model.loader import load_model, read_config_dict
 from fp8cache.model.runner import ModelRunner
-from launcher.calibrate_command import calibrate as calibrate_command
+from fp8cache.quality import calibrate as cal
+from fp8cache.quality.eval import evaluate, locate_eval_text, read_text
+from launcher.calibrate import calibrate as calibrate_command
 
 SAMPLES, SEQ_LEN = 2, 96
 E4M3 = formats.FP8_FORMATS["fp8_e4m3"]
@@ -164,7 +164,7 @@ def test_rotated_files_and_scales_without_both_kinds_of_scale_are_refused(tmp_pa
     rotated = cal.kv_scales.KVScales([torch.tensor([0.02])] * 2, [torch.tensor([0.01])] * 2, "fp8_e4m3", "x",
                                      "hadamard")
     with pytest.raises(ValueError, match="need unrotated_scales .* plain vLLM scaling_factor"):
-        cal.kv_scales.write_scales_file(tmp_path / "a.json", rotated, "llama", 1)
+        scale_files.write_scales_file(tmp_path / "a.json", rotated, "llama", 1)
     with pytest.raises(ValueError, match="unrotated_scales are for rotated scales only"):
         cal.kv_scales.KVScales(rotated.k, rotated.v, "fp8_e4m3", "x", "none", [0.03, 0.03])
     with pytest.raises(ValueError, match="unrotated_scales has 1 layers"):

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from fp8cache import ops
-from fp8cache.backends.cpu import model_dtype, packed_linear
+from fp8cache.model.cpu import dtype_probe, packed_linear
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "cpu_check.sh"
 
@@ -34,7 +34,7 @@ def test_machine_and_kernels_steps(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     summary = (tmp_path / "summary.txt").read_text()
     machine = (tmp_path / "machine.log").read_text()
-    assert f"--dtype auto: {model_dtype.cpu_auto_dtype().describe()}" in machine
+    assert f"--dtype auto: {dtype_probe.cpu_auto_dtype().describe()}" in machine
     ops.load("cpu")
     features = packed_linear.cpu_features()
     assert f"op library path {features.isa}, AVX512-BF16 dot {features.bf16_dot}, AMX {features.amx}" in machine

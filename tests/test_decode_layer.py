@@ -4,15 +4,18 @@ forward, and run only where it applies (decode-only steps, packed layers)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from numerics import assert_logits_close
 from test_model_runner import hf_logits
 from test_recent_window import RingSeq, merged, prompt_ids
 
-from fp8cache.backends.cpu import fused_layer, packed_linear
 from fp8cache.config import EngineConfig
 from fp8cache.kvcache.formats import CacheFormat
+from fp8cache.model import fused_layer
+from fp8cache.model.cpu import decode_layer, packed_linear
 from fp8cache.model.loader import load_model
 from fp8cache.model.runner import ModelRunner
 
@@ -48,7 +51,7 @@ def make_runner(path: str, monkeypatch, native: bool, kv_cache_dtype: str, windo
                           kv_cache_memory="16MiB", kv_recent_window=window, max_num_seqs=4)
     with monkeypatch.context() as patch:
         if not native:
-            patch.setattr(fused_layer, "_decode_layer_args", lambda layer: None)
+            patch.setattr(decode_layer, "_weight_args", lambda layer: None)
         return ModelRunner(config, log=lambda msg: None, loaded=loaded)
 
 
@@ -57,14 +60,14 @@ def count_native_calls(runner: ModelRunner) -> list[int]:
     count = [0]
     for layer in runner.model.modules():
         fused = layer.__dict__.get("forward")
-        if isinstance(fused, fused_layer.FusedDecoderLayer) and fused.decode_op is not None:
-            op = fused.decode_op
+        if isinstance(fused, fused_layer.FusedDecoderLayer) and fused.whole_layer is not None:
+            op = fused.whole_layer.op
 
             def counted(*args, _op=op):
                 count[0] += 1
                 return _op(*args)
 
-            fused.decode_op = counted
+            fused.whole_layer = dataclasses.replace(fused.whole_layer, op=counted)
     return count
 
 
@@ -130,7 +133,7 @@ def test_decode_layer_refuses_bad_arguments(tiny_llama_path, monkeypatch, panels
     runner = make_runner(tiny_llama_path, monkeypatch, True, "fp8_e4m3", 0)
     fused = next(m.__dict__["forward"] for m in runner.model.modules()
                  if isinstance(m.__dict__.get("forward"), fused_layer.FusedDecoderLayer))
-    weights, biases, shape, eps = fused.decode_args
+    weights, biases, shape, eps = fused.whole_layer.weight_args
     key_cache, value_cache = runner.kv_caches[0]
     hidden = torch.zeros(1, weights[0].shape[0])
     cos = sin = torch.ones(1, runner.head_size)

@@ -168,7 +168,7 @@ def test_two_ranks_run_the_model_their_shares_make(tiny_config):
 def test_bench_throughput_over_two_ranks_shares_one_random_model_between_its_engines(tiny_config):
     """Several engines on a tensor-parallel rank share one load: with random weights it stays shapes only until
     the first runner fills the rank's share (a 70B model is never whole on any GPU)."""
-    from launcher import bench_commands
+    from launcher import bench as bench_commands
 
     result = CliRunner().invoke(bench_commands.throughput, [
         tiny_config, "--load-format", "dummy", "--num-prompts", "2", "--input-len", "8", "--output-len", "4",
@@ -186,7 +186,7 @@ def test_bench_throughput_over_two_ranks_shares_one_random_model_between_its_eng
 
 
 def test_the_byte_tokenizer_round_trips_text_and_decodes_every_id():
-    from fp8cache.eval import locate_eval_text, read_text
+    from fp8cache.quality.eval import locate_eval_text, read_text
 
     cfg = AutoConfig.from_pretrained(dummy.shape_path("llama-3.1-8b"))
     tok = dummy.byte_tokenizer(cfg)

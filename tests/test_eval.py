@@ -1,4 +1,4 @@
-"""fp8cache.eval.evaluate: decode-faithful quality of an FP8 cache against the auto cache."""
+"""fp8cache.quality.eval.evaluate: decode-faithful quality of an FP8 cache against the auto cache."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fp8cache.config import EngineConfig
-from fp8cache.eval import evaluate, locate_eval_text, read_text
+from fp8cache.quality.eval import evaluate, locate_eval_text, read_text
 
 KEYS = {"kv_cache_dtype", "device", "ppl", "baseline_ppl", "kl", "top1_agreement", "tokens", "windows", "scales_source",
         "kv_recent_window", "kv_recent_window_dtype"}
@@ -59,7 +59,8 @@ def test_recent_window_as_long_as_the_text_has_no_divergence(default_model_path)
 
 def test_eval_sizes_the_window_a_scales_file_records(tmp_path, default_model_path):
     """A scales file made for a window wider than the default: eval uses it, and the cache has room for it."""
-    from fp8cache.kvcache.scales import KVScales, write_scales_file
+    from fp8cache.kvcache.scale_files import write_scales_file
+    from fp8cache.kvcache.scales import KVScales
 
     ones = [torch.ones(3) for _ in range(30)]  # the default model: 30 layers, 3 KV heads
     path = tmp_path / "scales.json"

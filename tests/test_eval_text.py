@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from fp8cache import eval as fp8_eval
-from launcher import bench_commands
+from fp8cache.quality import eval as fp8_eval
+from launcher import bench as bench_commands
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "fp8cache" / "data" / "wikitext-2-raw"

@@ -1,4 +1,4 @@
-"""The fused decoder-layer forward (fp8cache/backends/cpu/fused_layer.py) and its compiled elementwise ops, against
+"""The fused decoder-layer forward (fp8cache/model/fused_layer.py) and its compiled elementwise ops, against
 transformers' own layers and the pure-torch reference ops (transformers' formulas)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from numerics import assert_logits_close
 from test_model_runner import Seq, hf_logits, step
 
 from fp8cache import ops
-from fp8cache.backends.cpu import fused_layer
 from fp8cache.config import EngineConfig
+from fp8cache.model import fused_layer
 from fp8cache.model.loader import load_model
 from fp8cache.model.runner import ModelRunner
 from fp8cache.ops import reference

@@ -192,7 +192,7 @@ def test_gpu_kv_budget_follows_gpu_memory(model_path):
 def test_bfloat16_logits_are_the_float32_sums_of_the_output_projection(model_path):
     """A bfloat16 model's logits are not rounded to bfloat16: they equal the float32 product of its bfloat16
     hidden states and head weight (cuBLAS's sums), on the device and through the engine's head."""
-    from fp8cache.backends.cuda import float32_logits
+    from fp8cache.model.cuda import float32_logits
 
     llm = LLM(model=model_path, device=DEVICE, dtype="bfloat16", kv_cache_memory="256MiB", log=lambda m: None)
     head = llm.engine.runner.model.get_output_embeddings()

@@ -122,7 +122,7 @@ def test_a_decode_step_waits_once_and_copies_once(default_shapes_path, window):
 
 
 def test_eval_runs_on_the_gpu(tiny_path, tmp_path):
-    from fp8cache.eval import evaluate
+    from fp8cache.quality.eval import evaluate
 
     text = tmp_path / "text.txt"
     text.write_text(" ".join(["the city of water and music"] * 200))
@@ -154,7 +154,7 @@ def test_stand_in_catches_a_cpu_tensor_meeting_a_device_tensor():
 def test_a_16_bit_model_gives_float32_logits_on_the_gpu(tiny_path):
     """Its output projection keeps cuBLAS's float32 sums (torch.mm's out_dtype) instead of rounding the logits to
     bfloat16, in eager steps and inside the decode graphs alike (the head is a module of the model)."""
-    from fp8cache.backends.cuda import float32_logits
+    from fp8cache.model.cuda import float32_logits
 
     with fake_gpu():
         engine = _engine(tiny_path)

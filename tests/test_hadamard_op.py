@@ -133,13 +133,19 @@ def test_apply_rotation_uses_the_op_once_loaded(ops):
     assert torch.equal(apply_rotation(x.double(), "hadamard"), rotate(x.double(), hadamard_matrix(96)))
 
 
-def test_apply_rotation_without_the_op_library_is_the_matmul(monkeypatch):
-    from fp8cache.ops import _build
+def test_apply_rotation_without_the_op_library_is_the_matmul():
+    """In a process that never loaded the op library, apply_rotation is the matmul (and loads nothing)."""
+    import subprocess
+    import sys
 
-    monkeypatch.setattr(_build, "last_build", lambda: None)  # as in a process that never loaded the library
-    x = activations(8, 2, 64)
-    assert not rotation.uses_compiled_op(x)
-    assert torch.equal(apply_rotation(x, "hadamard"), rotate(x, hadamard_matrix(64)))
+    code = ("import torch\n"
+            "from fp8cache.kvcache.rotation import apply_rotation, hadamard_matrix, rotate, uses_compiled_op\n"
+            "x = torch.randn(16, 2, 64)\n"
+            "assert not uses_compiled_op(x)\n"
+            "assert torch.equal(apply_rotation(x, 'hadamard'), rotate(x, hadamard_matrix(64)))\n"
+            "import sys; assert not any(m.startswith('fp8cache.ops') for m in sys.modules), 'ops imported'\n")
+    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_apply_rotation_names_and_sizes():

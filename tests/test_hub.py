@@ -204,8 +204,9 @@ def test_calibrate_and_the_early_scales_check_take_a_hub_id(tiny, tmp_path, offl
     from click.testing import CliRunner
 
     from fp8cache.config import EngineConfig
-    from fp8cache.kvcache.scales import ScalesFileError, check_engine_scales
-    from launcher.calibrate_command import calibrate
+    from fp8cache.kvcache.scales import ScalesFileError
+    from fp8cache.model.preflight import check_engine_scales
+    from launcher.calibrate import calibrate
 
     cache = str(tmp_path / "hub")
     cache_layout(cache, "org/tiny", COMMIT, tiny)

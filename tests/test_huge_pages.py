@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp8cache import ops
-from fp8cache.backends.cpu import huge_pages
+from fp8cache.kvcache.layout import allocate_kv_cache
+from fp8cache.platform import huge_pages
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -37,7 +37,7 @@ def _thp_mode() -> str:
 
 @pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="transparent huge pages are off here")
 def test_a_large_cpu_cache_lies_on_huge_pages():
-    key_cache, value_cache = ops.allocate_kv_cache(4096, 16, 8, 128, "fp8_e4m3", torch.bfloat16)
+    key_cache, value_cache = allocate_kv_cache(4096, 16, 8, 128, "fp8_e4m3", torch.bfloat16)
     for cache in (key_cache, value_cache):
         assert cache.dtype == torch.uint8 and cache.is_contiguous() and not cache.any()
         cache.fill_(7)  # pages exist once written
@@ -55,7 +55,7 @@ def test_a_cache_allocated_after_freed_heap_memory_still_lies_on_huge_pages():
     chunks = [torch.ones(3 << 18) for _ in range(40)]  # 120 MiB of touched heap ...
     pin = torch.ones(3 << 18)  # ... kept from the top of the heap by a live allocation
     del chunks
-    key_cache, _ = ops.allocate_kv_cache(2048, 16, 8, 128, "fp8_e4m3", torch.bfloat16)
+    key_cache, _ = allocate_kv_cache(2048, 16, 8, 128, "fp8_e4m3", torch.bfloat16)
     key_cache.fill_(7)
     start, end = key_cache.data_ptr(), key_cache.data_ptr() + key_cache.numel()
     whole = end // huge_pages.HUGE_PAGE - -(-start // huge_pages.HUGE_PAGE)
@@ -73,7 +73,7 @@ def test_advice_needs_a_whole_huge_page():
 def test_a_large_cpu_cache_costs_no_memory_until_written():
     """A generous default budget must not cost resident memory (or start-up time zero-filling it) before the
     blocks are used: the cache's pages stay untouched until a block is written."""
-    key_cache, _ = ops.allocate_kv_cache(8192, 16, 8, 128, "fp8_e4m3", torch.bfloat16)  # 128 MiB
+    key_cache, _ = allocate_kv_cache(8192, 16, 8, 128, "fp8_e4m3", torch.bfloat16)  # 128 MiB
     start, end = key_cache.data_ptr(), key_cache.data_ptr() + key_cache.numel()
     assert _smaps_kib(start, end, "Rss") < 8 * 1024
     key_cache[:256].fill_(1)  # 4 MiB of blocks written

@@ -9,13 +9,13 @@ import torch
 from test_model_runner import PER_HEAD_K, write_per_head_scales
 
 from fp8cache.config import EngineConfig
-from fp8cache.eval import window_batch
 from fp8cache.kvcache import formats, sizing
 from fp8cache.kvcache.formats import CacheFormat
 from fp8cache.kvcache.scales import KVScales
 from fp8cache.kvcache.spec import PENDING_SOURCE, KVCacheSpec
 from fp8cache.model.loader import load_model
 from fp8cache.model.runner import ModelRunner
+from fp8cache.quality.eval import window_batch
 
 BLOCK = 16
 LAYERS, KV_HEADS, HEAD = 2, 2, 64  # conftest.build_tiny_model's shape

@@ -73,7 +73,7 @@ def fresh_logging(monkeypatch):
 def test_every_source_writes_the_text_format(fresh_logging):
     from transformers.utils import logging as hf_logging
 
-    from fp8cache.logger import configure_logging
+    from fp8cache.platform.log import configure_logging
 
     stream = io.StringIO()
     configure_logging("text", stream=stream)
@@ -99,7 +99,7 @@ def test_every_source_writes_the_text_format(fresh_logging):
 def test_json_format_is_one_object_a_line(fresh_logging):
     from transformers.utils import logging as hf_logging
 
-    from fp8cache.logger import configure_logging
+    from fp8cache.platform.log import configure_logging
 
     stream = io.StringIO()
     configure_logging("json", stream=stream, rank=1)
@@ -116,7 +116,7 @@ def test_json_format_is_one_object_a_line(fresh_logging):
 def test_progress_bars_only_on_a_terminal(fresh_logging):
     from transformers.utils import logging as hf_logging
 
-    from fp8cache.logger import configure_logging
+    from fp8cache.platform.log import configure_logging
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:
@@ -132,7 +132,7 @@ def test_progress_bars_only_on_a_terminal(fresh_logging):
 def test_a_rank_labels_its_lines_and_the_supervisor_keeps_them():
     """`fp8kv run --num-shard N`: the ranks' log lines pass through the supervisor as they are, its own lines
     and anything else a rank wrote come out in the same format."""
-    from fp8cache.logger import log_formatter
+    from fp8cache.platform.log import log_formatter
     from launcher.supervisor import Supervisor
 
     record = logging.LogRecord("fp8kv", logging.INFO, __file__, 1, "device: cpu", None, None)
@@ -232,7 +232,8 @@ def test_a_body_that_is_not_an_object_is_named_in_json(raw, kind):
 
 
 def test_a_scales_file_of_the_wrong_shape_is_named_in_json(tmp_path):
-    from fp8cache.kvcache.scales import ScalesFileError, load_scales_file
+    from fp8cache.kvcache.scale_files import load_scales_file
+    from fp8cache.kvcache.scales import ScalesFileError
 
     path = tmp_path / "scales.json"
     for doc, said in (([1, 2], "the top level must be a JSON object, not an array"),
@@ -257,7 +258,7 @@ def _fp8kv(*args: str, python_prelude: str = "") -> subprocess.CompletedProcess:
 
 # transformers and Python warnings, once the command has set up its log: they must come out in its format.
 LIBRARY_LINES = """
-import fp8cache.logger as _log
+import fp8cache.platform.log as _log
 _configure = _log.configure_logging
 def _configure_then_warn(*args, **kwargs):
     _configure(*args, **kwargs)

@@ -1,4 +1,4 @@
-"""glibc malloc tuning (fp8cache.backends.cpu.malloc_tuning): freed activations stay mapped instead of being
+"""glibc malloc tuning (fp8cache.platform.malloc_tuning): freed activations stay mapped instead of being
 faulted in again on every use. Each case runs in a fresh interpreter: the settings are process-wide."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ve
 # An RMSNorm as transformers computes it, on a prefill's worth of rows: five intermediates of 2-5 MB.
 FAULTS_PER_NORM = """
 import resource, sys, torch
-from fp8cache.backends.cpu import malloc_tuning
+from fp8cache.platform import malloc_tuning
 applied = malloc_tuning.keep_freed_memory_mapped() if sys.argv[1] == "tune" else False
 w = torch.randn(576, dtype=torch.bfloat16)
 x = torch.randn(2048, 576, dtype=torch.bfloat16)
@@ -57,7 +57,7 @@ def test_the_users_own_settings_leave_malloc_alone(env):
 
 def test_the_model_runner_tunes_its_process(tiny_llama_path):
     script = ("from fp8cache.config import EngineConfig\nfrom fp8cache.model.runner import ModelRunner\n"
-              "from fp8cache.backends.cpu import malloc_tuning\n"
+              "from fp8cache.platform import malloc_tuning\n"
               f"ModelRunner(EngineConfig(model={tiny_llama_path!r}, kv_cache_memory=1 << 22), log=lambda m: None)\n"
               "print(malloc_tuning._applied)")
     environment = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp8cache.backends.cpu import model_dtype, packed_linear
+from fp8cache.model.cpu import dtype_probe, packed_linear
+from fp8cache.platform import model_dtype
 
 pytestmark = pytest.mark.real_auto_dtype
 
@@ -45,7 +46,7 @@ def test_the_measurement_races_the_engines_kernels_for_each_dtype(monkeypatch):
     seen = []
 
     def race(candidates, shapes):
-        assert shapes == frozenset(model_dtype._SHAPES)
+        assert shapes == frozenset(dtype_probe._SHAPES)
         seen.append([dtype for _, dtype in candidates])
         linear = torch.nn.Linear(8, 4)
         for make, dtype in candidates:
@@ -55,38 +56,44 @@ def test_the_measurement_races_the_engines_kernels_for_each_dtype(monkeypatch):
 
     monkeypatch.setattr(packed_linear, "race", race)
     slow = 2.0
-    assert model_dtype.measure_bfloat16_faster() is True
+    assert dtype_probe.measure_bfloat16_faster() is True
     slow = 0.5
-    assert model_dtype.measure_bfloat16_faster() is False
+    assert dtype_probe.measure_bfloat16_faster() is False
     assert seen == [[torch.float32, torch.bfloat16]] * 2
 
 
 def test_this_machine_gets_an_answer_once(monkeypatch, tmp_path):
     monkeypatch.setenv("FP8KV_CACHE_DIR", str(tmp_path))
-    model_dtype.cpu_auto_dtype.cache_clear()
+    dtype_probe.cpu_auto_dtype.cache_clear()
     try:
-        first = model_dtype.cpu_auto_dtype()
+        first = dtype_probe.cpu_auto_dtype()
         assert first.dtype in (torch.float32, torch.bfloat16)
-        assert model_dtype.cpu_auto_dtype() is first
+        assert dtype_probe.cpu_auto_dtype() is first
     finally:
-        model_dtype.cpu_auto_dtype.cache_clear()
+        dtype_probe.cpu_auto_dtype.cache_clear()
 
 
 def test_auto_is_the_faster_dtype_and_the_startup_line_says_why(monkeypatch):
-    from fp8cache import device
+    from fp8cache.model.loader import resolve_dtype
 
     cpu = torch.device("cpu")
-    monkeypatch.setattr(model_dtype, "cpu_auto_dtype", lambda: model_dtype.choose(EPYC_ZEN4, never_measured))
-    assert device.default_model_dtype(cpu, torch.float32) == torch.bfloat16
-    assert device.default_model_dtype(cpu, torch.bfloat16) == torch.bfloat16
-    line = device.describe_model_dtype("auto", cpu, torch.bfloat16)
+    zen4 = lambda: model_dtype.choose(EPYC_ZEN4, never_measured)
+    assert model_dtype.auto_dtype(cpu, torch.float32, zen4) == torch.bfloat16
+    assert model_dtype.auto_dtype(cpu, torch.bfloat16, zen4) == torch.bfloat16
+    line = model_dtype.describe("auto", cpu, torch.bfloat16, zen4)
     assert line.startswith("bfloat16 (auto: this CPU multiplies bfloat16 natively") and "AVX512-BF16" in line
-    assert device.describe_model_dtype("bfloat16", cpu, torch.bfloat16) == "bfloat16 (--dtype bfloat16)"
-    monkeypatch.setattr(model_dtype, "cpu_auto_dtype", lambda: model_dtype.choose(AVX2_ONLY, lambda: False))
-    assert device.default_model_dtype(cpu, torch.bfloat16) == torch.float32
-    assert "float32 measured faster" in device.describe_model_dtype("auto", cpu, torch.float32)
-    monkeypatch.setattr(model_dtype, "cpu_auto_dtype", lambda: model_dtype.choose(AVX2_ONLY, lambda: True))
-    assert device.default_model_dtype(cpu, torch.float32) == torch.bfloat16
+    assert model_dtype.describe("bfloat16", cpu, torch.bfloat16, zen4) == "bfloat16 (--dtype bfloat16)"
+    slow_bf16 = lambda: model_dtype.choose(AVX2_ONLY, lambda: False)
+    assert model_dtype.auto_dtype(cpu, torch.bfloat16, slow_bf16) == torch.float32
+    assert "float32 measured faster" in model_dtype.describe("auto", cpu, torch.float32, slow_bf16)
+    # The loader asks this machine's probe, at the time of the call.
+    monkeypatch.setattr(dtype_probe, "cpu_auto_dtype", lambda: model_dtype.choose(AVX2_ONLY, lambda: True))
+    assert resolve_dtype("auto", "cpu", torch.float32) == torch.bfloat16
+    gpu = torch.device("meta")
+    assert model_dtype.auto_dtype(gpu, torch.float16, never_measured) == torch.float16
+    assert model_dtype.auto_dtype(gpu, torch.float32, never_measured) == torch.bfloat16
+    with pytest.raises(ValueError, match="not supported on CPU"):
+        resolve_dtype("float16", "cpu")
 
 
 @pytest.mark.slow
@@ -100,6 +107,6 @@ def test_the_readme_question_with_this_machines_auto_dtype(default_model_path):
     answers = {}
     for cache in ("fp8", "auto"):
         with LLM(default_model_path, kv_cache_dtype=cache, device="cpu") as llm:
-            assert llm.engine.runner.dtype == model_dtype.cpu_auto_dtype().dtype
+            assert llm.engine.runner.dtype == dtype_probe.cpu_auto_dtype().dtype
             answers[cache] = llm.chat(question, params, use_tqdm=False)[0].outputs[0].text
     assert answers["fp8"] == answers["auto"] and "Paris" in answers["fp8"]

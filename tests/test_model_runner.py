@@ -19,7 +19,7 @@ from fp8cache.kvcache import formats, sizing
 from fp8cache.kvcache.scales import KVScales
 from fp8cache.kvcache.sizing import parse_memory_size, plan_cache
 from fp8cache.kvcache.spec import KVCacheSpec
-from fp8cache.model import attention
+from fp8cache.model import attention, forward_context
 from fp8cache.model.batch import SeqChunk, StepBatch
 from fp8cache.model.loader import ModelLoadError, load_model
 from fp8cache.model.runner import ModelRunner
@@ -209,12 +209,11 @@ def test_attention_reads_prefix_and_chunks_from_the_cache(kv_cache_dtype, use_co
     step_ops = ops if use_compiled else reference
     spec = KVCacheSpec.build(kv_cache_dtype, torch.float32, BLOCK, 1, kv_heads, d,
                              KVScales([k_scale], [v_scale], kv_cache_dtype, "test"))
-    ctx = attention.build_forward_context(batch, step_ops, caches, spec)
+    ctx = forward_context.build_forward_context(batch, step_ops, caches, spec)
     layer = SimpleNamespace(layer_idx=0)
-    with attention.forward_context(ctx):
-        out, weights = attention.paged_attention_forward(
-            layer, q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], None,
-            scaling=scale)
+    out, weights = attention.paged_attention_forward(
+        layer, q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], None,
+        scaling=scale, **{forward_context.CONTEXT_KWARG: ctx})
     assert out.shape == (1, n, heads, d) and weights is None
     row = 0
     for seq, start, end in seqs:

@@ -14,11 +14,11 @@ import re
 import pytest
 import torch
 
-from fp8cache.backends.cuda import cuda_graph
 from fp8cache.config import EngineConfig
 from fp8cache.engine.llm_engine import LLMEngine
 from fp8cache.engine.sampling_params import SamplingParams
 from fp8cache.model import step_metadata
+from fp8cache.model.cuda import cuda_graph
 from fp8cache.model.loader import load_model
 from fp8cache.model.runner import ModelRunner
 

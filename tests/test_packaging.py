@@ -94,3 +94,15 @@ def test_the_check_sees_an_undeclared_import():
     providers = md.packages_distributions()
     assert "pytest" in closure and any(canonicalize_name(d) in closure for d in providers["torch"])
     assert not any(canonicalize_name(d) in closure for d in providers.get("matplotlib", ["matplotlib"]))
+
+
+def test_the_version_is_one_number():
+    """setup.cfg's version (what pip installs) is fp8cache.__version__ (what /info and --version report)."""
+    import configparser
+    from pathlib import Path
+
+    import fp8cache
+
+    cfg = configparser.ConfigParser()
+    cfg.read(Path(__file__).resolve().parents[1] / "setup.cfg")
+    assert cfg["metadata"]["version"] == fp8cache.__version__

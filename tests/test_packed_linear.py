@@ -1,4 +1,4 @@
-"""Linear layers packed for oneDNN or fp8kv's float32 / bfloat16 panels (fp8cache.backends.cpu.packed_linear) against
+"""Linear layers packed for oneDNN or fp8kv's float32 / bfloat16 panels (fp8cache.model.cpu.packed_linear) against
 F.linear."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp8cache import ops
-from fp8cache.backends.cpu import packed_linear
 from fp8cache.config import EngineConfig
+from fp8cache.model.cpu import packed_linear
 from fp8cache.model.loader import load_model
 
 pytestmark = pytest.mark.skipif(not packed_linear.packing_works(torch.bfloat16),

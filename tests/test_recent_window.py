@@ -17,15 +17,16 @@ from fp8cache.engine.llm_engine import LLMEngine
 from fp8cache.engine.sampling_params import SamplingParams
 from fp8cache.engine.scheduler import Scheduler
 from fp8cache.engine.sequence import Sequence
-from fp8cache.eval import runner_batch, window_batch
+from fp8cache.engine.window_pool import WindowPool
 from fp8cache.kvcache import formats, sizing
 from fp8cache.kvcache.sizing import WINDOW_BUDGET_SHARE, plan_cache
-from fp8cache.kvcache.window_pool import WindowPool
 from fp8cache.model import attention
 from fp8cache.model.batch import SeqChunk, StepBatch, window_slot
+from fp8cache.model.forward_context import ForwardContext
 from fp8cache.model.loader import load_model
 from fp8cache.model.runner import ModelRunner
 from fp8cache.ops import reference
+from fp8cache.quality.eval import runner_batch, window_batch
 from fp8cache.server.app import ModelInfo
 
 BLOCK = 8
@@ -201,9 +202,8 @@ def dense_window_logits(runner: ModelRunner, ids: list[int], floor: int = 0) -> 
     without a window every position as the cache holds it."""
     window = runner.kv_recent_window
 
-    def dense(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
+    def dense(ctx: ForwardContext, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
               features: attention.LayerFeatures = attention.PLAIN) -> torch.Tensor:
-        ctx = attention.get_forward_context()
         assert ctx.rotation == "none" and ctx.calculate_scales is None and features.plain
         fmt = formats.get_format(ctx.kv_cache_dtype, "cpu")
 
@@ -442,11 +442,12 @@ def test_prefix_caching_on_and_off_agree_and_abort_frees_the_seat(loaded, shared
 def test_window_recorded_in_the_scales_file_is_used_unless_one_is_given(loaded, tmp_path):
     import json
 
+    from fp8cache.kvcache import scale_files
     from fp8cache.kvcache import scales as kv_scales
 
     scales = kv_scales.ones(2, "fp8_e4m3")
     path = tmp_path / "scales.json"
-    kv_scales.write_scales_file(path, kv_scales.KVScales(scales.k, scales.v, "fp8_e4m3", "test", recent_window=12),
+    scale_files.write_scales_file(path, kv_scales.KVScales(scales.k, scales.v, "fp8_e4m3", "test", recent_window=12),
                                 "llama", 2)
     assert json.loads(path.read_text())["kv_recent_window"] == 12
     assert make_runner(loaded, "fp8_e4m3", None, quantization_param_path=str(path)).kv_recent_window == 12

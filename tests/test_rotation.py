@@ -12,12 +12,12 @@ from numerics import assert_logits_close
 
 from fp8cache import LLM, SamplingParams
 from fp8cache.config import EngineConfig
-from fp8cache.eval import window_batch
 from fp8cache.kvcache import formats
 from fp8cache.kvcache.rotation import hadamard_matrix, rotate, rotation_matrix
 from fp8cache.model.loader import load_model
 from fp8cache.model.runner import ModelRunner
 from fp8cache.ops import reference
+from fp8cache.quality.eval import window_batch
 
 TEXT = ("The tower is 324 metres tall, about the same height as an 81-storey building, and the tallest "
         "structure in Paris. Its base is square, measuring 125 metres on each side. During its construction "

@@ -12,19 +12,21 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from fp8cache.kvcache import formats
+from fp8cache.kvcache.scale_files import (
+    MAX_SCALES_FILE_BYTES,
+    load_scales_file,
+    resolve_scales,
+    scales_from_checkpoint,
+    write_scales_file,
+)
 from fp8cache.kvcache.scales import (
     MAX_SCALE,
-    MAX_SCALES_FILE_BYTES,
     MIN_SCALE,
     CheckpointScalesError,
     KVScales,
     ScalesFileError,
     compute_scales,
-    load_scales_file,
     ones,
-    resolve_scales,
-    scales_from_checkpoint,
-    write_scales_file,
 )
 from fp8cache.ops import reference
 
@@ -420,7 +422,7 @@ def test_a_link_to_an_endless_device_is_refused_unread(tmp_path):
     os.symlink("/dev/zero", path)
     # In a child with an address-space cap: reading /dev/zero to the end must fail the test, not the machine.
     code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))\n"
-            "from fp8cache.kvcache.scales import ScalesFileError, load_scales_file\n"
+            "from fp8cache.kvcache.scale_files import ScalesFileError, load_scales_file\n"
             "try:\n    load_scales_file(sys.argv[1], 3, 2, 'fp8_e4m3')\n"
             "except ScalesFileError as e:\n    print(e)\n")
     done = subprocess.run([sys.executable, "-c", code, str(path)], check=False, capture_output=True, text=True,
@@ -807,14 +809,14 @@ def test_commands_refuse_a_bad_scales_file_before_loading_the_model(tiny_llama_p
                                                                      command, case):
     from click.testing import CliRunner
 
-    import fp8cache.eval
+    import fp8cache.quality.eval
     import fp8cache.server.serve
     from fp8cache.engine.llm import LLM
     from launcher.cli import main
 
     monkeypatch.setattr(fp8cache.server.serve, "serve", _model_never_loads)
     monkeypatch.setattr(LLM, "from_config", _model_never_loads)
-    monkeypatch.setattr(fp8cache.eval, "evaluate", _model_never_loads)
+    monkeypatch.setattr(fp8cache.quality.eval, "evaluate", _model_never_loads)
     make, words = EARLY_CASES[case]
     path = tmp_path / "scales.json"
     make(path)

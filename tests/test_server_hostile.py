@@ -403,7 +403,7 @@ def test_a_compile_is_abandoned_when_its_client_goes(grammar_server):
 def test_log_lines_once_per_cause_per_interval(monkeypatch):
     import logging
 
-    from fp8cache import logger as fp8kv_logging
+    from fp8cache.platform import log as fp8kv_logging
 
     now = [1000.0]
     monkeypatch.setattr(fp8kv_logging.time, "monotonic", lambda: now[0])

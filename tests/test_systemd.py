@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from server_process import fp8kv_command
 
-from fp8cache.server.notify import Notifier, sd_notify, watchdog_interval
-from launcher.systemd import render_gpu_dropin, render_unit
+from fp8cache.systemd.notify import Notifier, sd_notify, watchdog_interval
+from launcher.unit_file import render_gpu_dropin, render_unit
 
 REPO = Path(__file__).resolve().parent.parent
 UNITS = REPO / "scripts" / "systemd"

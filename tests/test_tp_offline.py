@@ -19,9 +19,9 @@ from click.testing import CliRunner
 from transformers import AutoConfig
 
 from fp8cache import LLM, SamplingParams
-from fp8cache.backends.cpu import packed_linear
 from fp8cache.config import EngineConfig
 from fp8cache.distributed.group import WorkerDiedError
+from fp8cache.model.cpu import packed_linear
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = ["the city of the river was", "a house by the water"]
@@ -172,7 +172,7 @@ def linear_packing(request, monkeypatch):
 
 @pytest.mark.slow
 def test_bench_throughput_over_two_shards_adds_up(tiny_llama_path, linear_packing):
-    from launcher import bench_commands
+    from launcher import bench as bench_commands
 
     num_prompts, input_len, output_len = 2, 8, 4
     result = CliRunner().invoke(bench_commands.throughput, [

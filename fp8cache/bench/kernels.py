@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from fp8cache import ops
 from fp8cache.bench import machine
 from fp8cache.kvcache import formats
+from fp8cache.kvcache.layout import allocate_kv_cache
 
 DEFAULT_SHAPES = ((1, 512), (1, 16384), (8, 2048), (8, 8192), (32, 512), (32, 4096))
 GPU_CALLS_PER_TIMING = 50
@@ -59,7 +60,7 @@ def _paged_case(case: KernelCase, batch: int, context: int, num_heads: int, num_
                 head_size: int, block_size: int, gen: torch.Generator, device: torch.device):
     blocks_per_seq = -(-context // block_size)
     num_blocks = batch * blocks_per_seq
-    key_cache, value_cache = ops.allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_size,
+    key_cache, value_cache = allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_size,
                                                    case.kv_cache_dtype, case.dtype, device)
     _fill_cache(key_cache, case.kv_cache_dtype, gen)
     _fill_cache(value_cache, case.kv_cache_dtype, gen)

@@ -99,3 +99,30 @@ def _settle(fn, settle_ms: float) -> None:
     fn()
     while time.perf_counter() < until:
         fn()
+
+
+def load_cpu_path(device: torch.device | str, cpu_isa: str) -> None:
+    """Load the op library of `cpu_isa` (native, avx512, avx2, scalar) into this process before anything else
+    does, so that the bench's engines and kernels run it; ValueError names why it cannot be."""
+    from fp8cache import ops
+
+    if cpu_isa == "native":
+        ops.load(device)
+        return
+    if str(device) != "cpu":
+        raise ValueError(f"{cpu_isa} is a CPU path; add --device cpu")
+    try:
+        ops.load(device, cpu_isa=cpu_isa)
+    except RuntimeError as exc:
+        raise ValueError(str(exc)) from exc
+
+
+def cpu_path(device: torch.device | str) -> str | None:
+    """The CPU path (avx512, avx2, scalar) of the op library this process runs, on a CPU."""
+    return torch.ops.fp8kv.cpu_isa() if str(device) == "cpu" and hasattr(torch.ops.fp8kv, "cpu_isa") else None
+
+
+def set_threads(threads: int | None) -> None:
+    """The bench's --threads: torch's intra-op threads for this process (None: torch's default)."""
+    if threads is not None:
+        torch.set_num_threads(threads)

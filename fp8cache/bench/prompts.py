@@ -7,7 +7,7 @@ call, so warm-up and timed runs on one engine never see the same prompt twice.
 
 from __future__ import annotations
 
-from fp8cache.eval import locate_eval_text, read_text
+from fp8cache.quality.eval import locate_eval_text, read_text
 
 # Tokenizing the whole text (1.3 MB) takes seconds; a prefix of about this many characters per needed
 # token is enough, and we grow it if not.
@@ -17,7 +17,7 @@ _CHARS_PER_TOKEN = 6
 class PromptSource:
     def __init__(self, tokenizer, text_path: str | None = None) -> None:
         """tokenizer: a Hugging Face tokenizer. text_path: None takes $FP8KV_EVAL_TEXT, else the WikiText-2
-        test text shipped in the package (fp8cache.eval.locate_eval_text)."""
+        test text shipped in the package (fp8cache.quality.eval.locate_eval_text)."""
         self.tokenizer = tokenizer
         self.text = read_text(locate_eval_text(text_path))
         self._ids: list[int] = []

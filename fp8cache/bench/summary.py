@@ -206,7 +206,7 @@ def eval_devices(model: str | None, device: str, out: Path, windows: int = 2, wi
     EVAL_TOLERANCE). The device's runs come first: an op library loaded for a GPU holds the CPU kernels
     too, while one loaded for the CPU alone could not run the GPU."""
     if evaluate is None:
-        from fp8cache.eval import evaluate
+        from fp8cache.quality.eval import evaluate
     from fp8cache.config import EngineConfig
 
     results = {}

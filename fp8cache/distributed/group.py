@@ -204,12 +204,12 @@ class DriverRunner:
 
     def execute(self, batch, all_logits: bool = False) -> torch.Tensor:
         self.group.check_usable()
-        sent = tp_worker.steps_sent
+        ticket = tp_worker.StepTicket(self.index)
         try:
-            with tp_worker.selected_runner(self.index):
+            with tp_worker.selected_runner(ticket):
                 return self.runner.execute(batch, all_logits)
         except BaseException as exc:
-            self.group.step_failed(exc, broadcast=tp_worker.steps_sent != sent)
+            self.group.step_failed(exc, broadcast=ticket.sent)
             raise
 
     def __getattr__(self, name: str):

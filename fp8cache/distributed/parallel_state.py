@@ -83,7 +83,7 @@ def read_env(tensor_parallel_size: int) -> tuple[int, int]:
 def rank_device(config: EngineConfig, rank: int) -> str:
     """Each rank its own GPU: a bare "cuda" (or "auto" with a GPU) becomes cuda:LOCAL_RANK (else rank modulo
     the GPUs here)."""
-    from fp8cache.device import resolve_device
+    from fp8cache.platform.device import resolve_device
 
     device = resolve_device(config.device)
     if device.type != "cuda" or device.index is not None:

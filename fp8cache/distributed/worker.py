@@ -17,6 +17,7 @@ import datetime
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch.distributed as dist
 
@@ -29,8 +30,18 @@ _GOODBYE_WAIT_S = 30.0  # how long the ranks wait for each other after the stop 
 _step_lock = threading.Lock()  # one collective sequence at a time: a step, or the stop message
 _stopped = False
 _driver_registered = False
-_runner_index = 0  # which of this rank's runners the next step is for (rank 0 sets it, see selected_runner)
-steps_sent = 0  # steps rank 0 has broadcast: a failure after the broadcast leaves the workers mid-step
+
+
+@dataclass
+class StepTicket:
+    """Rank 0's record of one step it hands to a runner: which of this rank's runners it is for, and whether it
+    reached the workers (a failure after the broadcast leaves them mid-step)."""
+
+    runner_index: int = 0
+    sent: bool = False
+
+
+_ticket = StepTicket()  # the step now being run on rank 0 (selected_runner replaces it for its block)
 
 
 def _broadcast(message: object) -> object:
@@ -41,20 +52,20 @@ def _broadcast(message: object) -> object:
 
 
 @contextmanager
-def selected_runner(index: int) -> Iterator[None]:
-    """Rank 0: steps inside this block are for runner `index` (0, the only one, unless several are built)."""
-    global _runner_index
-    previous, _runner_index = _runner_index, index
+def selected_runner(ticket: StepTicket) -> Iterator[StepTicket]:
+    """Rank 0: the step inside this block is for runner ticket.runner_index (0, the only one, unless several
+    are built); ticket.sent says afterwards whether it was broadcast."""
+    global _ticket
+    previous, _ticket = _ticket, ticket
     try:
-        yield
+        yield ticket
     finally:
-        _runner_index = previous
+        _ticket = previous
 
 
 @contextmanager
 def driver_step(batch: object, all_logits: bool) -> Iterator[None]:
     """Rank 0: send the step to the workers, then compute it (inside the block) while no stop can cut in."""
-    global steps_sent
     state = parallel_state.get()
     if not (state.is_parallel and state.is_driver):
         yield
@@ -62,8 +73,8 @@ def driver_step(batch: object, all_logits: bool) -> Iterator[None]:
     with _step_lock:
         if _stopped:
             raise RuntimeError("the tensor-parallel workers were stopped; this engine can run no more steps")
-        steps_sent += 1
-        _broadcast((_runner_index, batch, all_logits))
+        _ticket.sent = True
+        _broadcast((_ticket.runner_index, batch, all_logits))
         yield
 
 
@@ -103,9 +114,9 @@ def register_driver() -> None:
 
 def reset() -> None:
     """After the process group is destroyed: a later group starts with workers not yet stopped."""
-    global _stopped, _runner_index
+    global _stopped, _ticket
     with _step_lock:
-        _stopped, _runner_index = False, 0
+        _stopped, _ticket = False, StepTicket()
 
 
 def serve_steps(execute: Execute | Sequence[Execute]) -> int:

@@ -27,7 +27,7 @@ import hashlib
 from collections import OrderedDict
 
 from fp8cache.engine.sequence import Sequence
-from fp8cache.kvcache.window_pool import WindowPool
+from fp8cache.engine.window_pool import WindowPool
 
 
 class Block:

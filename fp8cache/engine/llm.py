@@ -22,7 +22,7 @@ from fp8cache.engine.llm_engine import LLMEngine
 from fp8cache.engine.outputs import RequestOutput
 from fp8cache.engine.sampling_params import SamplingParams
 from fp8cache.engine.warmup import warm_up
-from fp8cache.logger import configure_default_logging, log_function
+from fp8cache.platform.log import configure_default_logging, log_function
 
 _CONFIG_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
 
@@ -37,7 +37,7 @@ class LLM:
                  log: Callable[[str], None] | None = None, **kwargs) -> None:
         """vLLM's LLM arguments (and any other EngineConfig field as a keyword). log: where loading and
         progress lines go; default the "fp8kv.llm" logger, which writes to stderr unless the application set
-        up logging itself (see fp8cache/logger.py). Prompts go to the model as given: use chat() for the
+        up logging itself (see fp8cache/platform/log.py). Prompts go to the model as given: use chat() for the
         chat template (`fp8kv generate` applies it by default)."""
         unknown = sorted(set(kwargs) - _CONFIG_FIELDS)
         if unknown:
@@ -62,7 +62,7 @@ class LLM:
 
     def _start(self, config: EngineConfig, log: Callable[[str], None] | None) -> None:
         from fp8cache.distributed import parallel_state
-        from fp8cache.kvcache.scales import check_engine_scales
+        from fp8cache.model.preflight import check_engine_scales
 
         check_engine_scales(config)  # a bad scales file fails before workers start or weights load
 
@@ -78,8 +78,8 @@ class LLM:
         if isinstance(size, int) and size > 1:
             rank = parallel_state.env_rank()
             if rank is None:
-                from fp8cache.device import resolve_device
                 from fp8cache.model.tp_ranks import check_model_divisible, start_group
+                from fp8cache.platform.device import resolve_device
 
                 resolve_device(config.device)  # before the workers start and each load the weights
                 check_model_divisible(config)

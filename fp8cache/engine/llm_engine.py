@@ -39,8 +39,8 @@ from fp8cache.engine.sampling_params import SamplingParams
 from fp8cache.engine.scheduler import Scheduler, SchedulerOutput
 from fp8cache.engine.sequence import Sequence
 from fp8cache.engine.structured_output import factory_for
-from fp8cache.kvcache.window_pool import WindowPool
-from fp8cache.logger import configure_default_logging, log_function
+from fp8cache.engine.window_pool import WindowPool
+from fp8cache.platform.log import configure_default_logging, log_function
 
 
 @dataclass
@@ -87,7 +87,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, log: Callable[[str], None] | None = None, runner=None,
                  overlap: bool | None = None) -> None:
         """runner: a ready model runner (tests pass a fake one); None builds fp8cache's ModelRunner.
-        log: where progress lines go (default: the "fp8kv.engine" logger, see fp8cache/logger.py).
+        log: where progress lines go (default: the "fp8kv.engine" logger, see fp8cache/platform/log.py).
         overlap: run the overlapped decode loop (None: where the runner's device runs asynchronously, a GPU;
         on a CPU it would only hand each step's tokens out one forward pass later). May be changed between
         steps."""

@@ -33,7 +33,7 @@ def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_
     value_shape = (num_blocks, num_kv_heads, head_size, block_size)
     if torch.device(device).type == "cpu":  # blocks are read scattered: huge pages spare the TLB
         # Imported here: fp8cache.ops imports this module, so a top-level import would be a cycle.
-        from fp8cache.backends.cpu import huge_pages
+        from fp8cache.platform import huge_pages
 
         return huge_pages.zeros(key_shape, storage), huge_pages.zeros(value_shape, storage)
     return (torch.zeros(key_shape, dtype=storage, device=device),

@@ -100,15 +100,18 @@ def apply_rotation(x: torch.Tensor, rotation: str) -> torch.Tensor:
     return rotate(x, hadamard_matrix(x.shape[-1], x.device))
 
 
+_OP = "fp8kv::hadamard_transform"
+_DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
+
+
 def uses_compiled_op(x: torch.Tensor) -> bool:
     """Whether apply_rotation(x, "hadamard") runs torch.ops.fp8kv.hadamard_transform: the op library is loaded
     in this process (fp8cache.ops.load(); this never compiles it), x is float32/bfloat16/float16, and the
-    library has a kernel for x's device (CPU always, CUDA/ROCm when it was built with GPU sources)."""
-    if x.dtype not in _OP_DTYPES:
+    library has a kernel for x's device (CPU always, CUDA/ROCm when it was built with GPU sources). Asked of
+    torch's dispatcher, which knows what the loaded library registered."""
+    if x.dtype not in _OP_DTYPES or x.device.type not in _DISPATCH_KEYS:
         return False
-    from fp8cache.ops import _build
-
-    built = _build.last_build()
-    if built is None:
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(_OP, _DISPATCH_KEYS[x.device.type])
+    except RuntimeError:  # no such operator: the library is not loaded
         return False
-    return x.device.type == "cpu" or (x.device.type == "cuda" and built.with_cuda)

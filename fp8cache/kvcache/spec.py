@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fp8cache.kvcache import formats, layout
+from fp8cache.kvcache import formats, layout, scale_files
 from fp8cache.kvcache import scales as kv_scales
 from fp8cache.kvcache.rotation import NONE, rotation_matrix
 
@@ -84,12 +84,13 @@ class KVCacheSpec:
     def build(cls, kv_cache_dtype: str, model_dtype: torch.dtype, block_size: int, num_layers: int,
               num_kv_heads: int, head_size: int, scales: kv_scales.KVScales | None, window_size: int = 0,
               window_dtype: torch.dtype | None = None, backend: str = "cpu",
-              device: torch.device | str = "cpu") -> KVCacheSpec:
+              device: torch.device | str = "cpu", name: str | None = None) -> KVCacheSpec:
         """The spec for a cache on `device`. scales None: an FP8 cache whose scales the first batch will
-        calculate (placeholders of 1.0 until then); an auto cache gets unused ones."""
-        name = formats.resolve_kv_cache_dtype(kv_cache_dtype, backend)
+        calculate (placeholders of 1.0 until then); an auto cache gets unused ones. name: kv_cache_dtype
+        resolved for `backend` already (the runner resolves it once, before the model loads)."""
+        name = name or formats.resolve_kv_cache_dtype(kv_cache_dtype, backend)
         if scales is None and name == formats.AUTO:
-            scales = kv_scales.resolve_scales(name, num_layers, num_kv_heads)
+            scales = scale_files.resolve_scales(name, num_layers, num_kv_heads)
         ones = kv_scales.ones(num_layers, name)
         spec = cls(kv_cache_dtype, formats.FORMAT_CODES[name], model_dtype, block_size, num_layers, num_kv_heads,
                    head_size, tuple(ones.k), tuple(ones.v), PENDING_SOURCE, None, NONE, window_size,

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fp8cache.kvcache import scales as kv_scales
+from fp8cache.kvcache import scale_files
 from fp8cache.model import fp8_weights
 
 # Methods whose config fp8kv reads itself (and hides from transformers).
@@ -66,7 +66,7 @@ class CheckpointQuant:
 
     method: str | None = None  # quant_method as written; None: no quantization config
     weights: WeightScheme | None = None
-    kv: kv_scales.CheckpointKVScheme | None = None
+    kv: scale_files.CheckpointKVScheme | None = None
 
     @property
     def own(self) -> bool:
@@ -103,7 +103,7 @@ def describe(config: Mapping) -> CheckpointQuant:
     if not isinstance(quant, Mapping):
         raise CheckpointFormatError("config.json quantization_config is not an object; fix or remove it")
     method = str(quant.get("quant_method", "")).lower()
-    kv = kv_scales.checkpoint_kv_scheme(config)
+    kv = scale_files.checkpoint_kv_scheme(config)
     if method == "compressed-tensors":
         return CheckpointQuant(method, _compressed_tensors_weights(quant), kv)
     if method == "modelopt":

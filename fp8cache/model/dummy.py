@@ -22,8 +22,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from fp8cache.platform import paths
+
 LOAD_FORMATS = ("auto", "dummy")
-SHAPES_DIR = Path(__file__).resolve().parents[1] / "data" / "shapes"
+SHAPES_DIR = Path(paths.PACKAGE_DATA) / "shapes"
 DEFAULT_SHAPE = "smollm2-135m"  # the default model's shape: LLM(load_format="dummy") without a model
 SEED = 0
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

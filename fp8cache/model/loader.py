@@ -16,12 +16,13 @@ from dataclasses import dataclass, field
 import torch
 
 from fp8cache.config import EngineConfig
-from fp8cache.device import default_model_dtype, resolve_device
-from fp8cache.kvcache import scales as kv_scales
+from fp8cache.kvcache import scale_files
 from fp8cache.model import checkpoints, dummy, fp8_weights, hub
+from fp8cache.model.cpu import dtype_probe
+from fp8cache.platform import model_dtype
+from fp8cache.platform.device import resolve_device
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_CPU_DTYPES = (torch.float32, torch.bfloat16)
+DTYPES = model_dtype.DTYPES
 
 
 class ModelLoadError(ValueError):
@@ -124,24 +125,16 @@ def safetensors_files(path: str) -> list[str]:
 
 def resolve_dtype(name: str, device: str | torch.device = "cpu",
                   checkpoint_dtype: torch.dtype | None = None) -> torch.dtype:
-    """Model dtype for config.dtype: auto is the faster of float32 and bfloat16 on a CPU, the checkpoint's
-    16-bit dtype on a GPU (fp8cache.device.default_model_dtype)."""
-    if name == "auto":
-        return default_model_dtype(resolve_device(device), checkpoint_dtype)
-    if name not in DTYPES:
-        raise ValueError(f"dtype {name!r} is not known; valid: auto, {', '.join(DTYPES)}")
-    dtype = DTYPES[name]
-    if resolve_device(device).type == "cpu" and dtype not in _CPU_DTYPES:
-        raise ValueError(f"dtype {name!r} is not supported on CPU; use auto, float32 or bfloat16")
-    return dtype
+    """Model dtype for config.dtype (platform/model_dtype.py; a CPU's auto measured by model/cpu/dtype_probe.py)."""
+    return model_dtype.resolve(name, resolve_device(device), checkpoint_dtype, lambda: dtype_probe.cpu_auto_dtype())
 
 
 def read_scale_tensors(path: str) -> dict[str, torch.Tensor]:
     """KV scale tensors stored beside the weights (every name of docs/design.md section 3, and their zero
     points), read directly from the safetensors files the model's weights are in."""
     tensors = checkpoints.inventory(path)
-    names = kv_scales.checkpoint_scale_tensor_names(tensors)
-    names += [n for n in tensors if kv_scales.is_kv_zero_point(n)]
+    names = scale_files.checkpoint_scale_tensor_names(tensors)
+    names += [n for n in tensors if scale_files.is_kv_zero_point(n)]
     return checkpoints.read_tensors(names, tensors)
 
 
@@ -203,8 +196,8 @@ def load_model(config: EngineConfig, progress: bool = True, on_device: bool = Tr
     device = resolve_device(config.device)
     notes: list[str] = []
     used = _apply_fp8_weights(model, tensors, quant, dtype, device, on_device and _tp_size(config) == 1, notes)
-    scale_names = kv_scales.checkpoint_scale_tensor_names(tensors)
-    scale_names += [n for n in tensors if kv_scales.is_kv_zero_point(n)]
+    scale_names = scale_files.checkpoint_scale_tensor_names(tensors)
+    scale_names += [n for n in tensors if scale_files.is_kv_zero_point(n)]
     kv_tensors = checkpoints.read_tensors(scale_names, tensors)
     notes += _unused_tensors(unexpected, used | set(scale_names))
     if on_device:
@@ -306,7 +299,7 @@ def _unused_tensors(unexpected: list[str], used: set[str]) -> list[str]:
     know would otherwise run at scale 1.0 in silence) and the rest."""
     left = [n for n in unexpected if n not in used]
     notes = []
-    attention = [n for n in left if kv_scales.is_unused_attention_scale(n)]
+    attention = [n for n in left if scale_files.is_unused_attention_scale(n)]
     scales = [n for n in left if checkpoints.is_scale_like(n) and n not in attention]
     others = [n for n in left if n not in scales and n not in attention]
     if attention:

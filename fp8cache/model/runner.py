@@ -11,19 +11,22 @@ import numpy as np
 import torch
 
 from fp8cache import ops
-from fp8cache.backends.cpu import fused_layer, malloc_tuning, packed_linear
-from fp8cache.backends.cuda import cuda_graph, float32_logits, gpu_errors
 from fp8cache.config import DEFAULT_KV_RECENT_WINDOW, EngineConfig
-from fp8cache.device import describe as describe_device
-from fp8cache.device import describe_model_dtype, resolve_device
 from fp8cache.distributed import parallel_state, sharding
 from fp8cache.distributed import worker as tp_worker
-from fp8cache.kvcache import formats, sizing
+from fp8cache.kvcache import formats, scale_files, sizing
 from fp8cache.kvcache import scales as kv_scales
+from fp8cache.kvcache.layout import allocate_kv_cache
 from fp8cache.kvcache.spec import PENDING_SOURCE, KVCacheSpec, check_block_size
-from fp8cache.model import attention, step_metadata
+from fp8cache.model import attention, forward_context, fused_layer, step_metadata
 from fp8cache.model.batch import StepBatch
+from fp8cache.model.cpu import dtype_probe, packed_linear
+from fp8cache.model.cuda import cuda_graph, float32_logits, gpu_errors
+from fp8cache.model.forward_context import CONTEXT_KWARG, ForwardContext, ScaleCalculator
 from fp8cache.model.loader import DTYPES, LoadedModel, load_model, read_config_dict, to_device
+from fp8cache.platform import malloc_tuning, model_dtype
+from fp8cache.platform.device import describe as describe_device
+from fp8cache.platform.device import resolve_device
 
 
 class ModelRunner:
@@ -36,7 +39,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         backend = formats.backend_of(self.device)
         log(f"device: {describe_device(self.device)}")
-        # Resolved here too, before the model loads, so that a bad name fails fast.
+        # Resolved once, before the model loads, so that a bad name fails fast; the spec keeps it.
         fmt_name = formats.resolve_kv_cache_dtype(config.kv_cache_dtype, backend)
         if config.kv_scales_granularity not in kv_scales.GRANULARITIES:
             raise ValueError(f"kv_scales_granularity={config.kv_scales_granularity!r} is not known; valid: "
@@ -54,7 +57,7 @@ class ModelRunner:
             if self.tp.is_driver:
                 tp_worker.register_driver()
         self.dtype = next(self.model.parameters()).dtype
-        log(f"model dtype: {describe_model_dtype(config.dtype, self.device, self.dtype)}")
+        log(f"model dtype: {model_dtype.describe(config.dtype, self.device, self.dtype, dtype_probe.cpu_auto_dtype)}")
         for note in loaded.notes:  # what the checkpoint holds besides plain weights (model/loader.py)
             log(note)
         ops.load(self.device)  # compiled once per source hash and cached on disk
@@ -86,7 +89,7 @@ class ModelRunner:
         # The one resolved description of the cache; only calculated scales replace it (_use_scales).
         self.kv_spec = KVCacheSpec.build(config.kv_cache_dtype, self.dtype, self.block_size, self.num_layers,
                                          self.num_kv_heads, self.head_size, scales, window, window_dtype,
-                                         backend, self.device)
+                                         backend, self.device, name=fmt_name)
         self._init_cache()
         self._graphs = self._decode_graphs()
 
@@ -163,7 +166,7 @@ class ModelRunner:
         """The scales by their precedence (None: calculated from the first batch)."""
         if fmt_name == formats.AUTO and self.config.quantization_param_path:
             self.log("warning: --quantization-param-path is ignored with kv-cache-dtype auto")
-        scales = kv_scales.resolve_scales(
+        scales = scale_files.resolve_scales(
             fmt_name, self.num_layers, self.total_kv_heads,
             quantization_param_path=self.config.quantization_param_path, tp_rank=self.tp.rank,
             tp_size=self.tp.world_size,
@@ -207,8 +210,8 @@ class ModelRunner:
             plan.window_seats = parallel_state.all_reduce_min_int(plan.window_seats)
         self.cache_plan = plan
         self.num_blocks, self.capacity_tokens = plan.num_blocks, plan.capacity_tokens
-        self.kv_caches = sizing.allocate_caches(ops.allocate_kv_cache, spec, self.num_blocks, self.device)
-        self.window_caches = sizing.allocate_caches(ops.allocate_kv_cache, spec, plan.window_num_blocks,
+        self.kv_caches = sizing.allocate_caches(allocate_kv_cache, spec, self.num_blocks, self.device)
+        self.window_caches = sizing.allocate_caches(allocate_kv_cache, spec, plan.window_num_blocks,
                                                     self.device, window=True) if plan.window_seats else None
         for line in sizing.describe(plan, spec.name, self.max_model_len, self.config.max_num_seqs,
                                     spec.model_dtype, spec.window_dtype):
@@ -229,11 +232,11 @@ class ModelRunner:
                                        self.log)
 
     def _build_context(self, batch: StepBatch, extra: dict[str, np.ndarray] | None = None, arrays_only: bool = False,
-                       **shape) -> attention.ForwardContext | dict[str, np.ndarray]:
+                       **shape) -> ForwardContext | dict[str, np.ndarray]:
         if arrays_only:
-            return attention.step_arrays(batch, self.kv_caches, self.kv_spec.block_size, self.kv_spec.window_size,
+            return forward_context.step_arrays(batch, self.kv_caches, self.kv_spec.block_size, self.kv_spec.window_size,
                                          self.window_caches, extra, shape.get("table_width"))[0]
-        return attention.build_forward_context(
+        return forward_context.build_forward_context(
             batch, ops=ops, kv_caches=self.kv_caches, spec=self.kv_spec,
             device=self.device, window_caches=self.window_caches, extra=extra, **shape)
 
@@ -348,14 +351,16 @@ class ModelRunner:
         return logits if logits.dtype == torch.float32 else logits.to(torch.float32)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None,
-                 ctx: attention.ForwardContext) -> torch.Tensor:
-        """The model's logits [rows, vocab] (every position when rows is None) in the model dtype."""
-        with torch.inference_mode(), attention.forward_context(ctx):
+                 ctx: ForwardContext) -> torch.Tensor:
+        """The model's logits [rows, vocab] (every position when rows is None) in the model dtype. The step's
+        context rides down to every attention layer as a keyword argument of the model's forward."""
+        step = {CONTEXT_KWARG: ctx}
+        with torch.inference_mode():
             if self._takes_logits_to_keep:
                 return self.model(input_ids=input_ids, position_ids=positions, use_cache=False,
-                                  logits_to_keep=0 if rows is None else rows).logits[0]
+                                  logits_to_keep=0 if rows is None else rows, **step).logits[0]
             # older remote-code models: project every position, then pick
-            logits = self.model(input_ids=input_ids, position_ids=positions, use_cache=False).logits[0]
+            logits = self.model(input_ids=input_ids, position_ids=positions, use_cache=False, **step).logits[0]
             return logits if rows is None else logits.index_select(0, rows)
 
     def _check_batch(self, batch: StepBatch, prev_tokens: torch.Tensor | None = None) -> None:
@@ -403,7 +408,7 @@ class ModelRunner:
     # ---- calculate_kv_scales -----------------------------------------------------------------------
 
     def _scale_calculator(self, slot_mapping: torch.Tensor,
-                          amax: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> attention.ScaleCalculator:
+                          amax: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> ScaleCalculator:
         # Padding tokens are not stored, so they do not shape the scales (a mask, not a boolean index: no
         # wait for the device to count the valid rows).
         padding = (slot_mapping < 0)[:, None, None]

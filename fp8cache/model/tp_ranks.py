@@ -13,13 +13,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from fp8cache.config import EngineConfig
-from fp8cache.device import resolve_device
 from fp8cache.distributed import parallel_state
 from fp8cache.distributed import worker as step_channel
 from fp8cache.distributed.group import TensorParallelGroup
 from fp8cache.distributed.sharding import check_divisible
 from fp8cache.model.loader import load_model, model_folder, resolve_dtype
 from fp8cache.model.runner import ModelRunner
+from fp8cache.platform.device import resolve_device
 
 
 def build_runners(configs: Sequence[EngineConfig], log: Callable[[str], None] = print) -> list[ModelRunner]:

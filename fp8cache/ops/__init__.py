@@ -9,9 +9,8 @@ from __future__ import annotations
 import torch
 
 from fp8cache.kvcache import formats
-from fp8cache.kvcache.layout import allocate_kv_cache
 
-__all__ = ["allocate_kv_cache", "build", "dequantize_fp8", "format_code", "fused_add_rms_norm", "load",
+__all__ = ["build", "dequantize_fp8", "format_code", "fused_add_rms_norm", "load", "overload",
            "paged_attention", "paged_attention_window", "quantize_fp8", "reshape_and_cache", "rms_norm",
            "rotary_embedding_cos_sin", "silu_and_mul"]
 
@@ -32,6 +31,13 @@ def build(verbose: bool = False, progress_callback=None, device: torch.device | 
     from fp8cache.ops import _build
 
     return _build.build(verbose=verbose, progress_callback=progress_callback, device=device)
+
+
+def overload(name: str) -> object | None:
+    """The loaded library's op `name`, bound to its default overload (the cheapest call, for the lean layers'
+    hot loops, which pass arguments already checked); None where the library has no such op."""
+    lib = torch.ops.fp8kv
+    return getattr(lib, name).default if hasattr(lib, name) else None
 
 
 def format_code(kv_cache_dtype: str | int, device: torch.device) -> int:
@@ -99,7 +105,7 @@ def paged_attention_window(out: torch.Tensor, query: torch.Tensor, key_cache: to
                                   logit_softcap, sinks)
 
 
-# Decoder-layer elementwise ops (CPU kernels only; fp8cache.backends.cpu.fused_layer binds torch.ops.fp8kv directly).
+# Decoder-layer elementwise ops (CPU kernels only; fp8cache.model.fused_layer binds them with overload()).
 
 def rms_norm(out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, epsilon: float) -> None:
     """out = LlamaRMSNorm(input) for [tokens, n] or [tokens, heads, n] (last dim contiguous)."""

@@ -45,7 +45,8 @@ from pathlib import Path
 
 import torch
 
-from fp8cache.fsync import fsync_path
+from fp8cache.platform import cpu_info, paths
+from fp8cache.platform.fsync import fsync_path
 
 logger = logging.getLogger("fp8kv.ops")
 
@@ -78,10 +79,7 @@ def source_dir() -> Path:
 
 
 def cache_dir() -> Path:
-    if os.environ.get("FP8KV_CACHE_DIR"):
-        return Path(os.environ["FP8KV_CACHE_DIR"]).expanduser() / "ops"
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "fp8kv" / "ops"
+    return Path(paths.ops_dir())
 
 
 def requested_isa(cpu_isa: str | None = None) -> str:
@@ -93,39 +91,12 @@ def requested_isa(cpu_isa: str | None = None) -> str:
     return isa
 
 
-_CPU_IDENTITY_KEYS = ("vendor_id", "cpu family", "model", "model name", "flags", "CPU implementer",
-                      "CPU architecture", "CPU variant", "CPU part", "Features")
-
-
-def _first_cpu_lines() -> dict[str, str]:
-    """The first processor's `key : value` lines of /proc/cpuinfo (empty where there is none)."""
-    fields: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if not line.strip():
-                    if fields:
-                        break
-                    continue
-                key, _, value = line.partition(":")
-                fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
-    return fields
-
-
-def cpu_feature_names() -> set[str]:
-    """The CPU's feature names as /proc/cpuinfo spells them: x86 `flags` and Arm `Features` together."""
-    fields = _first_cpu_lines()
-    return set(fields.get("flags", "").split()) | set(fields.get("Features", "").split())
-
-
 def _cpu_identity() -> str:
     """What -march=native / -mcpu=native compile for: the first CPU's model and feature lines. A cache
     directory that moves to another machine (a shared home, a copied image) must not hand it a library
     built with instructions it lacks."""
-    fields = _first_cpu_lines()
-    lines = [f"{key} : {fields[key]}" for key in _CPU_IDENTITY_KEYS if key in fields]
+    fields = cpu_info.first_cpu_lines()
+    lines = [f"{key} : {fields[key]}" for key in cpu_info.IDENTITY_KEYS if key in fields]
     return "\n".join(lines) or platform.processor()
 
 
@@ -142,7 +113,7 @@ def _isa_cflags(isa: str) -> list[str]:
         if isa in ("avx512", "avx2"):
             raise RuntimeError(f"the {isa} CPU path needs an x86-64 CPU; this is {platform.machine()}")
         return ["-mcpu=native"]
-    flags = cpu_feature_names()
+    flags = cpu_info.cpu_feature_names()
     if isa == "avx512" and not {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vbmi"} <= flags:
         raise RuntimeError("the avx512 CPU path needs AVX-512 F/BW/VL/DQ/VBMI, which this CPU lacks; "
                            "use native or avx2")

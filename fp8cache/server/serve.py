@@ -22,11 +22,11 @@ from typing import Any
 import uvicorn
 
 from fp8cache.config import EngineConfig
-from fp8cache.logger import JsonFormatter, OncePerInterval, configure_logging  # noqa: F401 - the log's set-up lives there
+from fp8cache.platform.log import JsonFormatter, OncePerInterval, configure_logging  # noqa: F401 - the log's set-up lives there
 from fp8cache.server import grammar as G
 from fp8cache.server.connections import DEFAULT_READ_TIMEOUT_S, connection_limits, protocol_class
-from fp8cache.server.listener import ListenError, bind_listeners
-from fp8cache.server.notify import Notifier, watchdog_interval
+from fp8cache.systemd.listener import ListenError, bind_listeners
+from fp8cache.systemd.notify import Notifier, watchdog_interval
 
 logger = logging.getLogger("fp8kv")
 

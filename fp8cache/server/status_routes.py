@@ -7,10 +7,10 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from fp8cache import __version__
 from fp8cache.server.metrics import CONTENT_TYPE
 from fp8cache.server.protocol.base import MAX_STOP_SEQUENCES
 from fp8cache.server.state import AppState, app_state
+from fp8cache.version import __version__
 
 
 async def health(request: Request) -> Response:

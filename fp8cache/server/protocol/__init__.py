@@ -19,6 +19,7 @@ The server's modules import from the module that defines a name. The names below
 code outside fp8cache/server (tests, scripts) reads them as `protocol.X`, from when this was one module.
 """
 
+from fp8cache.server.protocol import request_error
 from fp8cache.server.protocol.base import (
     INT64_MAX,
     MAX_LOGIT_BIAS,
@@ -86,3 +87,19 @@ __all__ = [
     "TGIStreamDetails", "TGIStreamResponse", "TGIToken", "TGITokenizeRequest", "TextPart", "TokenizeRequest",
     "Tool", "ToolCall", "UsageInfo", "validation_error",
 ]
+
+
+def _model_names() -> set[str]:
+    import importlib
+    import pkgutil
+
+    from pydantic import BaseModel
+
+    names = set()
+    for info in pkgutil.iter_modules(__path__):
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        names |= {name for name, v in vars(module).items() if isinstance(v, type) and issubclass(v, BaseModel)}
+    return names
+
+
+request_error.MODEL_NAMES.update(_model_names())

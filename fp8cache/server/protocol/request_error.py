@@ -3,8 +3,6 @@ into it. The HTTP answer it turns into (OpenAI's or TGI's error shape) is made i
 
 from __future__ import annotations
 
-import functools
-
 from pydantic import ValidationError
 
 from fp8cache.jsonkind import json_kind
@@ -38,28 +36,16 @@ _TYPE_WORDS = {
 _BUILTIN_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
 
 
+# The request models' class names (the tags pydantic puts in an error's location for a union's member),
+# filled by the protocol package once its modules are imported (fp8cache/server/protocol/__init__.py).
+MODEL_NAMES: set[str] = set()
+
+
 def _is_tag(part: object) -> bool:
     if not isinstance(part, str):
         return False
     return (part in _BUILTIN_TAGS or "[" in part or part.startswith("function-")
-            or part in _protocol_model_names())
-
-
-@functools.cache
-def _protocol_model_names() -> frozenset[str]:
-    """The class names of the request models (the tags of their unions' members), found once."""
-    import importlib
-    import pkgutil
-
-    from pydantic import BaseModel
-
-    from fp8cache.server import protocol
-
-    names = set()
-    for info in pkgutil.iter_modules(protocol.__path__):
-        module = importlib.import_module(f"{protocol.__name__}.{info.name}")
-        names |= {name for name, v in vars(module).items() if isinstance(v, type) and issubclass(v, BaseModel)}
-    return frozenset(names)
+            or part in MODEL_NAMES)
 
 
 def _loc_name(loc: tuple) -> str:

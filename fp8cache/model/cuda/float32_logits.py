@@ -2,7 +2,7 @@
 
 Rounded to bfloat16, logits near 16 are 1/8 apart: greedy decoding ties tokens there, and logprobs and KL
 measurements see the steps (on a CPU the default model answered the README's question wrong over an FP8 cache
-until its logits stayed float32; backends/cpu/packed_linear.float32_logits does that there). cuBLAS sums in
+until its logits stayed float32; model/cpu/packed_linear.float32_logits does that there). cuBLAS sums in
 float32 anyway; torch.mm's out_dtype (CUDA, float16 or bfloat16 inputs) keeps the sum instead of rounding it,
 for the same weight bytes read.
 """

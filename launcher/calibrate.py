@@ -1,4 +1,4 @@
-"""`fp8kv calibrate`: flags in, fp8cache.calibrate out, a progress bar and a per-layer table of scales."""
+"""`fp8kv calibrate`: flags in, fp8cache.quality.calibrate out, a progress bar and a per-layer table of scales."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from fp8cache.calibrate import DEFAULT_STATISTIC, STATISTICS
 from fp8cache.kvcache import formats
 from fp8cache.kvcache.rotation import ROTATIONS
 from fp8cache.kvcache.scales import GRANULARITIES
+from fp8cache.quality.calibrate import DEFAULT_STATISTIC, STATISTICS
 from launcher.supervisor import owns_its_children
 
 console = Console(stderr=True, soft_wrap=True)
@@ -67,8 +67,8 @@ def calibrate(model: str | None, dataset: str | None, num_samples: int, max_seq_
 
     Example: fp8kv calibrate ./my-model --dataset calib.txt --kv-cache-dtype fp8 --output scales.json
     """
-    from fp8cache import calibrate as cal
     from fp8cache.model.default_model import DefaultModelError
+    from fp8cache.quality import calibrate as cal
 
     try:
         # Everything that can be refused without the model is, before minutes of loading and calibrating.

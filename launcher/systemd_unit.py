@@ -1,7 +1,7 @@
 """`fp8kv systemd-unit`: the run flags given here become a unit file printed on stdout.
 
 This file settles what depends on this machine and these flags (the executable, GPU or not, MemoryMax=,
-paths the sandbox would hide); launcher/systemd.py writes the unit text.
+paths the sandbox would hide); launcher/unit_file.py writes the unit text.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import click
 from rich.console import Console
 
 from launcher.options import engine_options, memory_arg, pick_model, server_options
-from launcher.systemd import MEMORY_HEADROOM, render_unit
+from launcher.unit_file import MEMORY_HEADROOM, render_unit
 
 console = Console(stderr=True, soft_wrap=True)
 

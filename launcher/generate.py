@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from fp8cache.logger import log_function
+from fp8cache.platform.log import log_function
 from launcher.logs import logger, setup_logging
 from launcher.options import engine_config, engine_errors, engine_options, fail, option, pick_model
 from launcher.supervisor import owns_its_children
@@ -62,14 +62,14 @@ def generate(args: tuple[str, ...], **kw) -> None:
     num_shard = kw.pop("num_shard")
     config = dataclasses.replace(engine_config(pick_model(model, kw["model_option"]), kw),
                                  tensor_parallel_size=num_shard)
-    from fp8cache.kvcache.scales import check_engine_scales
+    from fp8cache.model.preflight import check_engine_scales
 
     check_engine_scales(config)  # a bad scales file fails now, not after the model loads (in every rank)
     log = log_function("fp8kv")  # worker lines start "[rank 1]"
 
     if num_shard > 1 and (parallel_state.env_rank() or 0) > 0:  # one worker rank of an outside launcher
         from fp8cache.model.tp_ranks import run_worker
-        from fp8cache.server.notify import Notifier
+        from fp8cache.systemd.notify import Notifier
 
         parallel_state.exit_rank(run_worker(config, log=log,
                                             on_ready=lambda status: Notifier().ready(status)))

@@ -146,7 +146,7 @@ def _machine_line(rows: list[dict]) -> str:
 
 def _device(name: str) -> str:
     """--device checked before any engine is built (one line, not a traceback, when there is no GPU)."""
-    from fp8cache.device import DeviceError, resolve_device
+    from fp8cache.platform.device import DeviceError, resolve_device
 
     try:
         return str(resolve_device(name))
@@ -161,33 +161,13 @@ CPU_ISA_OPT = click.option(
 
 
 def load_cpu_path(device, cpu_isa: str) -> None:
-    """Loads the op library of `cpu_isa` into this process before anything else does, so that the bench's
-    engines and kernels run it; a clear error where it cannot be."""
-    from fp8cache import ops
+    """fp8cache.bench.machine.load_cpu_path, its refusal as a flag error."""
+    from fp8cache.bench import machine
 
-    if cpu_isa == "native":
-        ops.load(device)
-        return
-    if str(device) != "cpu":
-        raise click.BadParameter(f"{cpu_isa} is a CPU path; add --device cpu", param_hint="--cpu-isa")
     try:
-        ops.load(device, cpu_isa=cpu_isa)
-    except (RuntimeError, ValueError) as exc:
+        machine.load_cpu_path(device, cpu_isa)
+    except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--cpu-isa") from exc
-
-
-def cpu_path(device) -> str | None:
-    """The CPU path (avx512, avx2, scalar) of the op library this process runs, on a CPU."""
-    import torch
-
-    return torch.ops.fp8kv.cpu_isa() if str(device) == "cpu" and hasattr(torch.ops.fp8kv, "cpu_isa") else None
-
-
-def _set_threads(threads: int | None) -> None:
-    if threads is not None:
-        import torch
-
-        torch.set_num_threads(threads)
 
 
 def _check_plot(plot_path: str | None) -> None:
@@ -235,7 +215,7 @@ _TEXT_OPT = click.option("--text", "text_path", type=click.Path(dir_okay=False),
 
 def _check_text(text_path: str | None) -> str:
     """The prompt text's path, found before any engine is built (a build takes minutes on a first run)."""
-    from fp8cache.eval import locate_eval_text
+    from fp8cache.quality.eval import locate_eval_text
 
     try:
         return locate_eval_text(text_path)
@@ -287,7 +267,7 @@ def throughput(model, num_prompts, input_len, output_len, kv_cache_dtypes, compa
                kv_recent_window, kv_recent_window_dtype, threads, text_path, device, cpu_isa, as_json,
                plot_path) -> None:
     """Offline throughput per kv-cache dtype (and transformers with --compare hf), measured in one run."""
-    from fp8cache.bench import plot
+    from fp8cache.bench import machine, plot
     from fp8cache.bench import throughput as bench
 
     dtypes = _dtype_list(kv_cache_dtypes)
@@ -299,7 +279,7 @@ def throughput(model, num_prompts, input_len, output_len, kv_cache_dtypes, compa
         raise click.BadParameter("a lower CPU path runs in this process only; drop --num-shard", param_hint="--cpu-isa")
     if device == "cpu" or cpu_isa != "native":
         load_cpu_path(device, cpu_isa)
-    _set_threads(threads)
+    machine.set_threads(threads)
     rows, interrupted = _collect(lambda bar: bench.iter_throughput(
         model, tuple(dtypes), num_prompts, input_len, output_len, tuple(compare), repeats, dtype,
         kv_cache_memory, max_num_seqs, max_num_batched_tokens, progress=bar, log=_log, num_shard=num_shard,
@@ -307,7 +287,7 @@ def throughput(model, num_prompts, input_len, output_len, kv_cache_dtypes, compa
         peer_dtype=peer_dtype, device=device, text_path=text_path, load_format=load_format,
         max_model_len=max_model_len))
     bench.add_ratios(rows)
-    path = cpu_path(device)
+    path = machine.cpu_path(device)
     for r in rows:
         if path and r["engine"] == "fp8kv":
             r["cpu_path"] = path
@@ -355,14 +335,14 @@ def capacity(model, kv_cache_memory, contexts, output_len, kv_cache_dtypes, max_
              load_format, threads, text_path, device, as_json, plot_path) -> None:
     """Tokens that fit a KV-cache budget per dtype, the largest batch per context, and its throughput."""
     from fp8cache.bench import capacity as bench
-    from fp8cache.bench import plot
+    from fp8cache.bench import machine, plot
 
     dtypes = _dtype_list(kv_cache_dtypes)
     context_list = _int_list(contexts, "--context")
     _check_plot(plot_path)
     text_path = _check_text(text_path)
     device = _device(device)
-    _set_threads(threads)
+    machine.set_threads(threads)
     rows, interrupted = _collect(lambda bar: bench.iter_capacity(
         model, tuple(dtypes), kv_cache_memory, tuple(context_list), output_len, max_num_seqs,
         max_num_batched_tokens, int(block_size), dtype, repeats, progress=bar, log=_log,

@@ -26,13 +26,12 @@ import os
 import reprlib
 import shutil
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from fp8cache.config import EngineConfig
-from fp8cache.kvcache import formats, rotation
+from fp8cache.kvcache import formats, rotation, scale_files
 from fp8cache.kvcache import scales as kv_scales
 
 STATISTICS = ("amax", "percentile", "mse")
@@ -59,7 +58,7 @@ class CalibrationError(ValueError):
 
 def read_samples(path: str | None, tokenizer: object, num_samples: int, max_seq_len: int) -> list[list[int]]:
     """Token ids of up to `num_samples` samples of at most `max_seq_len` tokens from a .txt, .jsonl or .json
-    file; None: the second half of the evaluation text (fp8cache.eval.locate_eval_text), which `fp8kv eval`
+    file; None: the second half of the evaluation text (fp8cache.quality.eval.locate_eval_text), which `fp8kv eval`
     and the bench prompts do not reach, so scales are never judged on the text they were made from.
 
     Text files are tokenized as one stream and cut into consecutive windows; JSON lines (or a .json list)
@@ -94,13 +93,13 @@ def read_samples(path: str | None, tokenizer: object, num_samples: int, max_seq_
 
 
 def _default_text_path() -> str:
-    from fp8cache.eval import locate_eval_text
+    from fp8cache.quality.eval import locate_eval_text
 
     return locate_eval_text()
 
 
 def _default_text() -> str:
-    from fp8cache.eval import read_text
+    from fp8cache.quality.eval import read_text
 
     text = read_text(_default_text_path())
     # From the first line start past the middle: eval windows and bench prompts are cut from the beginning.
@@ -253,31 +252,23 @@ def _running_max(current: torch.Tensor | None, new: torch.Tensor) -> torch.Tenso
     return new if current is None else torch.maximum(current, new)
 
 
-_active: KVStatistics | None = None
+# The keyword argument under which the statistics ride through the model's forward down to attention.
+STATS_KWARG = "fp8kv_statistics"
 
 
 def _observing_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          attention_mask: torch.Tensor | None, **kwargs) -> tuple[torch.Tensor, None]:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if _active is None:
-        raise RuntimeError(f"attention {ATTENTION_NAME!r} runs only inside fp8cache.calibrate.collect_statistics")
+    stats = kwargs.pop(STATS_KWARG, None)
+    if stats is None:
+        raise RuntimeError(f"attention {ATTENTION_NAME!r} runs only inside fp8cache.quality.calibrate.collect_statistics")
     k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, kv_heads, d], post-RoPE
-    if _active.rotation != rotation.NONE:
-        _active.observe_unrotated(module.layer_idx, k, v)
-        k, v = rotation.apply_rotation(k, _active.rotation), rotation.apply_rotation(v, _active.rotation)
-    _active.observe(module.layer_idx, k, v)
+    if stats.rotation != rotation.NONE:
+        stats.observe_unrotated(module.layer_idx, k, v)
+        k, v = rotation.apply_rotation(k, stats.rotation), rotation.apply_rotation(v, stats.rotation)
+    stats.observe(module.layer_idx, k, v)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-
-@contextmanager
-def _observing(stats: KVStatistics) -> Iterator[KVStatistics]:
-    global _active
-    previous, _active = _active, stats
-    try:
-        yield stats
-    finally:
-        _active = previous
 
 
 def collect_statistics(model: torch.nn.Module, samples: list[list[int]], kv_rotation: str = "none",
@@ -294,9 +285,9 @@ def collect_statistics(model: torch.nn.Module, samples: list[list[int]], kv_rota
     stats.rotation = kv_rotation
     AttentionInterface.register(ATTENTION_NAME, _observing_attention)
     model.set_attn_implementation(ATTENTION_NAME)
-    with torch.inference_mode(), _observing(stats):
+    with torch.inference_mode():
         for ids in samples:
-            model(input_ids=torch.tensor([ids]).to(device), use_cache=False, logits_to_keep=1)
+            model(input_ids=torch.tensor([ids]).to(device), use_cache=False, logits_to_keep=1, **{STATS_KWARG: stats})
             if on_sample is not None:
                 on_sample(len(ids))
     stats.check_complete()
@@ -438,7 +429,7 @@ def calibrate(model: str | None, dataset: str | None = None, kv_cache_dtype: str
 def write_scales(result: CalibrationResult, path: str) -> None:
     """The docs/design.md section 3 file: vLLM's `scaling_factor` plus fp8kv's per-K/V (and per-head) keys; with a
     rotation, `scaling_factor` holds the unrotated scales and k_/v_scaling_factor the rotated ones."""
-    kv_scales.write_scales_file(path, result.scales, result.model_type, result.num_kv_heads)
+    scale_files.write_scales_file(path, result.scales, result.model_type, result.num_kv_heads)
 
 
 # ---------------------------------------------------------------------------------------------------

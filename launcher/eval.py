@@ -1,4 +1,4 @@
-"""`fp8kv eval`: what an FP8 cache costs in quality, as a table or --json (the measuring is fp8cache.eval)."""
+"""`fp8kv eval`: what an FP8 cache costs in quality, as a table or --json (the measuring is fp8cache.quality.eval)."""
 
 from __future__ import annotations
 
@@ -54,8 +54,8 @@ def eval_command(model: str | None, kv_cache_dtype: str, quantization_param_path
               "quality; evaluate a model folder with its weights (drop --load-format dummy), and measure random "
               "weights' speed and memory with `fp8kv bench throughput|capacity --load-format dummy`")
     from fp8cache.config import EngineConfig
-    from fp8cache.eval import evaluate
-    from fp8cache.kvcache.scales import check_engine_scales
+    from fp8cache.model.preflight import check_engine_scales
+    from fp8cache.quality.eval import evaluate
     from launcher.logs import setup_logging
 
     setup_logging()

@@ -12,7 +12,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from launcher.bench_commands import CPU_ISA_OPT, cpu_path, load_cpu_path
+from launcher.bench import CPU_ISA_OPT, load_cpu_path
 
 console = Console(stderr=True, soft_wrap=True)
 
@@ -61,7 +61,7 @@ def bench_kernels(shapes: str, num_heads: int, num_kv_heads: int, head_size: int
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--heads") from exc
     parsed_shapes = _parse_shapes(shapes)
-    from fp8cache.device import DeviceError, resolve_device
+    from fp8cache.platform.device import DeviceError, resolve_device
 
     try:
         device = resolve_device(device)
@@ -70,7 +70,7 @@ def bench_kernels(shapes: str, num_heads: int, num_kv_heads: int, head_size: int
     load_cpu_path(device, cpu_isa)  # a lower path is loaded before the bench's own load, which then reuses it
     info = machine.describe()
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{info['threads']} threads"
-    path = cpu_path(device)
+    path = machine.cpu_path(device)
     console.print(f"machine: {info['cpu']}, {where}, torch {info['torch']}" + (f", CPU path {path}" if path else ""))
     with console.status("measuring...") as status:
         rows = kernels.run_kernel_bench(

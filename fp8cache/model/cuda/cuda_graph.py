@@ -20,8 +20,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from fp8cache.model import attention, step_metadata
+from fp8cache.model import step_metadata
 from fp8cache.model.batch import StepBatch
+from fp8cache.model.forward_context import ForwardContext
 
 # Padded batch sizes: small ones one by one (a single chat), then steps of 8.
 _SMALL_SIZES = (1, 2, 4)
@@ -43,8 +44,8 @@ class DecodeGraphs:
     """forward(batch) -> logits for the decode steps it can replay; None for the others (run them eagerly)."""
 
     def __init__(self, device: torch.device, max_num_seqs: int, table_width: int, max_model_len: int,
-                 build_context: Callable[..., attention.ForwardContext],
-                 forward: Callable[[torch.Tensor, torch.Tensor, attention.ForwardContext], torch.Tensor],
+                 build_context: Callable[..., ForwardContext],
+                 forward: Callable[[torch.Tensor, torch.Tensor, ForwardContext], torch.Tensor],
                  log: Callable[[str], None]) -> None:
         self.device, self.table_width, self.max_model_len = device, table_width, max_model_len
         self.sizes = padded_sizes(max_num_seqs)
@@ -131,7 +132,7 @@ class DecodeGraphs:
         graph, logits = self._record(ctx)
         return _Graph(graph, buffer, logits)
 
-    def _record(self, ctx: attention.ForwardContext) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _record(self, ctx: ForwardContext) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """A CUDA graph of one forward pass over ctx's buffers, and the logits tensor its replays write."""
         ids, positions = ctx.extra["input_ids"], ctx.extra["positions"]
         side = torch.cuda.Stream(self.device)

@@ -20,16 +20,17 @@ from dataclasses import replace
 import torch
 
 from fp8cache.config import EngineConfig
-from fp8cache.device import resolve_device
 from fp8cache.kvcache import formats, sizing
 from fp8cache.model.batch import SeqChunk, StepBatch, window_slot
 from fp8cache.model.loader import load_model
 from fp8cache.model.runner import ModelRunner
+from fp8cache.platform import paths
+from fp8cache.platform.device import resolve_device
 
-EVAL_TEXT_ENV = "FP8KV_EVAL_TEXT"
+EVAL_TEXT_ENV = paths.EVAL_TEXT_ENV
 # WikiText-2's test split ships inside the package (CC BY-SA: its licence notice lies beside it), so eval,
 # calibrate and bench work from any install without a download.
-SHIPPED_EVAL_TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "wikitext-2-raw",
+SHIPPED_EVAL_TEXT = os.path.join(paths.PACKAGE_DATA, "wikitext-2-raw",
                                  "wiki.test.raw")
 
 
@@ -146,7 +147,7 @@ def _score_window(baseline: ModelRunner, tested: ModelRunner, ids: list[int], to
 
 
 def _logger(progress: bool) -> Callable[[str], None]:
-    from fp8cache.logger import configure_default_logging, log_function
+    from fp8cache.platform.log import configure_default_logging, log_function
 
     configure_default_logging()  # as LLM() does: a handler unless the application set up its own logging
     write = log_function("fp8kv.eval")
@@ -161,7 +162,7 @@ def _logger(progress: bool) -> Callable[[str], None]:
 
 @contextmanager
 def _progress_bar(enabled: bool, total: int) -> Iterator[Callable[[], None]]:
-    from fp8cache.logger import is_terminal
+    from fp8cache.platform.log import is_terminal
 
     if not enabled or not is_terminal(sys.stderr):  # a log file or journald gets the log lines, not a bar
         yield lambda: None

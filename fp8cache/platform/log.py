@@ -25,6 +25,8 @@ import warnings
 from collections.abc import Callable
 from typing import TextIO
 
+from fp8cache.platform.paths import CONFIGURE_LOGGING_ENV
+
 ROOT = "fp8kv"
 TEXT_FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
 DATE_FORMAT = "%H:%M:%S"
@@ -44,7 +46,7 @@ def configure_default_logging() -> None:
         return
     _configured = True
     root = logging.getLogger(ROOT)
-    if os.environ.get("FP8KV_CONFIGURE_LOGGING", "1") == "0" or root.handlers or logging.getLogger().handlers:
+    if os.environ.get(CONFIGURE_LOGGING_ENV, "1") == "0" or root.handlers or logging.getLogger().handlers:
         return
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(TextFormatter())

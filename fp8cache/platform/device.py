@@ -54,29 +54,3 @@ def describe(device: torch.device) -> str:
     kind = "ROCm" if torch.version.hip else f"CUDA {torch.version.cuda}"
     return (f"{device} ({props.name}, {total / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free, "
             f"{props.multi_processor_count} SMs, {kind})")
-
-
-def default_model_dtype(device: torch.device, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
-    """--dtype auto: on a CPU, whichever of float32 and bfloat16 runs faster there (bfloat16 where the CPU
-    multiplies it natively, else a measurement kept per machine: backends/cpu/model_dtype.py); the checkpoint's
-    16-bit dtype on a GPU, bfloat16 for a float32 checkpoint there (float16's range overflows in some models'
-    activations; vLLM picks float16 here, TGI bfloat16)."""
-    if device.type == "cpu":
-        from fp8cache.backends.cpu.model_dtype import cpu_auto_dtype
-
-        return cpu_auto_dtype().dtype
-    if checkpoint_dtype in (torch.bfloat16, torch.float16):
-        return checkpoint_dtype
-    return torch.bfloat16
-
-
-def describe_model_dtype(asked: str, device: torch.device, dtype: torch.dtype) -> str:
-    """The startup line's model dtype and why it is that one."""
-    name = str(dtype).removeprefix("torch.")
-    if asked != AUTO:
-        return f"{name} (--dtype {asked})"
-    if device.type != "cpu":
-        return f"{name} (auto: the checkpoint's 16-bit dtype on a GPU, bfloat16 for a float32 checkpoint)"
-    from fp8cache.backends.cpu.model_dtype import cpu_auto_dtype
-
-    return f"{name} ({cpu_auto_dtype().reason}; --dtype float32 or bfloat16 chooses)"

@@ -35,8 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp8cache.ops import _build, probes
+from fp8cache.ops import probes
 from fp8cache.ops.probes import best_time
+from fp8cache.platform import cpu_info
 
 # oneDNN picks its blocking for this many rows; decode batches are what the packing is for.
 _BATCH_HINT = 16
@@ -223,7 +224,7 @@ def panels_available(dtype: torch.dtype = torch.float32, shapes: frozenset[tuple
 
 @functools.cache
 def _cpu_has_amx() -> bool:
-    return "amx_bf16" in _build.cpu_feature_names()
+    return "amx_bf16" in cpu_info.cpu_feature_names()
 
 
 def _merge_siblings(targets: list[tuple[nn.Module, str]], panels: bool) -> list[tuple[nn.Module, str]]:
@@ -358,3 +359,14 @@ def _return_freed_memory() -> None:
         ctypes.CDLL(None).malloc_trim(0)
     except (AttributeError, OSError):  # not glibc: its allocator decides
         pass
+
+
+def merged_siblings(*linears: nn.Module) -> MergedLinear | None:
+    """The MergedLinear whose siblings are exactly `linears`, in order, else None."""
+    if not all(isinstance(m, LinearSlice) for m in linears):
+        return None
+    merged = linears[0]._merged[0]
+    if any(m._merged[0] is not merged or m.index != i for i, m in enumerate(linears)) or \
+            len(merged.bounds) != len(linears):
+        return None
+    return merged

@@ -1,4 +1,4 @@
-"""A lean forward for Llama-family decoder layers (Llama, Mistral, Qwen2) on CPU.
+"""A lean forward for Llama-family decoder layers (Llama, Mistral, Qwen2), on a CPU or a GPU.
 
 transformers' decoder layer runs about 60 torch ops and a dozen module calls per layer (RMSNorm alone is
 seven ops, rotary ten); in a decode step of a small model that dispatch costs more than the arithmetic.
@@ -8,11 +8,9 @@ are packed together (packed_linear.MergedLinear), and our attention called direc
 transformers' formulas round (bitwise equal in bfloat16 and float16, float32 differs in summation order).
 The residual stream is updated in place, so a layer's output is its input tensor.
 
-In a decode step (every sequence has one new token) of a layer whose projections are packed (fp8kv's panels
-or oneDNN's layout, packed_linear.py), the whole sequence runs as one compiled call
-(torch.ops.fp8kv.decode_layer: the same kernels in the same order, so bitwise the same result, without ~25
-Python-level calls per layer; default model, 16 sequences, float32: 26.4 -> 23.4 ms per step's layers,
-median).
+On a CPU, a decode step (every sequence has one new token) of a layer whose projections are packed runs as
+one compiled call (model/cpu/decode_layer.py). On a GPU these layers are what a decode step's CUDA graph
+captures (model/cuda/cuda_graph.py).
 
 The model's own forward still runs the layers, the rotary embedding and the final norm; only each
 decoder layer's `forward` is replaced.
@@ -27,8 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp8cache.backends.cpu.packed_linear import LinearSlice, MergedLinear, PackedLinear
+from fp8cache import ops as fp8_ops
 from fp8cache.model import attention
+from fp8cache.model.cpu import decode_layer
+from fp8cache.model.cpu.packed_linear import merged_siblings
+from fp8cache.model.forward_context import from_kwargs
 
 # Decoder layers whose forward is exactly: pre-norm, q/k/v with rotate_half rotary, attention, o_proj,
 # residual, post-norm, SiLU-gated MLP, residual.
@@ -45,9 +46,8 @@ class LayerOps:
 
 def layer_ops() -> LayerOps:
     """The compiled kernels, bound to their overloads: the cheapest call."""
-    lib = torch.ops.fp8kv
-    return LayerOps(lib.rms_norm.default, lib.fused_add_rms_norm.default, lib.rotary_embedding_cos_sin.default,
-                    lib.silu_and_mul.default)
+    return LayerOps(*(fp8_ops.overload(name) for name in ("rms_norm", "fused_add_rms_norm",
+                                                         "rotary_embedding_cos_sin", "silu_and_mul")))
 
 
 class FusedDecoderLayer:
@@ -67,27 +67,23 @@ class FusedDecoderLayer:
         self.gate_up = project(mlp.gate_proj, mlp.up_proj)
         # The layer's sliding window, soft cap and sinks (features_of); the whole-layer CPU op has none of them.
         self.features = attention.features_of(attn, getattr(attn, "config", None))
-        self.decode_args = None if on_gpu or not self.features.plain else _decode_layer_args(layer)
-        self.decode_op = torch.ops.fp8kv.decode_layer.default if self.decode_args is not None else None
-        self.decode_dtype = self.input_norm.weight.dtype  # the dtype its packed weights were made for
+        self.whole_layer = None if on_gpu or not self.features.plain else decode_layer.WholeLayer.of(layer)
 
     def __call__(self, hidden_states: torch.Tensor, *args, position_embeddings=None, **kwargs) -> torch.Tensor:
         if (position_embeddings is None or hidden_states.dim() != 3 or hidden_states.shape[0] != 1
                 or position_embeddings[0].shape[-1] != self.head_dim):
             return self.original(hidden_states, *args, position_embeddings=position_embeddings, **kwargs)
+        ctx = from_kwargs(kwargs)
         ops, x = self.ops, hidden_states[0]  # [T, hidden]: the residual stream, updated in place
         cos, sin = position_embeddings
-        if self.decode_args is not None:
-            step = attention.decode_step_args(self.layer_idx)
-            if step is not None and x.dtype == self.decode_dtype and x.is_contiguous():
-                self.decode_op(x, *self.decode_args, cos[0], sin[0], self.scaling, *step)
-                return hidden_states
+        if self.whole_layer is not None and self.whole_layer.run(ctx, x, cos[0], sin[0], self.scaling):
+            return hidden_states
         tokens = x.shape[0]
         h = torch.empty_like(x)
         ops.rms_norm(h, x, self.input_norm.weight, self.input_norm.variance_epsilon)
         q, k, v = (t.view(tokens, -1, self.head_dim) for t in self.qkv(h))
         ops.rotary(q, k, cos[0], sin[0])
-        out = attention.attend(self.layer_idx, q, k, v, self.scaling, self.features)
+        out = attention.attend(ctx, self.layer_idx, q, k, v, self.scaling, self.features)
         h = self.o_proj(out.view(tokens, -1))
         ops.fused_add_rms_norm(h, x, self.post_norm.weight, self.post_norm.variance_epsilon)
         gate, up = self.gate_up(h)
@@ -100,7 +96,7 @@ class FusedDecoderLayer:
 def _projections(*linears: nn.Module) -> Callable[[torch.Tensor], list[torch.Tensor]]:
     """x -> each linear's output: column views of one matmul when they are the siblings of one MergedLinear
     in order, else one call each."""
-    merged = _merged(*linears)
+    merged = merged_siblings(*linears)
     if merged is not None:
         bounds, packed = merged.bounds, merged.packed
         return lambda x: [y[:, start:stop] for y in (packed(x),) for start, stop in bounds]
@@ -124,42 +120,6 @@ def _device_projections(*linears: nn.Linear) -> Callable[[torch.Tensor], list[to
         sizes.append(rows)
         start += rows
     return lambda x: F.linear(x, weight, bias).split(sizes, dim=-1)
-
-
-def _decode_layer_args(layer: nn.Module) -> tuple | None:
-    """decode_layer's weight arguments (weights, biases, shape, eps) when every projection of `layer` is packed
-    one way (fp8kv's float32 panels or oneDNN's layout; q/k/v and gate/up merged) and the norms hold the
-    weights' dtype, else None."""
-    if not hasattr(torch.ops.fp8kv, "decode_layer"):
-        return None
-    attn, mlp = layer.self_attn, layer.mlp
-    qkv, gate_up = _merged(attn.q_proj, attn.k_proj, attn.v_proj), _merged(mlp.gate_proj, mlp.up_proj)
-    if qkv is None or gate_up is None:
-        return None
-    projections = (qkv.packed, attn.o_proj, gate_up.packed, mlp.down_proj)
-    if not all(type(p) is PackedLinear and p.panels == projections[0].panels for p in projections):
-        return None
-    norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    dtype = norms[0].weight.dtype
-    if norms[1].weight.dtype != dtype or dtype not in (torch.float32, torch.bfloat16):
-        return None
-    heads, kv_heads = attn.q_proj.out_features // attn.head_dim, attn.k_proj.out_features // attn.head_dim
-    weights = [norms[0].weight, qkv.packed.packed_weight, attn.o_proj.packed_weight, norms[1].weight,
-               gate_up.packed.packed_weight, mlp.down_proj.packed_weight]
-    packing = 0 if projections[0].panels else 1  # decode_layer.cpp: kPanels, kOneDnn
-    return (weights, [p.bias for p in projections],
-            [heads, kv_heads, attn.head_dim, mlp.down_proj.in_features, packing], [float(n.variance_epsilon) for n in norms])
-
-
-def _merged(*linears: nn.Module) -> MergedLinear | None:
-    """The MergedLinear whose siblings are exactly `linears`, in order, else None."""
-    if not all(isinstance(m, LinearSlice) for m in linears):
-        return None
-    merged = linears[0]._merged[0]
-    if any(m._merged[0] is not merged or m.index != i for i, m in enumerate(linears)) or \
-            len(merged.bounds) != len(linears):
-        return None
-    return merged
 
 
 def supports(layer: nn.Module) -> bool:
