@@ -1,7 +1,7 @@
 """The hardened systemd unit text for `fp8kv run` (and the GPU drop-in for a CPU unit): text only, no flags.
 
 Type=notify with a watchdog; a sandbox that hides devices unless the unit is for a GPU. scripts/systemd/ holds
-units made with it, and tests/test_systemd.py checks them against this file and systemd-analyze.
+units made with it, and tests/systemd/test_systemd.py checks them against this file and systemd-analyze.
 """
 
 from __future__ import annotations

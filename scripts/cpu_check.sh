@@ -49,7 +49,7 @@ PY
 fi
 
 if want amx; then
-  step amx "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_amx_emulation.py
+  step amx "$PY" -m pytest -q -rs -p no:cacheprovider tests/ops/test_amx_emulation.py
   { grep -E "passed|failed" "$out/amx.log" | tail -1; grep -E "^SKIPPED" "$out/amx.log" | cut -c1-160; } > "$out/amx.note"
 fi
 

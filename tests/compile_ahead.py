@@ -1,8 +1,8 @@
 """The GPU compile checks (scripts/compile_check.sh), started when the test run starts, beside the tests.
 
-They are one single-threaded compiler after another for several minutes: run last, as tests/test_compile_check.py
+They are one single-threaded compiler after another for several minutes: run last, as tests/ops/test_compile_check.py
 asked for them, they were the tail of the run; started first, in the process that starts the run (pytest-xdist's
-controller, or pytest itself), they overlap everything else. tests/test_compile_check.py reads their results from
+controller, or pytest itself), they overlap everything else. tests/ops/test_compile_check.py reads their results from
 the folder named in FP8KV_COMPILE_AHEAD (the workers inherit it), or runs a target itself when there is none.
 """
 
@@ -21,12 +21,13 @@ CHAINS = [["cuda-kernels"], ["hip-kernels", "cuda-bindings", "hip-hipify"]]
 
 def wanted(config) -> bool:
     """Whether this run includes the compile checks: slow tests not left out, and the whole tests folder or
-    test_compile_check.py among the arguments."""
+    test_compile_check.py among the arguments (or in a folder among them)."""
     if "not slow" in (config.option.markexpr or "") or config.option.keyword or config.option.collectonly:
         return False
     args = [str(a) for a in config.args] or ["."]
     here = Path(config.invocation_params.dir)
-    return any("test_compile_check" in a or (here / a.split("::")[0]).is_dir() for a in args)
+    return any("test_compile_check" in a or any((here / a.split("::")[0]).glob("**/test_compile_check.py"))
+               for a in args)
 
 
 def start(config) -> list[subprocess.Popen]:

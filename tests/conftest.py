@@ -149,3 +149,19 @@ def make_tiny_model(tmp_path_factory):
         return build_tiny_model(str(tmp_path_factory.mktemp(f"tiny-{model_type}")), model_type, **overrides)
 
     return make
+
+
+@pytest.fixture
+def per_head_scales(tmp_path) -> tuple[list[list[float]], str]:
+    """(K scales per layer and head, path): an E4M3FN scales file for the tiny model (2 layers x 2 KV heads),
+    per-head K scales, per-tensor V scales."""
+    import json
+
+    k_heads = [[0.01, 0.03], [0.02, 0.05]]
+    doc = {"model_type": "llama", "kv_cache": {
+        "dtype": "float8_e4m3fn", "scaling_factor": {"0": {"0": 0.5, "1": 0.5}},
+        "k_scaling_factor": {"0": {"0": k_heads[0], "1": k_heads[1]}},
+        "v_scaling_factor": {"0": {"0": 0.004, "1": 0.006}}}}
+    path = tmp_path / "scales.json"
+    path.write_text(json.dumps(doc))
+    return k_heads, str(path)

@@ -19,7 +19,7 @@ Cases:
 The op cases run a stand-in compiler (tests/standin_compiler.py: a real library written chunk by chunk)
 unless --real is given; the self-check, the install and the load are the real ones. The model cases convert
 with a stand-in too (a small safetensors model written file by file, chunk by chunk, as save_pretrained
-writes), and check the result against it byte for byte and with safetensors' own reader. tests/test_crash_safety.py
+writes), and check the result against it byte for byte and with safetensors' own reader. tests/launcher/test_crash_safety.py
 runs a few points of each case in the test suite.
 """
 

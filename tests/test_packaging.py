@@ -57,9 +57,9 @@ def _guarded(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
 
 def required_test_imports() -> dict[str, str]:
     """Top-level module -> a test file that imports it unguarded (stdlib and our own modules left out)."""
-    local = {p.stem for p in (ROOT / "tests").glob("*.py")} | {"fp8cache", "launcher"}
+    local = {p.stem for p in (ROOT / "tests").rglob("*.py")} | {"fp8cache", "launcher"}
     found: dict[str, str] = {}
-    for path in sorted((ROOT / "tests").glob("*.py")):
+    for path in sorted((ROOT / "tests").rglob("*.py")):
         tree = ast.parse(path.read_text(encoding="utf-8"))
         parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
         for node in ast.walk(tree):

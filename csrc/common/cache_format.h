@@ -1,7 +1,7 @@
 // The KV cache format as the ops take it: a small integer (`int kv_cache_format` in the op schemas), never the
 // user's kv-cache-dtype string. Python resolves that string once (fp8cache/kvcache/formats.py, the only alias
 // table: "fp8" means E4M3FN on CPUs and CUDA, E4M3FNUZ on ROCm) and passes CacheFormat, an IntEnum with these
-// names and values; tests/test_formats.py parses this enum to hold the two equal.
+// names and values; tests/kvcache/test_formats.py parses this enum to hold the two equal.
 //
 // Torch-free, so the CUDA host emulation (cuda/host_emulation.cpp) codes its formats the same way.
 #pragma once

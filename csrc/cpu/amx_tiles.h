@@ -7,7 +7,7 @@
 //
 // Torch-free, and templated on the tile instructions: AmxHardware issues them; AmxEmulated runs their
 // documented semantics in C++, so the kernel's tiling, padding and epilogue are tested on any AVX512-BF16
-// CPU (tests/test_amx_emulation.py, through csrc/cpu/standalone/amx_runner.cpp).
+// CPU (tests/ops/test_amx_emulation.py, through csrc/cpu/standalone/amx_runner.cpp).
 #pragma once
 
 #include <immintrin.h>

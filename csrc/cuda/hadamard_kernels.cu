@@ -3,7 +3,7 @@
 //
 // Compiled as C++20 with -DFP8KV_HOST_EMULATION it is instead a small host library that runs the same kernel
 // body with one std::thread per GPU thread (a warp shuffle is an exchange between two barriers of the
-// warp's threads, as in host_emulation.cpp), so tests/test_hadamard_op.py can check the kernel's logic
+// warp's threads, as in host_emulation.cpp), so tests/ops/test_hadamard_op.py can check the kernel's logic
 // against x @ H on machines without a GPU:
 //   g++ -std=c++20 -O1 -shared -fPIC -pthread -DFP8KV_HOST_EMULATION -x c++ hadamard_kernels.cu
 #include "hadamard.cuh"

@@ -1,6 +1,6 @@
 // Runs the GPU kernel bodies of cache_kernels.cuh and attention_kernels.cuh on the host, so their logic can
-// be tested against the pure-torch reference on machines without a GPU (tests/test_cuda_host_emulation.py,
-// tests/test_cuda_window_emulation.py).
+// be tested against the pure-torch reference on machines without a GPU (tests/ops/test_cuda_host_emulation.py,
+// tests/ops/test_cuda_window_emulation.py).
 //
 // Every GPU thread of a block is a std::thread; __syncthreads is a barrier of the block's threads and a warp
 // shuffle is an exchange through memory between two barriers of the warp's threads. So a thread that skips

@@ -56,7 +56,7 @@ class KVCacheDtypeError(ValueError):
 
 class CacheFormat(enum.IntEnum):
     """The `int kv_cache_format` of the compiled ops: csrc/common/cache_format.h's KVFormat, same names and
-    values (tests/test_formats.py parses the header to hold them equal)."""
+    values (tests/kvcache/test_formats.py parses the header to hold them equal)."""
 
     AUTO = 0
     E4M3FN = 1

@@ -32,7 +32,7 @@ from fp8cache.server.middleware import GuardMiddleware, MetricsMiddleware
 from fp8cache.server.protocol.request_error import RequestError
 from fp8cache.server.state import AppState, ModelInfo
 
-# ModelInfo too: tests/test_recent_window.py imports it from here, where it was defined.
+# ModelInfo too: tests/model/test_recent_window.py imports it from here, where it was defined.
 __all__ = ["ModelInfo", "create_app"]
 
 

@@ -1,6 +1,6 @@
 // Runs linear_bf16's AMX kernel (amx_tiles.h) outside torch with the tile instructions emulated
 // (AmxEmulated), so its tiling, padding and epilogue are tested on CPUs without AMX
-// (tests/test_amx_emulation.py). With --hardware it issues the real instructions (an AMX CPU only).
+// (tests/ops/test_amx_emulation.py). With --hardware it issues the real instructions (an AMX CPU only).
 //
 // Not part of the op library. Built by the test with
 //   g++ -std=c++20 -O2 -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -I csrc amx_runner.cpp

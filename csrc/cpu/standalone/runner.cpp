@@ -1,5 +1,5 @@
 // Runs the portable CPU kernels outside torch, so that a build for another architecture can be tested under
-// emulation (tests/test_arm_emulation.py: aarch64 through qemu-user, against torch's float8 dtypes and the
+// emulation (tests/ops/test_arm_emulation.py: aarch64 through qemu-user, against torch's float8 dtypes and the
 // pure-torch reference ops on the host). What Arm machines run: fp8.h's scalar encoder and decoder, and the
 // portable attention kernel (attention_generic.h) over each partition of a sequence.
 //

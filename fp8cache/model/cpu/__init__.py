@@ -1,1 +1,2 @@
-"""The CPU backend: fp8kv's own decoder layers and linear kernels, memory tuning, and the model dtype choice."""
+"""The CPU's model code: packed linear layers (fp8kv's panels or oneDNN's layout), the whole-layer decode op, and the
+measurement behind `--dtype auto` on a CPU."""
