@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import click
 
+from fp8cache.platform import paths
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "FP8KV"})
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": paths.FLAG_ENV_PREFIX})
 @click.version_option(package_name="fp8kv")
 def main() -> None:
     """Serve language models with an FP8 KV cache."""

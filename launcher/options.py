@@ -17,6 +17,7 @@ from rich.console import Console
 
 from fp8cache.kvcache.formats import KV_CACHE_DTYPES
 from fp8cache.model.dummy import shape_names
+from fp8cache.platform import paths
 
 SHAPES = ", ".join(shape_names())  # for --help; fp8cache/data/shapes
 
@@ -45,7 +46,7 @@ def fail(message: str, code: int = 2) -> NoReturn:
 
 def env_var(name: str) -> str:
     """The environment variable behind a flag: kv-cache-dtype -> FP8KV_KV_CACHE_DTYPE."""
-    return "FP8KV_" + name.upper().replace("-", "_")
+    return paths.flag_env(name)
 
 
 def memory_arg(value: str | None) -> int | str | None:
@@ -65,7 +66,7 @@ def option(*decls: str, help: str, **kwargs) -> Callable:
 
 
 _ENGINE_OPTIONS = [
-    option("--model", "model_option", metavar="PATH", envvar="FP8KV_MODEL",
+    option("--model", "model_option", metavar="PATH", envvar=paths.flag_env("model"),
            help="Model folder (safetensors) or Hugging Face hub id (org/name: the hub cache first, else a "
                 "download); same as the MODEL argument. Default: the embedded SmolLM2-135M-Instruct."),
     option("--revision", metavar="REV",

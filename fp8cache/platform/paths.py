@@ -17,6 +17,11 @@ CONFIGURE_LOGGING_ENV = "FP8KV_CONFIGURE_LOGGING"  # 0: leave the application's 
 FLAG_ENV_PREFIX = "FP8KV"
 
 
+def flag_env(flag: str) -> str:
+    """The environment variable behind a flag: kv-cache-dtype -> FP8KV_KV_CACHE_DTYPE."""
+    return f"{FLAG_ENV_PREFIX}_{flag.upper().replace('-', '_')}"
+
+
 # Data that ships inside the package (fp8cache/data): the evaluation text, the dummy models' shapes.
 PACKAGE_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
 

@@ -309,7 +309,8 @@ def test_other_isa_builds(isa):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     files = [Path(__file__), Path(__file__).with_name("test_fp8_conversion.py"),
-             Path(__file__).with_name("test_window_ops.py"), Path(__file__).with_name("test_packed_linear.py")]
+             Path(__file__).with_name("test_window_ops.py"), REPO / "tests" / "model" / "test_packed_linear.py"]
+    assert all(f.is_file() for f in files), files
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--cpu-isa", isa, *map(str, files)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=1800, check=False)
