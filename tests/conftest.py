@@ -36,11 +36,26 @@ def pytest_configure(config) -> None:
     import compile_ahead
 
     config._fp8kv_compile_ahead = compile_ahead.start(config)
+    _share_the_cores()
     if config.getoption("--cpu-isa"):
         # One op library per process: the asked-for path must be the first one loaded.
         from fp8cache import ops
 
         ops.load("cpu", cpu_isa=config.getoption("--cpu-isa"))
+
+
+def _share_the_cores() -> None:
+    """Under pytest-xdist, each worker takes its share of the cores for torch's threads, and so do the processes
+    it starts (servers, commands): N workers each spinning up one OpenMP thread per core oversubscribe the
+    machine, and OpenMP's waiting threads then cost more than the work."""
+    import os
+
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers <= 1:
+        return
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    torch.set_num_threads(threads)
 
 
 def pytest_unconfigure(config) -> None:

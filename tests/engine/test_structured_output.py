@@ -88,6 +88,7 @@ def test_bad_patterns_fail_the_request(llm):
     assert llm.llm_engine.stats.blocks_used == 0
 
 
+@pytest.mark.slow
 def test_outputs_match_regex_choice_and_schema(llm):
     choices = ["Paris", "London", "Rome", "Berlin"]
     cases = [

@@ -11,6 +11,7 @@ from crash_safety import run_cases
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PR_SET_PDEATHSIG")
 
 
+@pytest.mark.slow
 def test_a_build_killed_at_a_random_point_leaves_nothing_that_breaks_the_next_start(tmp_path):
     """Old code: the orphaned compile ran on beside the next start, whose build then died on torch's lock file
     (FileNotFoundError), and a later start loaded the orphan's library, never self-checked."""
