@@ -126,7 +126,7 @@ def _fp8kv(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
                           cwd=REPO, env=env, timeout=timeout, check=False)
 
 
-@pytest.mark.parametrize("shards", ["1", "2"])
+@pytest.mark.parametrize("shards", ["1", pytest.param("2", marks=pytest.mark.slow)])
 def test_port_in_use_is_found_before_the_model_loads(tiny_llama_path, shards):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -139,6 +139,7 @@ def test_port_in_use_is_found_before_the_model_loads(tiny_llama_path, shards):
     assert "Loading weights" not in output and "KV cache" not in output and "rank 0 started" not in output
 
 
+@pytest.mark.slow
 def test_num_shard_that_does_not_divide_the_heads_is_one_line(make_tiny_model):
     model = make_tiny_model(hidden_size=192, num_attention_heads=3, num_key_value_heads=3)
     for args in (["run", model, "--port", "0"], ["generate", model, "the city", "--max-tokens", "2"]):
