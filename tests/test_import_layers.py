@@ -5,6 +5,7 @@ not, since they never run. Read from the source with ast, nothing imported."""
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,15 +29,21 @@ FLOORS = [
 ]
 
 
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
 def source_files() -> dict[str, Path]:
-    return {module_name(p): p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))}
+    return _source_files(ROOT)
+
+
+@functools.cache
+def _source_files(root: Path) -> dict[str, Path]:
+    """Read once per tree: room_of asks for every import of every file."""
+    return {module_name(p, root): p for package in PACKAGES for p in sorted((root / package).rglob("*.py"))}
 
 
 def room_of(module: str) -> str:
