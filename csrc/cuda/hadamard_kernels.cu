@@ -2,17 +2,17 @@
 // scripts/compile_check.sh builds it for sm_80/89/90 with nvcc and for gfx90a/gfx940 with hipcc.
 //
 // Compiled as C++20 with -DFP8KV_HOST_EMULATION it is instead a small host library that runs the same kernel
-// body with one std::thread per GPU thread (a warp shuffle is an exchange between two barriers of the
+// body with each GPU thread a fiber (host_fibers.h; a warp shuffle is an exchange between two barriers of the
 // warp's threads, as in host_emulation.cpp), so tests/ops/test_hadamard_op.py can check the kernel's logic
 // against x @ H on machines without a GPU:
 //   g++ -std=c++20 -O1 -shared -fPIC -pthread -DFP8KV_HOST_EMULATION -x c++ hadamard_kernels.cu
 #include "hadamard.cuh"
 
 #if defined(FP8KV_HOST_EMULATION)
-#include <barrier>
 #include <memory>
-#include <thread>
 #include <vector>
+
+#include "host_fibers.h"
 #endif
 
 namespace fp8kv::gpu {
@@ -53,9 +53,9 @@ namespace {
 
 struct EmulatedBlock {
   EmulatedBlock() : exchange(kHadamardThreads) {
-    for (int w = 0; w < kHadamardThreads / kWarpSize; ++w) warps.push_back(std::make_unique<std::barrier<>>(kWarpSize));
+    for (int w = 0; w < kHadamardThreads / kWarpSize; ++w) warps.push_back(std::make_unique<host::FiberBarrier>(kWarpSize));
   }
-  std::vector<std::unique_ptr<std::barrier<>>> warps;
+  std::vector<std::unique_ptr<host::FiberBarrier>> warps;
   std::vector<float> exchange;  // one slot per thread
 };
 
@@ -82,13 +82,9 @@ void run_with(const HadamardArgs<scalar_t>& args) {
   const int64_t threads = args.rows.num_rows * (args.d / E);
   for (int64_t bx = 0; bx * kHadamardThreads < threads; ++bx) {
     EmulatedBlock block;
-    std::vector<std::thread> pool;
-    for (int t = 0; t < kHadamardThreads; ++t) {
-      pool.emplace_back([&, t] {
-        hadamard_transform_body<scalar_t, E>(args, EmulatedThread{t, static_cast<int>(bx), &block});
-      });
-    }
-    for (auto& th : pool) th.join();
+    host::FiberBlock::run(kHadamardThreads, [&](int t) {
+      hadamard_transform_body<scalar_t, E>(args, EmulatedThread{t, static_cast<int>(bx), &block});
+    });
   }
 }
 

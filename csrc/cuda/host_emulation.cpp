@@ -2,9 +2,10 @@
 // be tested against the pure-torch reference on machines without a GPU (tests/ops/test_cuda_host_emulation.py,
 // tests/ops/test_cuda_window_emulation.py).
 //
-// Every GPU thread of a block is a std::thread; __syncthreads is a barrier of the block's threads and a warp
-// shuffle is an exchange through memory between two barriers of the warp's threads. So a thread that skips
-// a barrier its block reaches deadlocks here as it would misbehave on a GPU. Blocks run one after another.
+// Every GPU thread of a block is a fiber (host_fibers.h); __syncthreads is a barrier of the block's threads and
+// a warp shuffle is an exchange through memory between two barriers of the warp's threads. So a thread that
+// skips a barrier its block reaches stops the emulation with a deadlock report, as it would misbehave on a GPU.
+// Blocks run one after another.
 //
 // Not part of the op library (the build compiles csrc/cuda/*.cu only). Built by the test with
 //   g++ -std=c++20 -O1 -shared -fPIC -pthread -DFP8KV_HOST_EMULATION host_emulation.cpp
@@ -14,13 +15,12 @@
 #endif
 
 #include <algorithm>
-#include <barrier>
 #include <cstring>
 #include <memory>
-#include <thread>
 #include <vector>
 
 #include "../common/cache_format.h"
+#include "host_fibers.h"
 #include "attention_kernels.cuh"
 #include "attention_tc_kernels.cuh"
 #include "cache_kernels.cuh"
@@ -31,11 +31,11 @@ namespace {
 struct BlockState {
   explicit BlockState(int threads) : block_barrier(threads), exchange(threads) {
     for (int w = 0; w < threads / kWarpSize; ++w) {
-      warp_barriers.push_back(std::make_unique<std::barrier<>>(kWarpSize));
+      warp_barriers.push_back(std::make_unique<host::FiberBarrier>(kWarpSize));
     }
   }
-  std::barrier<> block_barrier;
-  std::vector<std::unique_ptr<std::barrier<>>> warp_barriers;
+  host::FiberBarrier block_barrier;
+  std::vector<std::unique_ptr<host::FiberBarrier>> warp_barriers;
   std::vector<float> exchange;  // one slot per thread, for shuffles
   std::vector<uint32_t> operands = std::vector<uint32_t>(exchange.size() * 6);  // a tensor core's A and B
 };
@@ -55,7 +55,7 @@ struct HostThread {
   float shfl(float v, int src_lane) const {
     const int warp = tid / kWarpSize, lane = tid % kWarpSize;
     float* lanes = &block->exchange[warp * kWarpSize];
-    std::barrier<>& barrier = *block->warp_barriers[warp];
+    host::FiberBarrier& barrier = *block->warp_barriers[warp];
     lanes[lane] = v;
     barrier.arrive_and_wait();
     const float other = lanes[src_lane];
@@ -65,7 +65,7 @@ struct HostThread {
   uint32_t shfl_xor_bits(uint32_t v, int lane_mask) const {
     const int warp = tid / kWarpSize, lane = tid % kWarpSize;
     uint32_t* lanes = &block->operands[warp * kWarpSize * 6];  // free between mma calls
-    std::barrier<>& barrier = *block->warp_barriers[warp];
+    host::FiberBarrier& barrier = *block->warp_barriers[warp];
     lanes[lane] = v;
     barrier.arrive_and_wait();
     const uint32_t other = lanes[lane ^ lane_mask];
@@ -75,7 +75,7 @@ struct HostThread {
   uint32_t ballot(bool pred) const {
     const int warp = tid / kWarpSize, lane = tid % kWarpSize;
     float* lanes = &block->exchange[warp * kWarpSize];
-    std::barrier<>& barrier = *block->warp_barriers[warp];
+    host::FiberBarrier& barrier = *block->warp_barriers[warp];
     lanes[lane] = pred ? 1.0f : 0.0f;
     barrier.arrive_and_wait();
     uint32_t mask = 0;
@@ -91,7 +91,7 @@ struct HostThread {
   void mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) const {
     const int warp = tid / kWarpSize, lane = tid % kWarpSize;
     uint32_t* regs = &block->operands[warp * kWarpSize * 6];
-    std::barrier<>& barrier = *block->warp_barriers[warp];
+    host::FiberBarrier& barrier = *block->warp_barriers[warp];
     for (int i = 0; i < 4; ++i) regs[lane * 6 + i] = a[i];
     regs[lane * 6 + 4] = b[0];
     regs[lane * 6 + 5] = b[1];
@@ -132,12 +132,7 @@ void run_grid(int gx, int gy, int gz, int threads, const Body& body, const Block
       for (int x = 0; x < gx; ++x) {
         block_start();
         BlockState state(threads);
-        std::vector<std::thread> pool;
-        pool.reserve(threads);
-        for (int t = 0; t < threads; ++t) {
-          pool.emplace_back([&, t] { body(HostThread{t, x, y, z, &state}); });
-        }
-        for (auto& th : pool) th.join();
+        host::FiberBlock::run(threads, [&](int t) { body(HostThread{t, x, y, z, &state}); });
       }
     }
   }
@@ -515,6 +510,24 @@ int fp8kv_emu_set_sm_count(int count) {
   const int previous = fp8kv::gpu::emulated_sm_count;
   fp8kv::gpu::emulated_sm_count = count > 0 ? count : 1;
   return previous;
+}
+
+// The emulated block itself: `threads` GPU threads each write their index, pass the block's barrier (all but
+// `skipping`, which returns before it: on a GPU, undefined behaviour; here a deadlock report and abort), then add
+// up what every thread wrote. Returns the number of threads whose sum was the full one.
+int fp8kv_emu_barrier_check(int threads, int skipping) {
+  using namespace fp8kv::gpu;
+  std::vector<int> written(threads, -1);
+  int full = 0;
+  run_grid(1, 1, 1, threads, [&](const HostThread& th) {
+    written[th.index()] = th.index();
+    if (th.index() == skipping) return;
+    th.sync();
+    long sum = 0;
+    for (int v : written) sum += v;
+    if (sum == static_cast<long>(threads) * (threads - 1) / 2) ++full;  // fibers share one OS thread
+  });
+  return full;
 }
 
 }  // extern "C"

@@ -1,7 +1,7 @@
 """The GPU kernels' logic, run on the host and held to the pure-torch reference ops.
 
-csrc/cuda/host_emulation.cpp compiles the kernel bodies of csrc/cuda/*.cuh as plain C++ (one std::thread per
-GPU thread, barriers for __syncthreads and warp shuffles) and this test calls them through ctypes. It checks
+csrc/cuda/host_emulation.cpp compiles the kernel bodies of csrc/cuda/*.cuh as plain C++ (each GPU
+thread a fiber, barriers for __syncthreads and warp shuffles) and this test calls them through ctypes. It checks
 the index math, the FP8 conversions of the software path, the softmax and the partition merge; it cannot
 check what only a GPU shows (the sm_89+ conversion instructions, timing, memory coalescing).
 """
@@ -13,6 +13,7 @@ import fcntl
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ import torch
 from fp8cache.kvcache import formats
 from fp8cache.ops import reference
 
-# Compiles the kernels for the host first (two variants, ~12 s each) and runs one thread per GPU thread.
+# Compiles the kernels for the host first (two variants, ~25 s each), then runs each GPU thread as a fiber.
 pytestmark = pytest.mark.slow
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
@@ -43,7 +44,7 @@ EMULATION_VARIANTS = ["shared", "cuda_fp8"]
 
 
 def load_emulation(variant: str, tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
-    """The host emulation library, built once per test session (a minute or so; shared with
+    """The host emulation library, built once per test session (~25 s a variant; shared with
     tests/ops/test_cuda_window_emulation.py)."""
     cxx = shutil.which("g++")
     if cxx is None:
@@ -271,3 +272,15 @@ def test_paged_attention_is_the_same_with_few_or_many_splits(emu, sm_count):
         emu.fp8kv_emu_set_sm_count(previous)
     assert error == 0
     torch.testing.assert_close(out.float(), expected, rtol=1.6e-2, atol=1.6e-2)
+
+
+def test_an_emulated_block_passes_its_barrier_together_and_reports_a_thread_that_skips_it(emu):
+    """The emulated GPU threads are fibers on one OS thread: every thread sees every other's write after the
+    block's barrier, and a thread that returns before a barrier the others wait at (undefined on a GPU) ends the
+    process with a report instead of hanging the test run."""
+    assert emu.fp8kv_emu_barrier_check(256, -1) == 256
+    child = subprocess.run(
+        [sys.executable, "-c", f"import ctypes; ctypes.CDLL({emu._name!r}).fp8kv_emu_barrier_check(128, 5)"],
+        capture_output=True, text=True, timeout=60, check=False)
+    assert child.returncode != 0
+    assert "deadlock, 127 of 128 GPU threads wait on barriers" in child.stderr

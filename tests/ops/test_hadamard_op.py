@@ -185,8 +185,8 @@ EMULATED_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 @pytest.fixture(scope="module")
 def gpu_emulation(tmp_path_factory) -> ctypes.CDLL:
-    """csrc/cuda/hadamard_kernels.cu built as a host library: the GPU kernel body with a std::thread per GPU
-    thread and warp shuffles through memory."""
+    """csrc/cuda/hadamard_kernels.cu built as a host library: the GPU kernel body with each GPU thread a
+    fiber and warp shuffles through memory."""
     cxx = shutil.which("g++")
     if cxx is None:
         pytest.skip("g++ not found: the host emulation of the GPU kernel needs g++ >= 12")
