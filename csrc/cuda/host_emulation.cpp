@@ -8,7 +8,8 @@
 // Blocks run one after another.
 //
 // Not part of the op library (the build compiles csrc/cuda/*.cu only). Built by the test with
-//   g++ -std=c++20 -O1 -shared -fPIC -pthread -DFP8KV_HOST_EMULATION host_emulation.cpp
+//   g++ -std=c++20 -O0 -shared -fPIC -pthread -DFP8KV_HOST_EMULATION host_emulation.cpp
+// (-O1 took three times as long to build, for tests that run a few seconds either way.)
 // and called through ctypes with pointers to contiguous tensors; each entry returns the kernels' error bits.
 #ifndef FP8KV_HOST_EMULATION
 #define FP8KV_HOST_EMULATION

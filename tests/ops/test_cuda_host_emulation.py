@@ -22,7 +22,7 @@ import torch
 from fp8cache.kvcache import formats
 from fp8cache.ops import reference
 
-# Compiles the kernels for the host first (two variants, ~25 s each), then runs each GPU thread as a fiber.
+# Compiles the kernels for the host first (two variants, ~10 s each at -O0), then runs each GPU thread as a fiber.
 pytestmark = pytest.mark.slow
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
@@ -44,7 +44,7 @@ EMULATION_VARIANTS = ["shared", "cuda_fp8"]
 
 
 def load_emulation(variant: str, tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
-    """The host emulation library, built once per test session (~25 s a variant; shared with
+    """The host emulation library, built once per test session (~10 s a variant; shared with
     tests/ops/test_cuda_window_emulation.py)."""
     cxx = shutil.which("g++")
     if cxx is None:
@@ -63,7 +63,7 @@ def load_emulation(variant: str, tmp_path_factory: pytest.TempPathFactory) -> ct
         fcntl.flock(lock, fcntl.LOCK_EX)  # the other worker waits for this build instead of making its own
         if not lib.is_file():
             partial = lib.with_suffix(".partial")
-            cmd = [cxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", *flags,
+            cmd = [cxx, "-std=c++20", "-O0", "-shared", "-fPIC", "-pthread", *flags,
                    str(CSRC / "cuda" / "host_emulation.cpp"), "-o", str(partial)]
             done = subprocess.run(cmd, check=False, capture_output=True, text=True)
             assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stderr}"

@@ -29,7 +29,7 @@ from test_cuda_host_emulation import (
 
 from fp8cache.ops import reference
 
-# Compiles the kernels for the host first (two variants, ~25 s each), then runs each GPU thread as a fiber.
+# Compiles the kernels for the host first (two variants, ~10 s each at -O0), then runs each GPU thread as a fiber.
 pytestmark = pytest.mark.slow
 
 ERROR_WINDOW_START, ERROR_WINDOW_BLOCK = 8, 16
