@@ -1,5 +1,5 @@
 // Launcher of the Hadamard kernel (hadamard.cuh) and its instantiations. Torch-free, so
-// scripts/compile_check.sh builds it for sm_80/89/90 with nvcc and for gfx90a/gfx940 with hipcc.
+// scripts/compile_check.sh builds it for sm_80/89/90 with nvcc and for gfx90a with hipcc.
 //
 // Compiled as C++20 with -DFP8KV_HOST_EMULATION it is instead a small host library that runs the same kernel
 // body with each GPU thread a fiber (host_fibers.h; a warp shuffle is an exchange between two barriers of the

@@ -5,22 +5,17 @@ PTX defines, its operands exchanged between the emulated lanes) and for cp.async
 tail zero-filled), so these tests check what the kernel's logic decides: the token and dim permutations of the
 fragments, the pipeline's stages, the FP8 decoding (the shared bit moves and the sm_89+ conversion), the split
 halves of float32 queries, zero-filled tails and the plan. What only a GPU shows (speed, the real mma's
-rounding) is for tests/ops/test_ops_cuda.py and scripts/gpu_check.sh. Also here: the compiled kernels' registers
-against the plan's shared memory, from nvcc's resource report.
+rounding) is for tests/ops/test_ops_cuda.py and scripts/gpu_check.sh. The compiled kernels' registers against the
+plan's shared memory are in tests/ops/test_compile_check.py, from the compile check's resource report.
 """
 
 from __future__ import annotations
 
 import ctypes
-import re
-import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 from test_cuda_host_emulation import (
-    CSRC,
     DTYPE_CODES,
     EMULATION_VARIANTS,
     FORMAT_CODES,
@@ -207,74 +202,6 @@ def test_plan_keeps_24_kb_in_flight_on_every_sm(emu, shape):
     blocks = num_seqs * num_kv_heads * plan["splits"]
     assert blocks >= min(132, num_seqs * num_kv_heads * (length // 256)), plan
     assert plan["smem_bytes"] * plan["blocks_per_sm"] <= 228 * 1024
-
-
-# ---- the compiled kernels' resources --------------------------------------------------------------------
-
-_ENTRY = re.compile(r"Compiling entry function '(\S*TcConfig\S*)' for 'sm_90'")
-_CONFIG = re.compile(r"TcConfigI(\w+?)LNS_9Fp8FormatE(\d)ELi(\d+)ELi(\d+)ELb(\d)E")
-_USED = re.compile(r"Used (\d+) registers")
-_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
-_STATIC_SMEM = re.compile(r"(\d+) bytes smem")
-
-
-_REPORTS: dict[str, dict] = {}  # one nvcc run per unit, whichever emulation variant asks
-
-
-def _resource_report(unit: str, tmp_path: Path) -> dict[tuple[int, int, bool], dict[str, int]]:
-    if unit not in _REPORTS:
-        _REPORTS[unit] = _compile_resource_report(unit, tmp_path)
-    return _REPORTS[unit]
-
-
-def _compile_resource_report(unit: str, tmp_path: Path) -> dict[tuple[int, int, bool], dict[str, int]]:
-    nvcc = shutil.which("nvcc") or next((str(p) for p in (Path("/usr/local/cuda/bin/nvcc"),) if p.is_file()), None)
-    if nvcc is None:
-        pytest.skip("nvcc not found: the kernels' resources come from its report")
-    cmd = [nvcc, "-std=c++17", "-O3", "-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
-           "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__", "--expt-relaxed-constexpr",
-           "-gencode", "arch=compute_90,code=sm_90", "--resource-usage", "-c", str(CSRC / "cuda" / unit),
-           "-o", str(tmp_path / "unit.o")]
-    done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-4000:]
-    report, current = {}, None
-    for line in (done.stdout + done.stderr).splitlines():
-        if m := _ENTRY.search(line):
-            config = _CONFIG.search(m.group(1))
-            current = (int(config.group(3)), int(config.group(4)), config.group(5) == "1")
-            report[current] = {}
-        elif current is not None and (m := _SPILL.search(line)):
-            report[current]["spilled"] = int(m.group(1)) + int(m.group(2))
-        elif current is not None and (m := _USED.search(line)):
-            report[current]["registers"] = int(m.group(1))
-            smem = _STATIC_SMEM.search(line)
-            report[current]["static_smem"] = int(smem.group(1)) if smem else 0
-    assert report, "no tensor-core kernel in nvcc's report"
-    return report
-
-
-# Registers the design leaves each kernel (dims, head slots, split float32 halves): enough that registers never
-# hold fewer blocks an SM than the shared memory does (at 128 threads: 65536 / (128 * regs)).
-REGISTER_CEILINGS = {(64, 8, False): 168, (64, 16, False): 168, (64, 8, True): 168, (64, 16, True): 168,
-                     (128, 8, False): 168, (128, 16, False): 255, (128, 8, True): 168, (128, 16, True): 255,
-                     (256, 8, False): 255}
-
-
-@pytest.mark.parametrize("unit,dtype,kv", [("kernels_attention_tc_e4m3.cu", bf16, "fp8_e4m3"),
-                                            ("kernels_attention_tc_bf16.cu", bf16, "auto")])
-def test_compiled_kernels_fit_the_plan(emu, unit, dtype, kv, tmp_path):
-    report = _resource_report(unit, tmp_path)
-    for (dims, heads, precise), used in report.items():
-        assert used["spilled"] == 0, (dims, heads, precise, used)
-        assert used["static_smem"] == 0, "all shared memory is the plan's dynamic memory"
-        assert used["registers"] <= REGISTER_CEILINGS[(dims, heads, precise)], (dims, heads, precise, used)
-        query = f32 if precise else dtype
-        plan = tc_plan(emu, query, kv, dims, heads)
-        if plan["stages"] == 0:
-            continue
-        per_thread = (used["registers"] + 7) // 8 * 8
-        by_registers = 65536 // (per_thread * 128)
-        assert by_registers >= plan["blocks_per_sm"], (dims, heads, precise, used, plan)
 
 
 # ---- sliding windows, soft-capping, sinks (both GPU kernels) --------------------------------------------
