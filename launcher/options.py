@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, NoReturn
 import click
 from rich.console import Console
 
-from fp8cache.kvcache.formats import KV_CACHE_DTYPES
-from fp8cache.model.dummy import shape_names
+from fp8cache.kvcache.dtype_names import KV_CACHE_DTYPES
+from fp8cache.model.shapes import shape_names
 from fp8cache.platform import paths
 
 SHAPES = ", ".join(shape_names())  # for --help; fp8cache/data/shapes

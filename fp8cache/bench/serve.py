@@ -219,13 +219,13 @@ def load_tokenizer(path: str | None = None):
 
     from transformers import AutoConfig, AutoTokenizer
 
-    from fp8cache.model import dummy, hub
+    from fp8cache.model import dummy, hub, shapes
 
     if path is None:
         from fp8cache.model.default_model import ensure_default_model
 
         path = ensure_default_model()
-    folder = dummy.shape_path(path) if not os.path.exists(path) else path
+    folder = shapes.shape_path(path) if not os.path.exists(path) else path
     if folder is None and hub.looks_like_repo_id(path):  # a hub id, as the server was started with
         folder = path = hub.resolve(path, tokenizer_only=True)
     if folder is not None and os.path.isfile(os.path.join(folder, "config.json")) and not dummy.has_tokenizer(folder):

@@ -11,9 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-AUTO = "auto"
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz")
-BACKENDS = ("cpu", "cuda", "rocm")
+from fp8cache.kvcache.dtype_names import AUTO, BACKENDS, KV_CACHE_DTYPES
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,8 @@ generator seeded by its name: two builds on one device hold the same weights (th
 `bench throughput` runs the same model as fp8kv), and so do the parameters every tensor-parallel rank keeps
 whole (embeddings, norms, the output projection).
 
-Named shapes: fp8cache/data/shapes/<name>/config.json (package data; the table is in its README.md). Their
-tokenizer is a byte-level one built here, whose vocabulary spans the model's so every id the random model
-emits decodes.
+Named shapes: model/shapes.py. Their tokenizer is a byte-level one built here, whose vocabulary spans the
+model's so every id the random model emits decodes.
 """
 
 from __future__ import annotations
@@ -22,34 +21,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from fp8cache.platform import paths
-
-LOAD_FORMATS = ("auto", "dummy")
-SHAPES_DIR = Path(paths.PACKAGE_DATA) / "shapes"
-DEFAULT_SHAPE = "smollm2-135m"  # the default model's shape: LLM(load_format="dummy") without a model
 SEED = 0
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # A plain chat template, so that chat routes work on a random model too.
 _CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
                   "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-
-
-def check_load_format(name: str) -> str:
-    if name not in LOAD_FORMATS:
-        raise ValueError(f"load_format={name!r} is not known; valid: auto (the model folder's safetensors "
-                         "weights), dummy (random weights from config.json alone, for benchmarks)")
-    return name
-
-
-def shape_names() -> list[str]:
-    """The model shapes shipped with fp8kv (folder names under fp8cache/data/shapes)."""
-    return sorted(p.parent.name for p in SHAPES_DIR.glob("*/config.json"))
-
-
-def shape_path(name: str) -> str | None:
-    """The folder of a shipped shape by its name (any case), None when `name` is not one."""
-    wanted = name.strip().lower()
-    return next((str(SHAPES_DIR / n) for n in shape_names() if n == wanted), None)
 
 
 def has_tokenizer(path: str) -> bool:

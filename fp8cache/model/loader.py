@@ -17,7 +17,7 @@ import torch
 
 from fp8cache.config import EngineConfig
 from fp8cache.kvcache import scale_files
-from fp8cache.model import checkpoints, dummy, fp8_weights, hub
+from fp8cache.model import checkpoints, dummy, fp8_weights, hub, shapes
 from fp8cache.model.cpu import dtype_probe
 from fp8cache.platform import model_dtype
 from fp8cache.platform.device import resolve_device
@@ -49,21 +49,21 @@ def resolve_model_path(model: str | None, progress: bool = True, load_format: st
     download (model/hub.py; `revision`, `download_dir`). With load_format dummy a folder needs only its
     config.json (a hub id fetches only config and tokenizer), and a shape shipped with fp8kv may be named
     instead of a folder (None: the default model's shape)."""
-    is_dummy = dummy.check_load_format(load_format) == "dummy"
+    is_dummy = shapes.check_load_format(load_format) == "dummy"
     if model is None:
         if is_dummy:
-            return dummy.shape_path(dummy.DEFAULT_SHAPE)
+            return shapes.shape_path(shapes.DEFAULT_SHAPE)
         from fp8cache.model.default_model import ensure_default_model
 
         return ensure_default_model(progress=progress)
     path = os.path.abspath(os.path.expanduser(model))
-    shape = dummy.shape_path(model) if not os.path.exists(path) else None
+    shape = shapes.shape_path(model) if not os.path.exists(path) else None
     if shape is not None:
         if is_dummy:
             return shape
         raise ModelLoadError(
             f"{model!r} is not a folder here but one of the model shapes fp8kv ships without weights "
-            f"({', '.join(dummy.shape_names())}): they run with random weights, for benchmarks; add "
+            f"({', '.join(shapes.shape_names())}): they run with random weights, for benchmarks; add "
             '--load-format dummy (bench throughput|capacity, run, generate; LLM(load_format="dummy")), '
             "or give a model folder")
     if not os.path.exists(path) and hub.looks_like_repo_id(model):
@@ -72,7 +72,7 @@ def resolve_model_path(model: str | None, progress: bool = True, load_format: st
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise ModelLoadError(
                 f"with --load-format dummy, MODEL {model!r} must be a folder holding a config.json (weights "
-                f"are not read) or one of the shapes fp8kv ships: {', '.join(dummy.shape_names())}")
+                f"are not read) or one of the shapes fp8kv ships: {', '.join(shapes.shape_names())}")
         return path
     check_model_folder(path, model)
     return path
@@ -160,7 +160,7 @@ def load_model(config: EngineConfig, progress: bool = True, on_device: bool = Tr
     until to_device() fills the rank's share."""
     from transformers import AutoConfig, AutoTokenizer
 
-    is_dummy = dummy.check_load_format(config.load_format) == "dummy"
+    is_dummy = shapes.check_load_format(config.load_format) == "dummy"
     path = model_folder(config, progress)
     remote = bool(config.trust_remote_code)
     try:

@@ -138,14 +138,14 @@ def test_the_gpu_runs_capacity_budget_binds_at_the_8b_shape():
     Llama-3.1-8B's shape (32 layers x 8 KV heads x 128 x K and V x 2 bytes = 128 KiB a token), and FP8 twice
     as many, so the batch each reaches is set by memory."""
     from fp8cache.kvcache.sizing import parse_memory_size
-    from fp8cache.model import dummy
+    from fp8cache.model import shapes
 
     script = (REPO / "scripts" / "gpu_check.sh").read_text()
     args = re.search(r'^CAPACITY_ARGS="\$\{CAPACITY_ARGS:-(.*)\}"$', script, re.MULTILINE).group(1).split()
     budget = parse_memory_size(args[args.index("--kv-cache-memory") + 1])
     context = int(args[args.index("--context") + 1])
     assert int(args[args.index("--output-len") + 1]) == 128 and context - 128 == 4096  # 4,096-token prompts
-    cfg = json.loads((Path(dummy.shape_path("llama-3.1-8b")) / "config.json").read_text())
+    cfg = json.loads((Path(shapes.shape_path("llama-3.1-8b")) / "config.json").read_text())
     token_bytes = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * 128 * 2
     assert token_bytes == 128 * 2**10
     blocks = budget // (16 * token_bytes)

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from transformers import AutoConfig
 
 from fp8cache.config import EngineConfig
-from fp8cache.model import dummy, loader
+from fp8cache.model import dummy, loader, shapes
 
 # Published parameter counts (the models' safetensors metadata / model cards).
 PUBLISHED = {"llama-3.1-8b": 8_030_261_248, "llama-3.1-70b": 70_553_706_496, "qwen2.5-7b": 7_615_616_512,
@@ -46,9 +46,9 @@ def tiny_config(tmp_path_factory) -> str:
 
 
 def test_every_shipped_shape_has_its_published_size():
-    assert dummy.shape_names() == sorted(PUBLISHED)
+    assert shapes.shape_names() == sorted(PUBLISHED)
     for name, count in PUBLISHED.items():
-        cfg = AutoConfig.from_pretrained(dummy.shape_path(name))
+        cfg = AutoConfig.from_pretrained(shapes.shape_path(name))
         model = dummy.build_model(cfg, torch.bfloat16, "meta")  # shapes only: 70B in no memory at all
         assert sum(p.numel() for p in model.parameters()) == count, name
         layers, hidden, heads, kv_heads, head_size, mlp, vocab = SHAPES[name]
@@ -60,10 +60,10 @@ def test_every_shipped_shape_has_its_published_size():
 
 
 def test_shape_names_resolve_only_with_load_format_dummy(tmp_path, monkeypatch):
-    assert loader.resolve_model_path("Llama-3.1-8B", load_format="dummy") == dummy.shape_path("llama-3.1-8b")
+    assert loader.resolve_model_path("Llama-3.1-8B", load_format="dummy") == shapes.shape_path("llama-3.1-8b")
     with pytest.raises(loader.ModelLoadError, match=r"ships without weights.*--load-format dummy"):
         loader.resolve_model_path("llama-3.1-8b")
-    assert loader.resolve_model_path(None, load_format="dummy") == dummy.shape_path(dummy.DEFAULT_SHAPE)
+    assert loader.resolve_model_path(None, load_format="dummy") == shapes.shape_path(shapes.DEFAULT_SHAPE)
     # A folder of that name here is that folder, whatever the format.
     monkeypatch.chdir(tmp_path)
     own = write_config(tmp_path / "llama-3.1-8b")
@@ -109,7 +109,7 @@ def test_deep_random_models_stay_finite_in_bfloat16(tmp_path):
 
 
 def test_tied_embeddings_stay_tied():
-    cfg = AutoConfig.from_pretrained(dummy.shape_path("smollm2-135m"))
+    cfg = AutoConfig.from_pretrained(shapes.shape_path("smollm2-135m"))
     cfg.num_hidden_layers = 1  # the default model's embedding, one layer of it
     model = dummy.build_model(cfg, torch.float32, "cpu")
     assert model.lm_head.weight is model.model.embed_tokens.weight
@@ -188,7 +188,7 @@ def test_bench_throughput_over_two_ranks_shares_one_random_model_between_its_eng
 def test_the_byte_tokenizer_round_trips_text_and_decodes_every_id():
     from fp8cache.quality.eval import locate_eval_text, read_text
 
-    cfg = AutoConfig.from_pretrained(dummy.shape_path("llama-3.1-8b"))
+    cfg = AutoConfig.from_pretrained(shapes.shape_path("llama-3.1-8b"))
     tok = dummy.byte_tokenizer(cfg)
     text = read_text(locate_eval_text())[:20_000]
     ids = tok(text, add_special_tokens=False)["input_ids"]
