@@ -35,7 +35,7 @@ class _Commands(click.Group):
 @click.group(cls=_Commands, lazy={
     "build": "launcher.build:build", "run": "launcher.run:run", "generate": "launcher.generate:generate",
     "systemd-unit": "launcher.systemd_unit:systemd_unit", "calibrate": "launcher.calibrate:calibrate",
-    "eval": "launcher.eval:eval_command", "bench": "launcher.cli:bench"},
+    "eval": "launcher.eval:eval_command"},
     context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": paths.FLAG_ENV_PREFIX})
 @click.version_option(package_name="fp8kv")
 def main() -> None:
@@ -50,6 +50,9 @@ def main() -> None:
     "capacity": "launcher.bench:capacity", "serve": "launcher.bench:serve"})
 def bench() -> None:
     """Measure kernels, throughput and capacity."""
+
+
+main.add_command(bench)
 
 
 if __name__ == "__main__":
