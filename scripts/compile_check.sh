@@ -3,10 +3,11 @@
 #
 #   scripts/compile_check.sh [cuda|cuda-kernels|cuda-bindings|hip|hip-kernels|hip-hipify|all]  (default: all)
 #
-#   cuda-kernels   nvcc: csrc/cuda/kernels_*.cu and hadamard_kernels.cu (torch-free, all kernels)
-#                  for sm_80 and sm_90 (CUDA_ARCHS="80 89 90" adds sm_89: it compiles the same branches as
-#                  sm_90, since the sources only ask for >= 800 and >= 890, and took a third of the time), with
-#                  ptxas's report of the tensor-core kernels' registers and shared memory
+#   cuda-kernels   nvcc: csrc/cuda/kernels_*.cu and hadamard_kernels.cu (torch-free, all kernels) for
+#                  each of CUDA_ARCHS (default "80 90"; "80 89 90" adds sm_89, which compiles the same branches
+#                  as sm_90: the sources only ask for >= 800 and >= 890). The last one is compiled as a release
+#                  build (-O3, spills are errors, ptxas's report of the tensor-core kernels' registers and shared
+#                  memory), the others unoptimized (CUDA_OPTIMIZE_ALL=1 optimizes them too)
 #   cuda-bindings  nvcc -std=c++20: csrc/cuda/torch_bindings_cuda.cu and hadamard.cu (one translation unit) for
 #                  sm_90, against the headers of a CUDA build of torch unzipped from a wheel (this machine's torch
 #                  is CPU-only)
@@ -19,7 +20,7 @@
 #
 # Exit status: 0 compiled, 1 a compile failed, 77 skipped because a compiler (or the torch wheel) is missing.
 # Environment: NVCC, HIPCC (compilers), PYTHON (with torch, for hipify), TORCH_CUDA_WHEEL (a CUDA torch
-# wheel), FP8KV_CACHE_DIR, MAX_JOBS (nvcc --threads), CUDA_ARCHS (cuda-kernels' architectures).
+# wheel), FP8KV_CACHE_DIR, CUDA_ARCHS and CUDA_OPTIMIZE_ALL (cuda-kernels' architectures, above).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -63,27 +64,27 @@ check_cuda_kernels() {
   local nvcc
   nvcc="$(find_tool "${NVCC:-}" nvcc /usr/local/bin/nvcc /usr/local/cuda/bin/nvcc)" ||
     { echo "SKIP cuda-kernels: nvcc not found (set NVCC)"; return $SKIPPED; }
-  local status=0 unit arch gencode=() names=()
-  for arch in ${CUDA_ARCHS:-80 90}; do
-    gencode+=(-gencode "arch=compute_$arch,code=sm_$arch")
-    names+=("sm_$arch")
-  done
-  local label
-  label="$(IFS=,; echo "${names[*]}")"
+  local archs=(${CUDA_ARCHS:-80 90}) status=0 unit arch
+  local release="${archs[-1]}"
   for unit in "$CSRC"/cuda/kernels_*.cu "$CSRC/cuda/hadamard_kernels.cu"; do
-    local arches=("${gencode[@]}") unit_label="$label" report=()
-    case "$(basename "$unit")" in
-      # 16-bit caches on tensor cores: no FP8 conversion, so nothing past sm_80's branches: one arch, the last
-      # (sm_90), whose registers tests/ops/test_compile_check.py holds to the plan.
-      kernels_attention_tc_bf16.cu | kernels_attention_tc_f16.cu)
-        arches=("${gencode[@]: -2}") unit_label="${names[-1]}" report=(--resource-usage) ;;
-      # The tensor-core kernels' registers and shared memory, for the same test.
-      kernels_attention_tc_*.cu) report=(--resource-usage) ;;
-    esac
-    run_timed "cuda-kernels $(basename "$unit") $unit_label" "$nvcc" -std=c++17 -O3 "${TORCH_NVCC_FLAGS[@]}" \
-      --threads "${MAX_JOBS:-1}" "${arches[@]}" "${report[@]}" \
-      --Werror all-warnings -Xptxas=-warn-spills,-warn-lmem-usage \
-      -c "$unit" -o "$OUT/$(basename "$unit" .cu)_cuda.o" || status=1
+    for arch in "${archs[@]}"; do
+      local mode=() label="sm_$arch"
+      if [ "$arch" = "$release" ] || [ "${CUDA_OPTIMIZE_ALL:-0}" = 1 ]; then
+        # As a release build compiles it: spills and local memory are errors, and for the tensor-core kernels
+        # ptxas reports registers and shared memory (tests/ops/test_compile_check.py holds them to the plan).
+        mode=(-Xptxas=-warn-spills,-warn-lmem-usage)
+        case "$(basename "$unit")" in kernels_attention_tc_*.cu) mode+=(--resource-usage) ;; esac
+      else
+        # Unoptimized (cicc and ptxas at -O0): every instantiation still goes through the front end and ptxas
+        # for this architecture (its #if branches, and an instruction it lacks is an error), in a quarter of
+        # the time; registers and spills are the release architecture's concern.
+        mode=(-Xcicc -O0 -Xptxas -O0)
+        label="sm_$arch unoptimized"
+      fi
+      run_timed "cuda-kernels $(basename "$unit") $label" "$nvcc" -std=c++17 -O3 "${TORCH_NVCC_FLAGS[@]}" \
+        -gencode "arch=compute_$arch,code=sm_$arch" "${mode[@]}" --Werror all-warnings \
+        -c "$unit" -o "$OUT/$(basename "$unit" .cu)_sm$arch.o" || status=1
+    done
   done
   return $status
 }
