@@ -3,7 +3,7 @@ gfx90a (gfx940 analysed), and the kernels as torch's hipify rewrites them for a 
 
 Nothing is run on a GPU (there is none here); scripts/compile_check.sh does the compiling and prints the
 commands it ran. A target is skipped, with the script's reason, only when its compiler (or, for the
-bindings, a CUDA torch wheel to take headers from; for hipify, torch) is missing. Each takes about a minute.
+bindings, a CUDA torch wheel to take headers from; for hipify, torch) is missing.
 Also here: the tensor-core kernels' registers and shared memory from ptxas's report, held to the plan.
 """
 
@@ -25,7 +25,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "compile_check.sh"
 SKIPPED = 77
 
 
-TARGETS = ["cuda-kernels", "cuda-bindings", "hip-kernels", "hip-hipify"]  # longest first (about 250, 100, 105, 20 s)
+TARGETS = ["cuda-kernels", "cuda-bindings", "hip-kernels", "hip-hipify"]  # longest first (about 240, 65, 100, 10 s)
 
 
 def _compile(target: str) -> subprocess.CompletedProcess:
