@@ -21,7 +21,8 @@
 #
 # Exit status: 0 compiled, 1 a compile failed, 77 skipped because a compiler (or the torch wheel) is missing.
 # Environment: NVCC, HIPCC (compilers), PYTHON (with torch, for hipify), TORCH_CUDA_WHEEL (a CUDA torch
-# wheel), FP8KV_CACHE_DIR, CUDA_ARCHS and CUDA_OPTIMIZE_ALL (cuda-kernels' architectures, above).
+# wheel), FP8KV_CACHE_DIR, CUDA_ARCHS and CUDA_OPTIMIZE_ALL (cuda-kernels' architectures, above),
+# FP8KV_COMPILE_CHECK_CACHE=0 (compile even when these inputs passed before: see run_cached).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -182,12 +183,51 @@ PY
     -fsyntax-only -I "$OUT/hipify" -I "$OUT/hipify/hip" "$(unity_of "${units[@]}")"
 }
 
+# What decides a check's result: the sources, this script, the compilers, the torch headers and the settings. A
+# check that passed is not compiled again for the same inputs (as ccache would not): its output is replayed from
+# CACHE_DIR/compile-check. Failures and skips are never kept; FP8KV_COMPILE_CHECK_CACHE=0 compiles anyway.
+inputs_key() {  # $1: the check's function
+  local nvcc hipcc
+  {
+    echo "$1 ${CUDA_ARCHS:-} ${CUDA_OPTIMIZE_ALL:-} $TORCH_CUDA_WHEEL"
+    stat -c %s "$TORCH_CUDA_WHEEL" 2>/dev/null || true
+    cat "$0"
+    (cd "$ROOT" && find csrc -type f -print0 | LC_ALL=C sort -z | xargs -0 sha256sum)
+    if nvcc="$(find_tool "${NVCC:-}" nvcc /usr/local/bin/nvcc /usr/local/cuda/bin/nvcc)"; then
+      echo "$nvcc"; "$nvcc" --version 2>&1 || true
+    fi
+    if hipcc="$(find_hipcc)"; then
+      echo "$hipcc"; HIP_PLATFORM=amd "$hipcc" --version 2>&1 || true
+    fi
+    "${PYTHON:-python3}" -c "import importlib.metadata as m; print('torch', m.version('torch'))" 2>&1 || true
+  } | sha256sum | cut -c1-20
+}
+
+run_cached() {  # $1: the check's function
+  local check="$1" key passed
+  key="$(inputs_key "$check")"
+  passed="$CACHE_DIR/compile-check/$check-$key.out"
+  if [ "${FP8KV_COMPILE_CHECK_CACHE:-1}" != 0 ] && [ -f "$passed" ]; then
+    echo "cached: $check passed on these inputs (key $key, $(date -r "$passed" '+%Y-%m-%d %H:%M')); its output" \
+         "follows. FP8KV_COMPILE_CHECK_CACHE=0 compiles again."
+    cat "$passed"
+    return 0
+  fi
+  local status
+  { status=0; "$check" 2>&1 || status=$?; echo $status > "$OUT/$check.rc"; } | tee "$OUT/$check.out"
+  status="$(cat "$OUT/$check.rc")"
+  if [ "$status" = 0 ] && mkdir -p "$CACHE_DIR/compile-check" 2>/dev/null; then
+    cp "$OUT/$check.out" "$passed.tmp.$$" && mv -f "$passed.tmp.$$" "$passed" || rm -f "$passed.tmp.$$"
+  fi
+  return $status
+}
+
 # Run the named checks; a skip does not hide a failure, and all-skipped reports a skip.
 run_checks() {
   local failed=0 passed=0 status
   for check in "$@"; do
     status=0
-    "$check" || status=$?
+    run_cached "$check" || status=$?
     case $status in
       0) passed=1 ;;
       "$SKIPPED") ;;

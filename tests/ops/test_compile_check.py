@@ -134,3 +134,39 @@ def test_compiled_kernels_fit_the_plan(unit: str, kv: str, compiles: dict[str, F
         per_thread = (used["registers"] + 7) // 8 * 8
         by_registers = 65536 // (per_thread * 128)
         assert by_registers >= plan["blocks_per_sm"], (dims, heads, precise, used, plan)
+
+
+# ---- a check that passed is replayed for the same inputs, never a failure --------------------------------------
+
+STUB_NVCC = """#!/bin/sh
+echo "$*" >> "$STUB_LOG"
+[ "$1" = "--version" ] && { echo "stub nvcc $STUB_VERSION"; exit 0; }
+exit "$STUB_STATUS"
+"""
+
+
+def test_a_check_is_compiled_again_only_when_its_inputs_change(tmp_path):
+    nvcc = tmp_path / "nvcc"
+    nvcc.write_text(STUB_NVCC)
+    nvcc.chmod(0o755)
+    log = tmp_path / "calls.log"
+
+    def check(archs: str = "90", status: int = 0, version: str = "1.0", cache: str = "1") -> tuple[int, str, int]:
+        env = {**os.environ, "NVCC": str(nvcc), "STUB_LOG": str(log), "STUB_STATUS": str(status),
+               "STUB_VERSION": version, "CUDA_ARCHS": archs, "FP8KV_CACHE_DIR": str(tmp_path / "cache"),
+               "FP8KV_COMPILE_CHECK_CACHE": cache}
+        before = log.read_text().count("-c ") if log.exists() else 0
+        done = subprocess.run(["bash", str(SCRIPT), "cuda-kernels"], env=env, capture_output=True, text=True,
+                              timeout=120, check=False)
+        return done.returncode, done.stdout, log.read_text().count("-c ") - before
+
+    units = len(list((SCRIPT.parents[1] / "csrc" / "cuda").glob("kernels_*.cu"))) + 1  # and hadamard_kernels.cu
+    assert check(status=1)[::2] == (1, units)          # a failure is not kept: compiled again next time
+    code, out, compiled = check()
+    assert (code, compiled) == (0, units) and "cached:" not in out
+    code, replayed, compiled = check()
+    assert (code, compiled) == (0, 0) and replayed.startswith("cached: check_cuda_kernels passed on these inputs")
+    assert out in replayed and "ok: cuda-kernels" in replayed  # what the tests read, as it was
+    assert check(archs="80 90")[::2] == (0, 2 * units)  # other settings, another compiler: other inputs
+    assert check(version="2.0")[::2] == (0, units)
+    assert check(cache="0")[::2] == (0, units)
