@@ -4,11 +4,13 @@ They are one single-threaded compiler after another for several minutes: run las
 asked for them, they were the tail of the run; started first, in the process that starts the run (pytest-xdist's
 controller, or pytest itself), they overlap everything else. tests/ops/test_compile_check.py reads their results from
 the folder named in FP8KV_COMPILE_AHEAD (the workers inherit it), or runs a target itself when there is none.
+A check whose inputs passed before is replayed by the script in a second (scripts/compile_check.sh, run_cached).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -17,6 +19,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "compile_check.sh"
 ENV = "FP8KV_COMPILE_AHEAD"
 # Two chains, longest first: about as long as each other, two compilers at a time at most.
 CHAINS = [["cuda-kernels"], ["hip-kernels", "cuda-bindings", "hip-hipify"]]
+_folder: str | None = None  # the results folder this process made
 
 
 def wanted(config) -> bool:
@@ -33,7 +36,8 @@ def wanted(config) -> bool:
 def start(config) -> list[subprocess.Popen]:
     if hasattr(config, "workerinput") or ENV in os.environ or not wanted(config):
         return []
-    folder = tempfile.mkdtemp(prefix="fp8kv-compile-ahead-")
+    global _folder
+    folder = _folder = tempfile.mkdtemp(prefix="fp8kv-compile-ahead-")
     os.environ[ENV] = folder
     chains = []
     for chain in CHAINS:
@@ -45,11 +49,14 @@ def start(config) -> list[subprocess.Popen]:
 
 
 def stop(chains: list[subprocess.Popen]) -> None:
-    """At the end of the run: a chain still compiling (its test deselected or failed early) is ended."""
+    """At the end of the run: a chain still compiling (its test deselected or failed early) is ended, and the
+    results folder removed."""
     for proc in chains:
         if proc.poll() is None:
             os.killpg(proc.pid, 15)
             proc.wait()
+    if _folder:
+        shutil.rmtree(_folder, ignore_errors=True)
 
 
 def result(target: str, timeout: float) -> tuple[int, str] | None:
