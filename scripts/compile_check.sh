@@ -39,6 +39,8 @@ TORCH_HIPCC_FLAGS=(-DUSE_ROCM=1 -D__HIP_NO_HALF_OPERATORS__=1 -D__HIP_NO_HALF_CO
 
 OUT="$(mktemp -d)"
 trap 'rm -rf "$OUT"' EXIT
+# The compilers' own temporary files (hipcc left a folder per unit in /tmp) go with ours.
+export TMPDIR="$OUT"
 
 find_tool() {  # $1: env override, $2: name, $3...: fallback paths
   local override="$1" name="$2"
