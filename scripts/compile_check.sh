@@ -51,6 +51,10 @@ find_tool() {  # $1: env override, $2: name, $3...: fallback paths
   return 1
 }
 
+find_nvcc() {
+  find_tool "${NVCC:-}" nvcc /usr/local/bin/nvcc /usr/local/cuda/bin/nvcc
+}
+
 run_timed() {  # $1: label, rest: command
   local label="$1"
   shift
@@ -66,7 +70,7 @@ run_timed() {  # $1: label, rest: command
 
 check_cuda_kernels() {
   local nvcc
-  nvcc="$(find_tool "${NVCC:-}" nvcc /usr/local/bin/nvcc /usr/local/cuda/bin/nvcc)" ||
+  nvcc="$(find_nvcc)" ||
     { echo "SKIP cuda-kernels: nvcc not found (set NVCC)"; return $SKIPPED; }
   local archs=(${CUDA_ARCHS:-80 90}) status=0 unit arch
   local release="${archs[-1]}"
@@ -115,7 +119,7 @@ PY
 
 check_cuda_bindings() {
   local nvcc include
-  nvcc="$(find_tool "${NVCC:-}" nvcc /usr/local/bin/nvcc /usr/local/cuda/bin/nvcc)" ||
+  nvcc="$(find_nvcc)" ||
     { echo "SKIP cuda-bindings: nvcc not found (set NVCC)"; return $SKIPPED; }
   include="$(cuda_torch_include)" ||
     { echo "SKIP cuda-bindings: no CUDA torch wheel at $TORCH_CUDA_WHEEL (set TORCH_CUDA_WHEEL)"; return $SKIPPED; }
@@ -195,7 +199,7 @@ inputs_key() {  # $1: the check's function
     stat -c %s "$TORCH_CUDA_WHEEL" 2>/dev/null || true
     cat "$0"
     (cd "$ROOT" && find csrc -type f -print0 | LC_ALL=C sort -z | xargs -0 sha256sum)
-    if nvcc="$(find_tool "${NVCC:-}" nvcc /usr/local/bin/nvcc /usr/local/cuda/bin/nvcc)"; then
+    if nvcc="$(find_nvcc)"; then
       echo "$nvcc"; "$nvcc" --version 2>&1 || true
     fi
     if hipcc="$(find_hipcc)"; then
