@@ -167,6 +167,6 @@ def test_a_check_is_compiled_again_only_when_its_inputs_change(tmp_path):
     code, replayed, compiled = check()
     assert (code, compiled) == (0, 0) and replayed.startswith("cached: check_cuda_kernels passed on these inputs")
     assert out in replayed and "ok: cuda-kernels" in replayed  # what the tests read, as it was
-    assert check(archs="80 90")[::2] == (0, 2 * units)  # other settings, another compiler: other inputs
+    assert check(archs="80 90")[::2] == (0, units + 1)  # other settings (sm_80: one unit), another compiler
     assert check(version="2.0")[::2] == (0, units)
     assert check(cache="0")[::2] == (0, units)
