@@ -7,7 +7,6 @@ float32 rounding, which after a bfloat16/float16 rounding can be one unit in the
 from __future__ import annotations
 
 import ctypes
-import os
 import shutil
 import subprocess
 import sys
@@ -136,7 +135,6 @@ def test_apply_rotation_uses_the_op_once_loaded(ops):
 def test_apply_rotation_without_the_op_library_is_the_matmul():
     """In a process that never loaded the op library, apply_rotation is the matmul (and loads nothing)."""
     import subprocess
-    import sys
 
     code = ("import torch\n"
             "from fp8cache.kvcache.rotation import apply_rotation, hadamard_matrix, rotate, uses_compiled_op\n"
@@ -155,27 +153,6 @@ def test_apply_rotation_names_and_sizes():
         apply_rotation(x, "givens")
     with pytest.raises(ValueError, match="head size 36.*kv rotation 'none'"):
         apply_rotation(torch.randn(2, 36), "hadamard")
-
-
-# ---- the other CPU code paths ----------------------------------------------------------------------------
-
-@pytest.mark.slow
-@pytest.mark.skipif("config.getoption('--cpu-isa')", reason="already inside an ISA run")
-@pytest.mark.parametrize("isa", ["scalar", "avx2"])
-def test_other_isa_builds(isa):
-    """The library built for a lower CPU path (its own cache key; tests/ops/test_ops_cpu.py builds the same ones)
-    passes this file's op tests. The library is registered per process, so pytest runs in a child."""
-    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").is_file() else []
-    if isa == "avx2" and not ("avx2" in flags and "avx512f" in flags):
-        pytest.skip("avx2 is only a separate path on an AVX-512 machine")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--cpu-isa", isa, __file__, "-k",
-         "op_equals or other_head_sizes or own_inverse or non_contiguous"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=1800, check=False)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert " passed" in result.stdout
 
 
 # ---- the GPU kernel, run on the host -----------------------------------------------------------------------

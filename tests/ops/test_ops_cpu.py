@@ -301,9 +301,10 @@ def _cpu_has(flag: str) -> bool:
 def test_other_isa_builds(isa):
     """The op library built for a lower CPU path (its own cache key) passes the FP8 conversion tests
     (fp8.h's scalar encoder there, the vector one in an AVX-512 build), every attention case, paged and
-    window (AVX2's own FP8 kernel, attention_avx2.h, and the portable one run them all), and the panel linear
-    kernels' (AVX2's tiles, panel_tiles_avx2.h, and the portable loops). The library is
-    registered per process, so this runs pytest in a child process."""
+    window (AVX2's own FP8 kernel, attention_avx2.h, and the portable one run them all), the panel linear
+    kernels' (AVX2's tiles, panel_tiles_avx2.h, and the portable loops) and the Hadamard op's. The library is
+    registered per process, so this runs pytest in a child process (one per path: each pays ~8 CPU-s of
+    imports)."""
     if isa == "avx2" and not (_cpu_has("avx2") and _cpu_has("avx512f")):
         pytest.skip("avx2 is only a separate path on an AVX-512 machine")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
@@ -311,8 +312,13 @@ def test_other_isa_builds(isa):
     files = [Path(__file__), Path(__file__).with_name("test_fp8_conversion.py"),
              Path(__file__).with_name("test_window_ops.py"), REPO / "tests" / "model" / "test_packed_linear.py"]
     assert all(f.is_file() for f in files), files
+    hadamard = Path(__file__).with_name("test_hadamard_op.py")
+    hadamard_ops = [f"{hadamard}::{name}" for name in (  # the op's tests, not its GPU emulation's
+        "test_op_equals_x_times_hadamard", "test_other_head_sizes_and_widths",
+        "test_hadamard_is_its_own_inverse_through_the_op", "test_non_contiguous_input")]
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--cpu-isa", isa, *map(str, files)],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--cpu-isa", isa, *map(str, files),
+         *hadamard_ops],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=1800, check=False)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert " passed" in result.stdout
