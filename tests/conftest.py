@@ -33,9 +33,11 @@ def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "slow: takes more than about 10 s (leave out with -m 'not slow')")
     config.addinivalue_line("markers", "real_auto_dtype: --dtype auto on a CPU is this machine's own choice, not "
                                        "the tests' float32")
+    import build_ahead
     import compile_ahead
 
     config._fp8kv_compile_ahead = compile_ahead.start(config)
+    config._fp8kv_build_ahead = build_ahead.start(config)
     _share_the_cores()
     if config.getoption("--cpu-isa"):
         # One op library per process: the asked-for path must be the first one loaded.
@@ -59,8 +61,10 @@ def _share_the_cores() -> None:
 
 
 def pytest_unconfigure(config) -> None:
+    import build_ahead
     import compile_ahead
 
+    build_ahead.stop(getattr(config, "_fp8kv_build_ahead", []))
     compile_ahead.stop(getattr(config, "_fp8kv_compile_ahead", []))
 
 
