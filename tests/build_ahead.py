@@ -9,9 +9,10 @@ another worker; on a machine that has them, each is a check of a few seconds (th
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
+
+import compile_ahead
 
 STEPS = {
     "op library": "from fp8cache import ops; ops.load('cpu')",
@@ -36,7 +37,4 @@ def start(config) -> list[subprocess.Popen]:
 def stop(procs: list[subprocess.Popen]) -> None:
     """At the end of the run, one still working (the run ended early) is ended: both are safe to kill (the op
     library's compile dies with its parent, the model is converted in a folder of its own)."""
-    for proc in procs:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 15)
-            proc.wait()
+    compile_ahead.end(procs)

@@ -51,12 +51,17 @@ def start(config) -> list[subprocess.Popen]:
 def stop(chains: list[subprocess.Popen]) -> None:
     """At the end of the run: a chain still compiling (its test deselected or failed early) is ended, and the
     results folder removed."""
-    for proc in chains:
+    end(chains)
+    if _folder:
+        shutil.rmtree(_folder, ignore_errors=True)
+
+
+def end(procs: list[subprocess.Popen]) -> None:
+    """End each of procs still running, with the processes it started (each leads a session of its own)."""
+    for proc in procs:
         if proc.poll() is None:
             os.killpg(proc.pid, 15)
             proc.wait()
-    if _folder:
-        shutil.rmtree(_folder, ignore_errors=True)
 
 
 def result(target: str, timeout: float) -> tuple[int, str] | None:
