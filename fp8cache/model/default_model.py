@@ -243,13 +243,14 @@ def _convert(gguf_path: str, out: str) -> None:
     from transformers.utils import logging as hf_logging
 
     folder, name = os.path.split(gguf_path)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     # This load is a step of the conversion, logged as such: its own "Loading weights" bar would be the first
     # of two on a first start (the engine's load of the result follows).
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        with _one_gguf_parse():
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     finally:
         if bars:
             hf_logging.enable_progress_bar()
@@ -260,6 +261,26 @@ def _convert(gguf_path: str, out: str) -> None:
         del model.config.quantization_config
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
+
+
+@contextmanager
+def _one_gguf_parse() -> Iterator[None]:
+    """transformers reads the GGUF three times (for the config, the tokenizer and the weights; its metadata, a
+    49k-entry vocabulary among them, element by element: ~7 CPU-s a read here) and builds gguf's tensor-name
+    table again for each of the 272 tensors. While the conversion runs, each is made once per argument list
+    (transformers imports both from the gguf package when it calls them); afterwards gguf is as it was."""
+    import functools
+
+    import gguf
+
+    originals = {name: getattr(gguf, name) for name in ("GGUFReader", "get_tensor_name_map") if hasattr(gguf, name)}
+    for name, made in originals.items():
+        setattr(gguf, name, functools.lru_cache(maxsize=None)(made))
+    try:
+        yield
+    finally:
+        for name, made in originals.items():
+            setattr(gguf, name, made)
 
 
 def _make_readable(folder: str) -> None:

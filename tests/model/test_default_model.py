@@ -256,3 +256,30 @@ def test_a_manifest_size_that_differs_is_damage(monkeypatch, tmp_path):
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
         f.write("{ }")  # valid JSON, another size than the conversion wrote
     assert "tokenizer_config.json has 3 bytes where 2 were written" == default_model.model_problem(path)
+
+
+def test_the_conversion_parses_a_gguf_once_and_leaves_gguf_as_it_was(tmp_path):
+    """transformers reads the GGUF once for the config, once for the tokenizer and once for the weights: during
+    the conversion the three share one parse, and the gguf package is unchanged afterwards."""
+    import gguf
+    import numpy as np
+
+    path = str(tmp_path / "tiny.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(2)
+    writer.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(50)])
+    writer.add_tensor("token_embd.weight", np.arange(12, dtype=np.float32).reshape(3, 4))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with default_model._one_gguf_parse():
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(path) is first
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+    assert gguf.GGUFReader is reader_class and gguf.get_tensor_name_map is name_map
+    fresh = gguf.GGUFReader(path)
+    assert fresh is not first
+    assert [f for f in fresh.fields] == [f for f in first.fields]
+    np.testing.assert_array_equal(fresh.tensors[0].data, first.tensors[0].data)
