@@ -2,7 +2,8 @@
 // then a launch of the torch-free kernel of hadamard_kernels.cu. Schema: ../cpu/hadamard.cpp.
 #include "hadamard.cuh"  // first: under hipcc the HIP runtime must come before the common headers
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
