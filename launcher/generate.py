@@ -55,14 +55,15 @@ def generate(args: tuple[str, ...], **kw) -> None:
         raise click.UsageError(f"expected [MODEL] PROMPT, got {len(args)} arguments; quote the prompt")
     model, prompt = (args[0], args[1]) if len(args) == 2 else (None, args[0])
     setup_logging()  # from here every line of stderr, an error included, is in the log's format
-    from fp8cache.distributed import parallel_state
-    from fp8cache.distributed.group import WorkerDiedError
-    from fp8cache.engine.llm import LLM
+    from fp8cache.model.preflight import check_before_loading, check_engine_scales
 
     num_shard = kw.pop("num_shard")
     config = dataclasses.replace(engine_config(pick_model(model, kw["model_option"]), kw),
                                  tensor_parallel_size=num_shard)
-    from fp8cache.model.preflight import check_engine_scales
+    check_before_loading(config)  # the model folder and --num-shard, before torch and transformers load
+    from fp8cache.distributed import parallel_state
+    from fp8cache.distributed.group import WorkerDiedError
+    from fp8cache.engine.llm import LLM
 
     check_engine_scales(config)  # a bad scales file fails now, not after the model loads (in every rank)
     log = log_function("fp8kv")  # worker lines start "[rank 1]"

@@ -38,36 +38,39 @@ def run(model: str | None, **kw) -> None:
 
     Example: fp8kv run ./my-model --kv-cache-dtype fp8 --quantization-param-path scales.json
     """
-    from fp8cache.distributed import parallel_state
-    from fp8cache.server.serve import ServeOptions, serve
+    from fp8cache.distributed.layout import env_rank
+    from fp8cache.model.preflight import check_before_loading, check_engine_scales
+    from fp8cache.server.serve import EXIT_PORT_IN_USE
+    from fp8cache.systemd.listener import ListenError, check_listen
     from launcher.logs import logger, setup_logging
 
     num_shard = kw.pop("num_shard")
-    rank = parallel_state.env_rank() if num_shard > 1 else 0
+    rank = env_rank() if num_shard > 1 else 0
     # From here every line of stderr, an error included, is in the log's format; with --num-shard N each
     # rank's lines name it, and the supervisor (rank None) writes its own in the same format.
     setup_logging(kw["log_format"], rank=rank if num_shard > 1 else None)
     config = dataclasses.replace(engine_config(pick_model(model, kw["model_option"]), kw),
                                  tensor_parallel_size=num_shard)
-    from fp8cache.model.preflight import check_engine_scales
-
-    check_engine_scales(config)  # a bad scales file fails now, not after the model loads (in every rank)
-    if rank is None:  # one machine: start the ranks and watch them (rank 0 serves HTTP)
-        from fp8cache.model.tp_ranks import check_model_divisible
-        from fp8cache.platform.device import resolve_device
-        from fp8cache.server.serve import EXIT_PORT_IN_USE
-        from fp8cache.systemd.listener import ListenError, check_listen
-        from launcher.supervisor import supervise
-
-        # What would fail in every rank after its model load is refused here, once, before any starts.
-        resolve_device(config.device)
-        check_model_divisible(config)
+    # What fails without torch and transformers fails before they load (five seconds), and before any rank
+    # starts: the model folder, --num-shard against its heads, the port.
+    check_before_loading(config)
+    if rank in (None, 0):
         try:
             check_listen(kw["host"], kw["port"])
         except ListenError as exc:
             fail(str(exc), code=EXIT_PORT_IN_USE)
+    check_engine_scales(config)  # a bad scales file fails now, not after the model loads (in every rank)
+    from fp8cache.platform.device import resolve_device
+
+    resolve_device(config.device)  # torch's, before transformers loads and (supervisor) before any rank starts
+    if rank is None:  # one machine: start the ranks and watch them (rank 0 serves HTTP)
+        from launcher.supervisor import supervise
+
         sys.exit(supervise(sys.argv[1:], num_shard, stop_timeout=kw["graceful_timeout"] + 30,
                            log_format=kw["log_format"]))
+    from fp8cache.distributed import parallel_state
+    from fp8cache.server.serve import ServeOptions, serve
+
     if rank > 0:
         import logging
 

@@ -21,8 +21,9 @@ import torch
 import torch.distributed as dist
 
 from fp8cache.config import EngineConfig
+from fp8cache.distributed.layout import ENV_VARS, env_rank, read_env  # noqa: F401 (their home was here)
+from fp8cache.distributed.layout import env_int as _env_int
 
-ENV_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
 _IDLE_TIMEOUT = timedelta(days=365)  # workers wait for rank 0's next step as long as the server lives
 
 
@@ -48,36 +49,6 @@ _state = SINGLE
 
 def get() -> ParallelState:
     return _state
-
-
-def env_rank() -> int | None:
-    """RANK from the environment, None when unset (then a multi-rank start supervises its own ranks)."""
-    value = os.environ.get("RANK")
-    return None if value is None else _env_int("RANK", value)
-
-
-def _env_int(name: str, value: str) -> int:
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
-
-
-def read_env(tensor_parallel_size: int) -> tuple[int, int]:
-    """(rank, world size) from RANK/WORLD_SIZE, checked against the tensor-parallel size asked for."""
-    missing = [name for name in ENV_VARS if not os.environ.get(name)]
-    if missing:
-        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} needs the environment variables "
-                         f"{', '.join(ENV_VARS)}; {', '.join(missing)} not set. Start with `fp8kv run "
-                         f"--num-shard {tensor_parallel_size}` (it sets them for one machine), or set them "
-                         "for each rank as torchrun does (LLM(tensor_parallel_size=N) starts its own ranks)")
-    rank, world = _env_int("RANK", os.environ["RANK"]), _env_int("WORLD_SIZE", os.environ["WORLD_SIZE"])
-    if world != tensor_parallel_size:
-        raise ValueError(f"WORLD_SIZE={world} but the tensor-parallel size is {tensor_parallel_size}; fp8kv "
-                         "uses every rank for tensor parallelism, so make them equal")
-    if not 0 <= rank < world:
-        raise ValueError(f"RANK={rank} is outside [0, WORLD_SIZE={world})")
-    return rank, world
 
 
 def rank_device(config: EngineConfig, rank: int) -> str:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp8cache.distributed import parallel_state
+from fp8cache.distributed.layout import check_divisible
 
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
@@ -39,26 +40,6 @@ def keep_rows(linear: nn.Linear, start: int, stop: int) -> None:
     if linear.bias is not None:
         linear.bias = nn.Parameter(linear.bias.data[start:stop].clone(), requires_grad=False)
     linear.out_features = stop - start
-
-
-def check_divisible(hf_config: object, tp_size: int) -> None:
-    """Refuse at start a model whose heads or MLP width cannot be split evenly over tp_size ranks."""
-    heads = hf_config.num_attention_heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    problems = []
-    if heads % tp_size:
-        problems.append(f"{heads} attention heads")
-    if kv_heads % tp_size:
-        problems.append(f"{kv_heads} KV heads")
-    intermediate = getattr(hf_config, "intermediate_size", None)
-    if intermediate is not None and intermediate % tp_size:
-        problems.append(f"an MLP width of {intermediate}")
-    if problems:
-        divisors = [n for n in range(1, kv_heads + 1) if kv_heads % n == 0 and heads % n == 0
-                    and (intermediate is None or intermediate % n == 0)]
-        raise ValueError(f"tensor-parallel size {tp_size} does not divide this model's "
-                         f"{' and '.join(problems)}; use --num-shard (tensor_parallel_size) "
-                         f"{' or '.join(map(str, divisors))}")
 
 
 def shard_model(model: nn.Module, hf_config: object, tp_rank: int, tp_size: int) -> None:

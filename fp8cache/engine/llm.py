@@ -78,7 +78,8 @@ class LLM:
         if isinstance(size, int) and size > 1:
             rank = parallel_state.env_rank()
             if rank is None:
-                from fp8cache.model.tp_ranks import check_model_divisible, start_group
+                from fp8cache.model.preflight import check_model_divisible
+                from fp8cache.model.tp_ranks import start_group
                 from fp8cache.platform.device import resolve_device
 
                 resolve_device(config.device)  # before the workers start and each load the weights

@@ -16,8 +16,7 @@ from fp8cache.config import EngineConfig
 from fp8cache.distributed import parallel_state
 from fp8cache.distributed import worker as step_channel
 from fp8cache.distributed.group import TensorParallelGroup
-from fp8cache.distributed.sharding import check_divisible
-from fp8cache.model.loader import load_model, model_folder, resolve_dtype
+from fp8cache.model.loader import load_model, resolve_dtype
 from fp8cache.model.runner import ModelRunner
 from fp8cache.platform.device import resolve_device
 
@@ -64,21 +63,3 @@ def run_worker(config: EngineConfig, log: Callable[[str], None] = print,
     log(f"rank {state.rank}: stopped by rank 0 after {steps} steps")
     parallel_state.destroy()
     return 0
-
-
-def check_model_divisible(config: EngineConfig) -> None:
-    """check_divisible from the model's config.json alone, before any rank is started: a --num-shard the
-    heads do not allow is then one error, not one traceback per rank after each loaded the weights. A config
-    that cannot be read here is left for the ranks to report."""
-    size = config.tensor_parallel_size
-    if not isinstance(size, int) or size <= 1:
-        return
-    from transformers import AutoConfig
-
-    path = model_folder(config)
-    try:
-        hf_config = AutoConfig.from_pretrained(path, trust_remote_code=bool(config.trust_remote_code),
-                                               local_files_only=True)
-    except (OSError, ValueError):
-        return
-    check_divisible(hf_config, size)

@@ -14,6 +14,8 @@ frames.
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import json
 import logging
 import os
@@ -201,11 +203,54 @@ def progress_bars_off() -> None:
 
 def route_transformers_logs() -> None:
     """transformers writes through a handler of its own (plain messages, another format): drop it, so its
-    records reach the root logger's handler like every other line. Imports transformers (about a second)."""
-    from transformers.utils import logging as hf_logging
+    records reach the root logger's handler like every other line. Without importing transformers (about a
+    second, which a command that fails on its arguments should not spend): if it is not imported yet, this is
+    done as its logging module is."""
+    module = sys.modules.get(_TRANSFORMERS_LOGGING)
+    if module is not None:
+        _route_through_root(module)
+    elif not any(isinstance(finder, _AfterImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(_TRANSFORMERS_LOGGING, _route_through_root))
 
+
+_TRANSFORMERS_LOGGING = "transformers.utils.logging"
+
+
+def _route_through_root(hf_logging) -> None:
     hf_logging.disable_default_handler()
     hf_logging.enable_propagation()
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Calls then(module) when the module `name` has been executed, wherever it is imported from; removes
+    itself from sys.meta_path at that import."""
+
+    def __init__(self, name: str, then: Callable) -> None:
+        self.name, self.then = name, then
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _ThenLoader(spec.loader, self.then)
+        return spec
+
+
+class _ThenLoader(importlib.abc.Loader):
+    def __init__(self, loader, then: Callable) -> None:
+        self.loader, self.then = loader, then
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self.loader.exec_module(module)
+        self.then(module)
+
+    def __getattr__(self, name: str):  # get_source, is_package, ...: the real loader's
+        return getattr(self.loader, name)
 
 
 def log_function(name: str) -> Callable[[str], None]:

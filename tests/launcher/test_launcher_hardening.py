@@ -150,6 +150,46 @@ def test_num_shard_that_does_not_divide_the_heads_is_one_line(make_tiny_model):
         assert "Traceback" not in output and "[rank 1]" not in output and "Loading weights" not in output
 
 
+# `fp8kv` as the console script runs it, saying at exit which of the libraries that take seconds to import it had
+# imported.
+HEAVY_IMPORTS_AT_EXIT = """
+import atexit, sys
+heavy = ("torch", "transformers", "fastapi")
+atexit.register(lambda: sys.stderr.write("imported: " + ",".join(m for m in heavy if m in sys.modules) + "\\n"))
+from launcher.cli import main
+main()
+"""
+
+
+@pytest.mark.parametrize("mistake", ["missing model", "missing model (generate)", "port in use",
+                                     "num-shard", "num-shard (generate)"])
+def test_mistakes_the_files_show_fail_before_torch_loads(mistake, tiny_llama_path, make_tiny_model, tmp_path):
+    """A mistyped model folder, a port in use and a --num-shard the model's config.json does not allow need
+    neither torch nor transformers to be found: the command ends before importing them (five seconds of
+    every start here), and says so in one line."""
+    missing = str(tmp_path / "no-such-model")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        args, code, says = {
+            "missing model": (["run", missing], 2, "does not exist"),
+            "missing model (generate)": (["generate", missing, "the city"], 2, "does not exist"),
+            "port in use": (["run", tiny_llama_path, "--port", str(taken.getsockname()[1])], 3, "--port"),
+            "num-shard": (["run", make_tiny_model(hidden_size=192, num_attention_heads=3, num_key_value_heads=3),
+                           "--num-shard", "2"], 2, "does not divide"),
+            "num-shard (generate)": (["generate", make_tiny_model(hidden_size=192, num_attention_heads=3,
+                                                                  num_key_value_heads=3), "the city",
+                                      "--num-shard", "2"], 2, "does not divide"),
+        }[mistake]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FP8KV_")}
+        done = subprocess.run([sys.executable, "-c", HEAVY_IMPORTS_AT_EXIT, *args], capture_output=True, text=True,
+                              cwd=REPO, env=env, timeout=120, check=False)
+    assert done.returncode == code, done.stderr[-3000:]
+    lines = done.stderr.splitlines()
+    assert lines[-1] == "imported: ", lines
+    assert len(lines) == 2 and " ERROR   fp8kv: " in lines[0] and says in lines[0], lines
+
+
 SLOW_LOAD = """
 import pathlib, time, fp8cache.model.loader as loader
 def load_model(*args, **kwargs):
