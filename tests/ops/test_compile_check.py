@@ -113,8 +113,7 @@ REGISTER_CEILINGS = {(64, 8, False): 168, (64, 16, False): 168, (64, 8, True): 1
 @pytest.mark.slow
 @pytest.mark.parametrize("unit,kv", [("kernels_attention_tc_e4m3.cu", "fp8_e4m3"),
                                      ("kernels_attention_tc_bf16.cu", "auto")])
-def test_compiled_kernels_fit_the_plan(unit: str, kv: str, compiles: dict[str, Future],
-                                       tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_compiled_kernels_fit_the_plan(unit: str, kv: str, compiles: dict[str, Future]) -> None:
     """docs/design.md section 9: no spills, no static shared memory, and registers that keep as many blocks an
     SM as the plan's shared memory does (the plan from the host emulation, the same code the GPU runs)."""
     done = compiles["cuda-kernels"].result()
@@ -123,7 +122,7 @@ def test_compiled_kernels_fit_the_plan(unit: str, kv: str, compiles: dict[str, F
     assert done.returncode == 0, f"compile check cuda-kernels failed:\n{(done.stdout + done.stderr)[-20000:]}"
     report = resource_report(done.stdout + done.stderr, unit)
     assert report, f"no tensor-core kernel of {unit} for sm_90 in nvcc's report"
-    emu = load_emulation("shared", tmp_path_factory)
+    emu = load_emulation("shared")
     for (dims, heads, precise), used in report.items():
         assert used["spilled"] == 0, (dims, heads, precise, used)
         assert used["static_smem"] == 0, "all shared memory is the plan's dynamic memory"

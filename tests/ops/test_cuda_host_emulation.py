@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import hashlib
 import os
 import shutil
 import subprocess
@@ -21,8 +22,10 @@ import torch
 
 from fp8cache.kvcache import formats
 from fp8cache.ops import reference
+from fp8cache.platform import paths
 
-# Compiles the kernels for the host first (two variants, ~10 s each at -O0), then runs each GPU thread as a fiber.
+# Compiles the kernels for the host first (two variants, ~10 s each at -O0, kept in the fp8kv cache), then runs
+# each GPU thread as a fiber.
 pytestmark = pytest.mark.slow
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
@@ -43,37 +46,44 @@ def _cuda_include() -> Path | None:
 EMULATION_VARIANTS = ["shared", "cuda_fp8"]
 
 
-def load_emulation(variant: str, tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
-    """The host emulation library, built once per test session (~10 s a variant; shared with
-    tests/ops/test_cuda_window_emulation.py)."""
+def load_emulation(variant: str) -> ctypes.CDLL:
+    """The host emulation library (~10 s a variant to build; shared with tests/ops/test_cuda_window_emulation.py
+    and test_cuda_tensor_core_emulation.py). Kept in the fp8kv cache under a key of csrc's contents, the flags and
+    the compiler, as the compile checks' results are: a run after the first builds it only when one changed."""
     cxx = shutil.which("g++")
     if cxx is None:
         pytest.skip("g++ not found: the host emulation of the GPU kernels needs g++ >= 12")
-    flags = ["-DFP8KV_HOST_EMULATION"]
+    flags = ["-std=c++20", "-O0", "-shared", "-fPIC", "-pthread", "-DFP8KV_HOST_EMULATION"]
     if variant == "cuda_fp8":
         include = _cuda_include()
         if include is None:
             pytest.skip("cuda_fp8.h not found under /usr/local/cuda*/include: no CUDA toolkit")
         flags += ["-DFP8KV_HOST_EMULATION_CUDA_FP8", "-I", str(include)]
-    # pytest-xdist's workers each have a base temp folder of their own under the run's: build in the run's, once.
-    base = tmp_path_factory.getbasetemp()
-    lib = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "fp8kv_host_emulation" / f"{variant}.so"
-    lib.parent.mkdir(exist_ok=True)
+    lib = Path(paths.cache_root()) / "host-emulation" / _emulation_key(cxx, flags) / f"{variant}.so"
+    lib.parent.mkdir(parents=True, exist_ok=True)
     with open(lib.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # the other worker waits for this build instead of making its own
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another worker or run waits for this build instead of making its own
         if not lib.is_file():
-            partial = lib.with_suffix(".partial")
-            cmd = [cxx, "-std=c++20", "-O0", "-shared", "-fPIC", "-pthread", *flags,
-                   str(CSRC / "cuda" / "host_emulation.cpp"), "-o", str(partial)]
+            partial = lib.with_suffix(f".partial-{os.getpid()}")
+            cmd = [cxx, *flags, str(CSRC / "cuda" / "host_emulation.cpp"), "-o", str(partial)]
             done = subprocess.run(cmd, check=False, capture_output=True, text=True)
             assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stderr}"
-            partial.rename(lib)
+            partial.rename(lib)  # whole or not at all
     return ctypes.CDLL(str(lib))
 
 
+def _emulation_key(cxx: str, flags: list[str]) -> str:
+    digest = hashlib.sha256(" ".join(flags).encode())
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
+    digest.update(f"{cxx}\n{version}".encode())
+    for path in sorted(p for p in CSRC.rglob("*") if p.is_file()):
+        digest.update(str(path.relative_to(CSRC)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 @pytest.fixture(scope="module", params=EMULATION_VARIANTS)
-def emu(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
-    return load_emulation(request.param, tmp_path_factory)
+def emu(request: pytest.FixtureRequest) -> ctypes.CDLL:
+    return load_emulation(request.param)
 
 
 def _p(t: torch.Tensor | None) -> ctypes.c_void_p:

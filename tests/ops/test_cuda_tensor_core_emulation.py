@@ -37,8 +37,8 @@ TC_WARPS = 4  # kTcWarps in csrc/cuda/launch.h
 
 
 @pytest.fixture(scope="module", params=EMULATION_VARIANTS)
-def emu(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
-    return load_emulation(request.param, tmp_path_factory)
+def emu(request: pytest.FixtureRequest) -> ctypes.CDLL:
+    return load_emulation(request.param)
 
 
 def tc_plan(emu: ctypes.CDLL, dtype: torch.dtype, kv_cache_dtype: str, head_size: int, group: int,

@@ -38,8 +38,8 @@ bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
 
 
 @pytest.fixture(scope="module", params=EMULATION_VARIANTS)
-def emu(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
-    return load_emulation(request.param, tmp_path_factory)
+def emu(request: pytest.FixtureRequest) -> ctypes.CDLL:
+    return load_emulation(request.param)
 
 
 @dataclass
