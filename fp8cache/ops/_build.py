@@ -303,11 +303,18 @@ def _extra_cuda_cflags(root: Path) -> list[str]:
 
 def _build_key(root: Path, cflags: list[str], cuda_cflags: list[str], isa: str, cxx: str,
                with_cuda: bool) -> str:
+    return sources_key(root, with_cuda, torch.__version__, str(torch.version.cuda),
+                       str(getattr(torch.version, "hip", None)), platform.python_version(), platform.machine(), isa,
+                       " ".join(cflags), cxx, _compiler_version(cxx), str(with_cuda),
+                       " ".join(cuda_cflags if with_cuda else []),
+                       _cpu_identity() if any("native" in flag for flag in cflags) else "")
+
+
+def sources_key(root: Path, with_cuda: bool, *settings: str) -> str:
+    """A short key of `settings` and of every source file under root (names and contents): the folder name of
+    a build from these sources (the op library's; the tests' host emulation of the GPU kernels)."""
     h = hashlib.sha256()
-    for part in (torch.__version__, str(torch.version.cuda), str(getattr(torch.version, "hip", None)),
-                 platform.python_version(), platform.machine(), isa, " ".join(cflags), cxx,
-                 _compiler_version(cxx), str(with_cuda), " ".join(cuda_cflags if with_cuda else []),
-                 _cpu_identity() if any("native" in flag for flag in cflags) else ""):
+    for part in settings:
         h.update(part.encode())
         h.update(b"\0")
     for path in _all_source_files(root, with_cuda):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
-import hashlib
 import os
 import shutil
 import subprocess
@@ -21,7 +20,7 @@ import pytest
 import torch
 
 from fp8cache.kvcache import formats
-from fp8cache.ops import reference
+from fp8cache.ops import _build, reference
 from fp8cache.platform import paths
 
 # Compiles the kernels for the host first (two variants, ~10 s each at -O0, kept in the fp8kv cache), then runs
@@ -59,7 +58,8 @@ def load_emulation(variant: str) -> ctypes.CDLL:
         if include is None:
             pytest.skip("cuda_fp8.h not found under /usr/local/cuda*/include: no CUDA toolkit")
         flags += ["-DFP8KV_HOST_EMULATION_CUDA_FP8", "-I", str(include)]
-    lib = Path(paths.cache_root()) / "host-emulation" / _emulation_key(cxx, flags) / f"{variant}.so"
+    key = _build.sources_key(CSRC, True, " ".join(flags), cxx, _build._compiler_version(cxx))
+    lib = Path(paths.cache_root()) / "host-emulation" / key / f"{variant}.so"
     lib.parent.mkdir(parents=True, exist_ok=True)
     with open(lib.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another worker or run waits for this build instead of making its own
@@ -70,15 +70,6 @@ def load_emulation(variant: str) -> ctypes.CDLL:
             assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stderr}"
             partial.rename(lib)  # whole or not at all
     return ctypes.CDLL(str(lib))
-
-
-def _emulation_key(cxx: str, flags: list[str]) -> str:
-    digest = hashlib.sha256(" ".join(flags).encode())
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
-    digest.update(f"{cxx}\n{version}".encode())
-    for path in sorted(p for p in CSRC.rglob("*") if p.is_file()):
-        digest.update(str(path.relative_to(CSRC)).encode() + b"\0" + path.read_bytes())
-    return digest.hexdigest()[:16]
 
 
 @pytest.fixture(scope="module", params=EMULATION_VARIANTS)
