@@ -40,7 +40,7 @@ def run(model: str | None, **kw) -> None:
     """
     from fp8cache.distributed.layout import env_rank
     from fp8cache.model.preflight import check_before_loading, check_engine_scales
-    from fp8cache.server.serve import EXIT_PORT_IN_USE
+    from fp8cache.server.serve import EXIT_PORT_IN_USE, ServeOptions, serve  # no torch: a fifth of a second
     from fp8cache.systemd.listener import ListenError, check_listen
     from launcher.logs import logger, setup_logging
 
@@ -69,7 +69,6 @@ def run(model: str | None, **kw) -> None:
         sys.exit(supervise(sys.argv[1:], num_shard, stop_timeout=kw["graceful_timeout"] + 30,
                            log_format=kw["log_format"]))
     from fp8cache.distributed import parallel_state
-    from fp8cache.server.serve import ServeOptions, serve
 
     if rank > 0:
         import logging

@@ -36,7 +36,7 @@ def model_shape(model: str | None, revision: str | None = None,
     if cfg is None:
         return None, None
     layers, heads = cfg.get("num_hidden_layers"), cfg.get("num_key_value_heads") or cfg.get("num_attention_heads")
-    if not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in (layers, heads)):
+    if not all(_positive_int(x) for x in (layers, heads)):
         return None, None  # e.g. a multimodal config keeps them in text_config: leave those to the runner
     return layers, heads
 
