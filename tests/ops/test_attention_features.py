@@ -45,7 +45,7 @@ def sinks_for(num_heads: int, seed: int) -> torch.Tensor:
 
 def attend(impl, case, caches, b, f: Features) -> torch.Tensor:
     out = torch.full_like(b["query"], 7.0)  # every row must be written
-    sinks = sinks_for(case.heads, case.seed) if f.sinks else None
+    sinks = sinks_for(case.heads, case.seed).to(b["query"].device) if f.sinks else None
     impl.paged_attention(out, b["query"], caches[0], caches[1], case.kv_heads, case.head_size ** -0.5,
                          b["table"], b["seq_lens"], case.block_size, max(case.seq_lens), b["alibi"],
                          format_code(case.kv, b["query"].device), b["k_scale"], b["v_scale"], f.sliding_window,

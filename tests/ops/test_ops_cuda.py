@@ -9,6 +9,7 @@ machine with one (`scripts/gpu_check.sh`).
 from __future__ import annotations
 
 import pytest
+import test_attention_features as feature_tests
 import test_hadamard_op as hadamard_tests
 import test_ops_cpu as paged_tests
 import test_window_ops as window_tests
@@ -131,6 +132,65 @@ def test_window_start_out_of_range_raises(ops):
     g["window_starts"][0] = 41
     with pytest.raises(RuntimeError, match="window_starts"):
         window_tests.attention(ops, window_tests.SMALL, g)
+
+
+# ---- sliding windows, soft-capping, sinks ---------------------------------------------------------------
+
+@pytest.mark.parametrize("case,features", feature_tests.CASES, ids=lambda c: c.id())
+def test_features_match_the_reference(ops, case, features):
+    """The CPU feature cases (test_attention_features.py) on the GPU kernels: windows around the tiles' edges,
+    soft caps, sinks merged by the reduce kernel."""
+    b = paged_tests.build(case)
+    g = gpu_inputs(b)
+    ops.reshape_and_cache(g["key"], g["value"], *g["op_caches"], g["slot_mapping"],
+                          format_code(case.kv, g["key"].device), g["k_scale"], g["v_scale"])
+    if not gpu_takes(case):
+        with pytest.raises(RuntimeError, match=f"head_size {case.head_size} is not supported by the GPU kernels"):
+            feature_tests.attend(ops, case, g["op_caches"], g, features)
+        return
+    want = feature_tests.attend(ref, case, b["ref_caches"], b, features)
+    got = feature_tests.attend(ops, case, g["op_caches"], g, features).cpu()
+    err = attention_error(got, want)
+    print(f"{case.id()}-{features.id()}: max error {err:.2e} of the output scale")
+    assert err <= paged_tests.tolerance(case.dtype), f"max error {err:.2e} of the output scale"
+
+
+def test_blocks_before_a_sliding_window_are_never_read(ops):
+    """-1 block ids before each sequence's window (an engine that freed them): never looked up on the GPU either."""
+    case = paged_tests.Case("fp8_e4m3", 64, 16, 8, 2, torch.bfloat16, seq_lens=(50, 100), padding=0)
+    window = 20
+    b = paged_tests.build(case)
+    want = feature_tests.attend(ref, case, b["ref_caches"], b, feature_tests.Features(window))
+    for s, length in enumerate(case.seq_lens):
+        b["table"][s, : (length - window) // case.block_size] = -1
+    g = gpu_inputs(b)
+    got = feature_tests.attend(ops, case, g["ref_caches"], g, feature_tests.Features(window)).cpu()
+    assert attention_error(got, want) <= paged_tests.tolerance(case.dtype)
+    with pytest.raises(RuntimeError, match="outside"):
+        feature_tests.attend(ops, case, g["ref_caches"], g, feature_tests.Features())
+
+
+@pytest.mark.parametrize("features", [feature_tests.Features(16), feature_tests.Features(48, 0.0, True),
+                                      feature_tests.Features(40, 1.0, True)], ids=feature_tests.Features.id)
+def test_features_with_the_recent_window_ring(ops, features):
+    case = feature_tests.WINDOW_CASE
+    b = window_tests.build(case)
+    sinks = feature_tests.sinks_for(case.heads, 3) if features.sinks else None
+
+    def run(impl, b):
+        out = torch.full(b["query"].shape, 7.0, dtype=case.dtype, device=b["query"].device)
+        (kc, vc), (wk, wv) = b["caches"], b["window_caches"]
+        impl.paged_attention_window(out, b["query"], kc, vc, wk, wv, case.kv_heads, case.head_size ** -0.5,
+                                    b["table"], b["window_table"], b["seq_lens"], b["window_starts"],
+                                    case.window_size, case.block_size, max(case.lens()), b["alibi"],
+                                    format_code(case.kv, b["query"].device), b["k_scale"], b["v_scale"],
+                                    features.sliding_window, features.logit_softcap,
+                                    None if sinks is None else sinks.to(b["query"].device))
+        return out
+
+    want, got = run(ref, b), run(ops, gpu_inputs(b)).cpu()
+    err = attention_error(got, want)
+    assert err <= paged_tests.tolerance(case.dtype), f"max error {err:.2e} of the output scale"
 
 
 # ---- hadamard_transform ---------------------------------------------------------------------------------
