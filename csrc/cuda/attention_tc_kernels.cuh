@@ -632,11 +632,11 @@ void with_tc_config(int head_size, int group, bool precise, const Fn& fn) {
 }
 
 #if !defined(FP8KV_PLATFORM_HOST)
-// The blocks an SM holds at the pipeline depth tc_plan picks on an H100/H200 (3 at head size 64, else 2 or 1)
-// as the occupancy floor: it caps registers where they would limit occupancy, and without a floor ptxas once
-// spilled the 64-dim kernel at 96 registers.
+// The blocks an SM tc_plan counts on from the registers (tc_register_blocks) as the occupancy floor: it caps
+// registers where they would limit occupancy, and without a floor ptxas once spilled the 64-dim kernel at 96
+// registers.
 template <class Cfg>
-__global__ void __launch_bounds__(kTcThreads, Cfg::kDims <= 64 ? 3 : Cfg::kDims <= 128 ? 2 : 1)
+__global__ void __launch_bounds__(kTcThreads, tc_register_blocks(Cfg::kDims, Cfg::kSlots, Cfg::kSplitHalves))
     tc_attention_kernel(const AttentionParams params) {
   extern __shared__ __align__(16) uint8_t tc_smem[];
   tc_attention_body<Cfg>(params, tc_smem, GpuThread{});

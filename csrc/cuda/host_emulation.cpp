@@ -489,13 +489,14 @@ int fp8kv_emu_set_tensor_cores(int on) {
   return previous ? 1 : 0;
 }
 
-// The tensor-core plan of a call's shapes on the emulated GPU: out = {stages (0: not possible), shared memory
-// bytes, blocks per SM, splits, bytes a warp's stage holds}.
+// The tensor-core plan of a call's shapes on the emulated GPU (at a pipeline depth asked for, 0: the plan's
+// own): out = {stages (0: not possible), shared memory bytes, blocks per SM, splits, bytes a warp's stage holds}.
 void fp8kv_emu_tc_plan(int dtype, int format, int head_size, int group, int num_seqs, int num_kv_heads,
-                       int max_seq_len, int* out) {
+                       int max_seq_len, int stages_wanted, int* out) {
   using namespace fp8kv::gpu;
   const DType cache = cache_dtype_code(dtype, format);
-  const TcPlan plan = tc_plan(cache, head_size, group, dtype == 0, kEmulatedSmemPerSm, kEmulatedSmemPerBlock);
+  const TcPlan plan = tc_plan(cache, head_size, group, dtype == 0, kEmulatedSmemPerSm, kEmulatedSmemPerBlock,
+                              stages_wanted);
   out[0] = plan.stages;
   out[1] = plan.smem_bytes;
   out[2] = plan.blocks_per_sm;

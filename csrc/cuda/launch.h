@@ -174,7 +174,7 @@ constexpr int kTcMaxSplitBlocks = kTcMaxSplitTokens / 8 + 2;  // block ids one s
 // The split's block ids, then 4 floats of scratch (the warps' largest query magnitudes).
 constexpr int kTcScratchOffset = kTcMaxSplitBlocks * 4;
 constexpr int kTcBlockIdBytes = (kTcScratchOffset + 16 + 15) / 16 * 16;
-constexpr int kTcMinSplitTiles = 8;  // a split is at least 2 tiles a warp, unless the sequence is shorter
+constexpr int kTcMinSplitTiles = 4;  // a split is at least a tile a warp, unless the sequence is shorter
 constexpr int kTcSharedMemoryReserved = 1024;  // what the driver keeps of each block's shared memory
 
 // The head-size class a kernel is built for (its register arrays), and its query-head slots: 8, or 16 for
@@ -216,33 +216,45 @@ struct TcPlan {
   int blocks_per_sm = 0;
 };
 
-// stages: a pipeline depth asked for (2-4), 0 for the plan's own choice.
+// Blocks an SM the registers hold at least: the minimum tc_attention_kernel's __launch_bounds__ asks ptxas for.
+// The 8-slot 16-bit-query kernels at 128 dims use ~130-150 registers, so they are held to 3 (168 each); float32
+// queries' split halves and 16 slots need more.
+FP8KV_HOST_DEVICE constexpr int tc_register_blocks(int dims, int heads, bool precise) {
+  return dims <= 64 ? 3 : dims <= 128 ? (heads == 8 && !precise ? 3 : 2) : 1;
+}
+
+// stages: a pipeline depth asked for (2-4), 0 for the plan's own choice: the most blocks an SM (shared memory
+// and registers), then the deepest pipeline. More warps an SM beat depth: on an H200 at 32/8 heads, d128, FP8,
+// 2 stages and 3 blocks an SM took 58 us at 8 x 8192 and 104 us at 32 x 4096, 3 stages and 2 blocks 65 and 111
+// (docs/design.md section 9); even 2 stages keep ~100 KB an SM in flight.
 inline TcPlan tc_plan(DType cache, int head_size, int group, bool precise, int smem_per_sm, int smem_per_block,
                       int stages_wanted = 0) {
   const int elem = cache == DType::kF32 ? 0 : cache == DType::kF16 || cache == DType::kBF16 ? 2 : 1;
   if (elem == 0 || head_size <= 0 || head_size > kMaxHeadSize || head_size % (16 / elem) != 0) return {};
   const int dims = tc_dims(head_size), heads = tc_heads(group, head_size);
   if (precise && dims > 128) return {};  // float32 queries' split halves do not fit the registers beside 256 dims
-  // Deepest pipeline that leaves room for two blocks an SM, else for one.
-  const int budgets[2] = {smem_per_sm / 2 - kTcSharedMemoryReserved, smem_per_block};
-  for (const int budget : budgets) {
-    for (int stages = 4; stages >= 2; --stages) {
-      if (stages_wanted != 0 && stages != stages_wanted) continue;
-      const int bytes = tc_smem_bytes(elem, dims, heads, precise, stages);
-      if (bytes > budget) continue;
-      int blocks = smem_per_sm / (bytes + kTcSharedMemoryReserved);
-      blocks = blocks < 1 ? 1 : blocks > 4 ? 4 : blocks;  // 4: the register limit of 128 threads at <= 128 regs
-      return {stages, bytes, blocks};
-    }
+  const int by_registers = tc_register_blocks(dims, heads, precise);
+  TcPlan best;
+  for (int stages = 4; stages >= 2; --stages) {
+    if (stages_wanted != 0 && stages != stages_wanted) continue;
+    const int bytes = tc_smem_bytes(elem, dims, heads, precise, stages);
+    if (bytes > smem_per_block) continue;
+    int blocks = smem_per_sm / (bytes + kTcSharedMemoryReserved);
+    blocks = blocks < 1 ? 1 : blocks > by_registers ? by_registers : blocks;
+    if (blocks > best.blocks_per_sm) best = {stages, bytes, blocks};
   }
-  return stages_wanted != 0 ? tc_plan(cache, head_size, group, precise, smem_per_sm, smem_per_block) : TcPlan{};
+  return best.stages == 0 && stages_wanted != 0 ? tc_plan(cache, head_size, group, precise, smem_per_sm, smem_per_block)
+                                                 : best;
 }
 
 // Splits of each (sequence, head block) for the tensor-core kernel: the count whose blocks finish soonest when
-// sm_count * blocks_per_sm of them run at once (whole waves of equal splits, plus a block's start-up of about
-// eight tiles' streaming time, and as much again for the reduce kernel that more than one split needs), within
-// [one per kTcMaxSplitTokens positions, one per kTcMinSplitTiles tiles]. From shapes only, so that a CUDA
-// graph captured for max_len suits every replay.
+// sm_count * blocks_per_sm of them run at once. Costed in eighths of the time a warp takes for a tile: whole
+// waves of equal splits, each as long as its warps' largest share of tiles plus a block's start-up (two tiles),
+// and for more than one split the reduce kernel (two tiles, and an eighth a split it merges). Within [one per
+// kTcMaxSplitTokens positions, one per kTcMinSplitTiles tiles]; from shapes only, so that a CUDA graph
+// captured for max_len suits every replay. Fitted on an H200 (FP8KV_TC_SPLITS sweeps, 32/8 heads d128 and 9/3
+// d64): at 1 x 16384, 32 splits (4 tiles a warp) beat 16 and 64 (9/3: 15.6 us against 19.5 and 17.2); at
+// 1 x 512, 4 splits of a tile a warp beat 1 and 2 (32/8: 13.8 us against 15.4 and 16.1).
 inline int tc_splits(int num_seqs, int kv_head_blocks, int max_len, int sm_count, int blocks_per_sm) {
   const int tiles = (max_len + kTcTile - 1) / kTcTile;
   const int max_split_tiles = kTcMaxSplitTokens / kTcTile;
@@ -256,7 +268,8 @@ inline int tc_splits(int num_seqs, int kv_head_blocks, int max_len, int sm_count
   long best_cost = -1;
   for (int s = fewest; s <= most; ++s) {
     const long waves = (units * s + slots - 1) / slots;
-    const long cost = waves * ((tiles + s - 1) / s + 8) + (s > 1 ? 8 : 0);
+    const long warp_tiles = ((tiles + s - 1) / s + kTcWarps - 1) / kTcWarps;
+    const long cost = waves * (8 * warp_tiles + 16) + (s > 1 ? 16 + s : 0);
     if (best_cost < 0 || cost < best_cost) {
       best_cost = cost;
       best = s;
@@ -264,6 +277,14 @@ inline int tc_splits(int num_seqs, int kv_head_blocks, int max_len, int sm_count
     if (waves > 64) break;  // further splits only add waves
   }
   return best < 1 ? 1 : best;
+}
+
+// A split count asked for, within [one per kTcMaxSplitTokens positions, one per tile, kMaxSplits].
+inline int tc_splits_within(int wanted, int max_len) {
+  const int tiles = (max_len + kTcTile - 1) / kTcTile;
+  const int fewest = tiles > 0 ? (tiles + kTcMaxSplitTokens / kTcTile - 1) / (kTcMaxSplitTokens / kTcTile) : 1;
+  const int most = tiles < fewest ? fewest : tiles > kMaxSplits ? kMaxSplits : tiles;
+  return wanted < fewest ? fewest : wanted > most ? most : wanted;
 }
 
 // All return the launch error (success when nothing was launched). Preconditions are checked by the

@@ -185,6 +185,17 @@ int tc_stages_override() {
   return stages;
 }
 
+// FP8KV_TC_SPLITS=N fixes the tensor-core kernel's splits per (sequence, head block), within what a call's length
+// allows (tc_splits_within), for measuring tc_splits' choice against the others; read once.
+int tc_splits_override() {
+  static const int splits = [] {
+    const char* value = std::getenv("FP8KV_TC_SPLITS");
+    const int n = value != nullptr ? std::atoi(value) : 0;
+    return n > 0 ? n : 0;
+  }();
+  return splits;
+}
+
 void raise_reported_errors(int bits, const char* op, int64_t num_slots, int64_t num_blocks) {
   TORCH_CHECK(!(bits & kErrorSlotOutOfRange), op, ": slot_mapping holds a slot >= ", num_slots,
               " (num_blocks * block_size); negative slots mean padding. Those tokens were not written.");
@@ -450,8 +461,10 @@ AttentionCall attention_call(at::Tensor& out, const at::Tensor& query, const at:
   if (p.tensor_cores) {
     p.tc_stages = tc.stages;
     p.tc_smem_bytes = tc.smem_bytes;
-    p.paged_splits = tc_splits(p.num_seqs, p.num_kv_heads * tc_head_blocks(group, p.head_size), plan_len,
-                               info.sm_count, tc.blocks_per_sm);
+    p.paged_splits = tc_splits_override() > 0
+                         ? tc_splits_within(tc_splits_override(), plan_len)
+                         : tc_splits(p.num_seqs, p.num_kv_heads * tc_head_blocks(group, p.head_size), plan_len,
+                                     info.sm_count, tc.blocks_per_sm);
   } else {
     p.paged_splits = attention_splits(p.num_seqs, p.num_kv_heads * head_blocks_for(group, p.head_size), plan_len,
                                       info.sm_count);

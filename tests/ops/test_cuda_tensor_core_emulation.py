@@ -34,6 +34,7 @@ bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
 FP8 = ["fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz"]
 NAN_CODES = {"fp8_e4m3": 0x7F, "fp8_e5m2": 0x7E, "fp8_e4m3fnuz": 0x80}
 TC_WARPS = 4  # kTcWarps in csrc/cuda/launch.h
+TC_TILE = 32  # kTcTile
 
 
 @pytest.fixture(scope="module", params=EMULATION_VARIANTS)
@@ -42,10 +43,10 @@ def emu(request: pytest.FixtureRequest) -> ctypes.CDLL:
 
 
 def tc_plan(emu: ctypes.CDLL, dtype: torch.dtype, kv_cache_dtype: str, head_size: int, group: int,
-            num_seqs: int = 1, num_kv_heads: int = 1, max_seq_len: int = 1) -> dict[str, int]:
+            num_seqs: int = 1, num_kv_heads: int = 1, max_seq_len: int = 1, stages: int = 0) -> dict[str, int]:
     out = (ctypes.c_int * 5)()
     emu.fp8kv_emu_tc_plan(DTYPE_CODES[dtype], FORMAT_CODES[kv_cache_dtype], head_size, group, num_seqs,
-                          num_kv_heads, max_seq_len, out)
+                          num_kv_heads, max_seq_len, stages, out)
     return dict(zip(("stages", "smem_bytes", "blocks_per_sm", "splits", "stage_bytes"), out))
 
 
@@ -202,6 +203,38 @@ def test_plan_keeps_24_kb_in_flight_on_every_sm(emu, shape):
     blocks = num_seqs * num_kv_heads * plan["splits"]
     assert blocks >= min(132, num_seqs * num_kv_heads * (length // 256)), plan
     assert plan["smem_bytes"] * plan["blocks_per_sm"] <= 228 * 1024
+
+
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2", "auto"])
+@pytest.mark.parametrize("head_size,group,dtype", [(128, 4, bf16), (128, 7, bf16), (64, 3, bf16), (64, 3, f32),
+                                                   (128, 16, bf16), (128, 4, f32), (256, 8, bf16), (96, 2, f16)])
+def test_plan_prefers_blocks_an_sm_to_pipeline_depth(emu, kv, head_size, group, dtype):
+    """More warps an SM beat a deeper pipeline (on an H200, 2 stages and 3 blocks took 58 us at 32/8 d128 FP8
+    8 x 8192 where 3 stages and 2 blocks took 65): the plan has the most blocks any depth allows, and of those
+    depths the deepest."""
+    if kv == "auto" and (head_size > 128 or dtype == f32):
+        return  # CUDA cores: a float32 cache, a 16-bit cache's 256-dim class (test_plan_refuses_what_...)
+    chosen = tc_plan(emu, dtype, kv, head_size, group)
+    # A depth that does not fit the shared memory is answered with the plan's own choice.
+    forced = {s: tc_plan(emu, dtype, kv, head_size, group, stages=s) for s in (2, 3, 4)}
+    fits = [p for s, p in forced.items() if p["stages"] == s]
+    assert chosen["stages"] >= 2 and chosen in fits
+    most = max(p["blocks_per_sm"] for p in fits)
+    assert chosen["blocks_per_sm"] == most
+    assert chosen["stages"] == max(p["stages"] for p in fits if p["blocks_per_sm"] == most)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_size", [(32, 8, 128), (9, 3, 64), (28, 4, 128)])
+def test_a_short_single_sequence_is_spread_a_tile_a_warp(emu, num_heads, num_kv_heads, head_size):
+    """A lone sequence of 512 positions is latency-bound: on an H200 4 splits of a tile a warp took 13.8 us
+    where 1 or 2 splits took 15.4 and 16.1 (32/8 d128 FP8). A long one is split so every SM gets work, and
+    not so far that the reduce kernel's merge of many splits costs more than it saves (FP8KV_TC_SPLITS sweeps at
+    9/3 d64, 1 x 16384: 16 splits 19.5 us, 32 15.6, 64 17.2)."""
+    group = num_heads // num_kv_heads
+    short = tc_plan(emu, bf16, "fp8_e4m3", head_size, group, 1, num_kv_heads, 512)
+    assert short["splits"] * TC_WARPS * TC_TILE >= 512
+    long = tc_plan(emu, bf16, "fp8_e4m3", head_size, group, 1, num_kv_heads, 16384)
+    assert 16 < long["splits"] < 64
 
 
 # ---- sliding windows, soft-capping, sinks (both GPU kernels) --------------------------------------------
