@@ -61,7 +61,7 @@ def _lifespan(state: AppState) -> Callable[[FastAPI], AbstractAsyncContextManage
         try:
             yield
         finally:
-            state.engine.stop()
+            state.engine.stop(stall_timeout=state.settings.stall_timeout)
             state.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
             state.large_tokenizer_pool.shutdown(wait=False, cancel_futures=True)
             if state.grammar is not None:

@@ -42,6 +42,7 @@ class AsyncEngine:
         self._wakeup = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._gave_up = False  # a stop found the loop still in its step after its wait
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -51,11 +52,18 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="fp8kv-engine", daemon=True)
         self._thread.start()
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = 10.0, stall_timeout: float | None = None) -> None:
+        """Ask the loop to end after its step and wait up to `timeout` for it. A loop stalled past
+        `stall_timeout` (what /health reports) is not waited for, nor is one a stop already waited for in vain:
+        its thread is a daemon, and a hung step would only hold a SIGTERM'd server up for nothing."""
         self._stop.set()
         self._wakeup.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        if self._thread is None or self._gave_up:
+            return
+        if stall_timeout is not None and self.stalled_seconds() > stall_timeout:
+            timeout = 0.0
+        self._thread.join(timeout)
+        self._gave_up = self._thread.is_alive()
 
     @property
     def alive(self) -> bool:

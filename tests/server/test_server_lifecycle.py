@@ -199,3 +199,75 @@ def test_engine_crash_exits_nonzero(tiny_llama_path, tmp_path):
         assert listener.wait_for("STOPPING=1") >= 1
     finally:
         listener.close()
+
+
+class _BlockingEngine:
+    """An engine whose step() waits for `release`: a hung step, or a slow one that ends when released."""
+
+    def __init__(self) -> None:
+        self.in_step = threading.Event()
+        self.release = threading.Event()
+
+    def has_unfinished_requests(self) -> bool:
+        return not self.release.is_set()
+
+    def step(self) -> list:
+        self.in_step.set()
+        self.release.wait(WAIT_S)
+        return []
+
+
+class _JoinSpy:
+    """The loop thread, with the timeouts its joins were given."""
+
+    def __init__(self, thread: threading.Thread) -> None:
+        self.thread, self.joins = thread, []
+
+    def join(self, timeout: float | None = None) -> None:
+        self.joins.append(timeout)
+        self.thread.join(timeout)
+
+    def is_alive(self) -> bool:
+        return self.thread.is_alive()
+
+
+def _loop_in_a_step():
+    import asyncio
+
+    from fp8cache.server.async_engine import AsyncEngine
+
+    engine = _BlockingEngine()
+    loop = asyncio.new_event_loop()
+    async_engine = AsyncEngine(engine, log=lambda message: None)
+    async_engine.start(loop)
+    assert engine.in_step.wait(WAIT_S)
+    spy = async_engine._thread = _JoinSpy(async_engine._thread)
+    return engine, async_engine, spy, loop
+
+
+def test_a_stop_does_not_wait_for_a_loop_stalled_past_the_stall_timeout():
+    """A SIGTERM'd server whose engine hangs in a step exits after its graceful timeout: the app's shutdown does
+    not wait for a loop /health already calls stalled, and serve()'s last stop does not wait again (both waited,
+    10 s and 5 s, before)."""
+    engine, async_engine, spy, loop = _loop_in_a_step()
+    try:
+        async_engine.stop(timeout=30.0, stall_timeout=0.0)  # stalled: its step began > 0 s ago
+        async_engine.stop(timeout=5.0)
+        assert spy.joins == [0.0] and spy.is_alive()
+    finally:
+        engine.release.set()
+        spy.thread.join(WAIT_S)
+        loop.close()
+
+
+def test_a_stop_waits_for_a_step_that_is_not_stalled():
+    engine, async_engine, spy, loop = _loop_in_a_step()
+    try:
+        threading.Timer(0.05, engine.release.set).start()  # the step ends during the wait
+        async_engine.stop(timeout=WAIT_S, stall_timeout=WAIT_S)
+        assert spy.joins == [WAIT_S] and not spy.is_alive()
+        async_engine.stop(timeout=5.0)  # a later stop finds the thread gone
+        assert spy.joins == [WAIT_S, 5.0]
+    finally:
+        engine.release.set()
+        loop.close()
