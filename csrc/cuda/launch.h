@@ -217,8 +217,8 @@ struct TcPlan {
 };
 
 // Blocks an SM the registers hold at least: the minimum tc_attention_kernel's __launch_bounds__ asks ptxas for.
-// The 8-slot 16-bit-query kernels at 128 dims use ~130-150 registers, so they are held to 3 (168 each); float32
-// queries' split halves and 16 slots need more.
+// The 8-slot 16-bit-query kernels at 128 dims use 128-152 registers (sm_90), so they are held to 3 (168 each);
+// float32 queries' split halves and 16 slots need more.
 FP8KV_HOST_DEVICE constexpr int tc_register_blocks(int dims, int heads, bool precise) {
   return dims <= 64 ? 3 : dims <= 128 ? (heads == 8 && !precise ? 3 : 2) : 1;
 }
