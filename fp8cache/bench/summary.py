@@ -4,6 +4,7 @@ measured side by side in one run).
 
     python -m fp8cache.bench.summary kernels|throughput|capacity|scale OUT   # reads OUT/STEP.json
     python -m fp8cache.bench.summary eval OUT MODEL DEVICE             # measures, then reads
+    python -m fp8cache.bench.summary sweep OUT                         # reads OUT/sweep-*.json
 
 writes OUT/STEP.txt (the table) and OUT/STEP.note (the line) and prints the table; `eval` exits 1 when the
 KL on DEVICE and on the CPU differ by more than EVAL_TOLERANCE.
@@ -229,6 +230,36 @@ def eval_devices(model: str | None, device: str, out: Path, windows: int = 2, wi
     return "\n".join(lines), note, ok
 
 
+# ---- sweep: the tensor-core plan against fixed depths and splits ----------------------------------------
+
+def sweep_report(runs: dict[str, list[dict]]) -> tuple[str, str]:
+    """(table, note) of `bench kernels` runs under each setting ("plan": none; "STAGES=2": FP8KV_TC_STAGES=2, ...):
+    fp8_e4m3's microseconds per shape and setting, and per shape the fastest setting against the plan's."""
+    times: dict[tuple, dict[str, float]] = {}
+    for setting, rows in runs.items():
+        for key, cases in _kernel_groups(rows).items():
+            if "fp8_e4m3" in cases:
+                times.setdefault(key, {})[setting] = cases["fp8_e4m3"]["ms"] * 1e3
+    if not times:
+        return "no rows", "no rows"
+    settings = list(runs)
+    lines = [f"{'shape':24} " + " ".join(f"{s:>10}" for s in settings)]
+    notes = []
+    for (h, kv, d, b, c), row in times.items():
+        shape = f"{h}/{kv} d{d} {b}x{c}"
+        lines.append(f"{shape:24} " + " ".join(f"{row[s]:10.1f}" if s in row else f"{'-':>10}" for s in settings))
+        best = min(row, key=row.get)
+        if "plan" in row:
+            notes.append(f"{shape}: plan {row['plan']:.1f} us, best {best} {row[best]:.1f}")
+    return "\n".join(lines), "; ".join(notes)
+
+
+def _sweep_runs(out: Path) -> dict[str, list[dict]]:
+    """OUT/sweep-SETTING.json, the plan's own run first, then in the order they were measured."""
+    paths = sorted(out.glob("sweep-*.json"), key=lambda p: (p.stem != "sweep-plan", p.stat().st_mtime_ns))
+    return {p.stem.removeprefix("sweep-"): json.loads(p.read_text()) for p in paths}
+
+
 # ---- the script's entry point ----------------------------------------------------------------------
 
 REPORTS = {"kernels": kernels_report, "throughput": throughput_report, "capacity": capacity_report,
@@ -236,7 +267,7 @@ REPORTS = {"kernels": kernels_report, "throughput": throughput_report, "capacity
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) < 2 or argv[0] not in (*REPORTS, "eval"):
+    if len(argv) < 2 or argv[0] not in (*REPORTS, "eval", "sweep"):
         print(__doc__, file=sys.stderr)
         return 2
     step, out = argv[0], Path(argv[1])
@@ -244,6 +275,8 @@ def main(argv: list[str]) -> int:
     if step == "eval":
         model = argv[2] if len(argv) > 2 and argv[2] else None
         table, note, ok = eval_devices(model, argv[3] if len(argv) > 3 else "cuda", out)
+    elif step == "sweep":
+        table, note = sweep_report(_sweep_runs(out))
     else:
         table, note = REPORTS[step](json.loads((out / f"{step}.json").read_text()))
     (out / f"{step}.txt").write_text(table + "\n")

@@ -42,6 +42,24 @@ def _shape(us: dict, **where) -> list[dict]:
             _kernel_row("torch_sdpa", "auto", "bfloat16", us["sdpa"], **where)]
 
 
+def test_sweep_note_gives_each_shapes_plan_and_fastest_setting(tmp_path):
+    """The sweep step's files (the plan's run, then FP8KV_TC_* settings in the order measured) as one table."""
+    big = {"e5m2": 1.0, "fnuz": 1.0, "bf16": 1.0, "sdpa": 1.0}
+    runs = {"plan": ({"e4m3": 58.2}, {"e4m3": 13.8}), "STAGES=3": ({"e4m3": 64.7}, {"e4m3": 14.8}),
+            "SPLITS=1": ({"e4m3": 120.9}, {"e4m3": 12.9})}
+    for setting, (long, short) in runs.items():  # written in this order: the table keeps it
+        rows = _shape(big | long) + _shape(big | short, batch=1, context=512)
+        path = tmp_path / f"sweep-{setting}.json"
+        path.write_text(json.dumps(rows))
+        os.utime(path, ns=(len(list(tmp_path.iterdir())) * 10**9,) * 2)
+    assert summary.main(["sweep", str(tmp_path)]) == 0
+    table = (tmp_path / "sweep.txt").read_text().splitlines()
+    assert table[0].split() == ["shape", "plan", "STAGES=3", "SPLITS=1"]
+    assert table[1].split() == ["32/8", "d128", "8x8192", "58.2", "64.7", "120.9"]
+    assert (tmp_path / "sweep.note").read_text().strip() == (
+        "32/8 d128 8x8192: plan 58.2 us, best plan 58.2; 32/8 d128 1x512: plan 13.8 us, best SPLITS=1 12.9")
+
+
 def test_kernels_note_gives_each_shapes_figures_and_the_targets():
     # 8 x 8192 x 8 KV heads x 128 x K and V = 134 MB of FP8: 40 us is 3355 GB/s, 84% of 4000 GB/s.
     fast = _shape({"e4m3": 40.0, "e5m2": 42.0, "fnuz": 48.0, "bf16": 80.0, "sdpa": 66.7})
