@@ -3,20 +3,21 @@
     ncu -k regex:tc_attention --launch-skip 2 --launch-count 1 \
         python scripts/profile_attention.py --batch 8 --context 8192 --heads 32/8/128
 
-(scripts/gpu_check.sh's `stalls` step). Blocks are in a random order, as an engine's cache holds them. --check
-compares the last call with the pure-torch reference (fp8cache.ops.reference) and prints the largest error as a
-share of the output's scale: the call profiled computes the right thing.
+(scripts/gpu_check.sh's `stalls` step). The call is the one `fp8kv bench kernels` times
+(fp8cache.bench.kernels.paged_call: blocks in a random order, as an engine's cache holds them). --check compares
+the last call with the pure-torch reference (fp8cache.ops.reference) and prints the largest error as a share of the
+output's scale: the call profiled computes the right thing.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 
 from fp8cache import ops
-from fp8cache.kvcache import formats
-from fp8cache.kvcache.layout import allocate_kv_cache
+from fp8cache.bench import kernels
 from fp8cache.ops import reference
 
 
@@ -31,38 +32,22 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--check", action="store_true")
     args = parser.parse_args()
-    heads, kv_heads, head_size = (int(x) for x in args.heads.split("/"))
-    device, bs = args.device, args.block_size
-    impl = ops.load(device)
-    torch.manual_seed(0)
-    blocks_per_seq = -(-args.context // bs)
-    num_blocks = args.batch * blocks_per_seq
-    key_cache, value_cache = allocate_kv_cache(num_blocks, bs, kv_heads, head_size, args.kv_cache_dtype,
-                                               torch.bfloat16, device)
-    fp8 = formats.get_format(args.kv_cache_dtype, formats.backend_of(device))
-    for cache in (key_cache, value_cache):  # values within every format's range, as a scaled cache holds
-        values = torch.randn(cache.shape, device=device)
-        cache.copy_(values.to(fp8.torch_dtype).view(torch.uint8) if fp8 else values.to(cache.dtype))
-    table = torch.randperm(num_blocks, device=device).to(torch.int32).view(args.batch, blocks_per_seq)
-    lens = torch.full((args.batch,), args.context, dtype=torch.int32, device=device)
-    query = torch.randn(args.batch, heads, head_size, device=device, dtype=torch.bfloat16)
-    out = torch.empty_like(query)
-    one = torch.ones(1, device=device)
-    code = ops.format_code(args.kv_cache_dtype, key_cache.device)
-
-    def attend(impl, out: torch.Tensor) -> None:
-        impl.paged_attention(out, query, key_cache, value_cache, kv_heads, head_size ** -0.5, table, lens, bs,
-                             args.context, None, code, one, one)
-
+    (heads, kv_heads, head_size), = kernels.parse_heads(args.heads)
+    device = torch.device(args.device)
+    ops.load(device)
+    gen = torch.Generator(device if device.type == "cuda" else "cpu").manual_seed(0)
+    case = kernels.KernelCase("fp8kv", args.kv_cache_dtype, torch.bfloat16)
+    call = kernels.paged_call(case, args.batch, args.context, heads, kv_heads, head_size, args.block_size, gen,
+                              device)
     for _ in range(args.calls):
-        attend(impl, out)
-    if device.startswith("cuda"):
+        call.run()
+    if device.type == "cuda":
         torch.cuda.synchronize()
     line = f"{args.calls} calls, {args.batch} x {args.context}, {args.heads}, {args.kv_cache_dtype}"
     if args.check:
-        want = torch.empty_like(out)
-        attend(reference, want)
-        error = (out.float() - want.float()).abs().max() / want.float().abs().max()
+        want = dataclasses.replace(call, out=torch.empty_like(call.out))
+        want.run(reference)
+        error = (call.out.float() - want.out.float()).abs().max() / want.out.float().abs().max()
         line += f"; max error {error.item():.2e} of the output scale"
     print(line)
 

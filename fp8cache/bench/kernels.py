@@ -62,8 +62,30 @@ def _fill_cache(cache: torch.Tensor, kv_cache_dtype: str, gen: torch.Generator) 
         part.copy_(codes[:part.numel()])
 
 
-def _paged_case(case: KernelCase, batch: int, context: int, num_heads: int, num_kv_heads: int,
-                head_size: int, block_size: int, gen: torch.Generator, device: torch.device):
+@dataclass
+class PagedCall:
+    """One decode attention call over a paged cache as the bench times it (scripts/profile_attention.py profiles
+    the same call): random K/V in the case's format, blocks in a random order, every sequence `context` long."""
+    out: torch.Tensor
+    query: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    scale: torch.Tensor
+    num_kv_heads: int
+    block_size: int
+    context: int
+    code: int
+
+    def run(self, impl=ops) -> None:
+        impl.paged_attention(self.out, self.query, self.key_cache, self.value_cache, self.num_kv_heads,
+                             self.query.shape[-1] ** -0.5, self.block_tables, self.seq_lens, self.block_size,
+                             self.context, None, self.code, self.scale, self.scale)
+
+
+def paged_call(case: KernelCase, batch: int, context: int, num_heads: int, num_kv_heads: int, head_size: int,
+               block_size: int, gen: torch.Generator, device: torch.device) -> PagedCall:
     blocks_per_seq = -(-context // block_size)
     num_blocks = batch * blocks_per_seq
     key_cache, value_cache = allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_size,
@@ -74,16 +96,17 @@ def _paged_case(case: KernelCase, batch: int, context: int, num_heads: int, num_
     block_tables = block_tables.view(batch, blocks_per_seq).to(device)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     query = torch.randn(batch, num_heads, head_size, generator=gen, device=gen.device).to(device, case.dtype)
-    out = torch.empty_like(query)
     scale = torch.ones(1, dtype=torch.float32, device=device)
     code = ops.format_code(case.kv_cache_dtype, key_cache.device)  # resolved once, as the engine does
+    return PagedCall(torch.empty_like(query), query, key_cache, value_cache, block_tables, seq_lens, scale,
+                     num_kv_heads, block_size, context, code)
 
-    def run() -> None:
-        ops.paged_attention(out, query, key_cache, value_cache, num_kv_heads, head_size ** -0.5,
-                            block_tables, seq_lens, block_size, context, None, code, scale, scale)
 
-    kv_bytes = 2 * batch * context * num_kv_heads * head_size * key_cache.element_size()
-    return run, kv_bytes
+def _paged_case(case: KernelCase, batch: int, context: int, num_heads: int, num_kv_heads: int,
+                head_size: int, block_size: int, gen: torch.Generator, device: torch.device):
+    call = paged_call(case, batch, context, num_heads, num_kv_heads, head_size, block_size, gen, device)
+    kv_bytes = 2 * batch * context * num_kv_heads * head_size * call.key_cache.element_size()
+    return call.run, kv_bytes
 
 
 def _sdpa_case(case: KernelCase, batch: int, context: int, num_heads: int, num_kv_heads: int,
