@@ -15,7 +15,6 @@ class ModelLoadError(ValueError):
     pass
 
 
-
 def resolve_model_path(model: str | None, progress: bool = True, load_format: str = "auto",
                        revision: str | None = None, download_dir: str | None = None,
                        trust_remote_code: bool = False) -> str:
