@@ -247,6 +247,12 @@ inline TcPlan tc_plan(DType cache, int head_size, int group, bool precise, int s
                                                  : best;
 }
 
+// The fewest splits `tiles` tiles can have: a split holds at most kTcMaxSplitTokens positions.
+inline int tc_fewest_splits(int tiles) {
+  const int max_split_tiles = kTcMaxSplitTokens / kTcTile;
+  return tiles > 0 ? (tiles + max_split_tiles - 1) / max_split_tiles : 1;
+}
+
 // Splits of each (sequence, head block) for the tensor-core kernel: the count whose blocks finish soonest when
 // sm_count * blocks_per_sm of them run at once. Costed in eighths of the time a warp takes for a tile: whole
 // waves of equal splits, each as long as its warps' largest share of tiles plus a block's start-up (two tiles),
@@ -257,8 +263,7 @@ inline TcPlan tc_plan(DType cache, int head_size, int group, bool precise, int s
 // 1 x 512, 4 splits of a tile a warp beat 1 and 2 (32/8: 13.8 us against 15.4 and 16.1).
 inline int tc_splits(int num_seqs, int kv_head_blocks, int max_len, int sm_count, int blocks_per_sm) {
   const int tiles = (max_len + kTcTile - 1) / kTcTile;
-  const int max_split_tiles = kTcMaxSplitTokens / kTcTile;
-  const int fewest = tiles > 0 ? (tiles + max_split_tiles - 1) / max_split_tiles : 1;
+  const int fewest = tc_fewest_splits(tiles);
   int most = (tiles + kTcMinSplitTiles - 1) / kTcMinSplitTiles;
   most = most < fewest ? fewest : most > kMaxSplits ? kMaxSplits : most;
   const long units = long(num_seqs) * kv_head_blocks;
@@ -282,7 +287,7 @@ inline int tc_splits(int num_seqs, int kv_head_blocks, int max_len, int sm_count
 // A split count asked for, within [one per kTcMaxSplitTokens positions, one per tile, kMaxSplits].
 inline int tc_splits_within(int wanted, int max_len) {
   const int tiles = (max_len + kTcTile - 1) / kTcTile;
-  const int fewest = tiles > 0 ? (tiles + kTcMaxSplitTokens / kTcTile - 1) / (kTcMaxSplitTokens / kTcTile) : 1;
+  const int fewest = tc_fewest_splits(tiles);
   const int most = tiles < fewest ? fewest : tiles > kMaxSplits ? kMaxSplits : tiles;
   return wanted < fewest ? fewest : wanted > most ? most : wanted;
 }
