@@ -45,8 +45,8 @@ def readme_pytest_args(ci_run: Path = REPO / ".ci" / "run") -> list[str]:
 
 @dataclass
 class Sample:
-    """One reading: seconds since the epoch, the machine's /proc/stat jiffies (busy and idle, all CPUs) and the
-    busy process's own jiffies (user + system)."""
+    """One reading: seconds since the epoch, the machine's /proc/stat jiffies (busy and idle, all CPUs; a VM's
+    stolen time is neither) and the busy process's own jiffies (user + system)."""
 
     t: float
     busy: int
@@ -55,8 +55,10 @@ class Sample:
 
 
 def read_sample(busy_pid: int | None, proc: Path = Path("/proc")) -> Sample:
-    fields = [int(x) for x in (proc / "stat").read_text().splitlines()[0].split()[1:]]
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    fields = [int(x) for x in (proc / "stat").read_text().splitlines()[0].split()[1:]] + [0] * 8
+    idle = fields[3] + fields[4]  # idle + iowait
+    # user nice system irq softirq; not steal (the hypervisor's, not work done here); guest is inside user
+    busy = fields[0] + fields[1] + fields[2] + fields[5] + fields[6]
     mine = 0
     if busy_pid is not None:
         try:
@@ -65,7 +67,7 @@ def read_sample(busy_pid: int | None, proc: Path = Path("/proc")) -> Sample:
             mine = int(after[11]) + int(after[12])
         except (OSError, IndexError, ValueError):  # gone: its last reading stands (summarize keeps the max)
             mine = -1
-    return Sample(time.time(), sum(fields[:8]) - idle, idle, mine)
+    return Sample(time.time(), busy, idle, mine)
 
 
 @dataclass

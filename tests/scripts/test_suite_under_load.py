@@ -42,14 +42,14 @@ def test_a_ci_script_without_pytest_is_an_error(script, tmp_path):
         script.readme_pytest_args(ci)
 
 
-def test_a_reading_splits_busy_and_idle_and_takes_the_busy_process_own_time(script, tmp_path):
+def test_a_reading_splits_busy_and_idle_leaves_out_steal_and_takes_the_busy_process_own_time(script, tmp_path):
     # user nice system idle iowait irq softirq steal guest guest_nice
     (tmp_path / "stat").write_text("cpu  100 5 20 300 7 1 2 3 0 0\ncpu0 1 2 3 4 5 6 7 8 0 0\n")
     (tmp_path / "42").mkdir()
     fields = ["S"] + ["0"] * 10 + ["11", "4"] + ["0"] * 30  # utime (14th field) 11, stime 4
     (tmp_path / "42" / "stat").write_text("42 (y e s) " + " ".join(fields))
     sample = script.read_sample(42, proc=tmp_path)
-    assert (sample.busy, sample.idle, sample.busy_process) == (100 + 5 + 20 + 1 + 2 + 3, 307, 15)
+    assert (sample.busy, sample.idle, sample.busy_process) == (100 + 5 + 20 + 1 + 2, 307, 15)  # not steal's 3
     assert script.read_sample(43, proc=tmp_path).busy_process == -1  # no such process
     assert script.read_sample(None, proc=tmp_path).busy_process == 0
 
