@@ -6,9 +6,10 @@
 By default the run starts from an empty fp8kv cache (a HOME of its own under --out: the default model's
 conversion, the op libraries, the compile checks and the host emulations are all made by the run, as on a
 clean machine) with `yes` busy beside it. `own-session` (the default) starts `yes` in a session of its own, as
-another user's job or a second terminal would be: with the kernel's autogroups it then takes a whole core's
-share whatever the number of test processes, the harder case. `same-session` shares one group with the tests,
-so `yes` is one thread among theirs and gets less. /proc/stat is read each second, so the report splits the
+another user's job or a second terminal would be: with the kernel's autogroups its group then weighs as much
+as the tests' own session whatever the number of test processes, the harder case (0.75 of a core on a 2-core
+VM on 2026-11-28). `same-session` shares one group with the tests, so `yes` is one thread among theirs and gets
+less (0.5 of a core there). /proc/stat is read each second, so the report splits the
 machine's busy time between the busy process and the rest (the run: every process it started, including those
 that exit unwaited, and whatever else ran meanwhile).
 
