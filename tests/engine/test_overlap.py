@@ -205,13 +205,9 @@ def test_sampled_and_stopping_requests_match_the_synchronous_loop(tiny_path, pro
 def test_profile_decode_reports_both_loops_and_their_phases(tiny_path, capsys):
     """scripts/profile_decode.py on the CPU (no graph to replay there): a step time for each loop and the host's
     phases; on a GPU it adds the replay time and the overlap ratio."""
-    import importlib.util
-    from pathlib import Path
+    from script_module import load_script
 
-    script = Path(__file__).resolve().parents[2] / "scripts" / "profile_decode.py"
-    spec = importlib.util.spec_from_file_location("profile_decode", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("profile_decode.py")
     common = [tiny_path, "--device", "cpu", "--dtype", "float32", "--num-seqs", "4", "--input-len", "20", "--steps", "3"]
     module.main(common + ["--loop", "both"])
     out = capsys.readouterr().out

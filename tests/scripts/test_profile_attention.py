@@ -3,21 +3,19 @@ gives the reference's attention (--check), so the call a profiler catches comput
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import sys
 from pathlib import Path
 
 import pytest
+from script_module import load_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "profile_attention.py"
 
 
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz", "auto"])
 def test_the_profiled_call_matches_the_reference(kv, monkeypatch, capsys):
-    spec = importlib.util.spec_from_file_location("profile_attention", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("profile_attention.py")
     monkeypatch.setattr(sys, "argv", [str(SCRIPT), "--device", "cpu", "--batch", "3", "--context", "77",
                                       "--heads", "6/2/64", "--kv-cache-dtype", kv, "--check"])
     script.main()

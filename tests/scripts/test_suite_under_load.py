@@ -4,7 +4,6 @@ reports pytest's result."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import shlex
@@ -12,19 +11,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from script_module import load_script
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "scripts" / "suite_under_load.py"
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("suite_under_load", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    yield load_script("suite_under_load.py")
+    sys.modules.pop("suite_under_load", None)
 
 
 def test_it_runs_the_readmes_test_command(script):
