@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ("README.md", "docs/design.md")
+DOCS = ("README.md", "docs/design.md", "docs/usage.md", "docs/development.md", "docs/benchmarks.md")
 BASES = ("", "fp8cache", "csrc", "launcher", "scripts", "fp8cache/server")
 SOURCE = r"[A-Za-z0-9_][\w./-]*\.(?:py|sh|cpp|cu|cuh|h)"
 # Folder names the docs use for this repository's folders (first part of a name like `model/cpu/`).
