@@ -52,18 +52,22 @@ def test_the_readme_test_command_is_what_ci_runs():
 
 
 def code_snippets(text: str) -> list[str]:
-    """Shell lines of fenced bash blocks (continuations joined) and inline code spans, pending ones left out."""
+    """Shell lines of fenced bash blocks (continuations joined) and inline code spans, pending ones left out: a
+    line holding a pending mark, and the paragraph or code block right after a mark on a line of its own."""
     snippets, rest, lines = [], [], text.splitlines()
-    i = 0
+    i, pending = 0, False
     while i < len(lines):
         if lines[i].startswith("```"):
             end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
-            pending = i > 0 and PENDING in lines[i - 1]
             if lines[i].strip() == "```bash" and not pending:
                 snippets += "\n".join(lines[i + 1:end]).replace("\\\n", " ").splitlines()
-            i = end + 1
+            i, pending = end + 1, False
             continue
-        if PENDING not in lines[i]:
+        if lines[i].startswith(PENDING):
+            pending = True
+        elif not lines[i].strip():
+            pending = False
+        elif PENDING not in lines[i] and not pending:
             rest.append(lines[i])
         i += 1
     snippets += re.findall(r"`([^`\n]+)`", "\n".join(rest))
@@ -152,8 +156,10 @@ def test_every_flag_named_alone_exists(doc):
 def test_the_flag_check_sees_a_wrong_flag_and_skips_pending_lines():
     text = ("`fp8kv run --kv-cache-dtype fp8 --no-such-flag`\n\n```bash\nfp8kv bench kernels|capacity \\\n"
             "  --repeats 3 --no-such-bench-flag   # --not-a-flag\n```\n"
-            "`fp8kv run --later-flag 1` <!-- pending: --later-flag -->\n")
-    assert sorted(unknown_flags(text)) == ["fp8kv bench --no-such-bench-flag", "fp8kv run --no-such-flag"]
+            "`fp8kv run --later-flag 1` <!-- pending: --later-flag -->\n"
+            "<!-- pending: a paragraph -->\n`fp8kv run --later-flag 2`\n`--later-too`\n\n`fp8kv run --gone`\n")
+    assert sorted(unknown_flags(text)) == ["fp8kv bench --no-such-bench-flag", "fp8kv run --gone",
+                                           "fp8kv run --no-such-flag"]
     assert unknown_flag_names("`--dtype` `--num-shard N` `--no-such-flag X`\n`--later` <!-- pending -->") == [
         "--no-such-flag X"]
 
