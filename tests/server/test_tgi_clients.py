@@ -31,15 +31,19 @@ PROMPT = "The sun rises in the"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 # Faults injected in the server (by the max_tokens of a request, so that the other tests are unaffected): the
-# request's stream fails after its first two outputs, as a bug, or as a refusal only found then.
+# request's stream fails after its first two outputs, as a bug, as a refusal only found then, or as the engine's
+# death.
 BUG_AFTER_TWO = 13
 REFUSAL_AFTER_TWO = 14
+ENGINE_DEATH_AFTER_TWO = 15
 FAULTS = f"""
 import fp8cache.server.generation as _generation
+from fp8cache.server.async_engine import EngineDeadError
 from fp8cache.server.protocol.request_error import RequestError
 
 _FAULTS = {{{BUG_AFTER_TWO}: lambda: RuntimeError("injected fault"),
-           {REFUSAL_AFTER_TWO}: lambda: RequestError("injected: refused once the stream was open")}}
+           {REFUSAL_AFTER_TWO}: lambda: RequestError("injected: refused once the stream was open"),
+           {ENGINE_DEATH_AFTER_TWO}: lambda: EngineDeadError("injected")}}
 _submit_all = _generation.submit_all
 
 
@@ -233,6 +237,8 @@ def test_text_generation_failures_inside_streams_raise(server):
     assert len(seen) >= 1  # it failed after the stream opened
     with pytest.raises(tg_errors.ValidationError, match="refused once the stream was open"):
         list(client.generate_stream("Once upon a time", max_new_tokens=REFUSAL_AFTER_TWO))
+    with pytest.raises(tg_errors.GenerationError, match="the engine crashed or stopped"):
+        list(client.generate_stream("Once upon a time", max_new_tokens=ENGINE_DEATH_AFTER_TWO))
 
     async def chat_stream(max_tokens: int):
         return [c async for c in await aclient.chat(messages(), max_tokens=max_tokens, stream=True)]
@@ -241,6 +247,8 @@ def test_text_generation_failures_inside_streams_raise(server):
         asyncio.run(chat_stream(BUG_AFTER_TWO))
     with pytest.raises(tg_errors.ValidationError, match="refused once the stream was open"):
         asyncio.run(chat_stream(REFUSAL_AFTER_TWO))
+    with pytest.raises(tg_errors.GenerationError, match="the engine crashed or stopped"):
+        asyncio.run(chat_stream(ENGINE_DEATH_AFTER_TWO))
     stats = wait_idle(server)  # the failed streams' requests were aborted and their blocks freed
     assert stats["blocks_used"] == 0 and stats["active_requests"] == 0, stats
 
@@ -299,6 +307,19 @@ def test_inference_client_chat_completion_streamed_or_not(server, reference):
     assert whole.usage.completion_tokens == len(want.outputs[0].token_ids)
     chunks = list(client.chat_completion(CHAT, max_tokens=8, temperature=0, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.outputs[0].text
+
+
+@pytest.mark.slow
+def test_inference_client_endpoint_info_and_health(server):
+    from huggingface_hub import InferenceClient
+
+    client = InferenceClient(model=server.url, provider="hf-inference", timeout=120)
+    info = client.get_endpoint_info()  # GET /info, TGI's Info
+    assert info["model_id"] == "smol" and info["max_total_tokens"] == MAX_MODEL_LEN
+    assert info["max_input_tokens"] == MAX_MODEL_LEN - 1 and info["max_best_of"] == 1
+    assert all(isinstance(info[k], int) for k in ("max_concurrent_requests", "max_stop_sequences",
+                                                  "validation_workers", "max_client_batch_size"))
+    assert client.health_check()
 
 
 @pytest.mark.slow
