@@ -25,9 +25,11 @@ def is_openai(path: str) -> bool:
 
 
 # TGI serves its OpenAI routes in its own dialect, and TGI's clients name the model "tgi" there (text-generation's
-# Client.chat always does): such a request gets TGI's answers (errors in TGI's shape, chat chunks as TGI sends
-# them), which those clients parse. Set on the request's state by parsing.parse.
+# Client.chat always does): such a request gets TGI's answers, which those clients parse: refusals in TGI's shape,
+# and on the chat route (the one text-generation uses) a refused stream as an event and the chunks as TGI sends
+# them (streaming.tgi_chat_events). Noted on the request's state by parsing.parse.
 TGI_DIALECT_MODEL = "tgi"
+TGI_CHAT_PATH = "/v1/chat/completions"
 
 
 def request_flags(scope: dict[str, Any]) -> dict[str, Any]:
@@ -47,7 +49,7 @@ _OPENAI_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not
 
 def error_body(path: str, err: RequestError, tgi: bool | None = None) -> dict:
     """err in OpenAI's shape or TGI's (by default: TGI's outside /v1)."""
-    if not (not is_openai(path) if tgi is None else tgi):
+    if (is_openai(path) if tgi is None else not tgi):
         kind = "invalid_request_error" if err.status in (400, 413, 415, 422) else \
             _OPENAI_TYPES.get(err.status, err.error_type)
         return {"error": {"message": err.message, "type": kind, "param": err.param, "code": err.code}}
@@ -62,7 +64,7 @@ def error_response(path: str, err: RequestError, headers: dict | None = None,
     # TGI answers validation failures with 422; OpenAI with 400.
     status = 422 if err.status == 400 and tgi else err.status
     body = error_body(path, err, tgi)
-    if tgi and is_openai(path) and flags.get("streamed"):
+    if path == TGI_CHAT_PATH and flags.get("tgi_dialect") and flags.get("streamed"):
         # text-generation's Client.chat(stream=True) reads only the body's "data:" lines, whatever the status:
         # a JSON body would leave it an empty stream. As an event it raises the error.
         return Response(f"data: {json.dumps(body, ensure_ascii=False)}\n\n", status_code=status, headers=headers,

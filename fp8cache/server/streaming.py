@@ -11,7 +11,14 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from fp8cache.server.async_engine import RequestStream
-from fp8cache.server.errors import ENGINE_GONE, error_body, internal_error, is_openai, request_flags
+from fp8cache.server.errors import (
+    ENGINE_GONE,
+    TGI_CHAT_PATH,
+    error_body,
+    internal_error,
+    is_openai,
+    request_flags,
+)
 from fp8cache.server.generation import close_all
 from fp8cache.server.protocol.request_error import RequestError
 
@@ -28,7 +35,7 @@ class SSEResponse(StreamingResponse):
     async def __call__(self, scope, receive, send) -> None:
         path = scope["path"]
         events = _ending_in_error_event(self.body_iterator, path)
-        if is_openai(path) and request_flags(scope).get("tgi_dialect"):
+        if path == TGI_CHAT_PATH and request_flags(scope).get("tgi_dialect"):
             events = tgi_chat_events(events)
         self.body_iterator = events
         try:

@@ -139,6 +139,7 @@ def _app_streaming(fail_with: Exception) -> FastAPI:
         return SSEResponse(events(), [])
 
     app.add_api_route("/v1/chat/completions", route, methods=["POST"])
+    app.add_api_route("/v1/completions", route, methods=["POST"])
     app.add_api_route("/generate_stream", route, methods=["POST"])
     return app
 
@@ -162,5 +163,24 @@ def test_a_stream_that_fails_once_open_ends_in_an_error_event(fault, openai_type
     dialect = _events(app, "/v1/chat/completions", {"model": "tgi"})
     assert dialect[0]["choices"][0]["delta"] == {"role": "assistant", "content": "a", "tool_calls": None}
     assert dialect[-1]["error_type"] == tgi_type
+    completions = _events(app, "/v1/completions", {"model": "tgi"})  # chat's dialect only on chat
+    assert completions[0] == openai[0] and completions[-1]["error"]["type"] == openai_type
     message = openai[-1]["error"]["message"]
     assert ("found late" in message) == isinstance(fault, RequestError) and "secret detail" not in message
+
+
+@pytest.mark.parametrize(("path", "flags", "status", "media", "tgi_shape"), [
+    ("/v1/chat/completions", {"tgi_dialect": True, "streamed": True}, 422, "text/event-stream", True),
+    ("/v1/chat/completions", {"tgi_dialect": True, "streamed": False}, 422, "application/json", True),
+    ("/v1/completions", {"tgi_dialect": True, "streamed": True}, 422, "application/json", True),
+    ("/v1/chat/completions", {"tgi_dialect": False, "streamed": True}, 400, "application/json", False),
+    ("/generate_stream", {"streamed": True}, 422, "application/json", True),
+])
+def test_refusals_in_tgis_dialect(path, flags, status, media, tgi_shape):
+    from fp8cache.server.errors import error_response
+
+    response = error_response(path, RequestError("n: bad", param="n"), flags=flags)
+    assert response.status_code == status and response.media_type == media
+    body = json.loads(response.body.decode().removeprefix("data: "))
+    assert body == ({"error": "n: bad", "error_type": "validation"} if tgi_shape else
+                    {"error": {"message": "n: bad", "type": "invalid_request_error", "param": "n", "code": None}})
