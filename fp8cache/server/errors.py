@@ -24,10 +24,9 @@ def is_openai(path: str) -> bool:
     return path == "/v1" or path.startswith("/v1/")
 
 
-# TGI serves its OpenAI routes in its own dialect, and TGI's clients name the model "tgi" there (text-generation's
-# Client.chat always does): such a request gets TGI's answers, which those clients parse: refusals in TGI's shape,
-# and on the chat route (the one text-generation uses) a refused stream as an event and the chunks as TGI sends
-# them (streaming.tgi_chat_events). Noted on the request's state by parsing.parse.
+# TGI's clients name the model "tgi" on TGI's OpenAI routes (text-generation's Client.chat always does). On the
+# chat route such a request is streamed in TGI's dialect, which that client parses (streaming.tgi_chat_events),
+# and a refused stream is TGI's error event (error_response). Noted on the request's state by parsing.parse.
 TGI_DIALECT_MODEL = "tgi"
 TGI_CHAT_PATH = "/v1/chat/completions"
 
@@ -35,10 +34,6 @@ TGI_CHAT_PATH = "/v1/chat/completions"
 def request_flags(scope: dict[str, Any]) -> dict[str, Any]:
     """What parsing.parse noted of the body (tgi_dialect, streamed); empty before the body is read."""
     return scope.get("state") or {}
-
-
-def speaks_tgi(path: str, flags: dict[str, Any]) -> bool:
-    return not is_openai(path) or bool(flags.get("tgi_dialect"))
 
 
 _TGI_TYPES = {401: "authentication", 403: "forbidden", 404: "not_found", 413: "validation", 415: "validation",
@@ -60,16 +55,14 @@ def error_response(path: str, err: RequestError, headers: dict | None = None,
                    flags: dict[str, Any] | None = None) -> Response:
     """The answer to a refused request; flags: what parsing.parse noted of its body (see request_flags)."""
     flags = flags or {}
-    tgi = speaks_tgi(path, flags)
     # TGI answers validation failures with 422; OpenAI with 400.
-    status = 422 if err.status == 400 and tgi else err.status
-    body = error_body(path, err, tgi)
+    status = 422 if err.status == 400 and not is_openai(path) else err.status
     if path == TGI_CHAT_PATH and flags.get("tgi_dialect") and flags.get("streamed"):
         # text-generation's Client.chat(stream=True) reads only the body's "data:" lines, whatever the status:
-        # a JSON body would leave it an empty stream. As an event it raises the error.
-        return Response(f"data: {json.dumps(body, ensure_ascii=False)}\n\n", status_code=status, headers=headers,
-                        media_type="text/event-stream")
-    return JSONResponse(body, status_code=status, headers=headers)
+        # a JSON body would leave it an empty stream. TGI's error event it raises.
+        event = json.dumps(error_body(path, err, tgi=True), ensure_ascii=False)
+        return Response(f"data: {event}\n\n", status_code=status, headers=headers, media_type="text/event-stream")
+    return JSONResponse(error_body(path, err), status_code=status, headers=headers)
 
 
 def _answer(request: Request, err: RequestError, headers: dict | None = None) -> Response:

@@ -216,7 +216,7 @@ def test_text_generation_refusals_raise(server):
         client.generate(PROMPT, max_new_tokens=TOO_MANY)
     with pytest.raises(tg_errors.ValidationError, match="max_new_tokens"):
         list(client.generate_stream(PROMPT, max_new_tokens=TOO_MANY))
-    with pytest.raises(tg_errors.ValidationError, match="max_tokens"):
+    with pytest.raises(tg_errors.BadRequestError, match="max_tokens"):  # a 400 in OpenAI's shape
         client.chat(messages(), max_tokens=TOO_MANY)
 
     async def chat_stream():
@@ -358,3 +358,18 @@ def test_openai_sdk_raises_failures_inside_streams(server):
                                        stream=True))
     with pytest.raises(openai.BadRequestError):  # refused before it opened: an ordinary 400, JSON body
         client.chat.completions.create(model="smol", messages=CHAT, max_tokens=TOO_MANY, stream=True)
+
+
+@pytest.mark.slow
+def test_openai_sdk_reads_tgis_chat_dialect(server, reference):
+    # TGI's docs point the OpenAI SDK at TGI with model "tgi": it reads TGI's chunks (no [DONE]) as well
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    chunks = list(client.chat.completions.create(model="tgi", messages=CHAT, max_tokens=8, temperature=0,
+                                                 stream=True))
+    want = reference.chat(CHAT, greedy(8)).outputs[0]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
+    assert chunks[-1].choices[0].finish_reason == want.finish_reason
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.chat.completions.create(model="tgi", messages=CHAT, max_tokens=TOO_MANY)

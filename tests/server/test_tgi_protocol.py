@@ -170,13 +170,13 @@ def test_a_stream_that_fails_once_open_ends_in_an_error_event(fault, openai_type
 
 
 @pytest.mark.parametrize(("path", "flags", "status", "media", "tgi_shape"), [
-    ("/v1/chat/completions", {"tgi_dialect": True, "streamed": True}, 422, "text/event-stream", True),
-    ("/v1/chat/completions", {"tgi_dialect": True, "streamed": False}, 422, "application/json", True),
-    ("/v1/completions", {"tgi_dialect": True, "streamed": True}, 422, "application/json", True),
+    ("/v1/chat/completions", {"tgi_dialect": True, "streamed": True}, 400, "text/event-stream", True),
+    ("/v1/chat/completions", {"tgi_dialect": True, "streamed": False}, 400, "application/json", False),
+    ("/v1/completions", {"tgi_dialect": True, "streamed": True}, 400, "application/json", False),
     ("/v1/chat/completions", {"tgi_dialect": False, "streamed": True}, 400, "application/json", False),
     ("/generate_stream", {"streamed": True}, 422, "application/json", True),
 ])
-def test_refusals_in_tgis_dialect(path, flags, status, media, tgi_shape):
+def test_only_a_refused_chat_stream_in_tgis_dialect_is_an_event(path, flags, status, media, tgi_shape):
     from fp8cache.server.errors import error_response
 
     response = error_response(path, RequestError("n: bad", param="n"), flags=flags)
