@@ -1,6 +1,6 @@
 """Refusals and failures as HTTP answers: a RequestError in its API's error shape (OpenAI's
-{"error": {"message", "type", "param", "code"}} under /v1, TGI's {"error", "error_type"} elsewhere and for
-/v1 requests in TGI's dialect), and the exception handlers that give every other failure the same shapes."""
+{"error": {"message", "type", "param", "code"}} under /v1, TGI's {"error", "error_type"} elsewhere and for a
+refused chat stream in TGI's dialect), and the exception handlers that give every other failure the same shapes."""
 
 from __future__ import annotations
 

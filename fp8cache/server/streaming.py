@@ -91,15 +91,14 @@ class TextDelta:
         return delta, list(completion.token_ids[start:end]), entries
 
 
-def _tgi_type(path: str, tgi_type: str) -> dict:
-    return {} if is_openai(path) else {"error_type": tgi_type}
-
-
 def stream_error(path: str, message: str = ENGINE_GONE, tgi_type: str = "generation") -> str:
     """The error event that ends a stream the server could not finish."""
     err = RequestError(f"generation failed: {message}", status=500, code="generation_error",
                        error_type="internal_server_error")
-    return sse(error_body(path, err) | _tgi_type(path, tgi_type))
+    body = error_body(path, err)
+    if not is_openai(path):
+        body["error_type"] = tgi_type
+    return sse(body)
 
 
 async def tgi_chat_events(events: AsyncIterator[str]) -> AsyncIterator[str]:
