@@ -12,6 +12,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
 from fp8cache.jsonkind import json_kind
+from fp8cache.server.errors import TGI_DIALECT_MODEL, is_openai
 from fp8cache.server.protocol.request_error import RequestError, validation_error
 from fp8cache.server.state import app_state
 
@@ -116,7 +117,16 @@ def _check_text(path: str, text: str) -> None:
 
 async def parse(request: Request, model: type[BaseModel]) -> Any:
     state = app_state(request)
-    return validated(model, await read_json(request, state.settings.max_request_bytes))
+    body = await read_json(request, state.settings.max_request_bytes)
+    note_flags(request, body)
+    return validated(model, body)
+
+
+def note_flags(request: Request, body: dict) -> None:
+    """What the answer's shape depends on, noted before the body is validated so that its refusal has that
+    shape too (errors.request_flags): a streamed request, and a /v1 request in TGI's dialect."""
+    request.state.streamed = body.get("stream") is True
+    request.state.tgi_dialect = is_openai(request.url.path) and body.get("model") == TGI_DIALECT_MODEL
 
 
 def validated(model: type[BaseModel], body: dict) -> Any:

@@ -1,5 +1,5 @@
-"""Streamed answers: server-sent events, the new text of each choice since its last event, and the error
-event that ends a stream the server could not finish."""
+"""Streamed answers: server-sent events, the new text of each choice since its last event, the error event
+that ends a stream the server could not finish, and TGI's dialect of the chat chunks."""
 
 from __future__ import annotations
 
@@ -11,7 +11,14 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from fp8cache.server.async_engine import RequestStream
-from fp8cache.server.errors import ENGINE_GONE, error_body, is_openai
+from fp8cache.server.errors import (
+    ENGINE_GONE,
+    TGI_CHAT_PATH,
+    error_body,
+    internal_error,
+    is_openai,
+    request_flags,
+)
 from fp8cache.server.generation import close_all
 from fp8cache.server.protocol.request_error import RequestError
 
@@ -26,10 +33,27 @@ class SSEResponse(StreamingResponse):
         self.streams = streams
 
     async def __call__(self, scope, receive, send) -> None:
+        path = scope["path"]
+        events = _ending_in_error_event(self.body_iterator, path)
+        if path == TGI_CHAT_PATH and request_flags(scope).get("tgi_dialect"):
+            events = tgi_chat_events(events)
+        self.body_iterator = events
         try:
             await super().__call__(scope, receive, send)
         finally:
             close_all(self.streams)
+
+
+async def _ending_in_error_event(events: AsyncIterator[str], path: str) -> AsyncIterator[str]:
+    """events, and for a failure while they are made an error event, which clients raise: cut off instead, a
+    stream looks to some of them like an answer that ended early (or, before its first event, an empty one)."""
+    try:
+        async for event in events:
+            yield event
+    except RequestError as err:  # a refusal that could only be found once the stream was open
+        yield sse(error_body(path, err))
+    except Exception as exc:  # noqa: BLE001 - a bug: logged with an id the client's error gives
+        yield sse(error_body(path, internal_error(exc, f"the stream of {path}")))
 
 
 def sse(data: BaseModel | dict | str) -> str:
@@ -75,3 +99,24 @@ def stream_error(path: str, message: str = ENGINE_GONE, tgi_type: str = "generat
     if not is_openai(path):
         body["error_type"] = tgi_type
     return sse(body)
+
+
+async def tgi_chat_events(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Chat chunks as TGI sends them, which text-generation's Client.chat(stream=True) requires: every delta
+    with its role and tool_calls, errors in TGI's shape, and no closing [DONE] (it is not JSON, and that client
+    fails on it; the OpenAI SDK and huggingface_hub end the stream at its end either way)."""
+    async for event in events:
+        data = event.removeprefix("data: ").strip()
+        if data == "[DONE]":
+            continue
+        yield sse(tgi_chat_chunk(json.loads(data)))
+
+
+def tgi_chat_chunk(chunk: dict[str, Any]) -> dict[str, Any]:
+    error = chunk.get("error")
+    if isinstance(error, dict):
+        refused = error.get("type") == "invalid_request_error"
+        return {"error": error.get("message"), "error_type": "validation" if refused else "generation"}
+    for choice in chunk.get("choices", []):
+        choice["delta"] = {"role": "assistant", "content": None, "tool_calls": None} | choice["delta"]
+    return chunk

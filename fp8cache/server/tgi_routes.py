@@ -1,4 +1,5 @@
-"""Hugging Face TGI routes: /generate, /generate_stream and the compatibility route POST /."""
+"""Hugging Face TGI routes: /generate, /generate_stream and the compatibility route POST /, answered as TGI's
+router answers them (TGI's own clients and huggingface_hub's InferenceClient read these shapes)."""
 
 from __future__ import annotations
 
@@ -47,27 +48,41 @@ async def _tgi_prepare(request: Request, body: GenerateRequest, stream: bool) ->
         prompt = prompt[-p.truncate:]
     if not prompt:
         raise RequestError("inputs: encodes to zero tokens", param="inputs", code="invalid_value")
+    if stream and p.decoder_input_details:  # TGI's refusal, word for word
+        raise RequestError("parameters.decoder_input_details: `decoder_input_details` == true is not supported "
+                           "when streaming tokens", param="parameters.decoder_input_details", code="invalid_value")
     max_tokens = check_lengths(state, [prompt], p.max_new_tokens, "inputs", "parameters.max_new_tokens")
     kwargs = p.sampling_kwargs() | {"max_tokens": max_tokens}
-    if stream or p.details:  # TGI's tokens carry their logprob
+    if stream or _details(body):  # TGI's tokens carry their logprob
         kwargs["logprobs"] = p.top_n_tokens or 0
-    if p.details and p.decoder_input_details and not stream:
+    if p.decoder_input_details and not stream:
         kwargs["prompt_logprobs"] = 0
     params = make_sampling_params(state, kwargs)
     await compile_structure(request, state, params, "parameters.grammar")
     return Prepared([prompt], [body.inputs], max_tokens, params), prompt
 
 
+def _details(body: GenerateRequest) -> bool:
+    # TGI: decoder_input_details asks for the details too (their prefill is where those go)
+    return body.parameters.details or body.parameters.decoder_input_details
+
+
 async def tgi_compat(request: Request) -> Response:
-    """POST / : TGI's compatibility route; `stream` in the body picks /generate or /generate_stream."""
+    """POST / : TGI's compatibility route; `stream` in the body picks /generate or /generate_stream. Not streamed,
+    the answer is a list of the one response (TGI's, for the Inference API's clients: text-generation's
+    Client.generate reads payload[0])."""
     state = app_state(request)
     body: GenerateRequest = await parse(request, GenerateRequest)
-    return await (_tgi_stream if body.stream else _tgi_generate)(request, state, body)
+    if body.stream:
+        return await _tgi_stream(request, state, body)
+    response = await _tgi_generate(request, state, body)
+    return JSONResponse([response.model_dump()]) if isinstance(response, TGIGenerateResponse) else response
 
 
 async def tgi_generate(request: Request) -> Response:
     body: GenerateRequest = await parse(request, GenerateRequest)
-    return await _tgi_generate(request, app_state(request), body)
+    response = await _tgi_generate(request, app_state(request), body)
+    return JSONResponse(response.model_dump()) if isinstance(response, TGIGenerateResponse) else response
 
 
 async def tgi_generate_stream(request: Request) -> Response:
@@ -75,7 +90,8 @@ async def tgi_generate_stream(request: Request) -> Response:
     return await _tgi_stream(request, app_state(request), body)
 
 
-async def _tgi_generate(request: Request, state: AppState, body: GenerateRequest) -> Response:
+async def _tgi_generate(request: Request, state: AppState, body: GenerateRequest) -> TGIGenerateResponse | Response:
+    """The response, or the answer to send instead if the client went away."""
     prepared, prompt = await _tgi_prepare(request, body, stream=False)
     streams = submit_all(state, f"tgi-{uuid.uuid4().hex}", prepared)
     finals = await collect_finals(request, streams)
@@ -85,7 +101,7 @@ async def _tgi_generate(request: Request, state: AppState, body: GenerateRequest
     p = body.parameters
     text = (body.inputs if p.return_full_text else "") + c.text
     details = None
-    if p.details:
+    if _details(body):
         tok, special = state.info.tokenizer, state.info.special_ids
         tokens = [TGIToken(id=t, text=tok.decode([t]), logprob=LP.token_logprob(entry, t), special=t in special)
                   for t, entry in zip(c.token_ids, c.logprobs)]
@@ -94,7 +110,7 @@ async def _tgi_generate(request: Request, state: AppState, body: GenerateRequest
         top = [LP.tgi_top_tokens(entry, p.top_n_tokens, special) for entry in c.logprobs] if p.top_n_tokens else None
         details = TGIDetails(finish_reason=_tgi_finish_reason(c), generated_tokens=len(c.token_ids),
                              seed=p.seed, prefill=prefill, tokens=tokens, top_tokens=top)
-    return JSONResponse(TGIGenerateResponse(generated_text=text, details=details).model_dump())
+    return TGIGenerateResponse(generated_text=text, details=details)
 
 
 async def _tgi_stream(request: Request, state: AppState, body: GenerateRequest) -> Response:
@@ -121,9 +137,10 @@ async def _tgi_events(state: AppState, body: GenerateRequest, prompt: list[int],
                     event.top_tokens = LP.tgi_top_tokens(entry, p.top_n_tokens, special)
                 if last and c.finish_reason is not None:
                     event.generated_text = (body.inputs if p.return_full_text else "") + c.text
-                    event.details = TGIStreamDetails(
-                        finish_reason=_tgi_finish_reason(c), generated_tokens=len(c.token_ids),
-                        seed=p.seed, input_length=len(prompt))
+                    if p.details:
+                        event.details = TGIStreamDetails(
+                            finish_reason=_tgi_finish_reason(c), generated_tokens=len(c.token_ids),
+                            seed=p.seed, input_length=len(prompt))
                 yield sse(event)
     except EngineDeadError:
         yield stream_error("/generate_stream")

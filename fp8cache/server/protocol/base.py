@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator, model_validator
 
 MAX_N = 16
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias (OpenAI allows 300)
@@ -18,7 +18,28 @@ INT64_MAX = 2**63 - 1
 
 
 class Strict(BaseModel):
+    """A request body: JSON types must match exactly, unknown fields are refused, and JSON null for a field
+    that has a default means "not set" (clients such as TGI's and OpenAI's generated ones send every optional
+    field, null when unset: `"n": null` is n's default, not a type error)."""
+
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or None not in data.values():
+            return data
+        optional = _optional_keys(cls)
+        return {k: v for k, v in data.items() if v is not None or k not in optional}
+
+
+def _optional_keys(model: type[BaseModel]) -> set[str]:
+    """The JSON keys of model's fields that have a default (a required field's null stays a type error)."""
+    keys = set()
+    for name, field in model.model_fields.items():
+        if not field.is_required():
+            keys.update({name, field.alias or name})
+    return keys
 
 
 def _is_unset(value: Any) -> bool:

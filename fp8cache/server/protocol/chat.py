@@ -11,6 +11,10 @@ from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_va
 from fp8cache.server.protocol.base import MAX_LOGPROBS, MAX_MESSAGES, Strict
 from fp8cache.server.protocol.outputs import PromptLogprobs, UsageInfo
 from fp8cache.server.protocol.sampling import SamplingFields
+from fp8cache.version import __version__
+
+# OpenAI's system_fingerprint names the backend configuration; TGI's clients require it to be a string.
+SYSTEM_FINGERPRINT = f"fp8kv-{__version__}"
 
 
 class TextPart(Strict):
@@ -165,6 +169,7 @@ class ChatCompletionResponse(BaseModel):
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
+    system_fingerprint: str = SYSTEM_FINGERPRINT
     choices: list[ChatChoice]
     usage: UsageInfo
     prompt_logprobs: PromptLogprobs | None = None
@@ -192,5 +197,6 @@ class ChatCompletionChunk(BaseModel):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
+    system_fingerprint: str = SYSTEM_FINGERPRINT
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None

@@ -91,6 +91,12 @@ class GenerateRequest(Strict):
     stream: bool = False  # only read by the compat route POST /
 
 
+# The responses as TGI serializes them (its router's GenerateResponse, Details, StreamResponse): what TGI leaves
+# out when empty is left out here too, the rest is null when unset.
+def _omitted_if_none(default: Any = None) -> Any:
+    return Field(default, exclude_if=lambda value: value is None)
+
+
 class TGIToken(BaseModel):
     id: int
     text: str
@@ -101,7 +107,7 @@ class TGIToken(BaseModel):
 class TGIPrefillToken(BaseModel):
     id: int
     text: str
-    logprob: float | None = None
+    logprob: float | None = None  # None for the first token: nothing predicts it
 
 
 class TGIDetails(BaseModel):
@@ -110,25 +116,25 @@ class TGIDetails(BaseModel):
     seed: int | None = None
     prefill: list[TGIPrefillToken] = Field(default_factory=list)
     tokens: list[TGIToken] = Field(default_factory=list)
-    top_tokens: list[list[TGIToken]] | None = None
-    best_of_sequences: list | None = None
+    top_tokens: list[list[TGIToken]] | None = _omitted_if_none()
+    best_of_sequences: list | None = _omitted_if_none()
 
 
 class TGIGenerateResponse(BaseModel):
     generated_text: str
-    details: TGIDetails | None = None
+    details: TGIDetails | None = _omitted_if_none()
 
 
 class TGIStreamDetails(BaseModel):
     finish_reason: Literal["length", "eos_token", "stop_sequence"]
     generated_tokens: int
     seed: int | None = None
-    input_length: int | None = None
+    input_length: int
 
 
 class TGIStreamResponse(BaseModel):
     index: int
     token: TGIToken
-    top_tokens: list[TGIToken] | None = None
+    top_tokens: list[TGIToken] | None = _omitted_if_none()
     generated_text: str | None = None
     details: TGIStreamDetails | None = None
