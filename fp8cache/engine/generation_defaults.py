@@ -142,7 +142,7 @@ def _quiet_transformers() -> Iterator[None]:
 def default_max_tokens(room: int, server_cap: int, model_max_new_tokens: int | None) -> int:
     """New tokens for a request that does not say: the room left in the context, capped by the server's
     --default-max-tokens (0: no cap) and by the model's max_new_tokens when that is smaller."""
-    return min(room, *(c for c in (server_cap, model_max_new_tokens) if c))
+    return min([room] + [c for c in (server_cap, model_max_new_tokens) if c])
 
 
 def describe_cap(server_cap: int, model_max_new_tokens: int | None) -> str:
