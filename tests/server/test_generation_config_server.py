@@ -117,3 +117,27 @@ def test_zero_lifts_the_cap_to_the_room_left(neutral):
     with neutral.client() as c:
         info = c.get("/tokenizer_info").json()
     assert info["chat_template"].startswith("{% for m in messages %}")
+
+
+@pytest.mark.slow
+def test_generate_command_takes_the_models_defaults(model_folder):
+    """`fp8kv generate` without sampling flags samples as the model's file says (temperature, top_k) and stops at
+    its max_new_tokens; the same flags given explicitly generate the same text."""
+    import os
+    import subprocess
+
+    from server_process import fp8kv_command
+
+    def generate(*flags: str) -> str:
+        cmd = fp8kv_command() + ["generate", model_folder, PROMPT, "--no-chat", "--dtype", "float32",
+                                 "--kv-cache-memory", "4MiB", "--max-model-len", str(MAX_MODEL_LEN),
+                                 "--sampling-seed", "3", "--ignore-eos", *flags]
+        done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout
+
+    text = generate()
+    assert len(text.split()) == MODEL_FILE["max_new_tokens"]  # one word per token; not the command's own 128
+    assert text == generate("--temperature", "0.5", "--top-k", "2", "--max-tokens", "6")
+    assert text != generate("--temperature", "0", "--max-tokens", "6")  # sampled, not the command's greedy default
