@@ -53,7 +53,7 @@ async def list_models(request: Request) -> Response:
     return JSONResponse(ModelList(data=[card]).model_dump())
 
 
-def model_defaults(state: AppState, body: SamplingFields) -> dict[str, Any]:
+def _sampling_kwargs(state: AppState, body: SamplingFields) -> dict[str, Any]:
     """The request's sampling fields over the model's generation config (vLLM's --generation-config)."""
     return state.settings.generation.sampling | body.sampling_kwargs()
 
@@ -82,7 +82,7 @@ async def completions(request: Request) -> Response:
     if body.echo:
         texts = await run_tokenizer(state, lambda: [t or tok.decode(p) for t, p in zip(texts, prompts)],
                                     size=sum(len(p) for p in prompts))
-    params = make_sampling_params(state, model_defaults(state, body) | {"max_tokens": max_tokens})
+    params = make_sampling_params(state, _sampling_kwargs(state, body) | {"max_tokens": max_tokens})
     await compile_structure(request, state, params, body.structure_field())
     prepared = Prepared(prompts, texts, max_tokens, params)
     request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -190,7 +190,7 @@ async def chat_completions(request: Request) -> Response:
     prompt = await render_chat(state, body.messages, body.add_generation_prompt, tools=offered)
     tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = check_lengths(state, [prompt], body.requested_max_tokens, "messages", tokens_param)
-    kwargs = model_defaults(state, body) | {"max_tokens": max_tokens}
+    kwargs = _sampling_kwargs(state, body) | {"max_tokens": max_tokens}
     if body.calls_tools:
         kwargs["structured_outputs"] = TOOLS.structured_outputs(body.tools, body.tool_choice,
                                                                 parallel=body.parallel_tool_calls is not False)
