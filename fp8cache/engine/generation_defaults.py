@@ -26,8 +26,8 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty
 FIELDS = (*SAMPLING_FIELDS, "max_new_tokens")
 # The server's cap on new tokens for a request that does not say how many (`fp8kv run --default-max-tokens`).
 # Without one, such a request runs to the end of the context: 8,155 tokens and 6 minutes for the default model
-# on 2 cores. 1024 tokens hold a long chat answer, and took 19 s there (2 busy EPYC cores, 2026-11-29); a model
-# ten times larger stays near a few minutes. --default-max-tokens 0 lifts the cap.
+# on 2 cores. 1024 tokens hold a long chat answer, and took 19 s there (2 busy EPYC cores, 2026-11-29); a
+# larger model takes longer in proportion to its decode speed. --default-max-tokens 0 lifts the cap.
 DEFAULT_MAX_TOKENS = 1024
 
 
