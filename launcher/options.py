@@ -122,7 +122,8 @@ _ENGINE_OPTIONS = [
            help="Request defaults, as vLLM's flag: auto = the model folder's generation_config.json (its "
                 "temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens fill what a request leaves "
                 "out); vllm or none = fp8kv's neutral defaults (temperature 1, no top-p/top-k); or a folder holding "
-                "a generation_config.json. A request's own field always wins."),
+                "a generation_config.json. A request's own field always wins; TGI's routes sample as TGI does (greedy "
+                "unless asked)."),
     option("--override-generation-config", metavar="JSON",
            help="JSON object replacing single fields of those defaults, e.g. '{\"temperature\": 0}' for "
                 "reproducible answers to requests without sampling fields."),

@@ -52,8 +52,9 @@ class GenerationDefaults:
         return ", ".join(f"{k}={v}" for k, v in values.items()) + f" (from {self.source})"
 
 
-def parse_overrides(value: str | dict | None, what: str = "--override-generation-config") -> dict[str, Any]:
+def parse_overrides(value: str | dict | None) -> dict[str, Any]:
     """An override as a dict of known fields: a JSON object text, or a dict (LLM(override_generation_config=...))."""
+    what = "--override-generation-config"
     if value is None or value == "":
         return {}
     if isinstance(value, str):
