@@ -42,3 +42,8 @@ class EngineConfig:
     # auto: the model folder's safetensors weights; dummy: random weights from its config.json alone, or a shape
     # shipped with fp8kv by name (benchmarks at a real model's size without its checkpoint; fp8cache/model/dummy.py)
     load_format: str = "auto"
+    # Request defaults (vLLM's flags): auto = the model folder's generation_config.json, vllm/none = fp8kv's
+    # neutral ones, or a folder holding a generation_config.json; the override (a dict or JSON object text)
+    # replaces single fields (fp8cache/engine/generation_defaults.py).
+    generation_config: str = "auto"
+    override_generation_config: dict | str | None = None

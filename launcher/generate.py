@@ -16,18 +16,23 @@ from launcher.supervisor import owns_its_children
 if TYPE_CHECKING:
     from fp8cache.engine.llm import LLM
 
+GENERATE_DEFAULTS = {"temperature": 0.0, "max_tokens": 128}  # where neither a flag nor the model says
+
 
 @click.command("generate", context_settings={"show_default": True})
 @click.argument("args", nargs=-1, required=True, metavar="[MODEL] PROMPT")
-@option("--max-tokens", type=click.IntRange(min=1), default=128, help="Most tokens to generate.")
-@option("--temperature", type=click.FloatRange(min=0), default=0.0,
-        help="Sampling temperature; 0 is greedy (the default: reproducible).")
-@option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, help="Nucleus sampling mass.")
-@option("--top-k", type=click.IntRange(min=-1), default=-1, help="Sample among the k likeliest tokens (-1: off).")
-@option("--min-p", type=click.FloatRange(0, 1), default=0.0,
-        help="Drop tokens below min-p times the top probability.")
-@option("--repetition-penalty", type=click.FloatRange(min=0, min_open=True), default=1.0,
-        help="Penalty on tokens already present (1: off).")
+@option("--max-tokens", type=click.IntRange(min=1), default=None,
+        help="Most tokens to generate (default: the generation config's max_new_tokens, else 128).")
+@option("--temperature", type=click.FloatRange(min=0), default=None,
+        help="Sampling temperature; 0 is greedy (default: the generation config's, else 0: reproducible).")
+@option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=None,
+        help="Nucleus sampling mass (default: the generation config's, else 1: off).")
+@option("--top-k", type=click.IntRange(min=-1), default=None,
+        help="Sample among the k likeliest tokens (default: the generation config's, else -1: off).")
+@option("--min-p", type=click.FloatRange(0, 1), default=None,
+        help="Drop tokens below min-p times the top probability (default: the generation config's, else 0).")
+@option("--repetition-penalty", type=click.FloatRange(min=0, min_open=True), default=None,
+        help="Penalty on tokens already present (default: the generation config's, else 1: off).")
 @option("--presence-penalty", type=click.FloatRange(-2, 2), default=0.0, help="OpenAI presence penalty.")
 @option("--frequency-penalty", type=click.FloatRange(-2, 2), default=0.0, help="OpenAI frequency penalty.")
 @option("--sampling-seed", type=int, help="Seed of this request's sampling.")
@@ -89,11 +94,15 @@ def _generate(llm: LLM, prompt: str, kw: dict) -> None:
     """Write the completion's text to stdout as it comes; Ctrl-C stops it (the request is aborted)."""
     from fp8cache.engine.sampling_params import SamplingParams
 
+    # The flags given, over the model's generation config (--generation-config), over this command's own defaults.
+    defaults = llm.generation_defaults
+    from_model = defaults.sampling | ({"max_tokens": defaults.max_new_tokens} if defaults.max_new_tokens else {})
+    given = {name: kw[name] for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
+             if kw[name] is not None}
     params = SamplingParams(
-        temperature=kw["temperature"], top_p=kw["top_p"], top_k=kw["top_k"], min_p=kw["min_p"],
-        repetition_penalty=kw["repetition_penalty"], presence_penalty=kw["presence_penalty"],
+        **(GENERATE_DEFAULTS | from_model | given), presence_penalty=kw["presence_penalty"],
         frequency_penalty=kw["frequency_penalty"], seed=kw["sampling_seed"], stop=list(kw["stop"]) or None,
-        max_tokens=kw["max_tokens"], ignore_eos=kw["ignore_eos"])
+        ignore_eos=kw["ignore_eos"])
     printed, finish = 0, None
     try:
         for out in llm.stream(prompt, params, chat=kw["chat"]):

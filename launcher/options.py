@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, NoReturn
 import click
 from rich.console import Console
 
+from fp8cache.engine.generation_defaults import DEFAULT_MAX_TOKENS
 from fp8cache.kvcache.dtype_names import KV_CACHE_DTYPES
 from fp8cache.model.shapes import shape_names
 from fp8cache.platform import paths
@@ -117,6 +118,15 @@ _ENGINE_OPTIONS = [
            help="auto: the model folder's safetensors weights. dummy: random weights made on the device from "
                 "config.json alone, for benchmarks at a model's real size without its checkpoint; MODEL may "
                 f"then be a folder with only a config (and a tokenizer) or a shape fp8kv ships: {SHAPES}."),
+    option("--generation-config", metavar="auto|vllm|FOLDER", default="auto",
+           help="Request defaults, as vLLM's flag: auto = the model folder's generation_config.json (its "
+                "temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens fill what a request leaves "
+                "out); vllm or none = fp8kv's neutral defaults (temperature 1, no top-p/top-k); or a folder holding "
+                "a generation_config.json. A request's own field always wins; TGI's routes sample as TGI does (greedy "
+                "unless asked)."),
+    option("--override-generation-config", metavar="JSON",
+           help="JSON object replacing single fields of those defaults, e.g. '{\"temperature\": 0}' for "
+                "reproducible answers to requests without sampling fields."),
 ]
 
 _SERVER_OPTIONS = [
@@ -148,6 +158,11 @@ _SERVER_OPTIONS = [
            help="Memory one structured output grammar compile may use (400 above)."),
     option("--stall-timeout", type=click.FloatRange(min=0, min_open=True), default=60.0,
            help="/health answers 503 when requests wait and no engine step has finished for this long."),
+    option("--default-max-tokens", type=click.IntRange(min=0), default=DEFAULT_MAX_TOKENS,
+           help="New tokens of a request that sets no max_tokens (max_completion_tokens, TGI's max_new_tokens): at "
+                "most this many, and at most the generation config's max_new_tokens when that is smaller, never "
+                "more than the room left in the context. 0: the room left (long answers allowed). A request's own "
+                "max_tokens is not capped; /v1/completions keeps OpenAI's 16 when smaller."),
 ]
 
 
@@ -173,6 +188,9 @@ def pick_model(model: str | None, model_option: str | None) -> str | None:
 def engine_config(model: str | None, kw: dict) -> EngineConfig:
     """The EngineConfig for the engine flags in kw (tensor_parallel_size is left to the command)."""
     from fp8cache.config import EngineConfig
+    from fp8cache.engine.generation_defaults import check_generation_flags
+
+    check_generation_flags(kw["generation_config"], kw["override_generation_config"])  # ValueError: one clear line
 
     return EngineConfig(
         model=model, tokenizer=kw["tokenizer"], dtype=kw["dtype"], kv_cache_dtype=kw["kv_cache_dtype"],
@@ -185,7 +203,8 @@ def engine_config(model: str | None, kw: dict) -> EngineConfig:
         seed=kw["seed"], device=kw["device"],
         gpu_memory_utilization=kw["gpu_memory_utilization"], enforce_eager=kw["enforce_eager"],
         trust_remote_code=kw["trust_remote_code"], load_format=kw["load_format"],
-        revision=kw["revision"], download_dir=kw["download_dir"])
+        revision=kw["revision"], download_dir=kw["download_dir"], generation_config=kw["generation_config"],
+        override_generation_config=kw["override_generation_config"])
 
 
 def engine_errors(fn: Callable) -> Callable:

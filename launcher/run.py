@@ -88,7 +88,7 @@ def run(model: str | None, **kw) -> None:
                            max_connections=kw["max_connections"], read_timeout=kw["read_timeout"],
                            structured_output_timeout=kw["structured_output_timeout"],
                            structured_output_memory=memory_arg(kw["structured_output_memory"]),
-                           stall_timeout=kw["stall_timeout"])
+                           stall_timeout=kw["stall_timeout"], default_max_tokens=kw["default_max_tokens"])
     code = serve(config, options)
     if num_shard > 1:  # stop the workers, then end without the interpreter teardown gloo can abort in
         from fp8cache.distributed.worker import stop_workers

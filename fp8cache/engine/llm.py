@@ -18,6 +18,11 @@ from collections.abc import Callable, Iterator
 from typing import Self
 
 from fp8cache.config import EngineConfig
+from fp8cache.engine.generation_defaults import (
+    GenerationDefaults,
+    check_generation_flags,
+    load_generation_defaults,
+)
 from fp8cache.engine.llm_engine import LLMEngine
 from fp8cache.engine.outputs import RequestOutput
 from fp8cache.engine.sampling_params import SamplingParams
@@ -38,7 +43,9 @@ class LLM:
         """vLLM's LLM arguments (and any other EngineConfig field as a keyword). log: where loading and
         progress lines go; default the "fp8kv.llm" logger, which writes to stderr unless the application set
         up logging itself (see fp8cache/platform/log.py). Prompts go to the model as given: use chat() for the
-        chat template (`fp8kv generate` applies it by default)."""
+        chat template (`fp8kv generate` applies it by default). generation_config="auto" (the default) makes the
+        model's generation_config.json the defaults of a call without sampling_params, as in vLLM
+        (get_default_sampling_params); "vllm" ignores it."""
         unknown = sorted(set(kwargs) - _CONFIG_FIELDS)
         if unknown:
             raise TypeError(f"LLM() got unknown argument(s) {', '.join(unknown)}; "
@@ -65,6 +72,7 @@ class LLM:
         from fp8cache.model.preflight import check_engine_scales
 
         check_engine_scales(config)  # a bad scales file fails before workers start or weights load
+        check_generation_flags(config.generation_config, config.override_generation_config)  # and bad defaults
 
         if log is None:
             configure_default_logging()
@@ -72,6 +80,7 @@ class LLM:
 
         self.tp_group = None  # the worker processes this LLM started, if any
         self.llm_engine: LLMEngine | None = None
+        self.generation_defaults = GenerationDefaults()
         self._request_ids = itertools.count()
         runner = None
         size = config.tensor_parallel_size
@@ -94,6 +103,9 @@ class LLM:
         try:
             self.llm_engine = LLMEngine(config, log=log, runner=runner)
             warm_up(self.llm_engine, log)  # a model that cannot run fails here, not in the first generate()
+            model_path = getattr(self.llm_engine.runner, "model_path", None) or config.model
+            self.generation_defaults = load_generation_defaults(config.generation_config, model_path,
+                                                                config.override_generation_config)
         except BaseException:
             self.close()
             raise
@@ -120,12 +132,18 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate(), chat() and stream() use without sampling_params: the model's generation_config.json
+        fields (with overrides) over SamplingParams' own defaults, as vLLM's LLM does."""
+        return self.generation_defaults.sampling_params()
+
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """prompts: a string, a list of token ids, or a list of either (also vLLM's {"prompt": ...} and
         {"prompt_token_ids": [...]} dicts). Returns one RequestOutput per prompt, in input order."""
         prompts = _as_prompt_list(prompts)
-        params = _as_params_list(sampling_params, len(prompts))
+        params = _as_params_list(sampling_params if sampling_params is not None else self.get_default_sampling_params(),
+                                 len(prompts))
         ids = []
         try:
             for prompt, p in zip(prompts, params):
@@ -165,12 +183,13 @@ class LLM:
         if chat is None:
             chat = getattr(tok, "chat_template", None) is not None
         rid = str(next(self._request_ids))
+        sampling_params = sampling_params or self.get_default_sampling_params()
         if chat:
             [request] = self._chat_prompts([[{"role": "user", "content": prompt}]], add_generation_prompt=True)
-            self.engine.add_request(rid, request["prompt"], sampling_params or SamplingParams(),
+            self.engine.add_request(rid, request["prompt"], sampling_params,
                                     prompt_token_ids=request["prompt_token_ids"])
         else:
-            self.engine.add_request(rid, prompt, sampling_params or SamplingParams())
+            self.engine.add_request(rid, prompt, sampling_params)
         finished = False
         try:
             while not finished and self.engine.has_unfinished_requests():
@@ -229,8 +248,6 @@ def _as_prompt_list(prompts) -> list[tuple[str | None, list[int] | None]]:
 
 
 def _as_params_list(params, n: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams() for _ in range(n)]
     if isinstance(params, SamplingParams):
         return [params] * n
     params = list(params)

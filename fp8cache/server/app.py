@@ -82,3 +82,4 @@ def _add_routes(app: FastAPI) -> None:
     app.add_api_route("/", tgi_routes.tgi_compat, methods=["POST"])
     app.add_api_route("/tokenize", tokenizer_routes.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", tokenizer_routes.detokenize, methods=["POST"])
+    app.add_api_route("/tokenizer_info", tokenizer_routes.tokenizer_info, methods=["GET"])

@@ -39,7 +39,7 @@ from fp8cache.server.protocol.model_list import ModelCard, ModelList
 from fp8cache.server.protocol.outputs import PromptLogprobs, UsageInfo
 from fp8cache.server.protocol.request_error import RequestError
 from fp8cache.server.protocol.sampling import SamplingFields
-from fp8cache.server.state import app_state, run_tokenizer
+from fp8cache.server.state import AppState, app_state, run_tokenizer
 from fp8cache.server.streaming import SSEResponse, TextDelta, sse, stream_error
 from fp8cache.server.validation import check_lengths, check_model, compile_structure, make_sampling_params
 
@@ -51,6 +51,11 @@ async def list_models(request: Request) -> Response:
     card = ModelCard(id=state.settings.served_model_name, root=state.settings.model_path,
                      max_model_len=state.info.max_model_len)
     return JSONResponse(ModelList(data=[card]).model_dump())
+
+
+def _sampling_kwargs(state: AppState, body: SamplingFields) -> dict[str, Any]:
+    """The request's sampling fields over the model's generation config (vLLM's --generation-config)."""
+    return state.settings.generation.sampling | body.sampling_kwargs()
 
 
 def _usage_options(body: SamplingFields) -> tuple[bool, bool]:
@@ -77,7 +82,7 @@ async def completions(request: Request) -> Response:
     if body.echo:
         texts = await run_tokenizer(state, lambda: [t or tok.decode(p) for t, p in zip(texts, prompts)],
                                     size=sum(len(p) for p in prompts))
-    params = make_sampling_params(state, body.sampling_kwargs() | {"max_tokens": max_tokens})
+    params = make_sampling_params(state, _sampling_kwargs(state, body) | {"max_tokens": max_tokens})
     await compile_structure(request, state, params, body.structure_field())
     prepared = Prepared(prompts, texts, max_tokens, params)
     request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -185,7 +190,7 @@ async def chat_completions(request: Request) -> Response:
     prompt = await render_chat(state, body.messages, body.add_generation_prompt, tools=offered)
     tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = check_lengths(state, [prompt], body.requested_max_tokens, "messages", tokens_param)
-    kwargs = body.sampling_kwargs() | {"max_tokens": max_tokens}
+    kwargs = _sampling_kwargs(state, body) | {"max_tokens": max_tokens}
     if body.calls_tools:
         kwargs["structured_outputs"] = TOOLS.structured_outputs(body.tools, body.tool_choice,
                                                                 parallel=body.parallel_tool_calls is not False)

@@ -22,6 +22,12 @@ from typing import Any
 import uvicorn
 
 from fp8cache.config import EngineConfig
+from fp8cache.engine.generation_defaults import (
+    DEFAULT_MAX_TOKENS,
+    check_generation_flags,
+    describe_cap,
+    load_generation_defaults,
+)
 from fp8cache.platform.log import JsonFormatter, OncePerInterval, configure_logging  # noqa: F401 - the log's set-up lives there
 from fp8cache.server import grammar as G
 from fp8cache.server.connections import DEFAULT_READ_TIMEOUT_S, connection_limits, protocol_class
@@ -49,6 +55,7 @@ class ServeOptions:
     structured_output_timeout: float = G.DEFAULT_TIMEOUT_S
     structured_output_memory: int | str = G.DEFAULT_MEMORY_BYTES  # bytes, or a size such as "2GiB"
     stall_timeout: float = 60.0
+    default_max_tokens: int = DEFAULT_MAX_TOKENS  # 0: a request without max_tokens may fill the context
 
 
 # After the graceful timeout the server ends the streams still running (each gets its final event), then
@@ -125,6 +132,7 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
 
         options = dataclasses.replace(options, structured_output_memory=parse_memory_size(
             options.structured_output_memory, "--structured-output-memory"))
+    check_generation_flags(config.generation_config, config.override_generation_config)  # before loading too
     try:
         sockets = bind_listeners(options.host, options.port)  # before loading: a port in use fails at once
     except ListenError as exc:
@@ -141,6 +149,9 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
     info = ModelInfo.from_runner(engine.runner)
     model_path = str(getattr(engine.runner, "model_path", None) or config.model or "")
     name = options.served_model_name or default_served_name(config.model, model_path)
+    generation = load_generation_defaults(config.generation_config, model_path, config.override_generation_config)
+    logger.info("request defaults: %s; new tokens of a request without max_tokens: %s", generation.describe(),
+                describe_cap(options.default_max_tokens, generation.max_new_tokens))
     metrics = ServerMetrics(name, info.kv_cache_dtype, {"scales_source": info.scales_source,
                                                          "capacity_tokens": str(info.capacity_tokens),
                                                          "block_size": str(info.block_size)})
@@ -161,7 +172,8 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
                               allowed_hosts=LOOPBACK_HOSTS if is_loopback(options.host) else None,
                               structured_output_timeout=options.structured_output_timeout,
                               structured_output_memory=options.structured_output_memory,
-                              stall_timeout=options.stall_timeout)
+                              stall_timeout=options.stall_timeout, default_max_tokens=options.default_max_tokens,
+                              generation=generation)
     app = create_app(AppState(settings, info, async_engine, metrics, SamplingParams))
     limits, warning = connection_limits(options.max_connections)
     if warning:

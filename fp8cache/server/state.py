@@ -11,6 +11,7 @@ from typing import Any
 
 from fastapi import Request
 
+from fp8cache.engine.generation_defaults import DEFAULT_MAX_TOKENS, GenerationDefaults
 from fp8cache.server import grammar as G
 from fp8cache.server.async_engine import AsyncEngine
 from fp8cache.server.metrics import ServerMetrics
@@ -31,6 +32,8 @@ class ServerSettings:
     structured_output_timeout: float = G.DEFAULT_TIMEOUT_S
     structured_output_memory: int = G.DEFAULT_MEMORY_BYTES
     stall_timeout: float = 60.0  # /health answers 503 when the engine had work but finished no step this long
+    default_max_tokens: int = DEFAULT_MAX_TOKENS  # new tokens of a request that does not say (0: the room left)
+    generation: GenerationDefaults = field(default_factory=GenerationDefaults)  # what OpenAI requests leave out
 
 
 @dataclass

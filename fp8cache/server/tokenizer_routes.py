@@ -1,7 +1,8 @@
-"""POST /tokenize (vLLM's and TGI's bodies) and POST /detokenize."""
+"""POST /tokenize (vLLM's and TGI's bodies), POST /detokenize and GET /tokenizer_info (vLLM's)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from fastapi import Request
@@ -62,3 +63,29 @@ async def detokenize(request: Request) -> Response:
                            param="tokens", code="invalid_value")
     text = await run_tokenizer(state, lambda: state.info.tokenizer.decode(req.tokens), size=len(req.tokens))
     return JSONResponse({"prompt": text})
+
+
+async def tokenizer_info(request: Request) -> Response:
+    """GET /tokenizer_info, as vLLM answers it: the tokenizer's settings as its tokenizer_config.json holds them
+    (special tokens as text, the chat template), its class name in tokenizer_class; no file paths. Eval harnesses
+    (lm-evaluation-harness' remote tokenizer) read the special tokens and the chat template here."""
+    tok = app_state(request).info.tokenizer
+    config = {k: _json_value(v) for k, v in (getattr(tok, "init_kwargs", None) or {}).items()
+              if k not in ("vocab_file", "merges_file")}
+    config["tokenizer_class"] = type(tok).__name__
+    if getattr(tok, "chat_template", None):
+        config["chat_template"] = tok.chat_template
+    return JSONResponse(config)
+
+
+def _json_value(value: Any) -> Any:
+    """A tokenizer setting as JSON: an AddedToken is its text, anything else without a JSON form its str()."""
+    if hasattr(value, "content"):
+        return value.content
+    if isinstance(value, dict):
+        return {str(k): _json_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_value(v) for v in value]
+    if value is None or isinstance(value, (bool, int, str)) or (isinstance(value, float) and math.isfinite(value)):
+        return value
+    return str(value)

@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
+from fp8cache.engine.generation_defaults import default_max_tokens
 from fp8cache.server import grammar as G
 from fp8cache.server.generation import until_disconnect
 from fp8cache.server.protocol.request_error import RequestError
@@ -30,7 +31,8 @@ def check_model(state: AppState, name: str | None) -> None:
 
 def check_lengths(state: AppState, prompts: list[list[int]], max_tokens: int | None, prompt_param: str,
                   tokens_param: str) -> int:
-    """max_tokens to use: checked against max-model-len and the cache, or the room left if unset."""
+    """max_tokens to use: checked against max-model-len and the cache; if unset, the room left capped by
+    --default-max-tokens and the generation config's max_new_tokens."""
     info = state.info
     longest = max(len(p) for p in prompts)
     limit = min(info.max_model_len, info.capacity_tokens)
@@ -45,7 +47,8 @@ def check_lengths(state: AppState, prompts: list[list[int]], max_tokens: int | N
             f"prompt plus completion ({_limit_reason(state)}); shorten the prompt", param=prompt_param,
             code="context_length_exceeded")
     if max_tokens is None:
-        return limit - longest
+        return default_max_tokens(limit - longest, state.settings.default_max_tokens,
+                                  state.settings.generation.max_new_tokens)
     if longest + max_tokens > limit:
         raise RequestError(
             f"{tokens_param}: the prompt ({longest} tokens) plus {tokens_param} ({max_tokens}) is "
