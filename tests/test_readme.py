@@ -1,9 +1,6 @@
 """What a new user reads first: the README's two set-up commands come first and its test command is the one CI
 runs; every `fp8kv` command and flag the README and the docs show exists; every link leads to a file and heading
-that exist; the curl examples send valid JSON that answers the same way every time.
-
-Lines marked `<!-- pending: ... -->` (and a code block right after such a line) name features another branch is
-adding: they are left out of the flag check until the mark is removed."""
+that exist; the curl examples send valid JSON that answers the same way every time."""
 
 from __future__ import annotations
 
@@ -22,7 +19,6 @@ README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 # docs/benchmarks.md keeps old records as they were run, flags since renamed included.
 CURRENT_DOCS = [README, *(d for d in DOCS if d.name != "benchmarks.md")]
-PENDING = "<!-- pending"
 
 
 def readme_commands() -> list[str]:
@@ -52,23 +48,17 @@ def test_the_readme_test_command_is_what_ci_runs():
 
 
 def code_snippets(text: str) -> list[str]:
-    """Shell lines of fenced bash blocks (continuations joined) and inline code spans, pending ones left out: a
-    line holding a pending mark, and the paragraph or code block right after a mark on a line of its own."""
+    """Shell lines of fenced bash blocks (continuations joined) and inline code spans."""
     snippets, rest, lines = [], [], text.splitlines()
-    i, pending = 0, False
+    i = 0
     while i < len(lines):
         if lines[i].startswith("```"):
             end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
-            if lines[i].strip() == "```bash" and not pending:
+            if lines[i].strip() == "```bash":
                 snippets += "\n".join(lines[i + 1:end]).replace("\\\n", " ").splitlines()
-            i, pending = end + 1, False
+            i = end + 1
             continue
-        if lines[i].startswith(PENDING):
-            pending = True
-        elif not lines[i].strip():
-            pending = False
-        elif PENDING not in lines[i] and not pending:
-            rest.append(lines[i])
+        rest.append(lines[i])
         i += 1
     snippets += re.findall(r"`([^`\n]+)`", "\n".join(rest))
     return snippets
@@ -153,15 +143,12 @@ def test_every_flag_named_alone_exists(doc):
     assert not bad, f"{doc.name} names flags no fp8kv command has: {bad}"
 
 
-def test_the_flag_check_sees_a_wrong_flag_and_skips_pending_lines():
+def test_the_flag_check_sees_a_wrong_flag():
     text = ("`fp8kv run --kv-cache-dtype fp8 --no-such-flag`\n\n```bash\nfp8kv bench kernels|capacity \\\n"
-            "  --repeats 3 --no-such-bench-flag   # --not-a-flag\n```\n"
-            "`fp8kv run --later-flag 1` <!-- pending: --later-flag -->\n"
-            "<!-- pending: a paragraph -->\n`fp8kv run --later-flag 2`\n`--later-too`\n\n`fp8kv run --gone`\n")
+            "  --repeats 3 --no-such-bench-flag   # --not-a-flag\n```\n`fp8kv run --gone`\n")
     assert sorted(unknown_flags(text)) == ["fp8kv bench --no-such-bench-flag", "fp8kv run --gone",
                                            "fp8kv run --no-such-flag"]
-    assert unknown_flag_names("`--dtype` `--num-shard N` `--no-such-flag X`\n`--later` <!-- pending -->") == [
-        "--no-such-flag X"]
+    assert unknown_flag_names("`--dtype` `--num-shard N` `--no-such-flag X`\n") == ["--no-such-flag X"]
 
 
 def slug(heading: str) -> str:
