@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import click
 
 from fp8cache.platform.log import log_function
+from launcher.help_sections import SectionedCommand
 from launcher.logs import logger, setup_logging
 from launcher.options import engine_config, engine_errors, engine_options, fail, option, pick_model
 from launcher.supervisor import owns_its_children
@@ -17,26 +18,32 @@ if TYPE_CHECKING:
     from fp8cache.engine.llm import LLM
 
 
-@click.command("generate", context_settings={"show_default": True})
+@click.command("generate", cls=SectionedCommand, context_settings={"show_default": True})
 @click.argument("args", nargs=-1, required=True, metavar="[MODEL] PROMPT")
-@option("--max-tokens", type=click.IntRange(min=1), default=128, help="Most tokens to generate.")
-@option("--temperature", type=click.FloatRange(min=0), default=0.0,
+@option("--max-tokens", section="Sampling", type=click.IntRange(min=1), default=128,
+        help="Most tokens to generate.")
+@option("--temperature", section="Sampling", type=click.FloatRange(min=0), default=0.0,
         help="Sampling temperature; 0 is greedy (the default: reproducible).")
-@option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, help="Nucleus sampling mass.")
-@option("--top-k", type=click.IntRange(min=-1), default=-1, help="Sample among the k likeliest tokens (-1: off).")
-@option("--min-p", type=click.FloatRange(0, 1), default=0.0,
+@option("--top-p", section="Sampling", type=click.FloatRange(0, 1, min_open=True), default=1.0,
+        help="Nucleus sampling mass.")
+@option("--top-k", section="Sampling", type=click.IntRange(min=-1), default=-1,
+        help="Sample among the k likeliest tokens (-1: off).")
+@option("--min-p", section="Sampling", type=click.FloatRange(0, 1), default=0.0,
         help="Drop tokens below min-p times the top probability.")
-@option("--repetition-penalty", type=click.FloatRange(min=0, min_open=True), default=1.0,
+@option("--repetition-penalty", section="Sampling", type=click.FloatRange(min=0, min_open=True), default=1.0,
         help="Penalty on tokens already present (1: off).")
-@option("--presence-penalty", type=click.FloatRange(-2, 2), default=0.0, help="OpenAI presence penalty.")
-@option("--frequency-penalty", type=click.FloatRange(-2, 2), default=0.0, help="OpenAI frequency penalty.")
-@option("--sampling-seed", type=int, help="Seed of this request's sampling.")
-@option("--stop", multiple=True, help="Stop string (repeatable).")
-@option("--ignore-eos", is_flag=True, help="Keep generating past the end-of-sequence token.")
-@option("--chat/--no-chat", default=None,
+@option("--presence-penalty", section="Sampling", type=click.FloatRange(-2, 2), default=0.0,
+        help="OpenAI presence penalty.")
+@option("--frequency-penalty", section="Sampling", type=click.FloatRange(-2, 2), default=0.0,
+        help="OpenAI frequency penalty.")
+@option("--sampling-seed", section="Sampling", type=int, help="Seed of this request's sampling.")
+@option("--stop", section="Sampling", multiple=True, help="Stop string (repeatable).")
+@option("--ignore-eos", section="Sampling", is_flag=True, help="Keep generating past the end-of-sequence token.")
+@option("--chat/--no-chat", section="Sampling", default=None,
         help="Wrap PROMPT in the tokenizer's chat template as a user turn (default: when the tokenizer has one; "
              "LLM.generate() in Python does not, LLM.chat() does).")
-@option("--num-shard", "--tensor-parallel-size", "num_shard", type=click.IntRange(min=1), default=1,
+@option("--num-shard", "--tensor-parallel-size", "num_shard", section="Device", type=click.IntRange(min=1),
+        default=1,
         help="Tensor-parallel ranks: this process is rank 0 and starts the others itself. With "
              "RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set (several machines, torchrun) this process is that "
              "one rank.")

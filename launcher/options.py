@@ -18,6 +18,7 @@ from rich.console import Console
 from fp8cache.kvcache.dtype_names import KV_CACHE_DTYPES
 from fp8cache.model.shapes import shape_names
 from fp8cache.platform import paths
+from launcher.help_sections import SectionedOption
 
 SHAPES = ", ".join(shape_names())  # for --help; fp8cache/data/shapes
 
@@ -58,95 +59,108 @@ def memory_arg(value: str | None) -> int | str | None:
 
 # -- shared flags ------------------------------------------------------------------------------------
 
-def option(*decls: str, help: str, **kwargs) -> Callable:
+def option(*decls: str, help: str, section: str | None = None, **kwargs) -> Callable:
     """click.option whose value may also come from FP8KV_<LONG_NAME> (e.g. --kv-cache-dtype <-
-    FP8KV_KV_CACHE_DTYPE), named in --help."""
+    FP8KV_KV_CACHE_DTYPE), named in --help, listed there under `section` (launcher/help_sections.py)."""
     envvar = kwargs.pop("envvar", None) or env_var(decls[0].split("/")[0].removeprefix("--"))
-    return click.option(*decls, envvar=envvar, help=f"{help} [env: {envvar}]", **kwargs)
+    return click.option(*decls, envvar=envvar, help=f"{help} [env: {envvar}]", cls=SectionedOption,
+                        section=section, **kwargs)
 
 
 _ENGINE_OPTIONS = [
-    option("--model", "model_option", metavar="PATH", envvar=paths.flag_env("model"),
+    option("--model", "model_option", section="Model", metavar="PATH", envvar=paths.flag_env("model"),
            help="Model folder (safetensors) or Hugging Face hub id (org/name: the hub cache first, else a "
                 "download); same as the MODEL argument. Default: the embedded SmolLM2-135M-Instruct."),
-    option("--revision", metavar="REV",
+    option("--revision", section="Model", metavar="REV",
            help="Hub ids: the branch, tag or commit to use (default: main)."),
-    option("--download-dir", metavar="DIR", type=click.Path(file_okay=False),
+    option("--download-dir", section="Model", metavar="DIR", type=click.Path(file_okay=False),
            help="Hub ids: the Hugging Face cache folder to read and download into (default: $HF_HOME/hub)."),
-    option("--tokenizer", metavar="PATH", help="Tokenizer folder, if not the model's."),
-    option("--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default="auto",
+    option("--tokenizer", section="Model", metavar="PATH", help="Tokenizer folder, if not the model's."),
+    option("--kv-cache-dtype", section="KV cache", type=click.Choice(KV_CACHE_DTYPES), default="auto",
            help="KV cache storage: auto (the model dtype) or an FP8 format; fp8 is E4M3FN on CPU and CUDA, "
                 "E4M3FNUZ on ROCm."),
-    option("--quantization-param-path", type=click.Path(exists=True, dir_okay=False),
+    option("--quantization-param-path", section="KV cache", type=click.Path(exists=True, dir_okay=False),
            help="JSON file of KV cache scales (vLLM/aphrodite schema)."),
-    option("--calculate-kv-scales", is_flag=True,
+    option("--calculate-kv-scales", section="KV cache", is_flag=True,
            help="Compute KV scales from the first batch when no scales file or checkpoint scales exist."),
-    option("--kv-scales-granularity", type=click.Choice(["tensor", "head"]), default="tensor",
+    option("--kv-scales-granularity", section="KV cache", type=click.Choice(["tensor", "head"]),
+           default="tensor",
            help="Granularity of calculated scales."),
-    option("--kv-recent-window", type=click.IntRange(min=0), default=None,
+    option("--kv-recent-window", section="KV cache", type=click.IntRange(min=0), default=None,
            help="Keep each sequence's newest N tokens' K/V in full precision too (0: plain FP8 cache; "
                 "default 32 with an FP8 cache)."),
-    option("--kv-recent-window-dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
-           default="auto",
+    option("--kv-recent-window-dtype", section="KV cache",
+           type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
            help="dtype of that window (auto: the model dtype; bfloat16 halves a float32 model's window memory)."),
-    option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
-           help="Weights and activations dtype (auto: on a CPU the faster of float32 and bfloat16 there, bfloat16 where it multiplies bfloat16 natively; on a GPU the checkpoint's 16-bit dtype)."),
-    option("--block-size", type=click.Choice(["8", "16", "32"]), default="16", help="Tokens per KV cache block."),
-    option("--max-model-len", type=click.IntRange(min=1),
+    option("--dtype", section="Model", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+           default="auto",
+           help="Weights and activations dtype (auto: on a CPU the faster of float32 and bfloat16 there, bfloat16 "
+                "where it multiplies bfloat16 natively; on a GPU the checkpoint's 16-bit dtype)."),
+    option("--block-size", section="KV cache", type=click.Choice(["8", "16", "32"]), default="16",
+           help="Tokens per KV cache block."),
+    option("--max-model-len", section="Scheduling", type=click.IntRange(min=1),
            help="Longest prompt plus completion in tokens (default: the model's own limit)."),
-    option("--max-num-seqs", type=click.IntRange(min=1), default=64, help="Most sequences in one batch."),
-    option("--max-num-batched-tokens", type=click.IntRange(min=1), default=2048,
+    option("--max-num-seqs", section="Scheduling", type=click.IntRange(min=1), default=64,
+           help="Most sequences in one batch."),
+    option("--max-num-batched-tokens", section="Scheduling", type=click.IntRange(min=1), default=2048,
            help="Most tokens in one engine step (longer prompts are prefilled in chunks)."),
-    option("--kv-cache-memory", metavar="SIZE",
+    option("--kv-cache-memory", section="KV cache", metavar="SIZE",
            help="Memory for the KV cache: 2GiB, 512MiB or bytes (default: what max-num-seqs x max-model-len "
                 "need, capped at 0.3 of free host memory or, on a GPU, by --gpu-memory-utilization)."),
-    option("--enable-prefix-caching/--no-enable-prefix-caching", default=True,
+    option("--enable-prefix-caching/--no-enable-prefix-caching", section="KV cache", default=True,
            help="Reuse the cached blocks of shared prompt prefixes."),
-    option("--seed", type=int, default=0, help="Engine random seed."),
-    option("--device", default="auto",
+    option("--seed", section="Scheduling", type=int, default=0, help="Engine random seed."),
+    option("--device", section="Device", default="auto",
            help="auto (the first GPU if torch sees one, else the CPU), cpu, cuda or cuda:N."),
-    option("--gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True), default=0.9,
+    option("--gpu-memory-utilization", section="Device", type=click.FloatRange(0, 1, min_open=True),
+           default=0.9,
            help="On a GPU: the share of its memory fp8kv may use in all; the KV cache gets what the weights and "
                 "activations leave of it (capped at what max-num-seqs x max-model-len need)."),
-    option("--enforce-eager", is_flag=True,
+    option("--enforce-eager", section="Device", is_flag=True,
            help="On a GPU: run decode steps op by op instead of replaying CUDA graphs."),
-    option("--trust-remote-code", is_flag=True,
+    option("--trust-remote-code", section="Model", is_flag=True,
            help="Allow Python code shipped in the model folder to run (off: transformers' own "
                 "architectures only)."),
-    option("--load-format", type=click.Choice(["auto", "dummy"]), default="auto",
+    option("--load-format", section="Model", type=click.Choice(["auto", "dummy"]), default="auto",
            help="auto: the model folder's safetensors weights. dummy: random weights made on the device from "
                 "config.json alone, for benchmarks at a model's real size without its checkpoint; MODEL may "
                 f"then be a folder with only a config (and a tokenizer) or a shape fp8kv ships: {SHAPES}."),
 ]
 
 _SERVER_OPTIONS = [
-    option("--host", default="127.0.0.1", help="Address to listen on; 0.0.0.0 exposes the server to the network."),
-    option("--port", type=click.IntRange(0, 65535), default=8000,
+    option("--host", section="Server", default="127.0.0.1",
+           help="Address to listen on; 0.0.0.0 exposes the server to the network."),
+    option("--port", section="Server", type=click.IntRange(0, 65535), default=8000,
            help="TCP port (0: any free port, printed at start)."),
-    option("--api-key", metavar="KEY",
+    option("--api-key", section="Server", metavar="KEY",
            help="Require 'Authorization: Bearer KEY' on every route except /health."),
-    option("--served-model-name", metavar="NAME",
+    option("--served-model-name", section="Server", metavar="NAME",
            help="Model name in the OpenAI API (default: the hub id, or the model folder's name)."),
-    option("--graceful-timeout", type=click.FloatRange(min=0), default=DEFAULT_GRACEFUL_TIMEOUT,
+    option("--graceful-timeout", section="Server", type=click.FloatRange(min=0),
+           default=DEFAULT_GRACEFUL_TIMEOUT,
            help="Seconds in-flight requests get to finish after SIGTERM/SIGINT."),
-    option("--log-format", type=click.Choice(["text", "json"]), default="text",
+    option("--log-format", section="Logging", type=click.Choice(["text", "json"]), default="text",
            help="Log lines as text, or as one JSON object per line."),
-    option("--max-request-bytes", type=click.IntRange(min=1024), default=4 * 2**20,
+    option("--max-request-bytes", section="Server limits", type=click.IntRange(min=1024), default=4 * 2**20,
            help="Largest request body accepted (413 above)."),
-    option("--max-concurrent-requests", type=click.IntRange(min=1), default=256,
+    option("--max-concurrent-requests", section="Server limits", type=click.IntRange(min=1), default=256,
            help="Sequences in flight at once: a request counts its prompts times n (429 above)."),
-    option("--access-log/--no-access-log", default=True, help="Log one line per HTTP request."),
-    option("--max-connections", type=click.IntRange(min=1),
+    option("--access-log/--no-access-log", section="Logging", default=True,
+           help="Log one line per HTTP request."),
+    option("--max-connections", section="Server limits", type=click.IntRange(min=1),
            help="Open client connections at once; more get a 503 and are closed (default: 4096, or less to "
                 "stay below the open-file limit)."),
-    option("--read-timeout", type=click.FloatRange(min=0, min_open=True), default=20.0,
+    option("--read-timeout", section="Server limits", type=click.FloatRange(min=0, min_open=True),
+           default=20.0,
            help="Seconds a client has to send a request's headers, and each part of its body."),
-    option("--structured-output-timeout", type=click.FloatRange(min=0, min_open=True), default=30.0,
+    option("--structured-output-timeout", section="Server limits", type=click.FloatRange(min=0, min_open=True),
+           default=30.0,
            help="Seconds a structured output grammar (JSON schema, regex, choices) may take to compile (400 "
                 "above)."),
-    option("--structured-output-memory", metavar="SIZE", default="2GiB",
+    option("--structured-output-memory", section="Server limits", metavar="SIZE", default="2GiB",
            help="Memory one structured output grammar compile may use (400 above)."),
-    option("--stall-timeout", type=click.FloatRange(min=0, min_open=True), default=60.0,
+    option("--stall-timeout", section="Server limits", type=click.FloatRange(min=0, min_open=True),
+           default=60.0,
            help="/health answers 503 when requests wait and no engine step has finished for this long."),
 ]
 

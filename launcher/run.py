@@ -10,6 +10,7 @@ import sys
 
 import click
 
+from launcher.help_sections import SectionedCommand
 from launcher.options import (
     engine_config,
     engine_errors,
@@ -23,11 +24,12 @@ from launcher.options import (
 from launcher.supervisor import owns_its_children
 
 
-@click.command("run", context_settings={"show_default": True})
+@click.command("run", cls=SectionedCommand, context_settings={"show_default": True})
 @click.argument("model", required=False, metavar="[MODEL]")
 @engine_options
 @server_options
-@option("--num-shard", "--tensor-parallel-size", "num_shard", type=click.IntRange(min=1), default=1,
+@option("--num-shard", "--tensor-parallel-size", "num_shard", section="Device", type=click.IntRange(min=1),
+        default=1,
         help="Tensor-parallel ranks: this many processes each hold a slice of the model's heads and MLP. "
              "Started here when RANK is unset; with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set (several "
              "machines, torchrun) this process is that one rank.")

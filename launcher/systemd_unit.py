@@ -13,24 +13,26 @@ import sys
 import click
 from rich.console import Console
 
+from launcher.help_sections import SectionedCommand, SectionedOption
 from launcher.options import engine_options, memory_arg, pick_model, server_options
 from launcher.unit_file import MEMORY_HEADROOM, render_unit
 
 console = Console(stderr=True, soft_wrap=True)
 
 
-@click.command("systemd-unit", context_settings={"show_default": True})
+@click.command("systemd-unit", cls=SectionedCommand, context_settings={"show_default": True})
 @click.argument("model", required=False, metavar="[MODEL]")
 @engine_options
 @server_options
-@click.option("--exec", "exec_path", default=None, metavar="PATH",
+@click.option("--exec", "exec_path", cls=SectionedOption, section="Unit", default=None, metavar="PATH",
               help="fp8kv executable for ExecStart= (default: the one on PATH, else this Python's).")
-@click.option("--template", is_flag=True,
+@click.option("--template", cls=SectionedOption, section="Unit", is_flag=True,
               help="Write a template unit (fp8kv@.service) that also reads /etc/fp8kv/%i.env.")
-@click.option("--user", "unit_user", default="fp8kv", help="Name of the dynamic user the service runs as.")
-@click.option("--watchdog-sec", type=click.IntRange(min=0), default=120,
+@click.option("--user", "unit_user", cls=SectionedOption, section="Unit", default="fp8kv",
+              help="Name of the dynamic user the service runs as.")
+@click.option("--watchdog-sec", cls=SectionedOption, section="Unit", type=click.IntRange(min=0), default=120,
               help="WatchdogSec= (0: no watchdog). A step longer than this restarts the service.")
-@click.option("--description", default=None, help="Description= of the unit.")
+@click.option("--description", cls=SectionedOption, section="Unit", default=None, help="Description= of the unit.")
 @click.pass_context
 def systemd_unit(ctx: click.Context, model: str | None, exec_path: str | None, template: bool, unit_user: str,
                  watchdog_sec: int, description: str | None, **kw) -> None:
