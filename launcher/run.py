@@ -73,12 +73,11 @@ def run(model: str | None, **kw) -> None:
     from fp8cache.distributed import parallel_state
 
     if rank > 0:
-        import logging
-
         from fp8cache.model.tp_ranks import run_worker
+        from fp8cache.platform.log import log_function
         from fp8cache.systemd.notify import Notifier
 
-        parallel_state.exit_rank(run_worker(config, log=logging.getLogger("fp8kv").info,
+        parallel_state.exit_rank(run_worker(config, log=log_function("fp8kv"),
                                             on_ready=lambda status: Notifier().ready(status)))
     if kw["host"] not in ("127.0.0.1", "localhost", "::1") and not kw["api_key"]:
         logger.warning("listening on %s without --api-key: anyone who can reach this port can use the model",

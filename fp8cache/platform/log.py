@@ -255,10 +255,11 @@ class _ThenLoader(importlib.abc.Loader):
 
 def log_function(name: str) -> Callable[[str], None]:
     """A log(msg) callable for the engine's `log=` arguments, writing to logger `name`: lines that start
-    with "warning: " at WARNING, the rest at INFO."""
+    with "warning: " at WARNING (without those words: the level says it), the rest at INFO."""
     logger = logging.getLogger(name)
 
     def log(message: str) -> None:
+        message = message.rstrip()
         if message.startswith("warning: "):
             logger.warning(message.removeprefix("warning: "))
         else:
