@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import click
 
 from fp8cache.platform.log import log_function
+from launcher.build import build_ops_ahead
 from launcher.help_sections import SectionedCommand
 from launcher.logs import logger, setup_logging
 from launcher.options import engine_config, engine_errors, engine_options, fail, option, pick_model
@@ -73,6 +74,7 @@ def generate(args: tuple[str, ...], **kw) -> None:
     from fp8cache.engine.llm import LLM
 
     check_engine_scales(config)  # a bad scales file fails now, not after the model loads (in every rank)
+    build_ops_ahead(config.device)  # compiled (a first start) while the model is fetched, converted and loaded
     log = log_function("fp8kv")  # worker lines start "[rank 1]"
 
     if num_shard > 1 and (parallel_state.env_rank() or 0) > 0:  # one worker rank of an outside launcher

@@ -10,6 +10,7 @@ import sys
 
 import click
 
+from launcher.build import build_ops_ahead
 from launcher.help_sections import SectionedCommand
 from launcher.options import (
     engine_config,
@@ -70,6 +71,7 @@ def run(model: str | None, **kw) -> None:
 
         sys.exit(supervise(sys.argv[1:], num_shard, stop_timeout=kw["graceful_timeout"] + 30,
                            log_format=kw["log_format"]))
+    build_ops_ahead(config.device)  # compiled (a first start) while the model is fetched, converted and loaded
     from fp8cache.distributed import parallel_state
 
     if rank > 0:
