@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 from server_process import ServerProcess
 
+from fp8cache.platform.log import ROUTED_LOGGERS
+
 REPO = Path(__file__).resolve().parents[2]
 LINE = re.compile(r"\d\d:\d\d:\d\d (DEBUG|INFO|WARNING|ERROR|CRITICAL) +[\w.-]+: ")
 SOURCE_LOCATION = re.compile(r"\w\.py:\d+")
@@ -44,8 +46,8 @@ def fresh_logging(monkeypatch):
     from transformers.utils import logging as hf_logging
 
     root = logging.getLogger()
-    named = {name: (logging.getLogger(name).handlers[:], logging.getLogger(name).propagate)
-             for name in ("fp8kv", "uvicorn", "uvicorn.error", "uvicorn.access", "py.warnings")}
+    named = {name: (logging.getLogger(name).handlers[:], logging.getLogger(name).propagate,
+                    logging.getLogger(name).level) for name in ROUTED_LOGGERS}
     saved = root.handlers[:], root.level, warnings.showwarning, hf_logging.is_progress_bar_enabled()
     hf_handler = hf_logging._default_handler
     hf_root = hf_logging._get_library_root_logger()
@@ -59,8 +61,9 @@ def fresh_logging(monkeypatch):
         logging.getLogger(name).disabled = off
     logging.captureWarnings(False)
     root.handlers[:], root.level, warnings.showwarning = saved[0], saved[1], saved[2]
-    for name, (handlers, propagate) in named.items():
+    for name, (handlers, propagate, level) in named.items():
         logging.getLogger(name).handlers[:], logging.getLogger(name).propagate = handlers, propagate
+        logging.getLogger(name).setLevel(level)
     hf_root.handlers[:], hf_root.propagate = hf_state
     assert hf_logging._default_handler is hf_handler
     if saved[3]:
@@ -94,6 +97,24 @@ def test_every_source_writes_the_text_format(fresh_logging):
     # A message of several lines and a traceback: each line has the head, the rest indented.
     assert re.search(r"WARNING fp8kv.ops: a message\n\S+ WARNING fp8kv.ops:   of two lines\n", stream.getvalue())
     assert re.search(r"ERROR   fp8kv:   ValueError: boom$", stream.getvalue(), re.MULTILINE)
+
+
+def test_a_level_an_earlier_uvicorn_left_hides_no_line(fresh_logging):
+    """The fast lane in one process (issue 55): a test that ran uvicorn in-process with log_level="critical" left
+    uvicorn.error at CRITICAL, and the server's "Started server process" line of a later log went missing."""
+    import uvicorn
+
+    from fp8cache.platform.log import configure_logging
+
+    uvicorn.Config(lambda scope, receive, send: None, log_level="critical")  # sets uvicorn.error's level
+    assert logging.getLogger("uvicorn.error").level == logging.CRITICAL
+    stream = io.StringIO()
+    configure_logging("text", stream=stream, libraries=False)
+    logging.getLogger("uvicorn.error").info("Started server process [%d]", 123)
+    logging.getLogger("uvicorn.access").info("a request")
+    assert_one_text_format(stream.getvalue())
+    assert " INFO    uvicorn.error: Started server process [123]" in stream.getvalue()
+    assert " INFO    uvicorn.access: a request" in stream.getvalue()
 
 
 def test_json_format_is_one_object_a_line(fresh_logging):
