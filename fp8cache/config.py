@@ -1,10 +1,23 @@
-"""Engine configuration: one place for the knobs that LLM(), `fp8kv run`, eval and bench share."""
+"""Engine configuration: one place for the knobs that LLM(), `fp8kv run`, eval and bench share: each setting's
+type, default and check. The command line's engine flags take their defaults from these fields
+(launcher/options.py; tests/launcher/test_engine_flags.py holds every field to a flag or a reason it has none).
+
+A field typed with a Literal accepts those strings only; _AT_LEAST bounds the numbers. A wrong value is a
+ValueError naming the field, the value and what is valid, when the config is made (LLM(), a command's start).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import typing
+from dataclasses import dataclass, fields
+from typing import Literal
 
 DEFAULT_KV_RECENT_WINDOW = 32
+
+# The user's kv-cache-dtype string (fp8cache/kvcache/dtype_names.py lists the same, for the command line).
+KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz"]
+ModelDtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 
 @dataclass
@@ -13,11 +26,11 @@ class EngineConfig:
     revision: str | None = None  # hub ids: the branch, tag or commit (None: main)
     download_dir: str | None = None  # hub ids: the Hugging Face cache folder to use (None: $HF_HOME/hub)
     tokenizer: str | None = None  # None: same folder as the model
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: the faster of float32 and bfloat16 on a CPU, the checkpoint's 16-bit dtype on a GPU)
-    kv_cache_dtype: str = "auto"
+    dtype: ModelDtype = "auto"  # auto | float32 | bfloat16 | float16 (auto: the faster of float32 and bfloat16 on a CPU, the checkpoint's 16-bit dtype on a GPU)
+    kv_cache_dtype: KVCacheDtype = "auto"
     quantization_param_path: str | None = None
     calculate_kv_scales: bool = False
-    kv_scales_granularity: str = "tensor"  # tensor | head, for calculate_kv_scales
+    kv_scales_granularity: Literal["tensor", "head"] = "tensor"  # tensor | head, for calculate_kv_scales
     block_size: int = 16
     max_model_len: int | None = None  # None: the model's own limit
     max_num_seqs: int = 64
@@ -36,14 +49,52 @@ class EngineConfig:
     kv_recent_window: int | None = None
     # dtype of that window: auto = the model dtype (exactly the auto cache for the newest tokens);
     # bfloat16 / float16 halve a float32 model's window memory.
-    kv_recent_window_dtype: str = "auto"
+    kv_recent_window_dtype: ModelDtype = "auto"
     enforce_eager: bool = False  # GPU: run decode steps op by op instead of replaying CUDA graphs (vLLM's name)
     tensor_parallel_size: int = 1  # ranks sharing the model; > 1 needs RANK/WORLD_SIZE/MASTER_* env
     # auto: the model folder's safetensors weights; dummy: random weights from its config.json alone, or a shape
     # shipped with fp8kv by name (benchmarks at a real model's size without its checkpoint; fp8cache/model/dummy.py)
-    load_format: str = "auto"
+    load_format: Literal["auto", "dummy"] = "auto"
     # Request defaults (vLLM's flags): auto = the model folder's generation_config.json, vllm/none = fp8kv's
     # neutral ones, or a folder holding a generation_config.json; the override (a dict or JSON object text)
     # replaces single fields (fp8cache/engine/generation_defaults.py).
     generation_config: str = "auto"
     override_generation_config: dict | str | None = None
+
+    def __post_init__(self) -> None:
+        for name, choices in field_choices().items():
+            value = getattr(self, name)
+            if value not in choices:
+                raise ValueError(f"{name}={value!r} is not known; valid choices: "
+                                 + ", ".join("None" if c is None else str(c) for c in choices))
+        for name, (least, optional) in _AT_LEAST.items():
+            value = getattr(self, name)
+            if value is None and optional:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name}={value!r} must be an integer >= {least}" + (" (or None)" if optional else ""))
+        for name in ("gpu_memory_utilization", "kv_cache_memory_fraction"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+                raise ValueError(f"{name}={value!r} must be a share in (0, 1]")
+
+
+# Integer fields: (smallest valid value, None allowed).
+_AT_LEAST = {"block_size": (1, False), "max_model_len": (1, True), "max_num_seqs": (1, False),
+             "max_num_batched_tokens": (1, False), "seed": (-(2**63), False), "kv_recent_window": (0, True),
+             "tensor_parallel_size": (1, False)}
+
+
+@functools.cache
+def field_choices() -> dict[str, tuple]:
+    """{field: its valid values} for every field typed with a Literal (None too for an optional one): what the
+    command line offers for its flag."""
+    hints = typing.get_type_hints(EngineConfig)
+    found = {}
+    for f in fields(EngineConfig):
+        hint = hints[f.name]
+        options = [hint, *typing.get_args(hint)] if typing.get_origin(hint) is typing.Union else [hint]
+        literal = [a for o in options if typing.get_origin(o) is Literal for a in typing.get_args(o)]
+        if literal:
+            found[f.name] = (*literal, *([None] if type(None) in typing.get_args(hint) else []))
+    return found

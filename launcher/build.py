@@ -25,10 +25,28 @@ def build(verbose: bool, device: str) -> None:
     from fp8cache.ops import _build
 
     try:
-        with console.status("compiling fp8kv ops for this machine (first time takes a minute)..."):
+        with console.status("compiling fp8kv ops for this machine..."):
             path = _build.build(verbose=verbose, device=None if device == "auto" else device,
                                 progress_callback=lambda line: console.print(line, style="dim", markup=False))
     except RuntimeError as exc:
         _fail(str(exc))
     built = _build.last_build()
     console.print(f"[green]ops ready:[/] {path} ({'CPU and GPU' if built.with_cuda else 'CPU'} kernels)")
+
+
+def build_ops_ahead(device: str) -> None:
+    """Start making the ops for `device` in the background (fp8cache.ops._build.build_ahead), so that a first start
+    compiles them while it fetches, converts and loads the model, not after; the engine takes the result. Only
+    where the command is the program: one run in-process (CliRunner) leaves its host's op library alone. A
+    device this machine lacks is left to the command's own check, which says so."""
+    from launcher.logs import owns_the_process
+
+    if not owns_the_process():
+        return
+    from fp8cache.ops import _build
+    from fp8cache.platform.device import resolve_device
+
+    try:
+        _build.build_ahead(resolve_device(device))
+    except (RuntimeError, ValueError):  # no such device, no nvcc: said with the fix when the engine starts
+        return

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 import click
 
 from fp8cache.platform.log import log_function
+from launcher.build import build_ops_ahead
+from launcher.help_sections import SectionedCommand
 from launcher.logs import logger, setup_logging
 from launcher.options import engine_config, engine_errors, engine_options, fail, option, pick_model
 from launcher.supervisor import owns_its_children
@@ -19,29 +21,30 @@ if TYPE_CHECKING:
 GENERATE_DEFAULTS = {"temperature": 0.0, "max_tokens": 128}  # where neither a flag nor the model says
 
 
-@click.command("generate", context_settings={"show_default": True})
+@click.command("generate", cls=SectionedCommand, context_settings={"show_default": True})
 @click.argument("args", nargs=-1, required=True, metavar="[MODEL] PROMPT")
-@option("--max-tokens", type=click.IntRange(min=1), default=None,
+@option("--max-tokens", section="Sampling", type=click.IntRange(min=1), default=None,
         help="Most tokens to generate (default: the generation config's max_new_tokens, else 128).")
-@option("--temperature", type=click.FloatRange(min=0), default=None,
+@option("--temperature", section="Sampling", type=click.FloatRange(min=0), default=None,
         help="Sampling temperature; 0 is greedy (default: the generation config's, else 0: reproducible).")
-@option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=None,
+@option("--top-p", section="Sampling", type=click.FloatRange(0, 1, min_open=True), default=None,
         help="Nucleus sampling mass (default: the generation config's, else 1: off).")
-@option("--top-k", type=click.IntRange(min=-1), default=None,
+@option("--top-k", section="Sampling", type=click.IntRange(min=-1), default=None,
         help="Sample among the k likeliest tokens (default: the generation config's, else -1: off).")
-@option("--min-p", type=click.FloatRange(0, 1), default=None,
+@option("--min-p", section="Sampling", type=click.FloatRange(0, 1), default=None,
         help="Drop tokens below min-p times the top probability (default: the generation config's, else 0).")
-@option("--repetition-penalty", type=click.FloatRange(min=0, min_open=True), default=None,
+@option("--repetition-penalty", section="Sampling", type=click.FloatRange(min=0, min_open=True), default=None,
         help="Penalty on tokens already present (default: the generation config's, else 1: off).")
-@option("--presence-penalty", type=click.FloatRange(-2, 2), default=0.0, help="OpenAI presence penalty.")
-@option("--frequency-penalty", type=click.FloatRange(-2, 2), default=0.0, help="OpenAI frequency penalty.")
-@option("--sampling-seed", type=int, help="Seed of this request's sampling.")
-@option("--stop", multiple=True, help="Stop string (repeatable).")
-@option("--ignore-eos", is_flag=True, help="Keep generating past the end-of-sequence token.")
-@option("--chat/--no-chat", default=None,
+@option("--presence-penalty", section="Sampling", type=click.FloatRange(-2, 2), default=0.0, help="OpenAI presence penalty.")
+@option("--frequency-penalty", section="Sampling", type=click.FloatRange(-2, 2), default=0.0, help="OpenAI frequency penalty.")
+@option("--sampling-seed", section="Sampling", type=int, help="Seed of this request's sampling.")
+@option("--stop", section="Sampling", multiple=True, help="Stop string (repeatable).")
+@option("--ignore-eos", section="Sampling", is_flag=True, help="Keep generating past the end-of-sequence token.")
+@option("--chat/--no-chat", section="Sampling", default=None,
         help="Wrap PROMPT in the tokenizer's chat template as a user turn (default: when the tokenizer has one; "
              "LLM.generate() in Python does not, LLM.chat() does).")
-@option("--num-shard", "--tensor-parallel-size", "num_shard", type=click.IntRange(min=1), default=1,
+@option("--num-shard", "--tensor-parallel-size", "num_shard", section="Device", type=click.IntRange(min=1),
+        default=1,
         help="Tensor-parallel ranks: this process is rank 0 and starts the others itself. With "
              "RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set (several machines, torchrun) this process is that "
              "one rank.")
@@ -71,6 +74,7 @@ def generate(args: tuple[str, ...], **kw) -> None:
     from fp8cache.engine.llm import LLM
 
     check_engine_scales(config)  # a bad scales file fails now, not after the model loads (in every rank)
+    build_ops_ahead(config.device)  # compiled (a first start) while the model is fetched, converted and loaded
     log = log_function("fp8kv")  # worker lines start "[rank 1]"
 
     if num_shard > 1 and (parallel_state.env_rank() or 0) > 0:  # one worker rank of an outside launcher

@@ -18,21 +18,23 @@ if TYPE_CHECKING:
 logger = logging.getLogger("fp8kv")
 
 
-def _owns_stderr() -> bool:
+def owns_the_process() -> bool:
+    """Whether this command runs as the program (its stderr the process's), not in-process inside another one
+    (click's CliRunner in the tests, a program embedding the CLI), whose logging and threads are its own."""
     return sys.stderr is sys.__stderr__
 
 
 def setup_logging(log_format: str = "text", libraries: bool = True, rank: int | None = None) -> None:
     """One format for every line of this command's log (see configure_logging); libraries=False for commands
     that never load a model (no transformers import); rank: a tensor-parallel rank's lines say which."""
-    if _owns_stderr():
+    if owns_the_process():
         configure_logging(log_format, libraries=libraries, rank=rank)
 
 
 def progress_bars_only_on_a_terminal() -> None:
     """Every command: no tqdm bars (transformers' "Loading weights", huggingface_hub's downloads) when stderr
     is a file, a pipe or journald, where each of their frames is a carriage return and more text."""
-    if _owns_stderr() and not is_terminal(sys.stderr):
+    if owns_the_process() and not is_terminal(sys.stderr):
         progress_bars_off()
 
 

@@ -10,6 +10,8 @@ import sys
 
 import click
 
+from launcher.build import build_ops_ahead
+from launcher.help_sections import SectionedCommand
 from launcher.options import (
     engine_config,
     engine_errors,
@@ -23,11 +25,12 @@ from launcher.options import (
 from launcher.supervisor import owns_its_children
 
 
-@click.command("run", context_settings={"show_default": True})
+@click.command("run", cls=SectionedCommand, context_settings={"show_default": True})
 @click.argument("model", required=False, metavar="[MODEL]")
 @engine_options
 @server_options
-@option("--num-shard", "--tensor-parallel-size", "num_shard", type=click.IntRange(min=1), default=1,
+@option("--num-shard", "--tensor-parallel-size", "num_shard", section="Device", type=click.IntRange(min=1),
+        default=1,
         help="Tensor-parallel ranks: this many processes each hold a slice of the model's heads and MLP. "
              "Started here when RANK is unset; with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set (several "
              "machines, torchrun) this process is that one rank.")
@@ -68,15 +71,15 @@ def run(model: str | None, **kw) -> None:
 
         sys.exit(supervise(sys.argv[1:], num_shard, stop_timeout=kw["graceful_timeout"] + 30,
                            log_format=kw["log_format"]))
+    build_ops_ahead(config.device)  # compiled (a first start) while the model is fetched, converted and loaded
     from fp8cache.distributed import parallel_state
 
     if rank > 0:
-        import logging
-
         from fp8cache.model.tp_ranks import run_worker
+        from fp8cache.platform.log import log_function
         from fp8cache.systemd.notify import Notifier
 
-        parallel_state.exit_rank(run_worker(config, log=logging.getLogger("fp8kv").info,
+        parallel_state.exit_rank(run_worker(config, log=log_function("fp8kv"),
                                             on_ready=lambda status: Notifier().ready(status)))
     if kw["host"] not in ("127.0.0.1", "localhost", "::1") and not kw["api_key"]:
         logger.warning("listening on %s without --api-key: anyone who can reach this port can use the model",

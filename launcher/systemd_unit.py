@@ -11,26 +11,26 @@ import shutil
 import sys
 
 import click
-from rich.console import Console
 
+from launcher.help_sections import SectionedCommand, SectionedOption
+from launcher.logs import logger, setup_logging
 from launcher.options import engine_options, memory_arg, pick_model, server_options
 from launcher.unit_file import MEMORY_HEADROOM, render_unit
 
-console = Console(stderr=True, soft_wrap=True)
 
-
-@click.command("systemd-unit", context_settings={"show_default": True})
+@click.command("systemd-unit", cls=SectionedCommand, context_settings={"show_default": True})
 @click.argument("model", required=False, metavar="[MODEL]")
 @engine_options
 @server_options
-@click.option("--exec", "exec_path", default=None, metavar="PATH",
+@click.option("--exec", "exec_path", cls=SectionedOption, section="Unit", default=None, metavar="PATH",
               help="fp8kv executable for ExecStart= (default: the one on PATH, else this Python's).")
-@click.option("--template", is_flag=True,
+@click.option("--template", cls=SectionedOption, section="Unit", is_flag=True,
               help="Write a template unit (fp8kv@.service) that also reads /etc/fp8kv/%i.env.")
-@click.option("--user", "unit_user", default="fp8kv", help="Name of the dynamic user the service runs as.")
-@click.option("--watchdog-sec", type=click.IntRange(min=0), default=120,
+@click.option("--user", "unit_user", cls=SectionedOption, section="Unit", default="fp8kv",
+              help="Name of the dynamic user the service runs as.")
+@click.option("--watchdog-sec", cls=SectionedOption, section="Unit", type=click.IntRange(min=0), default=120,
               help="WatchdogSec= (0: no watchdog). A step longer than this restarts the service.")
-@click.option("--description", default=None, help="Description= of the unit.")
+@click.option("--description", cls=SectionedOption, section="Unit", default=None, help="Description= of the unit.")
 @click.pass_context
 def systemd_unit(ctx: click.Context, model: str | None, exec_path: str | None, template: bool, unit_user: str,
                  watchdog_sec: int, description: str | None, **kw) -> None:
@@ -43,12 +43,13 @@ def systemd_unit(ctx: click.Context, model: str | None, exec_path: str | None, t
 
     Example: fp8kv systemd-unit ./my-model --kv-cache-dtype fp8 --port 8001 > /etc/systemd/system/fp8kv.service
     """
+    setup_logging(libraries=False)  # its notes and warnings are lines of the log, on stderr; the unit is stdout
     given = [name for name in kw if ctx.get_parameter_source(name) in
              (click.core.ParameterSource.COMMANDLINE, click.core.ParameterSource.ENVIRONMENT)]
     if "api_key" in given:
         given.remove("api_key")
-        console.print("[yellow]note:[/] the API key is not written into the unit (units are world-readable); put "
-                      "FP8KV_API_KEY=... in /etc/fp8kv/fp8kv.env (mode 0600)", highlight=False)
+        logger.info("the API key is not written into the unit (units are world-readable); put FP8KV_API_KEY=... "
+                    "in /etc/fp8kv/fp8kv.env (mode 0600)")
     flags = _flags_for(ctx, given, kw)
     model = pick_model(model, kw["model_option"])
     args = ["run"] + ([os.path.abspath(model)] if model and os.path.exists(model) else [model] if model else [])
@@ -59,9 +60,9 @@ def systemd_unit(ctx: click.Context, model: str | None, exec_path: str | None, t
     gpu = _unit_wants_gpu(kw["device"])
     in_tmp = _under_tmp(paths)
     if in_tmp:
-        console.print(f"[yellow]warning:[/] the service needs {in_tmp}, but the unit's PrivateTmp=yes gives it an "
-                      "empty /tmp and /var/tmp, so it will not start: move the venv and the model elsewhere "
-                      "(e.g. /opt/fp8kv, /srv/models) and print the unit again", highlight=False)
+        logger.warning("the service needs %s, but the unit's PrivateTmp=yes gives it an empty /tmp and /var/tmp, "
+                       "so it will not start: move the venv and the model elsewhere (e.g. /opt/fp8kv, /srv/models) "
+                       "and print the unit again", in_tmp)
     try:
         memory_max = None if gpu else _memory_max(kw["kv_cache_memory"], model)
     except ValueError as exc:
@@ -79,9 +80,9 @@ def _unit_wants_gpu(device: str | None) -> bool:
         import torch
 
         found = torch.cuda.is_available()
-        console.print(f"[dim]note: --device auto: torch {'sees' if found else 'sees no'} GPU here, so the unit "
-                      f"{'keeps /dev/nvidia*, /dev/kfd and /dev/dri visible' if found else 'hides all devices'}; "
-                      "pass --device cpu or --device cuda to choose for another machine[/]", highlight=False)
+        logger.info("--device auto: torch %s GPU here, so the unit %s; pass --device cpu or --device cuda to "
+                    "choose for another machine", "sees a" if found else "sees no",
+                    "keeps /dev/nvidia*, /dev/kfd and /dev/dri visible" if found else "hides all devices")
         return found
     return not device.startswith("cpu")
 

@@ -18,7 +18,10 @@ Environment:
   CXX, CC           the C++ / C compiler (default: c++, g++ or clang++ on PATH; if the library one builds
                     fails its self-check, the next one is tried, e.g. the system g++ after a relocated one;
                     the one that worked is remembered in ops/compiler.json and tried first from then on)
-  MAX_JOBS          parallel compile jobs (torch's ninja convention)
+  MAX_JOBS          compilers run at once (torch's ninja convention; default: one per usable core)
+
+`fp8kv run` and `generate` start the build (build_ahead) before they fetch, convert and load the model, so that
+a first start compiles meanwhile; the compile says how long the last one on this machine took, never a guess.
 
 The CUDA (or ROCm) sources are compiled only for a GPU device: `load_library(device)` with a CPU device builds
 the CPU ops alone, so a GPU host without nvcc still runs on its CPU.
@@ -38,6 +41,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -64,6 +68,7 @@ class BuildResult:
 
 
 _loaded: BuildResult | None = None
+_clock = time.perf_counter  # a build's seconds (the tests' clock in tests/ops/test_build.py)
 
 
 def source_dir() -> Path:
@@ -227,6 +232,42 @@ def _remember_compiler(key: str, works: str, failed: list[str]) -> None:
         logger.debug("could not remember the compiler in %s: %s", path, exc)
 
 
+# How long the last compile of each kind took here, so that the next one (a new fp8kv version's sources) can say
+# how long it will take from a measurement rather than a guess.
+BUILD_TIMES = "build_times.json"
+
+
+def _build_kind(cflags: list[str] | tuple[str, ...], with_cuda: bool) -> str:
+    """What a compile's time depends on besides the sources: the flags, GPU sources or not, this CPU, its cores."""
+    return (f"{' '.join(cflags)}{' +gpu' if with_cuda else ''} cpu={cpu_identity_hash()} "
+            f"cores={cpu_info.usable_cores()}")
+
+
+def _read_build_times() -> dict:
+    try:
+        with open(cache_dir() / BUILD_TIMES, encoding="utf-8") as f:
+            times = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return times if isinstance(times, dict) else {}
+
+
+def _last_build_seconds(kind: str) -> float | None:
+    seconds = _read_build_times().get(kind)
+    return float(seconds) if isinstance(seconds, (int, float)) and seconds > 0 else None
+
+
+def _remember_build_seconds(kind: str, seconds: float) -> None:
+    times = {**_read_build_times(), kind: round(seconds, 1)}
+    path = cache_dir() / BUILD_TIMES
+    try:
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(times, indent=1) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as exc:  # the next build just says less
+        logger.debug("could not write %s: %s", path, exc)
+
+
 def _c_compiler_for(cxx: str) -> str | None:
     """The C compiler beside a C++ one (g++ -> gcc, clang++ -> clang, c++ -> cc): nvcc's host compiler."""
     directory, name = os.path.split(cxx)
@@ -340,7 +381,8 @@ def load_library(verbose: bool = False, progress_callback: Callable[[str], None]
                  device: torch.device | str | None = None, cpu_isa: str | None = None) -> BuildResult:
     """Idempotent per process: later calls return the library the first call loaded (one op library per
     process: a CPU-only one cannot grow GPU ops later, which is an error naming the fix). cpu_isa: a CPU path
-    other than the native one (avx512, avx2, scalar), for tests of the lower paths."""
+    other than the native one (avx512, avx2, scalar), for tests of the lower paths. A build_ahead() of the same
+    library is waited for and taken, not started again."""
     global _loaded
     if _loaded is not None:
         if cpu_isa is not None and requested_isa(cpu_isa) != _loaded.isa:
@@ -351,17 +393,52 @@ def load_library(verbose: bool = False, progress_callback: Callable[[str], None]
             raise RuntimeError(f"this process loaded the fp8kv op library without its GPU sources "
                                f"({_loaded.path}), so it cannot run on {device}; start a new process for the GPU")
         return _loaded
-    start = time.perf_counter()
+    plan = _plan(device, cpu_isa)
+    made = _take_ahead(plan) or _make(plan, verbose, progress_callback)
+    torch.ops.load_library(str(made.library))
+    _loaded = BuildResult(str(made.library), made.compiled, made.seconds, plan.isa, bool(plan.cuda))
+    verb = "compiled" if made.compiled else "reused cached"
+    _notify(progress_callback, f"{verb} fp8kv op library ({_compiled_isa(plan.isa)} CPU path"
+            f"{', CUDA' if plan.cuda else ''}, {made.cxx}) in {made.seconds:.1f}s: {made.library}")
+    return _loaded
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What to build: the sources' folder, the CPU path and its flags, the GPU sources (none for a CPU)."""
+    root: Path
+    isa: str
+    cflags: tuple[str, ...]
+    cuda: tuple[Path, ...]
+    cuda_cflags: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class _Made:
+    library: Path  # installed and checked, not loaded yet
+    compiled: bool
+    seconds: float
+    cxx: str
+
+
+def _plan(device: torch.device | str | None, cpu_isa: str | None) -> _Plan:
     root = source_dir()
     isa = requested_isa(cpu_isa)
-    cflags = ["-O3", "-std=c++17", "-fopenmp", "-Wall", "-Wno-unused-function", *_isa_cflags(isa)]
-    cuda = _cuda_sources(root, _wants_gpu(device))
-    cuda_cflags = _extra_cuda_cflags(root) if cuda else []
+    cflags = ("-O3", "-std=c++17", "-fopenmp", "-Wall", "-Wno-unused-function", *_isa_cflags(isa))
+    cuda = tuple(_cuda_sources(root, _wants_gpu(device)))
+    return _Plan(root, isa, cflags, cuda, tuple(_extra_cuda_cflags(root)) if cuda else ())
+
+
+def _make(plan: _Plan, verbose: bool, progress_callback: Callable[[str], None] | None) -> _Made:
+    """The installed library of `plan`: the cached one if it is whole, else compiled and checked, with the first
+    compiler whose library passes its check."""
+    start = _clock()
     failures: list[str] = []
     failed: list[str] = []
     compilers, toolchain = _ordered_compilers()
     for cxx in compilers:
-        library, compiled, error = _library_for(root, cflags, cuda, cuda_cflags, isa, cxx, verbose, progress_callback)
+        library, compiled, error = _library_for(plan.root, list(plan.cflags), list(plan.cuda),
+                                                list(plan.cuda_cflags), plan.isa, cxx, verbose, progress_callback)
         if error is None:
             break
         failures.append(error)
@@ -371,12 +448,64 @@ def load_library(verbose: bool = False, progress_callback: Callable[[str], None]
         raise RuntimeError(failures[-1] if len(failures) == 1 else
                            "no compiler here builds a working op library:\n" + "\n".join(failures))
     _remember_compiler(toolchain, cxx, failed)
-    torch.ops.load_library(str(library))
-    _loaded = BuildResult(str(library), compiled, time.perf_counter() - start, isa, bool(cuda))
-    verb = "compiled" if compiled else "reused cached"
-    _notify(progress_callback, f"{verb} fp8kv op library ({_compiled_isa(isa)} CPU path"
-            f"{', CUDA' if cuda else ''}, {cxx}) in {_loaded.seconds:.1f}s: {library}")
-    return _loaded
+    seconds = _clock() - start
+    if compiled:
+        _remember_build_seconds(_build_kind(plan.cflags, bool(plan.cuda)), seconds)
+    return _Made(library, compiled, seconds, cxx)
+
+
+# -- building ahead: the compile runs while a first start fetches, converts and loads its model -------------------
+
+class _Ahead:
+    """_make(plan) in a thread (which mostly waits for the compile child); take() waits for its result."""
+
+    def __init__(self, plan: _Plan) -> None:
+        self.plan = plan
+        self.made: _Made | None = None
+        self.error: BaseException | None = None
+        # A daemon: a start that fails meanwhile exits without waiting, and the compile child dies with it.
+        self.thread = threading.Thread(target=self._run, name="fp8kv-ops-build", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.made = _make(self.plan, verbose=False, progress_callback=None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the thread that loads the library
+            self.error = exc
+
+    def take(self) -> _Made:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        assert self.made is not None
+        return self.made
+
+
+_ahead: _Ahead | None = None
+
+
+def build_ahead(device: torch.device | str | None = None) -> None:
+    """Start making the op library for `device` (as load_library(device) would: compiled unless cached, checked,
+    installed) in the background, so that a first start downloads, converts and loads its model meanwhile
+    instead of before. The next load_library takes the result (or its error). Once per process."""
+    global _ahead
+    if _loaded is None and _ahead is None:
+        _ahead = _Ahead(_plan(device, None))
+
+
+def _take_ahead(plan: _Plan) -> _Made | None:
+    """The library build_ahead made for `plan`, None if none was started or it was for another plan."""
+    global _ahead
+    ahead, _ahead = _ahead, None
+    if ahead is None:
+        return None
+    try:
+        made = ahead.take()
+    except Exception:
+        if ahead.plan == plan:
+            raise
+        return None
+    return made if ahead.plan == plan else None
 
 
 # Files and folders of the ops cache besides the installed libraries (ops/fp8kv_ops_<key>/).
@@ -629,14 +758,15 @@ def _compile(name: str, root: Path, build_dir: Path, cflags: list[str], cuda: li
     and the compilers it started."""
     _check_ninja()
     cpu_sources = [root / "torch_bindings.cpp", *sorted((root / "cpu").glob("*.cpp"))]
-    _notify(progress_callback, f"compiling the fp8kv op library ({len(cpu_sources) + len(cuda)} sources, once per "
-            f"source version; about a minute{' (several with the GPU sources)' if cuda else ''}) with {cxx} "
-            f"into {build_dir}")
     units = [*_cpu_units(cpu_sources, build_dir), *cuda]
+    jobs = compile_jobs(len(units))
+    _notify(progress_callback, f"compiling the fp8kv op library for this machine, once per fp8kv version: "
+            f"{len(units)} compile units{' (CPU and GPU)' if cuda else ''}, {jobs} at a time, with {cxx}"
+            f"{_time_note(_build_kind(cflags, bool(cuda)))} [{build_dir}]")
     spec = {"name": name, "sources": [str(s) for s in units], "cflags": cflags + (["-DFP8KV_WITH_CUDA"] if cuda else []),
             "cuda_cflags": cuda_cflags, "root": str(root), "build_dir": str(build_dir), "verbose": verbose,
             "parent": os.getpid()}
-    env = dict(os.environ, CXX=cxx)
+    env = dict(os.environ, CXX=cxx, MAX_JOBS=str(jobs))
     cc = _c_compiler_for(cxx)
     if cc is not None:
         env["CC"] = cc  # nvcc's host compiler, so that both halves link one libstdc++
@@ -673,6 +803,20 @@ def _cpu_units(sources: list[Path], build_dir: Path) -> list[Path]:
     unit.write_text("// Written by fp8cache/ops/_build.py: the CPU sources that share one translation unit.\n"
                     + "".join(f'#include "{s.resolve()}"\n' for s in shared))
     return [*own, unit]
+
+
+def compile_jobs(units: int) -> int:
+    """Compilers run at once: $MAX_JOBS (torch's ninja convention) if set, else one per usable core, no more than
+    there are units (ninja's own default, cores + 2, would crowd a small machine once GPU units join)."""
+    if os.environ.get("MAX_JOBS", "").isdigit() and int(os.environ["MAX_JOBS"]) > 0:
+        return int(os.environ["MAX_JOBS"])
+    return max(1, min(units, cpu_info.usable_cores()))
+
+
+def _time_note(kind: str) -> str:
+    """What this machine's last compile of this kind took ("" before the first: no guess is said)."""
+    seconds = _last_build_seconds(kind)
+    return "" if seconds is None else f"; the last one here took {seconds:.0f} s"
 
 
 def _kill_group(child: subprocess.Popen) -> None:

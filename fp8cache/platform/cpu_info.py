@@ -3,6 +3,8 @@ lines that identify it (an op library built with -march=native belongs to one CP
 
 from __future__ import annotations
 
+import os
+
 IDENTITY_KEYS = ("vendor_id", "cpu family", "model", "model name", "flags", "CPU implementer",
                  "CPU architecture", "CPU variant", "CPU part", "Features")
 
@@ -28,3 +30,11 @@ def cpu_feature_names() -> set[str]:
     """The CPU's feature names as /proc/cpuinfo spells them: x86 `flags` and Arm `Features` together."""
     fields = first_cpu_lines()
     return set(fields.get("flags", "").split()) | set(fields.get("Features", "").split())
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask: a container's or taskset's share, not the host's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1

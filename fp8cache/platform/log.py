@@ -37,6 +37,8 @@ LOG_INTERVAL_S = 10.0
 # A line already written by one of these formats (a tensor-parallel rank's, relayed by its supervisor).
 LOG_LINE = re.compile(r'\d\d:\d\d:\d\d (DEBUG|INFO|WARNING|ERROR|CRITICAL) +\S+: |\{"time": ')
 _configured = False
+# The loggers configure_logging routes through its one handler, their own handlers and levels dropped.
+ROUTED_LOGGERS = (ROOT, "uvicorn", "uvicorn.error", "uvicorn.access", "py.warnings")
 _command_handler: logging.Handler | None = None  # configure_logging's, while it is the root logger's
 
 
@@ -154,10 +156,12 @@ def configure_logging(log_format: str = "text", stream: TextIO | None = None, li
     root.setLevel(logging.INFO)
     global _command_handler
     _command_handler = handler
-    for name in (ROOT, "uvicorn", "uvicorn.error", "uvicorn.access", "py.warnings"):
+    for name in ROUTED_LOGGERS:
         logging.getLogger(name).handlers[:] = []
         logging.getLogger(name).propagate = True
         logging.getLogger(name).disabled = False  # a dictConfig before (uvicorn's) may have switched it off
+        logging.getLogger(name).setLevel(logging.NOTSET)  # the root's INFO decides, whatever a uvicorn.Config(
+        # log_level=...) made earlier in this process left (its "Started server process" line went missing)
     logging.captureWarnings(True)
     warnings.showwarning = _log_warning
     if not is_terminal(stream):
@@ -255,10 +259,11 @@ class _ThenLoader(importlib.abc.Loader):
 
 def log_function(name: str) -> Callable[[str], None]:
     """A log(msg) callable for the engine's `log=` arguments, writing to logger `name`: lines that start
-    with "warning: " at WARNING, the rest at INFO."""
+    with "warning: " at WARNING (without those words: the level says it), the rest at INFO."""
     logger = logging.getLogger(name)
 
     def log(message: str) -> None:
+        message = message.rstrip()
         if message.startswith("warning: "):
             logger.warning(message.removeprefix("warning: "))
         else:

@@ -28,7 +28,7 @@ from fp8cache.engine.generation_defaults import (
     describe_cap,
     load_generation_defaults,
 )
-from fp8cache.platform.log import JsonFormatter, OncePerInterval, configure_logging  # noqa: F401 - the log's set-up lives there
+from fp8cache.platform.log import JsonFormatter, OncePerInterval, configure_logging, log_function  # noqa: F401 - the log's set-up lives there
 from fp8cache.server import grammar as G
 from fp8cache.server.connections import DEFAULT_READ_TIMEOUT_S, connection_limits, protocol_class
 from fp8cache.systemd.listener import ListenError, bind_listeners
@@ -63,8 +63,8 @@ class ServeOptions:
 FINAL_EVENTS_S = 2.0
 
 
-def _log_line(message: str) -> None:
-    logger.info(message.rstrip())
+# The engine's log: its "warning: ..." lines are WARNING lines, the rest INFO.
+engine_log = log_function("fp8kv")
 
 
 class _Server(uvicorn.Server):
@@ -141,11 +141,11 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
     notifier = Notifier()
     notifier.status("loading the model")
     with _exit_on_signal(notifier):
-        engine = LLMEngine(config, log=_log_line)
+        engine = LLMEngine(config, log=engine_log)
         notifier.status("warming up")
         # Before /health answers and systemd hears READY: a model that cannot run fails here (EngineStartError,
         # exit 2 with one line), not on the first request.
-        warm_up(engine, _log_line)
+        warm_up(engine, engine_log)
     info = ModelInfo.from_runner(engine.runner)
     model_path = str(getattr(engine.runner, "model_path", None) or config.model or "")
     name = options.served_model_name or default_served_name(config.model, model_path)
@@ -165,7 +165,7 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
         if server is not None:
             server.should_exit = True
 
-    async_engine = AsyncEngine(engine, metrics, on_dead=on_engine_dead, log=_log_line)
+    async_engine = AsyncEngine(engine, metrics, on_dead=on_engine_dead, log=engine_log)
     settings = ServerSettings(served_model_name=name, model_path=model_path, api_key=options.api_key,
                               max_request_bytes=options.max_request_bytes,
                               max_concurrent_requests=options.max_concurrent_requests,

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 from server_process import ServerProcess
 
+from fp8cache.platform.log import ROUTED_LOGGERS
+
 REPO = Path(__file__).resolve().parents[2]
 LINE = re.compile(r"\d\d:\d\d:\d\d (DEBUG|INFO|WARNING|ERROR|CRITICAL) +[\w.-]+: ")
 SOURCE_LOCATION = re.compile(r"\w\.py:\d+")
@@ -44,8 +46,8 @@ def fresh_logging(monkeypatch):
     from transformers.utils import logging as hf_logging
 
     root = logging.getLogger()
-    named = {name: (logging.getLogger(name).handlers[:], logging.getLogger(name).propagate)
-             for name in ("fp8kv", "uvicorn", "uvicorn.error", "uvicorn.access", "py.warnings")}
+    named = {name: (logging.getLogger(name).handlers[:], logging.getLogger(name).propagate,
+                    logging.getLogger(name).level) for name in ROUTED_LOGGERS}
     saved = root.handlers[:], root.level, warnings.showwarning, hf_logging.is_progress_bar_enabled()
     hf_handler = hf_logging._default_handler
     hf_root = hf_logging._get_library_root_logger()
@@ -59,8 +61,9 @@ def fresh_logging(monkeypatch):
         logging.getLogger(name).disabled = off
     logging.captureWarnings(False)
     root.handlers[:], root.level, warnings.showwarning = saved[0], saved[1], saved[2]
-    for name, (handlers, propagate) in named.items():
+    for name, (handlers, propagate, level) in named.items():
         logging.getLogger(name).handlers[:], logging.getLogger(name).propagate = handlers, propagate
+        logging.getLogger(name).setLevel(level)
     hf_root.handlers[:], hf_root.propagate = hf_state
     assert hf_logging._default_handler is hf_handler
     if saved[3]:
@@ -94,6 +97,24 @@ def test_every_source_writes_the_text_format(fresh_logging):
     # A message of several lines and a traceback: each line has the head, the rest indented.
     assert re.search(r"WARNING fp8kv.ops: a message\n\S+ WARNING fp8kv.ops:   of two lines\n", stream.getvalue())
     assert re.search(r"ERROR   fp8kv:   ValueError: boom$", stream.getvalue(), re.MULTILINE)
+
+
+def test_a_level_an_earlier_uvicorn_left_hides_no_line(fresh_logging):
+    """The fast lane in one process (issue 55): a test that ran uvicorn in-process with log_level="critical" left
+    uvicorn.error at CRITICAL, and the server's "Started server process" line of a later log went missing."""
+    import uvicorn
+
+    from fp8cache.platform.log import configure_logging
+
+    uvicorn.Config(lambda scope, receive, send: None, log_level="critical")  # sets uvicorn.error's level
+    assert logging.getLogger("uvicorn.error").level == logging.CRITICAL
+    stream = io.StringIO()
+    configure_logging("text", stream=stream, libraries=False)
+    logging.getLogger("uvicorn.error").info("Started server process [%d]", 123)
+    logging.getLogger("uvicorn.access").info("a request")
+    assert_one_text_format(stream.getvalue())
+    assert " INFO    uvicorn.error: Started server process [123]" in stream.getvalue()
+    assert " INFO    uvicorn.access: a request" in stream.getvalue()
 
 
 def test_json_format_is_one_object_a_line(fresh_logging):
@@ -150,6 +171,37 @@ def test_a_rank_labels_its_lines_and_the_supervisor_keeps_them():
     jsonl: list[str] = []
     Supervisor([], 2, stop_timeout=1, write=jsonl.append, log_format="json").say("stopped (cleanly)")
     assert json.loads(jsonl[0])["message"] == "stopped (cleanly)"
+
+
+def test_an_engine_warning_is_a_warning_line(fresh_logging, tiny_llama_path):
+    """`fp8kv run`'s engine log (issue 53): what the engine warns about, here an FP8 cache without scales, is a
+    WARNING line of the log, not `INFO fp8kv: warning: ...`."""
+    from fp8cache.config import EngineConfig
+    from fp8cache.engine.llm_engine import LLMEngine
+    from fp8cache.platform.log import configure_logging
+    from fp8cache.server.serve import engine_log
+
+    stream = io.StringIO()
+    configure_logging("text", stream=stream, libraries=False)
+    LLMEngine(EngineConfig(model=tiny_llama_path, dtype="float32", kv_cache_dtype="fp8", kv_cache_memory="1MiB",
+                           device="cpu"), log=engine_log)
+    lines = assert_one_text_format(stream.getvalue())
+    warnings_logged = [line.split(": ", 1)[1] for line in lines if " WARNING fp8kv: " in line]
+    assert any(w.startswith("kv-cache-dtype fp8_e4m3 runs with KV scales of 1.0") for w in warnings_logged), lines
+    assert not [line for line in lines if "warning:" in line.lower()], lines
+    assert any(" INFO    fp8kv: KV scales: default 1.0" in line for line in lines)  # the rest stays INFO
+
+
+def test_log_function_levels_by_the_warning_prefix(caplog):
+    from fp8cache.platform.log import log_function
+
+    log = log_function("fp8kv.test")
+    with caplog.at_level(logging.INFO, logger="fp8kv.test"):
+        log("warning: the cache is small\n")
+        log("note: a warning: inside is not one")
+        log("device: cpu")
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("WARNING", "the cache is small"), ("INFO", "note: a warning: inside is not one"), ("INFO", "device: cpu")]
 
 
 def test_one_seat_is_not_seats():
@@ -329,6 +381,18 @@ def test_a_commands_error_is_a_line_of_its_log(tmp_path, command, log_format):
     else:
         errors = [line.split(": ", 1)[1] for line in assert_one_text_format(done.stderr) if " ERROR " in line]
     assert len(errors) == 1 and f"model path '{missing}' does not exist" in errors[0], done.stderr
+
+
+def test_systemd_unit_warns_in_the_log_format(tmp_path):
+    """A unit that cannot start (its model under /tmp, which PrivateTmp= hides) is a WARNING line of the log,
+    the unit itself alone on stdout."""
+    model = Path("/tmp") / tmp_path.name
+    done = _fp8kv("systemd-unit", str(model), "--device", "cpu", "--api-key", "k")
+    assert done.returncode == 0, done.stderr
+    lines = assert_one_text_format(done.stderr)
+    assert [line.split(" ", 2)[1] for line in lines] == ["INFO", "WARNING"], lines
+    assert "FP8KV_API_KEY" in lines[0] and "PrivateTmp=yes" in lines[1]
+    assert "\n[Unit]\n" in done.stdout and "will not start" not in done.stdout  # the log is not in the unit
 
 
 def test_no_command_wraps_its_stderr():
