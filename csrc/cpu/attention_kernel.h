@@ -9,6 +9,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "common/dynamic_scale.h"
+
 namespace fp8kv::cpu {
 
 constexpr int kPartitionSize = 512;
@@ -32,6 +34,12 @@ struct PartitionWork {
   float* out;          // [group, head_size]: this partition's softmax-weighted V (normalised)
   float* max_logit;    // [group]
   float* exp_sum;      // [group]: sum of exp(logit - max_logit) over the partition
+  // Dynamic scales (common/dynamic_scale.h): this KV head's codes in the scale caches [num_blocks, num_kv_heads,
+  // block_size] (already offset by kv_head * block_size), or nullptr for static scales. The kernels fold a
+  // token's key scale into its logit (before ALiBi, which they then leave to apply_key_scales) and its value
+  // scale into its probability after the softmax's sums: a few operations per token, not per element.
+  const uint8_t* k_scales = nullptr;
+  const uint8_t* v_scales = nullptr;
   float* scratch;      // scratch_floats(...) floats, 64-byte aligned, owned by the calling thread
   // KV heads kv_head + prefetch_from .. + prefetch_heads - 1 are read by this thread now or next:
   // prefetch their K and V (contiguous within a block) into L2 during this pass, so memory keeps busy
@@ -57,7 +65,47 @@ inline int64_t scratch_floats(int group, int head_size, int block_size) {
   const int64_t lanes = std::max<int64_t>(16 * head_size, kPartitionSize / 16 * 4 * 64);  // AVX-512 FP8
   return group * padded + group * static_cast<int64_t>(head_size) + static_cast<int64_t>(head_size) * block_size +
          static_cast<int64_t>(head_size) * 2 +
-         static_cast<int64_t>(block_size) * 2 + group + 16 + lanes + 1024;
+         static_cast<int64_t>(block_size) * 2 + group + 16 + lanes + 1024 + kPartitionSize + 32;
+}
+
+// The last kPartitionSize + 32 floats of the scratch: the dynamic scales of a partition's tokens.
+inline float* token_scale_buffer(const PartitionWork& w) {
+  return w.scratch + scratch_floats(w.group, w.head_size, w.block_size) - (kPartitionSize + 32);
+}
+
+// dst[i] = the scale of token begin + i, i < n, from one of the partition's scale caches.
+inline void token_scales(const PartitionWork& w, const uint8_t* codes, int begin, int n, float* dst) {
+  const int bs = w.block_size;
+  const int64_t block_stride = w.num_kv_heads * bs;
+  for (int i = 0; i < n;) {
+    const int t = begin + i, offset = t % bs, run = std::min(bs - offset, n - i);
+    const uint8_t* src = codes + w.block_table[t / bs] * block_stride + offset;
+    for (int j = 0; j < run; ++j) dst[i + j] = scale_code_value(src[j]);
+    i += run;
+  }
+}
+
+// Logit rows logits[h * stride + i] of tokens begin + i, i < n: times each token's key scale, then ALiBi.
+inline void apply_key_scales(const PartitionWork& w, float* logits, int stride, int begin, int n) {
+  float* scale = token_scale_buffer(w);
+  token_scales(w, w.k_scales, begin, n, scale);
+  for (int h = 0; h < w.group; ++h) {
+    float* row = logits + static_cast<int64_t>(h) * stride;
+    for (int i = 0; i < n; ++i) row[i] *= scale[i];
+    if (w.alibi) {
+      for (int i = 0; i < n; ++i) row[i] += w.alibi[h] * static_cast<float>(begin + i - w.last_pos);
+    }
+  }
+}
+
+// Softmax numerators probs[h * stride + i] (their sums taken already) times each token's value scale.
+inline void apply_value_scales(const PartitionWork& w, float* probs, int stride, int begin, int n) {
+  float* scale = token_scale_buffer(w);
+  token_scales(w, w.v_scales, begin, n, scale);
+  for (int h = 0; h < w.group; ++h) {
+    float* row = probs + static_cast<int64_t>(h) * stride;
+    for (int i = 0; i < n; ++i) row[i] *= scale[i];
+  }
 }
 
 }  // namespace fp8kv::cpu

@@ -1,5 +1,6 @@
 // Writing K/V into the paged cache (quantizing to FP8 on the way) and the standalone quantize /
 // dequantize ops that tests and the engine use to check fp8.h against torch.
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -10,6 +11,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
+#include "common/dynamic_scale.h"
 #include "common/fp8.h"
 #include "cpu/checks.h"
 #include "cpu/cpu_ops.h"
@@ -91,12 +93,28 @@ void cache_row_fp8(const scalar_t* krow, const scalar_t* vrow, uint8_t* kdst, ui
 }
 #endif
 
+// max |row[d * stride]| over d < D, NaN left out (std::fmax and the vector max both skip it).
+template <typename scalar_t>
+float row_amax(const scalar_t* row, int64_t stride, int64_t D) {
+  int64_t d = 0;
+  float m = 0.f;
+#if defined(FP8KV_ISA_AVX512)
+  if (stride == 1) {
+    __m512 acc = _mm512_setzero_ps();
+    for (; d + 16 <= D; d += 16) acc = _mm512_max_ps(_mm512_abs_ps(load16_as_float(row + d)), acc);
+    m = _mm512_reduce_max_ps(acc);
+  }
+#endif
+  for (; d < D; ++d) m = std::fmax(m, std::fabs(static_cast<float>(row[d * stride])));
+  return m;
+}
+
 // key/value: [num_tokens, num_kv_heads, head_size] with any strides; caches contiguous.
 template <typename scalar_t, typename cache_t, KVFormat kFormat>
 void reshape_and_cache_impl(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                             at::Tensor& value_cache, const std::vector<int64_t>& slots,
                             const CacheGeometry& g, const std::vector<float>& k_scale,
-                            const std::vector<float>& v_scale) {
+                            const std::vector<float>& v_scale, const ScaleCaches& dyn) {
   const scalar_t* k = key.data_ptr<scalar_t>();
   const scalar_t* v = value.data_ptr<scalar_t>();
   cache_t* kc = static_cast<cache_t*>(key_cache.data_ptr());
@@ -114,7 +132,17 @@ void reshape_and_cache_impl(const at::Tensor& key, const at::Tensor& value, at::
         const scalar_t* vrow = v + t * vs0 + h * vs1;
         cache_t* kdst = kc + (block * H + h) * D * bs + offset * x;  // + (d / x) * bs * x + d % x
         cache_t* vdst = vc + (block * H + h) * D * bs + offset;      // + d * bs
-        const float ksc = k_scale[h], vsc = v_scale[h];
+        float ksc = k_scale[h], vsc = v_scale[h];
+        if constexpr (kFormat != KVFormat::AUTO) {
+          if (dyn.dynamic()) {  // this token and head's own power-of-two scales, stored at its slot
+            constexpr float kMax = Fp8Traits<fp8_format_of(kFormat)>::kMax;
+            const int64_t at = (block * H + h) * bs + offset;
+            dyn.k[at] = scale_code(row_amax(krow, ks2, D), kMax);
+            dyn.v[at] = scale_code(row_amax(vrow, vs2, D), kMax);
+            ksc = scale_code_value(dyn.k[at]);
+            vsc = scale_code_value(dyn.v[at]);
+          }
+        }
 #if defined(FP8KV_ISA_AVX512)
         if constexpr (kFormat != KVFormat::AUTO) {
           if (ks2 == 1 && vs2 == 1 && D % 16 == 0) {
@@ -160,9 +188,11 @@ int64_t heads_of(const at::Tensor& x, const at::Tensor& scale) {
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                        at::Tensor& value_cache, const at::Tensor& slot_mapping,
                        int64_t kv_cache_format, const at::Tensor& k_scale,
-                       const at::Tensor& v_scale) {
+                       const at::Tensor& v_scale, const std::optional<at::Tensor>& k_scale_cache,
+                       const std::optional<at::Tensor>& v_scale_cache) {
   const KVFormat format = kv_format_from_code(kv_cache_format);
   const CacheGeometry g = check_caches(key_cache, value_cache, format != KVFormat::AUTO);
+  const ScaleCaches dyn = check_scale_caches(k_scale_cache, v_scale_cache, g, format != KVFormat::AUTO);
   check_kv_input(key, "key", g);
   check_kv_input(value, "value", g);
   TORCH_CHECK(value.size(0) == key.size(0), "key and value have different token counts: ", key.size(0),
@@ -191,7 +221,7 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   TORCH_CHECK(v.scalar_type() == k.scalar_type(), "key and value dtypes differ: ", key.scalar_type(), " vs ",
               value.scalar_type());
 #define FP8KV_CALL(scalar_t, cache_t, kFormat) \
-  reshape_and_cache_impl<scalar_t, cache_t, kFormat>(k, v, key_cache, value_cache, slots, g, ks, vs)
+  reshape_and_cache_impl<scalar_t, cache_t, kFormat>(k, v, key_cache, value_cache, slots, g, ks, vs, dyn)
   FP8KV_DISPATCH_BY_KV_FORMAT(src, format, FP8KV_CALL);
 #undef FP8KV_CALL
 }
