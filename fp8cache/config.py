@@ -18,6 +18,9 @@ class EngineConfig:
     quantization_param_path: str | None = None
     calculate_kv_scales: bool = False
     kv_scales_granularity: str = "tensor"  # tensor | head, for calculate_kv_scales
+    # static: per-tensor or per-head scales (file, checkpoint, calculate_kv_scales or 1.0); dynamic: a scale per
+    # token and KV head computed as the cache is written, no calibration (fp8cache/kvcache/dynamic_scales.py)
+    kv_scales: str = "static"
     block_size: int = 16
     max_model_len: int | None = None  # None: the model's own limit
     max_num_seqs: int = 64
