@@ -21,6 +21,9 @@ class EngineConfig:
     # static: per-tensor or per-head scales (file, checkpoint, calculate_kv_scales or 1.0); dynamic: a scale per
     # token and KV head computed as the cache is written, no calibration (fp8cache/kvcache/dynamic_scales.py)
     kv_scales: str = "static"
+    # Dynamic scales only: auto (the Hadamard rotation where the head size allows it: measured to pay, docs/design.md
+    # "Dynamic KV scales"), hadamard or none. Static scales take theirs from their scales file.
+    kv_rotation: str = "auto"
     block_size: int = 16
     max_model_len: int | None = None  # None: the model's own limit
     max_num_seqs: int = 64

@@ -87,6 +87,9 @@ _ENGINE_OPTIONS = [
            help="static: per-tensor or per-head scales (scales file, checkpoint, --calculate-kv-scales or 1.0). "
                 "dynamic: a scale per token and KV head computed as the cache is written, no calibration "
                 "(CPU only so far)."),
+    option("--kv-rotation", type=click.Choice(["auto", "none", "hadamard"]), default="auto",
+           help="With --kv-scales dynamic: rotate K/V by a Hadamard matrix before quantizing (auto: where the head "
+                "size allows). Static scales use the rotation their scales file records."),
     option("--kv-recent-window", type=click.IntRange(min=0), default=None,
            help="Keep each sequence's newest N tokens' K/V in full precision too (0: plain FP8 cache; "
                 "default 32 with an FP8 cache)."),
@@ -181,7 +184,7 @@ def engine_config(model: str | None, kw: dict) -> EngineConfig:
     return EngineConfig(
         model=model, tokenizer=kw["tokenizer"], dtype=kw["dtype"], kv_cache_dtype=kw["kv_cache_dtype"],
         quantization_param_path=kw["quantization_param_path"], calculate_kv_scales=kw["calculate_kv_scales"],
-        kv_scales_granularity=kw["kv_scales_granularity"], kv_scales=kw["kv_scales"],
+        kv_scales_granularity=kw["kv_scales_granularity"], kv_scales=kw["kv_scales"], kv_rotation=kw["kv_rotation"],
         kv_recent_window=kw["kv_recent_window"],
         kv_recent_window_dtype=kw["kv_recent_window_dtype"], block_size=int(kw["block_size"]),
         max_model_len=kw["max_model_len"], max_num_seqs=kw["max_num_seqs"],

@@ -90,16 +90,17 @@ class KVCacheSpec:
     def build(cls, kv_cache_dtype: str, model_dtype: torch.dtype, block_size: int, num_layers: int,
               num_kv_heads: int, head_size: int, scales: kv_scales.KVScales | None, window_size: int = 0,
               window_dtype: torch.dtype | None = None, backend: str = "cpu",
-              device: torch.device | str = "cpu", name: str | None = None, dynamic: bool = False) -> KVCacheSpec:
+              device: torch.device | str = "cpu", name: str | None = None, dynamic: bool = False,
+              rotation: str = NONE) -> KVCacheSpec:
         """The spec for a cache on `device`. scales None: an FP8 cache whose scales the first batch will
         calculate (placeholders of 1.0 until then); an auto cache gets unused ones. name: kv_cache_dtype
         resolved for `backend` already (the runner resolves it once, before the model loads). dynamic: an FP8
-        cache with dynamic scales (`scales` must be None)."""
+        cache with dynamic scales (`scales` must be None), K/V rotated by `rotation` ("none", "hadamard")."""
         name = name or formats.resolve_kv_cache_dtype(kv_cache_dtype, backend)
         if dynamic:
             if scales is not None:
                 raise ValueError(f"dynamic KV scales replace static ones; got scales from {scales.source} too")
-            scales = dataclasses.replace(kv_scales.ones(num_layers, name), source=DYNAMIC_SOURCE)
+            scales = dataclasses.replace(kv_scales.ones(num_layers, name), source=DYNAMIC_SOURCE, rotation=rotation)
         if scales is None and name == formats.AUTO:
             scales = scale_files.resolve_scales(name, num_layers, num_kv_heads)
         ones = kv_scales.ones(num_layers, name)

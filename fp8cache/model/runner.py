@@ -17,6 +17,7 @@ from fp8cache.distributed import worker as tp_worker
 from fp8cache.kvcache import dynamic_scales, formats, scale_files, sizing
 from fp8cache.kvcache import scales as kv_scales
 from fp8cache.kvcache.layout import allocate_kv_cache
+from fp8cache.kvcache.rotation import HADAMARD, NONE, rotation_matrix
 from fp8cache.kvcache.spec import PENDING_SOURCE, KVCacheSpec, check_block_size
 from fp8cache.model import attention, forward_context, fused_layer, step_metadata
 from fp8cache.model.batch import StepBatch
@@ -90,7 +91,8 @@ class ModelRunner:
         # The one resolved description of the cache; only calculated scales replace it (_use_scales).
         self.kv_spec = KVCacheSpec.build(config.kv_cache_dtype, self.dtype, self.block_size, self.num_layers,
                                          self.num_kv_heads, self.head_size, scales, window, window_dtype,
-                                         backend, self.device, name=fmt_name, dynamic=self.dynamic_scales)
+                                         backend, self.device, name=fmt_name, dynamic=self.dynamic_scales,
+                                         rotation=self._resolve_dynamic_rotation())
         self._init_cache()
         self._graphs = self._decode_graphs()
 
@@ -181,6 +183,25 @@ class ModelRunner:
                              "--kv-scales static to use those scales")
         return True
 
+    def _resolve_dynamic_rotation(self) -> str:
+        """config.kv_rotation for dynamic scales: auto is the Hadamard rotation where the head size allows it."""
+        wanted = self.config.kv_rotation
+        if wanted not in ("auto", NONE, HADAMARD):
+            raise ValueError(f"kv_rotation={wanted!r} is not one of auto, none, hadamard")
+        if not self.dynamic_scales:
+            if wanted != "auto":
+                self.log("note: --kv-rotation applies to --kv-scales dynamic; static scales use the rotation their "
+                         "scales file records (fp8kv calibrate --kv-rotation)")
+            return NONE
+        if wanted != "auto":
+            rotation_matrix(wanted, self.head_size)  # refuses a head size it cannot rotate, naming the fix
+            return wanted
+        try:
+            rotation_matrix(HADAMARD, self.head_size)
+        except ValueError:
+            return NONE
+        return HADAMARD
+
     def _resolve_scales(self, loaded: LoadedModel, fmt_name: str) -> kv_scales.KVScales | None:
         """The scales by their precedence (None: calculated from the first batch, or dynamic scales)."""
         if self.dynamic_scales:
@@ -244,7 +265,7 @@ class ModelRunner:
         if spec.dynamic_scales:
             scale_bytes = dynamic_scales.bytes_per_token(spec.num_layers, spec.num_kv_heads)
             self.log(f"KV scales: dynamic, {scale_bytes} of the {self.bytes_per_token} bytes per token "
-                     f"({100 * scale_bytes / self.bytes_per_token:.1f}%)")
+                     f"({100 * scale_bytes / self.bytes_per_token:.1f}%), rotation {spec.rotation}")
 
     def _decode_graphs(self) -> cuda_graph.DecodeGraphs | None:
         """CUDA graphs for decode steps: on a GPU with the compiled ops and fp8kv's lean layers (whose steps

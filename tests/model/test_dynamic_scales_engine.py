@@ -71,11 +71,13 @@ def test_attention_reads_dynamic_scales_of_prefix_and_chunks(kv_cache_dtype, use
             row += 1
 
 
-def test_decode_prefix_cache_and_window_agree_with_prefill(loaded, text_ids):
-    """With dynamic scales, the decode path (whole-layer op), a prefix read from another sequence's blocks and
-    prefill all read the same codes and scales: their logits for the same positions match."""
-    runner = make_runner(loaded, "fp8_e4m3", kv_scales="dynamic")
+@pytest.mark.parametrize("kv_rotation", ["auto", "none"])
+def test_decode_and_prefix_cache_agree_with_prefill(loaded, text_ids, kv_rotation):
+    """With dynamic scales, the decode path (the whole-layer op without rotation, the lean layers with it), a prefix
+    read from another sequence's blocks and prefill all read the same codes and scales: their logits match."""
+    runner = make_runner(loaded, "fp8_e4m3", kv_scales="dynamic", kv_rotation=kv_rotation)
     assert runner.kv_spec.dynamic_scales and runner.scales_source == DYNAMIC_SOURCE
+    assert runner.kv_rotation == ("hadamard" if kv_rotation == "auto" else "none")  # d64: a power of two
     n = 40
     whole = runner.execute(step([(Seq(text_ids[:n], [0, 1, 2]), 0, n)]), all_logits=True)
     decoded = Seq(text_ids[:n], [3, 4, 5])
@@ -136,6 +138,21 @@ def test_dynamic_scales_with_auto_cache_are_a_note_and_unknown_values_an_error(l
     runner = SimpleNamespace(config=SimpleNamespace(kv_scales="dynamic"), log=notes.append,
                              device=torch.device("cpu"))
     assert not ModelRunner._resolve_dynamic_scales(runner, "auto") and "ignored" in notes[0]
+
+
+def test_rotation_is_for_dynamic_scales_and_refuses_what_it_cannot_rotate():
+    notes = []
+    runner = SimpleNamespace(config=SimpleNamespace(kv_rotation="hadamard"), log=notes.append, dynamic_scales=False,
+                             head_size=64)
+    assert ModelRunner._resolve_dynamic_rotation(runner) == "none" and "scales file" in notes[0]
+    runner.dynamic_scales, runner.head_size = True, 36  # 36 = 4 x 9: no Hadamard block of 8 or more
+    with pytest.raises(ValueError, match="none"):
+        ModelRunner._resolve_dynamic_rotation(runner)
+    runner.config.kv_rotation = "auto"
+    assert ModelRunner._resolve_dynamic_rotation(runner) == "none"  # auto: rotate only where it can
+    runner.config.kv_rotation = "sideways"
+    with pytest.raises(ValueError, match="not one of auto, none, hadamard"):
+        ModelRunner._resolve_dynamic_rotation(runner)
 
 
 def test_gpu_device_refuses_dynamic_scales_at_start():
