@@ -16,8 +16,8 @@ bool cpu_bf16_dot() { return fp8kv::cpu::has_bf16_dot(); }
 
 }  // namespace
 
-// k_scale_cache / v_scale_cache (None: static scales): dynamic scales, uint8 [num_blocks, num_kv_heads, block_size]
-// codes of a power of two per token and KV head (common/dynamic_scale.h), used in place of k_scale / v_scale.
+// k_scale_cache / v_scale_cache (None: static scales): dynamic scales, bfloat16 [num_blocks, num_kv_heads,
+// block_size], one per token and KV head (common/dynamic_scale.h), used in place of k_scale / v_scale.
 // kv_cache_format is a KVFormat code (common/cache_format.h), resolved from the user's kv-cache-dtype string in
 // Python (fp8cache.ops and fp8cache.kvcache.formats.format_code): no op parses a string on its calls.
 TORCH_LIBRARY(fp8kv, m) {

@@ -1,39 +1,34 @@
 // Dynamic KV scales (docs/design.md "Dynamic KV scales"; fp8cache/kvcache/dynamic_scales.py is the Python twin):
-// one power-of-two scale per token and KV head, stored as an E8M0 exponent code c (scale = 2^(c - 127)) in
-// uint8 [num_blocks, num_kv_heads, block_size] beside the FP8 codes. Torch-free, for host and device code.
+// one scale per token and KV head, amax / the format's max rounded UP to a bfloat16 (so the largest element never
+// clips, and lands within 2^-7 of the format's max), stored as bfloat16 [num_blocks, num_kv_heads, block_size]
+// beside the FP8 codes. A bfloat16 is the upper half of a float32, so a kernel reads one with a shift.
+// Torch-free, for host and device code.
 #pragma once
 
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 
 namespace fp8kv {
 
-constexpr int kScaleBias = 127;
-constexpr int kMinScaleCode = 1, kMaxScaleCode = 254;  // normal float32 powers of two only
+// Scales stay normal and finite: [2^-126, the largest finite bfloat16].
+constexpr uint32_t kMinScaleBits = 0x0080, kMaxScaleBits = 0x7F7F;
 
-// 2^(code - 127) as a float, built from its bits (codes are in [1, 254]: a normal float).
-inline float scale_code_value(uint8_t code) {
-  const uint32_t bits = static_cast<uint32_t>(code) << 23;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
+// The float value of a stored scale's bfloat16 bits.
+inline float scale_value(uint16_t bits) {
+  const uint32_t f = static_cast<uint32_t>(bits) << 16;
+  float v;
+  std::memcpy(&v, &f, sizeof v);
+  return v;
 }
 
-// The smallest power of two s with amax <= fmax * s, as its code in [1, 254]. amax >= 0 (NaN left out by the
-// caller); ldexp of fmax is exact at every exponent tried, so the comparisons are exact and the code is the
-// same as the Python reference's.
-inline uint8_t scale_code(float amax, float fmax) {
-  if (!(amax <= 3.4028235e38f)) return kMaxScaleCode;  // infinite: the values saturate
-  if (!(amax > 0.f)) return kMinScaleCode;
-  int e;
-  std::frexp(amax / fmax, &e);  // amax / fmax = m 2^e, m in [0.5, 1): ceil(log2) is e, or e - 1 when m = 0.5
-  if (e > kScaleBias + 1) e = kScaleBias + 1;
-  if (e < -kScaleBias) e = -kScaleBias;
-  if (amax <= std::ldexp(fmax, e - 1)) --e;  // the division rounded up past a power of two
-  if (amax > std::ldexp(fmax, e)) ++e;       // or down below one
-  const int code = e + kScaleBias;
-  return static_cast<uint8_t>(code < kMinScaleCode ? kMinScaleCode : code > kMaxScaleCode ? kMaxScaleCode : code);
+// The bfloat16 bits of amax / fmax rounded up (amax >= 0, NaN left out by the caller), clamped to the range above.
+inline uint16_t scale_bits(float amax, float fmax) {
+  const float exact = amax / fmax;
+  uint32_t f;
+  std::memcpy(&f, &exact, sizeof f);
+  uint32_t hi = (f + 0xFFFFu) >> 16;  // round up: any bit below the bfloat16's mantissa carries
+  hi = hi < kMinScaleBits ? kMinScaleBits : hi > kMaxScaleBits ? kMaxScaleBits : hi;
+  return static_cast<uint16_t>(hi);
 }
 
 }  // namespace fp8kv

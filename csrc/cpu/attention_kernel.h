@@ -34,12 +34,12 @@ struct PartitionWork {
   float* out;          // [group, head_size]: this partition's softmax-weighted V (normalised)
   float* max_logit;    // [group]
   float* exp_sum;      // [group]: sum of exp(logit - max_logit) over the partition
-  // Dynamic scales (common/dynamic_scale.h): this KV head's codes in the scale caches [num_blocks, num_kv_heads,
-  // block_size] (already offset by kv_head * block_size), or nullptr for static scales. The kernels fold a
+  // Dynamic scales (common/dynamic_scale.h): this KV head's bfloat16 bits in the scale caches [num_blocks,
+  // num_kv_heads, block_size] (already offset by kv_head * block_size), or nullptr for static scales. The kernels fold a
   // token's key scale into its logit (before ALiBi, which they then leave to apply_key_scales) and its value
   // scale into its probability after the softmax's sums: a few operations per token, not per element.
-  const uint8_t* k_scales = nullptr;
-  const uint8_t* v_scales = nullptr;
+  const uint16_t* k_scales = nullptr;
+  const uint16_t* v_scales = nullptr;
   float* scratch;      // scratch_floats(...) floats, 64-byte aligned, owned by the calling thread
   // KV heads kv_head + prefetch_from .. + prefetch_heads - 1 are read by this thread now or next:
   // prefetch their K and V (contiguous within a block) into L2 during this pass, so memory keeps busy
@@ -74,13 +74,13 @@ inline float* token_scale_buffer(const PartitionWork& w) {
 }
 
 // dst[i] = the scale of token begin + i, i < n, from one of the partition's scale caches.
-inline void token_scales(const PartitionWork& w, const uint8_t* codes, int begin, int n, float* dst) {
+inline void token_scales(const PartitionWork& w, const uint16_t* scales, int begin, int n, float* dst) {
   const int bs = w.block_size;
   const int64_t block_stride = w.num_kv_heads * bs;
   for (int i = 0; i < n;) {
     const int t = begin + i, offset = t % bs, run = std::min(bs - offset, n - i);
-    const uint8_t* src = codes + w.block_table[t / bs] * block_stride + offset;
-    for (int j = 0; j < run; ++j) dst[i + j] = scale_code_value(src[j]);
+    const uint16_t* src = scales + w.block_table[t / bs] * block_stride + offset;
+    for (int j = 0; j < run; ++j) dst[i + j] = scale_value(src[j]);
     i += run;
   }
 }

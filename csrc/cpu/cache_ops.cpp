@@ -137,10 +137,10 @@ void reshape_and_cache_impl(const at::Tensor& key, const at::Tensor& value, at::
           if (dyn.dynamic()) {  // this token and head's own power-of-two scales, stored at its slot
             constexpr float kMax = Fp8Traits<fp8_format_of(kFormat)>::kMax;
             const int64_t at = (block * H + h) * bs + offset;
-            dyn.k[at] = scale_code(row_amax(krow, ks2, D), kMax);
-            dyn.v[at] = scale_code(row_amax(vrow, vs2, D), kMax);
-            ksc = scale_code_value(dyn.k[at]);
-            vsc = scale_code_value(dyn.v[at]);
+            dyn.k[at] = scale_bits(row_amax(krow, ks2, D), kMax);
+            dyn.v[at] = scale_bits(row_amax(vrow, vs2, D), kMax);
+            ksc = scale_value(dyn.k[at]);
+            vsc = scale_value(dyn.v[at]);
           }
         }
 #if defined(FP8KV_ISA_AVX512)

@@ -26,7 +26,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                      const std::optional<at::Tensor>& k_scale_cache = std::nullopt,
                      const std::optional<at::Tensor>& v_scale_cache = std::nullopt);
 
-// k_scale_cache / v_scale_cache: dynamic scales, uint8 [num_blocks, num_kv_heads, block_size] (common/dynamic_scale.h),
+// k_scale_cache / v_scale_cache: dynamic scales, bfloat16 [num_blocks, num_kv_heads, block_size] (common/dynamic_scale.h),
 // written by reshape_and_cache and read by attention in place of k_scale / v_scale.
 // sliding_window > 0: each sequence attends to its newest sliding_window positions; logit_softcap > 0: logits
 // become logit_softcap * tanh(logit / logit_softcap); sinks [num_heads]: one more logit per head in the

@@ -102,12 +102,12 @@ class PagedCall:
 
 def _scale_caches(case: KernelCase, num_blocks: int, block_size: int, num_kv_heads: int, gen: torch.Generator,
                   device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Dynamic scale caches of random powers of two near 1 (what they cost to read does not depend on them)."""
+    """Dynamic scale caches of random scales near 1 (what they cost to read does not depend on them)."""
     if case.kv_scales != "dynamic" or formats.get_format(case.kv_cache_dtype) is None:
         return ()
     caches = dynamic_scales.allocate_scale_caches(num_blocks, block_size, num_kv_heads, device)
     for cache in caches:
-        cache.copy_(torch.randint(120, 135, cache.shape, generator=gen, device=gen.device, dtype=torch.uint8))
+        cache.copy_(torch.rand(cache.shape, generator=gen, device=gen.device) + 0.5)
     return caches
 
 
@@ -135,7 +135,7 @@ def _paged_case(case: KernelCase, batch: int, context: int, num_heads: int, num_
     call = paged_call(case, batch, context, num_heads, num_kv_heads, head_size, block_size, gen, device)
     kv_bytes = 2 * batch * context * num_kv_heads * head_size * call.key_cache.element_size()
     if call.scale_caches:
-        kv_bytes += 2 * batch * context * num_kv_heads  # one scale byte per token and head, K and V
+        kv_bytes += 2 * batch * context * num_kv_heads * 2  # a bfloat16 scale per token and head, K and V
     return call.run, kv_bytes
 
 

@@ -140,7 +140,7 @@ class KVCacheSpec:
         return formats.cache_storage_dtype(self.format, self.model_dtype)
 
     def scale_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        """One layer's K (or V) dynamic scale cache: uint8 [num_blocks, num_kv_heads, block_size]."""
+        """One layer's K (or V) dynamic scale cache: bfloat16 [num_blocks, num_kv_heads, block_size]."""
         return (num_blocks, self.num_kv_heads, self.block_size)
 
     def allocate_scale_caches(self, num_blocks: int,

@@ -69,7 +69,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
                       value_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_cache_dtype: str | int,
                       k_scale: torch.Tensor, v_scale: torch.Tensor, k_scale_cache: torch.Tensor | None = None,
                       v_scale_cache: torch.Tensor | None = None) -> None:
-    """Quantize K/V into their slots. k_scale_cache / v_scale_cache (uint8 [num_blocks, kv_heads, block_size],
+    """Quantize K/V into their slots. k_scale_cache / v_scale_cache (bfloat16 [num_blocks, kv_heads, block_size],
     FP8 caches): dynamic scales, one per token and head computed here and stored at the token's slot
     (fp8cache.kvcache.dynamic_scales); k_scale and v_scale are then not used."""
     load().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,

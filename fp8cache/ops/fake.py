@@ -54,7 +54,7 @@ def _check_scale(scale: torch.Tensor, num_kv_heads: int, device: torch.device, n
 
 
 def _check_scale_caches(key_cache, kv_cache_format, k_scale_cache, v_scale_cache) -> None:
-    """Dynamic scales: uint8 [num_blocks, num_kv_heads, block_size] each, both or neither, FP8 caches only."""
+    """Dynamic scales: bfloat16 [num_blocks, num_kv_heads, block_size] each, both or neither, FP8 caches only."""
     if k_scale_cache is None and v_scale_cache is None:
         return
     _check(k_scale_cache is not None and v_scale_cache is not None,
@@ -62,8 +62,8 @@ def _check_scale_caches(key_cache, kv_cache_format, k_scale_cache, v_scale_cache
     _check(kv_cache_format != CacheFormat.AUTO, "an 'auto' cache holds the values themselves: pass no scale caches")
     shape = (key_cache.shape[0], key_cache.shape[1], key_cache.shape[3])
     for name, t in (("k_scale_cache", k_scale_cache), ("v_scale_cache", v_scale_cache)):
-        _check(t.dtype == torch.uint8 and tuple(t.shape) == shape,
-               f"{name} must be uint8 {shape} ([num_blocks, num_kv_heads, block_size]), got {t.dtype} {tuple(t.shape)}")
+        _check(t.dtype == torch.bfloat16 and tuple(t.shape) == shape,
+               f"{name} must be bfloat16 {shape} ([num_blocks, num_kv_heads, block_size]), got {t.dtype} {tuple(t.shape)}")
         _same_device(key_cache.device, **{name: t})
 
 

@@ -34,19 +34,18 @@ def _check_slots(slot_mapping: torch.Tensor, num_slots: int) -> torch.Tensor:
 
 
 def quantize_dynamic(x: torch.Tensor, fmt: formats.Fp8Format) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [tokens, heads, d] -> (uint8 codes, uint8 E8M0 scale codes [tokens, heads]): each token and head's
-    own power-of-two scale, the smallest that keeps its largest |x| from clipping (kvcache.dynamic_scales)."""
-    codes = dynamic_scales.scale_codes(dynamic_scales.token_head_amax(x), fmt.max)
-    s = dynamic_scales.code_values(codes)[..., None]
-    q = torch.clamp(x.to(torch.float32) / s, -fmt.max, fmt.max).to(fmt.torch_dtype)
-    return q.view(torch.uint8), codes
+    """x [tokens, heads, d] -> (uint8 codes, bfloat16 scales [tokens, heads]): each token and head's own scale,
+    its largest |x| over the format's max rounded up (kvcache.dynamic_scales)."""
+    scales = dynamic_scales.scales_of(dynamic_scales.token_head_amax(x), fmt.max)
+    q = torch.clamp(x.to(torch.float32) / scales.float()[..., None], -fmt.max, fmt.max).to(fmt.torch_dtype)
+    return q.view(torch.uint8), scales
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                       value_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_cache_dtype: str | int,
                       k_scale: torch.Tensor, v_scale: torch.Tensor, k_scale_cache: torch.Tensor | None = None,
                       v_scale_cache: torch.Tensor | None = None) -> None:
-    """k_scale_cache / v_scale_cache [num_blocks, kv_heads, block_size] (FP8 caches): dynamic scales, computed
+    """k_scale_cache / v_scale_cache bfloat16 [num_blocks, kv_heads, block_size] (FP8 caches): dynamic scales, computed
     per token and head and stored at each token's slot; k_scale and v_scale are then not used."""
     num_blocks, num_kv_heads, _, block_size, x = key_cache.shape
     head_size = value_cache.shape[2]
@@ -112,8 +111,8 @@ def gather_kv_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor, block_i
         return k.to(torch.float32), v.to(torch.float32)
     if k_scale_cache is not None:
         def token_scales(cache: torch.Tensor) -> torch.Tensor:  # [n, heads, seq_len, 1]
-            codes = cache[ids].view(n, n_blocks, num_kv_heads, block_size).permute(0, 2, 1, 3)
-            return dynamic_scales.code_values(codes.reshape(n, num_kv_heads, -1)[:, :, :seq_len])[..., None]
+            scales = cache[ids].view(n, n_blocks, num_kv_heads, block_size).permute(0, 2, 1, 3)
+            return scales.reshape(n, num_kv_heads, -1)[:, :, :seq_len].float()[..., None]
 
         one = torch.ones(1)
         return (dequantize(k, one, fmt, head_dim=1) * token_scales(k_scale_cache),

@@ -25,8 +25,8 @@ def test_bench_kernels_measures_dynamic_scales_and_the_cache_write_beside_static
         tokens_heads = r["batch"] * r["context"] * r["num_kv_heads"]
         if r["op"] == "cache_write":  # K and V read in the model dtype (bfloat16)
             want = 2 * tokens_heads * r["head_size"] * 2
-        elif r["kv_cache_dtype"] in fp8:  # codes, plus one scale byte per token and head of K and V
-            want = 2 * tokens_heads * (r["head_size"] + (r["kv_scales"] == "dynamic"))
+        elif r["kv_cache_dtype"] in fp8:  # codes, plus a bfloat16 scale per token and head of K and V
+            want = 2 * tokens_heads * (r["head_size"] + 2 * (r["kv_scales"] == "dynamic"))
         else:
             continue
         assert r["kv_gbps"] == pytest.approx(want / r["ms"] / 1e6)
