@@ -36,6 +36,7 @@ namespace {
 
 template <typename cache_t, KVFormat kFormat, bool kBf16Query = false>
 void run_partition(const PartitionWork& w) {
+  if (w.k_scales) prefetch_token_scales(w);
 #if defined(FP8KV_ISA_AVX512)
   if (avx512::supports(w)) return avx512::run_partition<cache_t, kFormat, kBf16Query>(w);
 #elif defined(FP8KV_ISA_AVX2)

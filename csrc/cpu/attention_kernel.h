@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "common/dynamic_scale.h"
+#include "cpu/isa.h"
 
 namespace fp8kv::cpu {
 
@@ -73,6 +74,19 @@ inline float* token_scale_buffer(const PartitionWork& w) {
   return w.scratch + scratch_floats(w.group, w.head_size, w.block_size) - (kPartitionSize + 32);
 }
 
+// The partition's dynamic scales into the cache while its Q.K pass runs: a block's scales of one head are 32
+// bytes away from its codes, in lines no hardware prefetcher predicts (block ids are random), so reading them
+// after the pass cost a miss per block and head.
+inline void prefetch_token_scales(const PartitionWork& w) {
+  const int bs = w.block_size;
+  const int64_t block_stride = w.num_kv_heads * bs;
+  for (int b = w.start / bs; b * bs < w.end; ++b) {
+    const int64_t at = w.block_table[b] * block_stride;
+    __builtin_prefetch(w.k_scales + at);
+    __builtin_prefetch(w.v_scales + at);
+  }
+}
+
 // dst[i] = the scale of token begin + i, i < n, from one of the partition's scale caches.
 inline void token_scales(const PartitionWork& w, const uint16_t* scales, int begin, int n, float* dst) {
   const int bs = w.block_size;
@@ -80,9 +94,26 @@ inline void token_scales(const PartitionWork& w, const uint16_t* scales, int beg
   for (int i = 0; i < n;) {
     const int t = begin + i, offset = t % bs, run = std::min(bs - offset, n - i);
     const uint16_t* src = scales + w.block_table[t / bs] * block_stride + offset;
-    for (int j = 0; j < run; ++j) dst[i + j] = scale_value(src[j]);
+    int j = 0;
+#if defined(FP8KV_ISA_AVX512)
+    for (; j < run; j += 16) {  // bfloat16 bits -> float32: zero-extend, shift into the upper half
+      const __mmask16 m = run - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (run - j)) - 1);
+      const __m512i bits = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, src + j));
+      _mm512_mask_storeu_ps(dst + i + j, m, _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16)));
+    }
+#endif
+    for (; j < run; ++j) dst[i + j] = scale_value(src[j]);
     i += run;
   }
+}
+
+// row[i] *= scale[i], i < n.
+inline void scale_row(float* row, const float* scale, int n) {
+  int i = 0;
+#if defined(FP8KV_ISA_AVX512)
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(row + i, _mm512_mul_ps(_mm512_loadu_ps(row + i), _mm512_loadu_ps(scale + i)));
+#endif
+  for (; i < n; ++i) row[i] *= scale[i];
 }
 
 // Logit rows logits[h * stride + i] of tokens begin + i, i < n: times each token's key scale, then ALiBi.
@@ -91,7 +122,7 @@ inline void apply_key_scales(const PartitionWork& w, float* logits, int stride, 
   token_scales(w, w.k_scales, begin, n, scale);
   for (int h = 0; h < w.group; ++h) {
     float* row = logits + static_cast<int64_t>(h) * stride;
-    for (int i = 0; i < n; ++i) row[i] *= scale[i];
+    scale_row(row, scale, n);
     if (w.alibi) {
       for (int i = 0; i < n; ++i) row[i] += w.alibi[h] * static_cast<float>(begin + i - w.last_pos);
     }
@@ -103,8 +134,7 @@ inline void apply_value_scales(const PartitionWork& w, float* probs, int stride,
   float* scale = token_scale_buffer(w);
   token_scales(w, w.v_scales, begin, n, scale);
   for (int h = 0; h < w.group; ++h) {
-    float* row = probs + static_cast<int64_t>(h) * stride;
-    for (int i = 0; i < n; ++i) row[i] *= scale[i];
+    scale_row(probs + static_cast<int64_t>(h) * stride, scale, n);
   }
 }
 
