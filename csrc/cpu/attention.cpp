@@ -36,7 +36,6 @@ namespace {
 
 template <typename cache_t, KVFormat kFormat, bool kBf16Query = false>
 void run_partition(const PartitionWork& w) {
-  if (w.k_scales) prefetch_token_scales(w);
 #if defined(FP8KV_ISA_AVX512)
   if (avx512::supports(w)) return avx512::run_partition<cache_t, kFormat, kBf16Query>(w);
 #elif defined(FP8KV_ISA_AVX2)
@@ -177,6 +176,7 @@ void run_spans(const Problem& p) {
       return w;
     };
     bool fetched = false;  // the current unit's first head was prefetched by the unit before
+    bool scales_fetched = false;  // and its dynamic scales
     for (int64_t i = next_unit.fetch_add(1); i < n_units;) {
       const int64_t j = claim_ahead ? next_unit.fetch_add(1) : n_units;
       const Unit& u = units[i];
@@ -194,6 +194,12 @@ void run_spans(const Problem& p) {
         w.prefetch_heads = std::min(first ? 2 : 1, u.kv_head + u.heads - kvh - (first ? 0 : 1));
         const bool last = kvh == u.kv_head + u.heads - 1;
         if (last && chain && w.prefetch_heads == 0) w.then = &next_first;
+        if (w.k_scales) {  // dynamic scales: this pass's own (unless fetched already) and the next pass's
+          if (kvh == u.kv_head && !scales_fetched) prefetch_token_scales(w);
+          if (!last) prefetch_token_scales(work_of(u, kvh + 1));
+          else if (j < n_units) prefetch_token_scales(work_of(units[j], units[j].kv_head));
+          scales_fetched = last && j < n_units;
+        }
         if (last) fetched = w.then != nullptr;
         src.run(w);
       }

@@ -74,10 +74,11 @@ inline float* token_scale_buffer(const PartitionWork& w) {
   return w.scratch + scratch_floats(w.group, w.head_size, w.block_size) - (kPartitionSize + 32);
 }
 
-// The partition's dynamic scales into the cache while its Q.K pass runs: a block's scales of one head are 32
-// bytes away from its codes, in lines no hardware prefetcher predicts (block ids are random), so reading them
-// after the pass cost a miss per block and head.
+// A partition's dynamic scales into the cache, issued by the driver one pass ahead (attention.cpp run_spans): a
+// block's scales of one head are lines apart from its codes, where no hardware prefetcher looks (block ids are
+// random), so reading them unfetched cost a miss per block and head.
 inline void prefetch_token_scales(const PartitionWork& w) {
+  if (w.k_scales == nullptr) return;  // static scales, or a window ring's partition
   const int bs = w.block_size;
   const int64_t block_stride = w.num_kv_heads * bs;
   for (int b = w.start / bs; b * bs < w.end; ++b) {
