@@ -16,23 +16,28 @@ bool cpu_bf16_dot() { return fp8kv::cpu::has_bf16_dot(); }
 
 }  // namespace
 
+// k_scale_cache / v_scale_cache (None: static scales): dynamic scales, bfloat16 [num_blocks, num_kv_heads,
+// block_size], one per token and KV head (common/dynamic_scale.h), used in place of k_scale / v_scale.
 // kv_cache_format is a KVFormat code (common/cache_format.h), resolved from the user's kv-cache-dtype string in
 // Python (fp8cache.ops and fp8cache.kvcache.formats.format_code): no op parses a string on its calls.
 TORCH_LIBRARY(fp8kv, m) {
   m.def(
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
-      "Tensor slot_mapping, int kv_cache_format, Tensor k_scale, Tensor v_scale) -> ()");
+      "Tensor slot_mapping, int kv_cache_format, Tensor k_scale, Tensor v_scale, "
+      "Tensor(c!)? k_scale_cache=None, Tensor(d!)? v_scale_cache=None) -> ()");
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "int num_kv_heads, float scale, Tensor block_tables, Tensor seq_lens, int block_size, "
       "int max_seq_len, Tensor? alibi_slopes, int kv_cache_format, Tensor k_scale, Tensor v_scale, "
-      "int sliding_window=0, float logit_softcap=0.0, Tensor? sinks=None) -> ()");
+      "int sliding_window=0, float logit_softcap=0.0, Tensor? sinks=None, Tensor? k_scale_cache=None, "
+      "Tensor? v_scale_cache=None) -> ()");
   m.def(
       "paged_attention_window(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor window_key_cache, Tensor window_value_cache, int num_kv_heads, float scale, "
       "Tensor block_tables, Tensor window_block_tables, Tensor seq_lens, Tensor window_starts, "
       "int window_size, int block_size, int max_seq_len, Tensor? alibi_slopes, int kv_cache_format, "
-      "Tensor k_scale, Tensor v_scale, int sliding_window=0, float logit_softcap=0.0, Tensor? sinks=None) -> ()");
+      "Tensor k_scale, Tensor v_scale, int sliding_window=0, float logit_softcap=0.0, Tensor? sinks=None, "
+      "Tensor? k_scale_cache=None, Tensor? v_scale_cache=None) -> ()");
   m.def("quantize_fp8(Tensor x, int kv_cache_format, Tensor scale) -> Tensor");
   m.def("dequantize_fp8(Tensor codes, int kv_cache_format, Tensor scale, ScalarType out_dtype) -> Tensor");
   // Decoder-layer elementwise ops of the CPU fast path (fp8cache/backends/cpu/fused_layer.py); CPU kernels only.
@@ -52,7 +57,7 @@ TORCH_LIBRARY(fp8kv, m) {
       "Tensor sin, float scale, Tensor(b!) key_cache, Tensor(c!) value_cache, Tensor slot_mapping, "
       "int kv_cache_format, Tensor k_scale, Tensor v_scale, Tensor block_tables, Tensor seq_lens, int max_seq_len, "
       "Tensor(d!)[] window, Tensor? window_slot_mapping, Tensor? window_block_tables, Tensor? window_starts, "
-      "int window_size) -> ()");
+      "int window_size, Tensor(e!)? k_scale_cache=None, Tensor(f!)? v_scale_cache=None) -> ()");
   m.def("cpu_isa() -> str", &cpu_isa);
   m.def("cpu_bf16_dot() -> bool", &cpu_bf16_dot);
 }

@@ -31,6 +31,12 @@ class EngineConfig:
     quantization_param_path: str | None = None
     calculate_kv_scales: bool = False
     kv_scales_granularity: Literal["tensor", "head"] = "tensor"  # tensor | head, for calculate_kv_scales
+    # static: per-tensor or per-head scales (file, checkpoint, calculate_kv_scales or 1.0); dynamic: a scale per
+    # token and KV head computed as the cache is written, no calibration (fp8cache/kvcache/dynamic_scales.py)
+    kv_scales: Literal["static", "dynamic"] = "static"
+    # Dynamic scales only: auto (the Hadamard rotation where the head size allows it: measured to pay, docs/design.md
+    # "Dynamic KV scales"), hadamard or none. Static scales take theirs from their scales file.
+    kv_rotation: Literal["auto", "none", "hadamard"] = "auto"
     block_size: int = 16
     max_model_len: int | None = None  # None: the model's own limit
     max_num_seqs: int = 64

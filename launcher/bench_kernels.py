@@ -46,9 +46,15 @@ def _parse_shapes(text: str) -> list[tuple[int, int]]:
 @click.option("--device", default="auto", show_default=True,
               help="Where the caches live and the kernels run: auto (the first GPU if torch sees one, else the "
                    "CPU), cpu, cuda or cuda:N.")
+@click.option("--kv-scales", type=click.Choice(["static", "dynamic", "both"]), default="static", show_default=True,
+              help="The FP8 caches' scales: dynamic reads a scale per token and KV head; both measures each FP8 "
+                   "case with either, side by side.")
+@click.option("--cache-write", is_flag=True, help="Also time each FP8 case's cache write (reshape_and_cache) of "
+                                                  "BATCH x CONTEXT tokens.")
 @CPU_ISA_OPT
 def bench_kernels(shapes: str, num_heads: int, num_kv_heads: int, head_size: int, heads_list: str | None,
-                  block_size: int, repeats: int, settle_ms: float, as_json: bool, device: str, cpu_isa: str) -> None:
+                  block_size: int, repeats: int, settle_ms: float, as_json: bool, device: str, kv_scales: str,
+                  cache_write: bool, cpu_isa: str) -> None:
     """Decode attention per kv-cache dtype vs torch SDPA on a dense cache (float32 on a CPU, bfloat16 on a GPU)."""
     import torch
 
@@ -74,7 +80,8 @@ def bench_kernels(shapes: str, num_heads: int, num_kv_heads: int, head_size: int
     console.print(f"machine: {info['cpu']}, {where}, torch {info['torch']}" + (f", CPU path {path}" if path else ""))
     with console.status("measuring...") as status:
         rows = kernels.run_kernel_bench(
-            parsed_shapes, heads=heads, block_size=block_size, repeats=repeats, settle_ms=settle_ms, device=device,
+            parsed_shapes, cases=kernels.default_cases(device, kv_scales, cache_write), heads=heads,
+            block_size=block_size, repeats=repeats, settle_ms=settle_ms, device=device,
             on_row=lambda r: status.update(f"measured {r['impl']} {r['kv_cache_dtype']} "
                                            f"b{r['batch']} ctx{r['context']}: {r['ms']:.2f} ms"))
     if as_json:
@@ -92,6 +99,8 @@ def bench_kernels(shapes: str, num_heads: int, num_kv_heads: int, head_size: int
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(*((f"{r['num_heads']}/{r['num_kv_heads']} d{r['head_size']}",) if several else ()),
-                      r["impl"], r["kv_cache_dtype"], r["dtype"], str(r["batch"]), str(r["context"]),
+                      r["impl"] + (" write" if r["op"] == "cache_write" else ""),
+                      r["kv_cache_dtype"] + (" dynamic" if r["kv_scales"] == "dynamic" else ""), r["dtype"],
+                      str(r["batch"]), str(r["context"]),
                       f"{r['ms']:.3f}", f"{r['kv_gbps']:.1f}", f"{100 * r['kv_gbps'] / r['read_bw_gbps']:.0f}%")
     Console(width=None if sys.stdout.isatty() else 200).print(table)  # piped: whole cells, not 80 columns

@@ -27,6 +27,10 @@ def _fail(message: str) -> None:
 @click.option("--quantization-param-path", type=click.Path(dir_okay=False),
               help="KV scales JSON (vLLM schema); default: checkpoint scales, else 1.0.")
 @click.option("--calculate-kv-scales", is_flag=True, help="Compute scales from the first window.")
+@click.option("--kv-scales", type=click.Choice(["static", "dynamic"]), default="static", show_default=True,
+              help="dynamic: a scale per token and KV head computed as the cache is written (no scales file).")
+@click.option("--kv-rotation", type=click.Choice(["auto", "none", "hadamard"]), default="auto", show_default=True,
+              help="With --kv-scales dynamic: Hadamard-rotate K/V first (auto: where the head size allows).")
 @click.option("--dtype", default="float32", show_default=True, help="Model dtype: float32 or bfloat16.")
 @click.option("--text", "text_path", type=click.Path(dir_okay=False),
               help="Plain-text file to score (default: the WikiText-2 test text).")
@@ -45,7 +49,7 @@ def _fail(message: str) -> None:
 @click.option("--download-dir", metavar="DIR", type=click.Path(file_okay=False),
               help="Hub ids: the Hugging Face cache folder to read and download into (default: $HF_HOME/hub).")
 def eval_command(model: str | None, kv_cache_dtype: str, quantization_param_path: str | None,
-                 calculate_kv_scales: bool, dtype: str, text_path: str | None, kv_recent_window: int | None,
+                 calculate_kv_scales: bool, kv_scales: str, kv_rotation: str, dtype: str, text_path: str | None, kv_recent_window: int | None,
                  kv_recent_window_dtype: str, device: str, windows: int, window_len: int, as_json: bool,
                  load_format: str, revision: str | None, download_dir: str | None) -> None:
     """Measure what an FP8 cache costs in quality (decode-faithful perplexity, KL, top-1 agreement)."""
@@ -62,7 +66,8 @@ def eval_command(model: str | None, kv_cache_dtype: str, quantization_param_path
 
     config = EngineConfig(model=model, kv_cache_dtype=kv_cache_dtype, dtype=dtype,
                           quantization_param_path=quantization_param_path,
-                          calculate_kv_scales=calculate_kv_scales, enable_prefix_caching=False,
+                          calculate_kv_scales=calculate_kv_scales, kv_scales=kv_scales, kv_rotation=kv_rotation,
+                          enable_prefix_caching=False,
                           kv_recent_window=kv_recent_window, kv_recent_window_dtype=kv_recent_window_dtype,
                           device=device, revision=revision, download_dir=download_dir)
     try:

@@ -105,6 +105,13 @@ _ENGINE_OPTIONS = [
     engine_option("--calculate-kv-scales", section="KV cache", is_flag=True,
                   help="Compute KV scales from the first batch when no scales file or checkpoint scales exist."),
     engine_option("--kv-scales-granularity", section="KV cache", help="Granularity of calculated scales."),
+    engine_option("--kv-scales", section="KV cache",
+                  help="static: per-tensor or per-head scales (scales file, checkpoint, --calculate-kv-scales or "
+                       "1.0). dynamic: a scale per token and KV head computed as the cache is written, no "
+                       "calibration (CPU only so far)."),
+    engine_option("--kv-rotation", section="KV cache",
+                  help="With --kv-scales dynamic: rotate K/V by a Hadamard matrix before quantizing (auto: where the "
+                       "head size allows). Static scales use the rotation their scales file records."),
     engine_option("--kv-recent-window", section="KV cache", type=click.IntRange(min=0),
                   help="Keep each sequence's newest N tokens' K/V in full precision too (0: plain FP8 cache; "
                        "default 32 with an FP8 cache)."),

@@ -52,7 +52,8 @@ struct CacheSource {
   const void* value_cache = nullptr;
   const int32_t* block_tables = nullptr;
   int64_t block_table_stride = 0;
-  std::vector<float> k_scale, v_scale;  // per KV head; ones for model-dtype caches
+  std::vector<float> k_scale, v_scale;  // per KV head; ones for model-dtype caches and dynamic scales
+  ScaleCaches dynamic;                   // the scale caches of dynamic scales, else nullptr
   PartitionFn run = nullptr;            // run_partition of the cache's format
   int64_t elem_bytes = 0;
 };
@@ -162,6 +163,10 @@ void run_spans(const Problem& p) {
       w.query = p.query + out_row * D;
       w.qk_scale = p.scale * src.k_scale[kvh];
       w.v_scale = src.v_scale[kvh];
+      if (src.dynamic.dynamic()) {
+        w.k_scales = src.dynamic.k + static_cast<int64_t>(kvh) * p.block_size;
+        w.v_scales = src.dynamic.v + static_cast<int64_t>(kvh) * p.block_size;
+      }
       w.alibi = p.alibi ? p.alibi + head0 : nullptr;
       w.softcap = p.softcap;
       w.out = single ? p.out + out_row * D : p.partial_out + part_row * D;
@@ -171,6 +176,7 @@ void run_spans(const Problem& p) {
       return w;
     };
     bool fetched = false;  // the current unit's first head was prefetched by the unit before
+    bool scales_fetched = false;  // and its dynamic scales
     for (int64_t i = next_unit.fetch_add(1); i < n_units;) {
       const int64_t j = claim_ahead ? next_unit.fetch_add(1) : n_units;
       const Unit& u = units[i];
@@ -188,6 +194,12 @@ void run_spans(const Problem& p) {
         w.prefetch_heads = std::min(first ? 2 : 1, u.kv_head + u.heads - kvh - (first ? 0 : 1));
         const bool last = kvh == u.kv_head + u.heads - 1;
         if (last && chain && w.prefetch_heads == 0) w.then = &next_first;
+        if (w.k_scales) {  // dynamic scales: this pass's own (unless fetched already) and the next pass's
+          if (kvh == u.kv_head && !scales_fetched) prefetch_token_scales(w);
+          if (!last) prefetch_token_scales(work_of(u, kvh + 1));
+          else if (j < n_units) prefetch_token_scales(work_of(units[j], units[j].kv_head));
+          scales_fetched = last && j < n_units;
+        }
         if (last) fetched = w.then != nullptr;
         src.run(w);
       }
@@ -255,7 +267,8 @@ class Launch {
          int64_t num_kv_heads, double scale, const at::Tensor& block_tables, const at::Tensor& seq_lens,
          int64_t block_size, const std::optional<at::Tensor>& alibi_slopes, int64_t kv_cache_format,
          const at::Tensor& k_scale, const at::Tensor& v_scale, int64_t sliding_window, double logit_softcap,
-         const std::optional<at::Tensor>& sinks)
+         const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& k_scale_cache,
+         const std::optional<at::Tensor>& v_scale_cache)
       : out_(out) {
     const KVFormat format = kv_format_from_code(kv_cache_format);
     paged_ = check_caches(key_cache, value_cache, format != KVFormat::AUTO);
@@ -311,8 +324,10 @@ class Launch {
     // Scales only mean something for FP8 caches; an "auto" cache holds the values themselves.
     const bool fp8 = format != KVFormat::AUTO;
     CacheSource& src = p.sources[kPaged];
-    src.k_scale = fp8 ? check_scale(k_scale, num_kv_heads, "k_scale") : std::vector<float>(num_kv_heads, 1.f);
-    src.v_scale = fp8 ? check_scale(v_scale, num_kv_heads, "v_scale") : std::vector<float>(num_kv_heads, 1.f);
+    src.dynamic = check_scale_caches(k_scale_cache, v_scale_cache, paged_, fp8);
+    const bool static_scales = fp8 && !src.dynamic.dynamic();  // dynamic scales replace k_scale and v_scale
+    src.k_scale = static_scales ? check_scale(k_scale, num_kv_heads, "k_scale") : std::vector<float>(num_kv_heads, 1.f);
+    src.v_scale = static_scales ? check_scale(v_scale, num_kv_heads, "v_scale") : std::vector<float>(num_kv_heads, 1.f);
     tables_ = block_tables.contiguous();
     src.block_tables = tables_.data_ptr<int32_t>();
     src.block_table_stride = tables_.size(1);
@@ -446,10 +461,12 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                      int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes,
                      int64_t kv_cache_format, const at::Tensor& k_scale,
                      const at::Tensor& v_scale, int64_t sliding_window, double logit_softcap,
-                     const std::optional<at::Tensor>& sinks) {
+                     const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& k_scale_cache,
+                     const std::optional<at::Tensor>& v_scale_cache) {
   (void)max_seq_len;  // partitions are sized from seq_lens itself, so a stale max_seq_len cannot overflow
   Launch launch(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens, block_size,
-                alibi_slopes, kv_cache_format, k_scale, v_scale, sliding_window, logit_softcap, sinks);
+                alibi_slopes, kv_cache_format, k_scale, v_scale, sliding_window, logit_softcap, sinks, k_scale_cache,
+                v_scale_cache);
   for (int s = 0; s < launch.problem().num_seqs; ++s) {
     launch.add_paged(s, launch.seq_len(s), "seq_lens");
     launch.end_sequence();
@@ -465,12 +482,15 @@ void paged_attention_window(at::Tensor& out, const at::Tensor& query, const at::
                             int64_t block_size, int64_t max_seq_len,
                             const std::optional<at::Tensor>& alibi_slopes, int64_t kv_cache_format,
                             const at::Tensor& k_scale, const at::Tensor& v_scale, int64_t sliding_window,
-                            double logit_softcap, const std::optional<at::Tensor>& sinks) {
+                            double logit_softcap, const std::optional<at::Tensor>& sinks,
+                            const std::optional<at::Tensor>& k_scale_cache,
+                            const std::optional<at::Tensor>& v_scale_cache) {
   (void)max_seq_len;
   TORCH_CHECK(window_size >= 1, "window_size = ", window_size,
               " must be >= 1; call paged_attention when there is no window");
   Launch launch(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens, block_size,
-                alibi_slopes, kv_cache_format, k_scale, v_scale, sliding_window, logit_softcap, sinks);
+                alibi_slopes, kv_cache_format, k_scale, v_scale, sliding_window, logit_softcap, sinks, k_scale_cache,
+                v_scale_cache);
   launch.set_window(window_key_cache, window_value_cache, window_block_tables, window_starts, window_size);
   for (int s = 0; s < launch.problem().num_seqs; ++s) {
     const int start = launch.window_start(s);

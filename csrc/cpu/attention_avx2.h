@@ -220,22 +220,25 @@ void run_partition(const PartitionWork& w) {
   for (int i = 0; i < G * D; ++i) q[i] = w.query[i] * q_scale;
 
   const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  const float* alibi = w.k_scales ? nullptr : w.alibi;  // dynamic scales: ALiBi after them
   for (int t0 = begin; t0 < w.end; t0 += 8) {
     decode_keys<cache_t, kFormat>(kcache + w.block_table[t0 / bs] * block_elems + (t0 % bs) * x, bs, D, kbuf);
     for (int h = 0; h < G; ++h) {
       __m256 out = dots8(kbuf, q + h * D, D);
-      if (w.alibi) {
+      if (alibi) {
         const __m256 pos = _mm256_add_ps(lane, _mm256_set1_ps(static_cast<float>(t0 - w.last_pos)));
-        out = _mm256_fmadd_ps(_mm256_set1_ps(w.alibi[h]), pos, out);
+        out = _mm256_fmadd_ps(_mm256_set1_ps(alibi[h]), pos, out);
       }
       _mm256_storeu_ps(logits + h * stride + (t0 - begin), out);
     }
   }
+  if (w.k_scales) apply_key_scales(w, logits, stride, begin, n);
   for (int h = 0; h < G; ++h) {
     soft_cap(logits + h * stride, skip, n, w.softcap);
     softmax_numerators(logits + h * stride, n, stride, w.max_logit + h, w.exp_sum + h, skip);
     norm[h] = w.v_scale * kRescale / w.exp_sum[h];
   }
+  if (w.v_scales) apply_value_scales(w, logits, stride, begin, n);
   if (kTile == 16) pv_all_heads<cache_t, kFormat, 16>(w, vcache, block_elems, begin, logits, stride, norm);
   else pv_all_heads<cache_t, kFormat, 8>(w, vcache, block_elems, begin, logits, stride, norm);
 }

@@ -107,14 +107,18 @@ void run_fp8_partition(const PartitionWork& w, const View<uint8_t>& view, const 
     for (int d = 0; d < D; d += 16) {  // [D / 16][g][kOps] (see qk_fp8)
       for (int h = 0; h < g; ++h) Dot::operands(q + (h0 + h) * D + d, ops + (d / 16 * g + h) * kOps);
     }
-    qk_fp8<Dot, kFormat, g>(w, view, ops, w.alibi ? w.alibi + h0 : nullptr, logits + h0 * stride, stride,
+    // Dynamic scales: ALiBi after them (apply_key_scales)
+    const float* alibi = w.alibi && !w.k_scales ? w.alibi + h0 : nullptr;
+    qk_fp8<Dot, kFormat, g>(w, view, ops, alibi, logits + h0 * stride, stride,
                             h0 == 0 ? k_ahead : idle, h0 == 0 ? v_ahead_qk : idle);
   });
+  if (w.k_scales) apply_key_scales(w, logits, stride, w.start, P);
   for (int h = 0; h < G; ++h) {
     soft_cap(logits + h * stride, skip, P, w.softcap);
     softmax_numerators(logits + h * stride, P, stride, w.max_logit + h, w.exp_sum + h, skip);
     norm[h] = w.v_scale / w.exp_sum[h];
   }
+  if (w.v_scales) apply_value_scales(w, logits, stride, w.start, P);
   for_head_quads(G, [&](auto kG, int h0) {
     constexpr int g = decltype(kG)::value;
     const float* p = logits + h0 * stride;

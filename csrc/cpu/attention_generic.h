@@ -166,19 +166,22 @@ void run_partition(const PartitionWork& w) {
   float* row = q + G * D;                         // one decoded K row; then a block's V, token-major
   for (int i = 0; i < G * D; ++i) q[i] = w.query[i] * w.qk_scale;
 
+  const float* alibi = w.k_scales ? nullptr : w.alibi;  // dynamic scales: ALiBi after them
   for (int t = w.start; t < w.end; ++t) {
     const cache_t* kb = kcache + w.block_table[t / bs] * block_elems + (t % bs) * x;
     for (int c = 0; c < D / x; ++c) decode<cache_t, kFormat>(kb + c * bs * x, row + c * x, x);
     for (int h = 0; h < G; ++h) {
       float logit = dot(q + h * D, row, D);
-      if (w.alibi) logit += w.alibi[h] * static_cast<float>(t - w.last_pos);
+      if (alibi) logit += alibi[h] * static_cast<float>(t - w.last_pos);
       logits[h * P + (t - w.start)] = logit;
     }
   }
+  if (w.k_scales) apply_key_scales(w, logits, P, w.start, P);
   for (int h = 0; h < G; ++h) {
     soft_cap(logits + h * P, 0, P, w.softcap);
     softmax_numerators(logits + h * P, P, w.max_logit + h, w.exp_sum + h);
   }
+  if (w.v_scales) apply_value_scales(w, logits, P, w.start, P);
 
   // P.V a token at a time, out[h] += p[h][t] * V[t]: V is [head dim][token] in a block, so its valid tokens
   // (stale slots may hold NaN) are decoded token-major first. Dot products over a block's 16 tokens spent

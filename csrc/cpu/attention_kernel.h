@@ -9,6 +9,9 @@
 #include <cmath>
 #include <cstdint>
 
+#include "common/dynamic_scale.h"
+#include "cpu/isa.h"
+
 namespace fp8kv::cpu {
 
 constexpr int kPartitionSize = 512;
@@ -32,6 +35,12 @@ struct PartitionWork {
   float* out;          // [group, head_size]: this partition's softmax-weighted V (normalised)
   float* max_logit;    // [group]
   float* exp_sum;      // [group]: sum of exp(logit - max_logit) over the partition
+  // Dynamic scales (common/dynamic_scale.h): this KV head's bfloat16 bits in the scale caches [num_blocks,
+  // num_kv_heads, block_size] (already offset by kv_head * block_size), or nullptr for static scales. The kernels fold a
+  // token's key scale into its logit (before ALiBi, which they then leave to apply_key_scales) and its value
+  // scale into its probability after the softmax's sums: a few operations per token, not per element.
+  const uint16_t* k_scales = nullptr;
+  const uint16_t* v_scales = nullptr;
   float* scratch;      // scratch_floats(...) floats, 64-byte aligned, owned by the calling thread
   // KV heads kv_head + prefetch_from .. + prefetch_heads - 1 are read by this thread now or next:
   // prefetch their K and V (contiguous within a block) into L2 during this pass, so memory keeps busy
@@ -57,7 +66,77 @@ inline int64_t scratch_floats(int group, int head_size, int block_size) {
   const int64_t lanes = std::max<int64_t>(16 * head_size, kPartitionSize / 16 * 4 * 64);  // AVX-512 FP8
   return group * padded + group * static_cast<int64_t>(head_size) + static_cast<int64_t>(head_size) * block_size +
          static_cast<int64_t>(head_size) * 2 +
-         static_cast<int64_t>(block_size) * 2 + group + 16 + lanes + 1024;
+         static_cast<int64_t>(block_size) * 2 + group + 16 + lanes + 1024 + kPartitionSize + 32;
+}
+
+// The last kPartitionSize + 32 floats of the scratch: the dynamic scales of a partition's tokens.
+inline float* token_scale_buffer(const PartitionWork& w) {
+  return w.scratch + scratch_floats(w.group, w.head_size, w.block_size) - (kPartitionSize + 32);
+}
+
+// A partition's dynamic scales into the cache, issued by the driver one pass ahead (attention.cpp run_spans): a
+// block's scales of one head are lines apart from its codes, where no hardware prefetcher looks (block ids are
+// random), so reading them unfetched cost a miss per block and head.
+inline void prefetch_token_scales(const PartitionWork& w) {
+  if (w.k_scales == nullptr) return;  // static scales, or a window ring's partition
+  const int bs = w.block_size;
+  const int64_t block_stride = w.num_kv_heads * bs;
+  for (int b = w.start / bs; b * bs < w.end; ++b) {
+    const int64_t at = w.block_table[b] * block_stride;
+    __builtin_prefetch(w.k_scales + at);
+    __builtin_prefetch(w.v_scales + at);
+  }
+}
+
+// dst[i] = the scale of token begin + i, i < n, from one of the partition's scale caches.
+inline void token_scales(const PartitionWork& w, const uint16_t* scales, int begin, int n, float* dst) {
+  const int bs = w.block_size;
+  const int64_t block_stride = w.num_kv_heads * bs;
+  for (int i = 0; i < n;) {
+    const int t = begin + i, offset = t % bs, run = std::min(bs - offset, n - i);
+    const uint16_t* src = scales + w.block_table[t / bs] * block_stride + offset;
+    int j = 0;
+#if defined(FP8KV_ISA_AVX512)
+    for (; j < run; j += 16) {  // bfloat16 bits -> float32: zero-extend, shift into the upper half
+      const __mmask16 m = run - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (run - j)) - 1);
+      const __m512i bits = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, src + j));
+      _mm512_mask_storeu_ps(dst + i + j, m, _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16)));
+    }
+#endif
+    for (; j < run; ++j) dst[i + j] = scale_value(src[j]);
+    i += run;
+  }
+}
+
+// row[i] *= scale[i], i < n.
+inline void scale_row(float* row, const float* scale, int n) {
+  int i = 0;
+#if defined(FP8KV_ISA_AVX512)
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(row + i, _mm512_mul_ps(_mm512_loadu_ps(row + i), _mm512_loadu_ps(scale + i)));
+#endif
+  for (; i < n; ++i) row[i] *= scale[i];
+}
+
+// Logit rows logits[h * stride + i] of tokens begin + i, i < n: times each token's key scale, then ALiBi.
+inline void apply_key_scales(const PartitionWork& w, float* logits, int stride, int begin, int n) {
+  float* scale = token_scale_buffer(w);
+  token_scales(w, w.k_scales, begin, n, scale);
+  for (int h = 0; h < w.group; ++h) {
+    float* row = logits + static_cast<int64_t>(h) * stride;
+    scale_row(row, scale, n);
+    if (w.alibi) {
+      for (int i = 0; i < n; ++i) row[i] += w.alibi[h] * static_cast<float>(begin + i - w.last_pos);
+    }
+  }
+}
+
+// Softmax numerators probs[h * stride + i] (their sums taken already) times each token's value scale.
+inline void apply_value_scales(const PartitionWork& w, float* probs, int stride, int begin, int n) {
+  float* scale = token_scale_buffer(w);
+  token_scales(w, w.v_scales, begin, n, scale);
+  for (int h = 0; h < w.group; ++h) {
+    scale_row(probs + static_cast<int64_t>(h) * stride, scale, n);
+  }
 }
 
 }  // namespace fp8kv::cpu

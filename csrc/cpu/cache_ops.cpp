@@ -1,5 +1,6 @@
 // Writing K/V into the paged cache (quantizing to FP8 on the way) and the standalone quantize /
 // dequantize ops that tests and the engine use to check fp8.h against torch.
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -10,6 +11,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
+#include "common/dynamic_scale.h"
 #include "common/fp8.h"
 #include "cpu/checks.h"
 #include "cpu/cpu_ops.h"
@@ -19,12 +21,14 @@
 namespace fp8kv::cpu {
 namespace {
 
+// Static scales divide (x / scale, as torch's reference does); dynamic ones multiply by their float32 reciprocal
+// (x * (1 / scale), the reference's definition for them), a fraction of a division's cost in the cache write.
 template <typename cache_t, KVFormat kFormat>
-FP8KV_INLINE cache_t encode(float v, float scale) {
+FP8KV_INLINE cache_t encode(float v, float scale, bool reciprocal) {
   if constexpr (kFormat == KVFormat::AUTO) {
     return static_cast<cache_t>(v);
   } else {
-    return float_to_fp8<fp8_format_of(kFormat)>(v / scale);
+    return float_to_fp8<fp8_format_of(kFormat)>(reciprocal ? v * scale : v / scale);
   }
 }
 
@@ -77,26 +81,44 @@ FP8KV_INLINE __m512 load16_as_float(const scalar_t* p) {
 }
 
 // One token and head: 16 dims at a time into the K chunk (contiguous) and the V rows (stride bs).
-template <typename scalar_t, Fp8Format F>
+// kReciprocal: ksc and vsc are reciprocals to multiply by (dynamic scales, see encode).
+template <typename scalar_t, Fp8Format F, bool kReciprocal>
 void cache_row_fp8(const scalar_t* krow, const scalar_t* vrow, uint8_t* kdst, uint8_t* vdst, int64_t D,
                    int64_t bs, float ksc, float vsc) {
   const __m512 ks = _mm512_set1_ps(ksc), vs = _mm512_set1_ps(vsc);
+  const auto apply = [](__m512 x, __m512 s) { return kReciprocal ? _mm512_mul_ps(x, s) : _mm512_div_ps(x, s); };
   for (int64_t c = 0; c < D / 16; ++c) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(kdst + c * bs * 16),
-                     float_to_fp8_x16<F>(_mm512_div_ps(load16_as_float(krow + 16 * c), ks)));
+                     float_to_fp8_x16<F>(apply(load16_as_float(krow + 16 * c), ks)));
     alignas(16) uint8_t v[16];
-    _mm_store_si128(reinterpret_cast<__m128i*>(v), float_to_fp8_x16<F>(_mm512_div_ps(load16_as_float(vrow + 16 * c), vs)));
+    _mm_store_si128(reinterpret_cast<__m128i*>(v), float_to_fp8_x16<F>(apply(load16_as_float(vrow + 16 * c), vs)));
     for (int i = 0; i < 16; ++i) vdst[(16 * c + i) * bs] = v[i];
   }
 }
 #endif
+
+// max |row[d * stride]| over d < D, NaN left out (std::fmax and the vector max both skip it).
+template <typename scalar_t>
+float row_amax(const scalar_t* row, int64_t stride, int64_t D) {
+  int64_t d = 0;
+  float m = 0.f;
+#if defined(FP8KV_ISA_AVX512)
+  if (stride == 1) {
+    __m512 acc = _mm512_setzero_ps();
+    for (; d + 16 <= D; d += 16) acc = _mm512_max_ps(_mm512_abs_ps(load16_as_float(row + d)), acc);
+    m = _mm512_reduce_max_ps(acc);
+  }
+#endif
+  for (; d < D; ++d) m = std::fmax(m, std::fabs(static_cast<float>(row[d * stride])));
+  return m;
+}
 
 // key/value: [num_tokens, num_kv_heads, head_size] with any strides; caches contiguous.
 template <typename scalar_t, typename cache_t, KVFormat kFormat>
 void reshape_and_cache_impl(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                             at::Tensor& value_cache, const std::vector<int64_t>& slots,
                             const CacheGeometry& g, const std::vector<float>& k_scale,
-                            const std::vector<float>& v_scale) {
+                            const std::vector<float>& v_scale, const ScaleCaches& dyn) {
   const scalar_t* k = key.data_ptr<scalar_t>();
   const scalar_t* v = value.data_ptr<scalar_t>();
   cache_t* kc = static_cast<cache_t*>(key_cache.data_ptr());
@@ -114,11 +136,25 @@ void reshape_and_cache_impl(const at::Tensor& key, const at::Tensor& value, at::
         const scalar_t* vrow = v + t * vs0 + h * vs1;
         cache_t* kdst = kc + (block * H + h) * D * bs + offset * x;  // + (d / x) * bs * x + d % x
         cache_t* vdst = vc + (block * H + h) * D * bs + offset;      // + d * bs
-        const float ksc = k_scale[h], vsc = v_scale[h];
+        float ksc = k_scale[h], vsc = v_scale[h];
+        if constexpr (kFormat != KVFormat::AUTO) {
+          if (dyn.dynamic()) {  // this token and head's own power-of-two scales, stored at its slot
+            constexpr float kMax = Fp8Traits<fp8_format_of(kFormat)>::kMax;
+            const int64_t at = (block * H + h) * bs + offset;
+            dyn.k[at] = scale_bits(row_amax(krow, ks2, D), kMax);
+            dyn.v[at] = scale_bits(row_amax(vrow, vs2, D), kMax);
+            ksc = 1.f / scale_value(dyn.k[at]);
+            vsc = 1.f / scale_value(dyn.v[at]);
+          }
+        }
 #if defined(FP8KV_ISA_AVX512)
         if constexpr (kFormat != KVFormat::AUTO) {
           if (ks2 == 1 && vs2 == 1 && D % 16 == 0) {
-            cache_row_fp8<scalar_t, fp8_format_of(kFormat)>(krow, vrow, kdst, vdst, D, bs, ksc, vsc);
+            if (dyn.dynamic()) {
+              cache_row_fp8<scalar_t, fp8_format_of(kFormat), true>(krow, vrow, kdst, vdst, D, bs, ksc, vsc);
+            } else {
+              cache_row_fp8<scalar_t, fp8_format_of(kFormat), false>(krow, vrow, kdst, vdst, D, bs, ksc, vsc);
+            }
             continue;
           }
         }
@@ -131,8 +167,9 @@ void reshape_and_cache_impl(const at::Tensor& key, const at::Tensor& value, at::
           }
         }
         for (int64_t d = 0; d < D; ++d) {
-          kdst[(d / x) * bs * x + d % x] = encode<cache_t, kFormat>(static_cast<float>(krow[d * ks2]), ksc);
-          vdst[d * bs] = encode<cache_t, kFormat>(static_cast<float>(vrow[d * vs2]), vsc);
+          kdst[(d / x) * bs * x + d % x] =
+              encode<cache_t, kFormat>(static_cast<float>(krow[d * ks2]), ksc, dyn.dynamic());
+          vdst[d * bs] = encode<cache_t, kFormat>(static_cast<float>(vrow[d * vs2]), vsc, dyn.dynamic());
         }
       }
     }
@@ -160,9 +197,11 @@ int64_t heads_of(const at::Tensor& x, const at::Tensor& scale) {
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                        at::Tensor& value_cache, const at::Tensor& slot_mapping,
                        int64_t kv_cache_format, const at::Tensor& k_scale,
-                       const at::Tensor& v_scale) {
+                       const at::Tensor& v_scale, const std::optional<at::Tensor>& k_scale_cache,
+                       const std::optional<at::Tensor>& v_scale_cache) {
   const KVFormat format = kv_format_from_code(kv_cache_format);
   const CacheGeometry g = check_caches(key_cache, value_cache, format != KVFormat::AUTO);
+  const ScaleCaches dyn = check_scale_caches(k_scale_cache, v_scale_cache, g, format != KVFormat::AUTO);
   check_kv_input(key, "key", g);
   check_kv_input(value, "value", g);
   TORCH_CHECK(value.size(0) == key.size(0), "key and value have different token counts: ", key.size(0),
@@ -191,7 +230,7 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   TORCH_CHECK(v.scalar_type() == k.scalar_type(), "key and value dtypes differ: ", key.scalar_type(), " vs ",
               value.scalar_type());
 #define FP8KV_CALL(scalar_t, cache_t, kFormat) \
-  reshape_and_cache_impl<scalar_t, cache_t, kFormat>(k, v, key_cache, value_cache, slots, g, ks, vs)
+  reshape_and_cache_impl<scalar_t, cache_t, kFormat>(k, v, key_cache, value_cache, slots, g, ks, vs, dyn)
   FP8KV_DISPATCH_BY_KV_FORMAT(src, format, FP8KV_CALL);
 #undef FP8KV_CALL
 }

@@ -13,7 +13,8 @@ namespace fp8kv::cpu {
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                        at::Tensor& value_cache, const at::Tensor& slot_mapping,
                        int64_t kv_cache_format, const at::Tensor& k_scale,
-                       const at::Tensor& v_scale);
+                       const at::Tensor& v_scale, const std::optional<at::Tensor>& k_scale_cache = std::nullopt,
+                       const std::optional<at::Tensor>& v_scale_cache = std::nullopt);
 
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, int64_t num_kv_heads, double scale,
@@ -21,8 +22,12 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                      int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes,
                      int64_t kv_cache_format, const at::Tensor& k_scale,
                      const at::Tensor& v_scale, int64_t sliding_window = 0, double logit_softcap = 0.0,
-                     const std::optional<at::Tensor>& sinks = std::nullopt);
+                     const std::optional<at::Tensor>& sinks = std::nullopt,
+                     const std::optional<at::Tensor>& k_scale_cache = std::nullopt,
+                     const std::optional<at::Tensor>& v_scale_cache = std::nullopt);
 
+// k_scale_cache / v_scale_cache: dynamic scales, bfloat16 [num_blocks, num_kv_heads, block_size] (common/dynamic_scale.h),
+// written by reshape_and_cache and read by attention in place of k_scale / v_scale.
 // sliding_window > 0: each sequence attends to its newest sliding_window positions; logit_softcap > 0: logits
 // become logit_softcap * tanh(logit / logit_softcap); sinks [num_heads]: one more logit per head in the
 // softmax's denominator (docs/design.md section 4).
@@ -36,7 +41,9 @@ void paged_attention_window(at::Tensor& out, const at::Tensor& query, const at::
                             int64_t block_size, int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes,
                             int64_t kv_cache_format, const at::Tensor& k_scale,
                             const at::Tensor& v_scale, int64_t sliding_window = 0, double logit_softcap = 0.0,
-                            const std::optional<at::Tensor>& sinks = std::nullopt);
+                            const std::optional<at::Tensor>& sinks = std::nullopt,
+                            const std::optional<at::Tensor>& k_scale_cache = std::nullopt,
+                            const std::optional<at::Tensor>& v_scale_cache = std::nullopt);
 
 at::Tensor quantize_fp8(const at::Tensor& x, int64_t kv_cache_format, const at::Tensor& scale);
 
@@ -68,6 +75,7 @@ void decode_layer(at::Tensor& hidden, at::TensorList weights, const c10::List<st
                   const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t max_seq_len,
                   at::TensorList window, const std::optional<at::Tensor>& window_slot_mapping,
                   const std::optional<at::Tensor>& window_block_tables,
-                  const std::optional<at::Tensor>& window_starts, int64_t window_size);
+                  const std::optional<at::Tensor>& window_starts, int64_t window_size,
+                  const std::optional<at::Tensor>& k_scale_cache, const std::optional<at::Tensor>& v_scale_cache);
 
 }  // namespace fp8kv::cpu

@@ -51,7 +51,8 @@ void decode_layer(at::Tensor& hidden, at::TensorList weights, const c10::List<st
                   const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t max_seq_len,
                   at::TensorList window, const std::optional<at::Tensor>& window_slot_mapping,
                   const std::optional<at::Tensor>& window_block_tables,
-                  const std::optional<at::Tensor>& window_starts, int64_t window_size) {
+                  const std::optional<at::Tensor>& window_starts, int64_t window_size,
+                  const std::optional<at::Tensor>& k_scale_cache, const std::optional<at::Tensor>& v_scale_cache) {
   TORCH_CHECK(weights.size() == kNumWeights, "weights must be [input_norm, qkv, o, post_norm, gate_up, down], got ",
               weights.size(), " tensors");
   TORCH_CHECK(biases.size() == kNumBiases, "biases must hold one entry (or None) per projection: qkv, o, gate_up, "
@@ -83,7 +84,8 @@ void decode_layer(at::Tensor& hidden, at::TensorList weights, const c10::List<st
   const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, d});
   rotary_embedding_cos_sin(q, k, cos, sin);
 
-  reshape_and_cache(k, v, key_cache, value_cache, slot_mapping, kv_cache_format, k_scale, v_scale);
+  reshape_and_cache(k, v, key_cache, value_cache, slot_mapping, kv_cache_format, k_scale, v_scale, k_scale_cache,
+                    v_scale_cache);
   at::Tensor attn = at::empty({tokens, heads, d}, hidden.options());
   const at::Tensor query = q.contiguous();
   if (windowed) {
@@ -92,10 +94,12 @@ void decode_layer(at::Tensor& hidden, at::TensorList weights, const c10::List<st
                       static_cast<int64_t>(KVFormat::AUTO), k_scale, v_scale);
     paged_attention_window(attn, query, key_cache, value_cache, window_key, window_value, kv_heads, scale,
                            block_tables, *window_block_tables, seq_lens, *window_starts, window_size,
-                           key_cache.size(3), max_seq_len, std::nullopt, kv_cache_format, k_scale, v_scale);
+                           key_cache.size(3), max_seq_len, std::nullopt, kv_cache_format, k_scale, v_scale, 0, 0.0,
+                           std::nullopt, k_scale_cache, v_scale_cache);
   } else {
     paged_attention(attn, query, key_cache, value_cache, kv_heads, scale, block_tables, seq_lens, key_cache.size(3),
-                    max_seq_len, std::nullopt, kv_cache_format, k_scale, v_scale);
+                    max_seq_len, std::nullopt, kv_cache_format, k_scale, v_scale, 0, 0.0, std::nullopt, k_scale_cache,
+                    v_scale_cache);
   }
 
   at::Tensor o = packed_linear(attn.view({tokens, q_size}), weights[kOut], hidden_size, biases.get(kOutBias), packing);

@@ -240,10 +240,19 @@ void run_reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::T
   C10_CUDA_CHECK((launch_reshape_and_cache<S, C, kFormat>(a, c10::cuda::getCurrentCUDAStream())));
 }
 
+// Dynamic KV scales (per token and head, common/dynamic_scale.h) are read by the CPU kernels only so far.
+void refuse_dynamic_scales(const std::optional<at::Tensor>& k_scale_cache,
+                           const std::optional<at::Tensor>& v_scale_cache) {
+  TORCH_CHECK(!k_scale_cache.has_value() && !v_scale_cache.has_value(),
+              "dynamic KV scales are not implemented in the GPU kernels yet; use --kv-scales static");
+}
+
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                        at::Tensor& value_cache, const at::Tensor& slot_mapping,
                        int64_t kv_cache_format, const at::Tensor& k_scale,
-                       const at::Tensor& v_scale) {
+                       const at::Tensor& v_scale, const std::optional<at::Tensor>& k_scale_cache,
+                       const std::optional<at::Tensor>& v_scale_cache) {
+  refuse_dynamic_scales(k_scale_cache, v_scale_cache);
   const KVFormat format = kv_format_from_code(kv_cache_format);
   const Geometry g = check_caches(key_cache, value_cache, format);
   const at::Device device = key_cache.device();
@@ -497,7 +506,9 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                      int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes,
                      int64_t kv_cache_format, const at::Tensor& k_scale,
                      const at::Tensor& v_scale, int64_t sliding_window, double logit_softcap,
-                     const std::optional<at::Tensor>& sinks) {
+                     const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& k_scale_cache,
+                     const std::optional<at::Tensor>& v_scale_cache) {
+  refuse_dynamic_scales(k_scale_cache, v_scale_cache);
   const KVFormat format = kv_format_from_code(kv_cache_format);
   const Geometry g = check_caches(key_cache, value_cache, format);
   const c10::cuda::OptionalCUDAGuard guard(key_cache.device());
@@ -589,7 +600,10 @@ void paged_attention_window(at::Tensor& out, const at::Tensor& query, const at::
                             int64_t block_size, int64_t max_seq_len,
                             const std::optional<at::Tensor>& alibi_slopes, int64_t kv_cache_format,
                             const at::Tensor& k_scale, const at::Tensor& v_scale, int64_t sliding_window,
-                            double logit_softcap, const std::optional<at::Tensor>& sinks) {
+                            double logit_softcap, const std::optional<at::Tensor>& sinks,
+                            const std::optional<at::Tensor>& k_scale_cache,
+                            const std::optional<at::Tensor>& v_scale_cache) {
+  refuse_dynamic_scales(k_scale_cache, v_scale_cache);
   TORCH_CHECK(window_size >= 1, "window_size = ", window_size,
               " must be >= 1; call paged_attention when there is no window");
   TORCH_CHECK(window_size <= INT32_MAX - kMaxSplitTokens, "window_size = ", window_size, " is too large");

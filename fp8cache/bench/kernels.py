@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from fp8cache import ops
 from fp8cache.bench import machine
-from fp8cache.kvcache import formats
+from fp8cache.kvcache import dynamic_scales, formats
 from fp8cache.kvcache.layout import allocate_kv_cache
 
 DEFAULT_SHAPES = ((1, 512), (1, 16384), (8, 2048), (8, 8192), (32, 512), (32, 4096))
@@ -33,16 +33,30 @@ class KernelCase:
     impl: str  # "fp8kv" or "torch_sdpa"
     kv_cache_dtype: str
     dtype: torch.dtype  # query / model dtype; the auto cache uses it too
+    kv_scales: str = "static"  # FP8 caches: "dynamic" reads (or writes) a scale per token and KV head
+    op: str = "attention"  # or "cache_write": reshape_and_cache of batch x context tokens
 
 
-def default_cases(device: torch.device | str = "cpu") -> list[KernelCase]:
+KV_SCALES_CHOICES = ("static", "dynamic", "both")
+
+
+def default_cases(device: torch.device | str = "cpu", kv_scales: str = "static",
+                  cache_write: bool = False) -> list[KernelCase]:
     """Every FP8 format and the auto caches; the peer is torch SDPA over a dense cache: float32 on a CPU (its
-    fast path there), bfloat16 on a GPU (flash attention over twice the bytes of FP8: the fair peer)."""
+    fast path there), bfloat16 on a GPU (flash attention over twice the bytes of FP8: the fair peer).
+    kv_scales: the FP8 caches' scales, "both" measures each FP8 case with static and with dynamic scales side by
+    side; cache_write: each FP8 case's cache write too."""
+    if kv_scales not in KV_SCALES_CHOICES:
+        raise ValueError(f"kv_scales={kv_scales!r}; valid: {', '.join(KV_SCALES_CHOICES)}")
     bf16, f32 = torch.bfloat16, torch.float32
     peer = f32 if torch.device(device).type == "cpu" else bf16
-    return [KernelCase("fp8kv", "fp8_e4m3", bf16), KernelCase("fp8kv", "fp8_e5m2", bf16),
-            KernelCase("fp8kv", "fp8_e4m3fnuz", bf16), KernelCase("fp8kv", "auto", bf16),
-            KernelCase("fp8kv", "auto", f32), KernelCase("torch_sdpa", "auto", peer)]
+    kinds = ("static", "dynamic") if kv_scales == "both" else (kv_scales,)
+    fp8 = [KernelCase("fp8kv", name, bf16, kind) for name in ("fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz")
+           for kind in kinds]
+    writes = [KernelCase("fp8kv", c.kv_cache_dtype, c.dtype, c.kv_scales, "cache_write") for c in fp8] \
+        if cache_write else []
+    return fp8 + [KernelCase("fp8kv", "auto", bf16), KernelCase("fp8kv", "auto", f32),
+                  KernelCase("torch_sdpa", "auto", peer)] + writes
 
 
 # Normal values drawn per cache; the rest of the cache repeats them. What a kernel reads costs the same whatever
@@ -77,11 +91,24 @@ class PagedCall:
     block_size: int
     context: int
     code: int
+    scale_caches: tuple[torch.Tensor, ...] = ()  # dynamic scales: (k_scale_cache, v_scale_cache)
 
     def run(self, impl=ops) -> None:
         impl.paged_attention(self.out, self.query, self.key_cache, self.value_cache, self.num_kv_heads,
                              self.query.shape[-1] ** -0.5, self.block_tables, self.seq_lens, self.block_size,
-                             self.context, None, self.code, self.scale, self.scale)
+                             self.context, None, self.code, self.scale, self.scale,
+                             *((0, 0.0, None, *self.scale_caches) if self.scale_caches else ()))
+
+
+def _scale_caches(case: KernelCase, num_blocks: int, block_size: int, num_kv_heads: int, gen: torch.Generator,
+                  device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Dynamic scale caches of random scales near 1 (what they cost to read does not depend on them)."""
+    if case.kv_scales != "dynamic" or formats.get_format(case.kv_cache_dtype) is None:
+        return ()
+    caches = dynamic_scales.allocate_scale_caches(num_blocks, block_size, num_kv_heads, device)
+    for cache in caches:
+        cache.copy_(torch.rand(cache.shape, generator=gen, device=gen.device) + 0.5)
+    return caches
 
 
 def paged_call(case: KernelCase, batch: int, context: int, num_heads: int, num_kv_heads: int, head_size: int,
@@ -99,14 +126,37 @@ def paged_call(case: KernelCase, batch: int, context: int, num_heads: int, num_k
     scale = torch.ones(1, dtype=torch.float32, device=device)
     code = ops.format_code(case.kv_cache_dtype, key_cache.device)  # resolved once, as the engine does
     return PagedCall(torch.empty_like(query), query, key_cache, value_cache, block_tables, seq_lens, scale,
-                     num_kv_heads, block_size, context, code)
+                     num_kv_heads, block_size, context, code,
+                     _scale_caches(case, num_blocks, block_size, num_kv_heads, gen, device))
 
 
 def _paged_case(case: KernelCase, batch: int, context: int, num_heads: int, num_kv_heads: int,
                 head_size: int, block_size: int, gen: torch.Generator, device: torch.device):
     call = paged_call(case, batch, context, num_heads, num_kv_heads, head_size, block_size, gen, device)
     kv_bytes = 2 * batch * context * num_kv_heads * head_size * call.key_cache.element_size()
+    if call.scale_caches:
+        kv_bytes += 2 * batch * context * num_kv_heads * 2  # a bfloat16 scale per token and head, K and V
     return call.run, kv_bytes
+
+
+def _write_case(case: KernelCase, batch: int, context: int, num_kv_heads: int, head_size: int, block_size: int,
+                gen: torch.Generator, device: torch.device):
+    """reshape_and_cache of batch x context tokens (a prefill's worth) into slots in a random order; the bytes
+    are the K/V read in the model dtype."""
+    tokens = batch * context
+    num_blocks = -(-tokens // block_size)
+    caches = allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_size, case.kv_cache_dtype, case.dtype,
+                               device)
+    scale_caches = _scale_caches(case, num_blocks, block_size, num_kv_heads, gen, device)
+    key, value = (torch.randn(tokens, num_kv_heads, head_size, generator=gen, device=gen.device).to(device, case.dtype)
+                  for _ in range(2))
+    slots = torch.randperm(tokens, generator=gen, device=gen.device).to(device)
+    code, ones = ops.format_code(case.kv_cache_dtype, device), torch.ones(1, device=device)
+
+    def run() -> None:
+        ops.reshape_and_cache(key, value, *caches, slots, code, ones, ones, *scale_caches)
+
+    return run, 2 * key.numel() * key.element_size()
 
 
 def _sdpa_case(case: KernelCase, batch: int, context: int, num_heads: int, num_kv_heads: int,
@@ -127,6 +177,8 @@ def _case(case: KernelCase, batch: int, context: int, num_heads: int, num_kv_hea
           block_size: int, gen: torch.Generator, device: torch.device):
     if case.impl == "torch_sdpa":
         return _sdpa_case(case, batch, context, num_heads, num_kv_heads, head_size, gen, device)
+    if case.op == "cache_write":
+        return _write_case(case, batch, context, num_kv_heads, head_size, block_size, gen, device)
     return _paged_case(case, batch, context, num_heads, num_kv_heads, head_size, block_size, gen, device)
 
 
@@ -204,7 +256,7 @@ def run_kernel_bench(shapes=DEFAULT_SHAPES, cases=None, num_heads: int = 32, num
                                                  repeats=repeats, settle_ms=settle_ms, settle_fns=twins)
         read_bw = read_bytes / read_ms / 1e6
         for case, (_, kv_bytes), ms in zip(cases, runs, (t / calls for t in times)):
-            row = {"impl": case.impl, "kv_cache_dtype": case.kv_cache_dtype,
+            row = {"impl": case.impl, "op": case.op, "kv_cache_dtype": case.kv_cache_dtype, "kv_scales": case.kv_scales,
                    "dtype": str(case.dtype).removeprefix("torch."), "batch": batch, "context": context,
                    "num_heads": n_heads, "num_kv_heads": n_kv_heads, "head_size": head_dim,
                    "block_size": block_size, "device": device.type, "ms": ms, "kv_gbps": kv_bytes / ms / 1e6,

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fp8cache.kvcache import formats
+from fp8cache.kvcache import dynamic_scales, formats
 
 if TYPE_CHECKING:
     from fp8cache.kvcache.spec import KVCacheSpec
@@ -51,16 +51,18 @@ def available_memory_bytes() -> int:
 
 
 def bytes_per_token(num_layers: int, num_kv_heads: int, head_size: int, kv_cache_dtype: str,
-                    model_dtype: torch.dtype, backend: str = "cpu") -> int:
-    """Cache bytes one token takes across all layers, K and V."""
+                    model_dtype: torch.dtype, backend: str = "cpu", dynamic: bool = False) -> int:
+    """Cache bytes one token takes across all layers, K and V; dynamic: with its per-token scales."""
     element = formats.bytes_per_element(kv_cache_dtype, model_dtype, backend)
-    return 2 * num_layers * num_kv_heads * head_size * element
+    scales = dynamic_scales.bytes_per_token(num_layers, num_kv_heads) if dynamic else 0
+    return 2 * num_layers * num_kv_heads * head_size * element + scales
 
 
 def spec_bytes_per_token(spec: KVCacheSpec, window: bool = False) -> int:
     """bytes_per_token of a spec's cache, or (window) of its recent-token ring, held in window_dtype."""
     fmt, dtype = (formats.CacheFormat.AUTO, spec.window_dtype) if window else (spec.format, spec.model_dtype)
-    return bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_size, fmt, dtype, spec.backend)
+    return bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_size, fmt, dtype, spec.backend,
+                           spec.dynamic_scales and not window)
 
 
 @dataclass

@@ -14,11 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
-from fp8cache.kvcache import formats, layout, scale_files
+from fp8cache.kvcache import dynamic_scales, formats, layout, scale_files
 from fp8cache.kvcache import scales as kv_scales
 from fp8cache.kvcache.rotation import NONE, rotation_matrix
 
 PENDING_SOURCE = "pending: calculated from the first batch"
+DYNAMIC_SOURCE = "dynamic: one per token and KV head, computed as the cache is written"
 
 
 def check_gpu_head_size(head_size: int, fmt: formats.CacheFormat, model_dtype: torch.dtype, backend: str) -> None:
@@ -55,6 +56,9 @@ class KVCacheSpec:
     window_size: int = 0  # kv_recent_window: newest tokens per sequence also kept in window_dtype
     window_dtype: torch.dtype | None = None  # None: the model dtype
     backend: str = "cpu"
+    # Dynamic scales (kvcache/dynamic_scales.py): per token and KV head, in scale caches beside the cache's codes;
+    # k_scales and v_scales are then unused ones.
+    dynamic_scales: bool = False
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience; tuples keep a frozen spec from being changed in place.
@@ -64,6 +68,8 @@ class KVCacheSpec:
         if self.window_dtype is None:
             object.__setattr__(self, "window_dtype", self.model_dtype)
         check_block_size(self.block_size)
+        if self.dynamic_scales and not self.is_fp8:
+            raise ValueError("dynamic KV scales need an FP8 kv-cache-dtype; an auto cache holds the values themselves")
         check_gpu_head_size(self.head_size, self.format, self.model_dtype, self.backend)
         if self.window_size < 0:
             raise ValueError(f"window_size={self.window_size} must be a whole number of tokens >= 0")
@@ -84,17 +90,23 @@ class KVCacheSpec:
     def build(cls, kv_cache_dtype: str, model_dtype: torch.dtype, block_size: int, num_layers: int,
               num_kv_heads: int, head_size: int, scales: kv_scales.KVScales | None, window_size: int = 0,
               window_dtype: torch.dtype | None = None, backend: str = "cpu",
-              device: torch.device | str = "cpu", name: str | None = None) -> KVCacheSpec:
+              device: torch.device | str = "cpu", name: str | None = None, dynamic: bool = False,
+              rotation: str = NONE) -> KVCacheSpec:
         """The spec for a cache on `device`. scales None: an FP8 cache whose scales the first batch will
         calculate (placeholders of 1.0 until then); an auto cache gets unused ones. name: kv_cache_dtype
-        resolved for `backend` already (the runner resolves it once, before the model loads)."""
+        resolved for `backend` already (the runner resolves it once, before the model loads). dynamic: an FP8
+        cache with dynamic scales (`scales` must be None), K/V rotated by `rotation` ("none", "hadamard")."""
         name = name or formats.resolve_kv_cache_dtype(kv_cache_dtype, backend)
+        if dynamic:
+            if scales is not None:
+                raise ValueError(f"dynamic KV scales replace static ones; got scales from {scales.source} too")
+            scales = dataclasses.replace(kv_scales.ones(num_layers, name), source=DYNAMIC_SOURCE, rotation=rotation)
         if scales is None and name == formats.AUTO:
             scales = scale_files.resolve_scales(name, num_layers, num_kv_heads)
         ones = kv_scales.ones(num_layers, name)
         spec = cls(kv_cache_dtype, formats.FORMAT_CODES[name], model_dtype, block_size, num_layers, num_kv_heads,
                    head_size, tuple(ones.k), tuple(ones.v), PENDING_SOURCE, None, NONE, window_size,
-                   window_dtype, backend)
+                   window_dtype, backend, dynamic)
         return spec if scales is None else spec.with_scales(scales, device)
 
     def with_scales(self, scales: kv_scales.KVScales, device: torch.device | str = "cpu") -> KVCacheSpec:
@@ -127,6 +139,18 @@ class KVCacheSpec:
         """Element type of the cache tensors: uint8 codes for FP8, the model dtype for auto."""
         return formats.cache_storage_dtype(self.format, self.model_dtype)
 
+    def scale_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """One layer's K (or V) dynamic scale cache: bfloat16 [num_blocks, num_kv_heads, block_size]."""
+        return (num_blocks, self.num_kv_heads, self.block_size)
+
+    def allocate_scale_caches(self, num_blocks: int,
+                              device: torch.device | str) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Per layer (k_scale_cache, v_scale_cache) for dynamic scales; None for static ones."""
+        if not self.dynamic_scales:
+            return None
+        return [dynamic_scales.allocate_scale_caches(num_blocks, self.block_size, self.num_kv_heads, device)
+                for _ in range(self.num_layers)]
+
     def cache_shapes(self, num_blocks: int, window: bool = False) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(key_cache, value_cache) shapes of one layer (kvcache.layout); window: the recent-token ring's."""
         x = layout.cache_x(self.window_dtype if window else self.storage_dtype)
@@ -141,6 +165,8 @@ class KVCacheSpec:
             return f"auto:{self.model_dtype}"
         if self.scales is None:
             return f"{self.name}:pending"
+        if self.dynamic_scales:  # each block carries its own scales: nothing else decides what its bytes mean
+            return f"{self.name}:dynamic:{self.rotation}"
         return f"{self.name}:{self.scales.fingerprint()}:{self.rotation}"
 
 

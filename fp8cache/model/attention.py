@@ -110,21 +110,22 @@ def attend(ctx: ForwardContext, layer: int, q: torch.Tensor, k: torch.Tensor, v:
         ctx.k_scales[layer], ctx.v_scales[layer] = ctx.calculate_scales(layer, k, v)
     key_cache, value_cache = ctx.kv_caches[layer]
     k_scale, v_scale = ctx.k_scales[layer], ctx.v_scales[layer]
+    scale_caches = ctx.scale_caches[layer] if ctx.scale_caches is not None else ()
     window = ctx.window_caches[layer] if ctx.window_size else None
     # A prefill chunk's rows see their predecessors' full-precision K/V, which this step's window writes
     # may overwrite in the ring: read them first.
     earlier = [gather_window_at(window[0], window[1], g.earlier_index) for g in ctx.prefill_groups] if window else []
     ctx.ops.reshape_and_cache(k, v, key_cache, value_cache, ctx.slot_mapping, ctx.kv_cache_dtype,
-                              k_scale, v_scale)
+                              k_scale, v_scale, *scale_caches)
     if window:
         ctx.ops.reshape_and_cache(k, v, window[0], window[1], ctx.window_slot_mapping, CacheFormat.AUTO, k_scale,
                                   v_scale)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous: the decode op writes into it
     if ctx.num_decode:
-        _decode(ctx, q, out, key_cache, value_cache, k_scale, v_scale, scaling, window, features)
+        _decode(ctx, q, out, key_cache, value_cache, k_scale, v_scale, scaling, window, features, scale_caches)
     for n, group in enumerate(ctx.prefill_groups):
         _prefill(ctx, group, q, k, v, out, key_cache, value_cache, k_scale, v_scale, scaling,
-                 earlier[n] if window else None, features)
+                 earlier[n] if window else None, features, scale_caches)
     if ctx.rotation != NONE:
         out = apply_rotation(out, ctx.rotation)
     return out
@@ -132,7 +133,7 @@ def attend(ctx: ForwardContext, layer: int, q: torch.Tensor, k: torch.Tensor, v:
 
 def _decode(ctx: ForwardContext, q: torch.Tensor, out: torch.Tensor, key_cache: torch.Tensor,
             value_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor, scaling: float,
-            window: tuple[torch.Tensor, torch.Tensor] | None, features: LayerFeatures) -> None:
+            window: tuple[torch.Tensor, torch.Tensor] | None, features: LayerFeatures, scale_caches: tuple = ()) -> None:
     if ctx.all_decode:  # the packed rows are the decode rows already: write the output in place
         # The GPU op reads rows of any stride (q is a column view of the merged q/k/v projection).
         query, result = (q.contiguous() if q.device.type == "cpu" else q), out
@@ -142,7 +143,7 @@ def _decode(ctx: ForwardContext, q: torch.Tensor, out: torch.Tensor, key_cache: 
     ring = None if window is None else (*window, ctx.decode_window_block_tables, ctx.decode_window_starts,
                                          ctx.window_size)
     _decode_op(ctx, result, query, key_cache, value_cache, k_scale, v_scale, scaling, ctx.decode_block_tables,
-               ctx.decode_context_lens, ctx.max_decode_len, ring, features)
+               ctx.decode_context_lens, ctx.max_decode_len, ring, features, scale_caches)
     if not ctx.all_decode:
         out.index_copy_(0, ctx.decode_tokens, result)
 
@@ -151,10 +152,11 @@ def _decode_op(ctx: ForwardContext, result: torch.Tensor, query: torch.Tensor, k
                value_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor, scaling: float,
                block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int,
                ring: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int] | None,
-               features: LayerFeatures = PLAIN) -> None:
+               features: LayerFeatures = PLAIN, scale_caches: tuple[torch.Tensor, torch.Tensor] | tuple = ()) -> None:
     """One query row per entry of seq_lens through the decode op; ring: (window key cache, window value cache,
-    window block tables, window starts, ring size) reads each row's newest positions from there."""
-    extra = () if features.plain else features.op_args()
+    window block tables, window starts, ring size) reads each row's newest positions from there; scale_caches:
+    the layer's dynamic scales, () for static ones."""
+    extra = (*features.op_args(), *scale_caches) if scale_caches or not features.plain else ()
     if ring is None:
         ctx.ops.paged_attention(result, query, key_cache, value_cache, key_cache.shape[1], float(scaling),
                                 block_tables, seq_lens, ctx.block_size, max_len, None, ctx.kv_cache_dtype,
@@ -170,7 +172,8 @@ def _decode_op(ctx: ForwardContext, result: torch.Tensor, query: torch.Tensor, k
 def _prefill(ctx: ForwardContext, group: PrefillGroup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              out: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, k_scale: torch.Tensor,
              v_scale: torch.Tensor, scaling: float,
-             earlier: tuple[torch.Tensor, torch.Tensor] | None, features: LayerFeatures = PLAIN) -> None:
+             earlier: tuple[torch.Tensor, torch.Tensor] | None, features: LayerFeatures = PLAIN,
+             scale_caches: tuple = ()) -> None:
     """The group's rows through the decode op (see RowQueries); the chunk's K/V are in the cache already.
     earlier: float32 full-precision K/V [n * earlier, kv_heads, d] of the positions before each chunk that its
     rows read (recent-token window; the chunk's own K/V follow them); None without a window."""
@@ -200,7 +203,7 @@ def _prefill(ctx: ForwardContext, group: PrefillGroup, q: torch.Tensor, k: torch
                                   v_scale)
         ring = (scratch_k, scratch_v, rows.window_tables, rows.window_starts, rows.window_span)
     _decode_op(ctx, result, query, key_cache, value_cache, k_scale, v_scale, scaling, rows.block_tables,
-               rows.seq_lens, rows.max_len, ring, features)
+               rows.seq_lens, rows.max_len, ring, features, scale_caches)
     if not group.token_range:
         out.index_copy_(0, group.tokens, result)
 

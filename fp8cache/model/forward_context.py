@@ -100,6 +100,9 @@ class ForwardContext:
     window_floors: list[int] | None = None  # per seq: positions below came from the prefix cache (FP8 only)
     decode_window_starts: torch.Tensor | None = None  # int32: first position each decode reads from the window
     prefill_groups: list[PrefillGroup] = field(default_factory=list)  # prefill_seqs by shape
+    # Dynamic KV scales: per layer (k_scale_cache, v_scale_cache), indexed by the same slots as kv_caches; the
+    # cache write fills them and attention reads them instead of k_scales / v_scales. None: static scales.
+    scale_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     extra: dict[str, torch.Tensor] = field(default_factory=dict)  # the caller's arrays, on the device
 
 
@@ -109,7 +112,8 @@ def build_forward_context(batch: StepBatch, ops: object,
                           window_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
                           extra: dict[str, np.ndarray] | None = None,
                           metadata_buffer: torch.Tensor | None = None, table_width: int | None = None,
-                          max_decode_len: int | None = None) -> ForwardContext:
+                          max_decode_len: int | None = None,
+                          scale_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> ForwardContext:
     """The step's tensors from a StepBatch (sequences in order, tokens packed). Every index the step needs is
     computed on the host and reaches the device in one copy (step_metadata); `extra` arrays (the runner's
     token ids, positions, ...) ride along and come back as ctx.extra. `spec` is the cache's format, scales,
@@ -136,7 +140,7 @@ def build_forward_context(batch: StepBatch, ops: object,
         max_decode_len=max_decode_len if max_decode_len is not None
         else max((seqs[i].context_len for i in decode), default=0),
         prefill_seqs=[i for i, s in enumerate(seqs) if s.query_len > 1], rotation=spec.rotation,
-        extra={name: views[name] for name in extra or {}})
+        extra={name: views[name] for name in extra or {}}, scale_caches=scale_caches)
     if spec.window_size:
         ctx.window_size, ctx.window_caches = spec.window_size, window_caches
         ctx.window_slot_mapping, ctx.window_block_tables = views["window_slot_mapping"], views["window_block_tables"]

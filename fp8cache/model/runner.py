@@ -14,9 +14,10 @@ from fp8cache import ops
 from fp8cache.config import DEFAULT_KV_RECENT_WINDOW, EngineConfig
 from fp8cache.distributed import parallel_state, sharding
 from fp8cache.distributed import worker as tp_worker
-from fp8cache.kvcache import formats, scale_files, sizing
+from fp8cache.kvcache import dynamic_scales, formats, scale_files, sizing
 from fp8cache.kvcache import scales as kv_scales
 from fp8cache.kvcache.layout import allocate_kv_cache
+from fp8cache.kvcache.rotation import HADAMARD, NONE, rotation_matrix
 from fp8cache.kvcache.spec import PENDING_SOURCE, KVCacheSpec, check_block_size
 from fp8cache.model import attention, forward_context, fused_layer, step_metadata
 from fp8cache.model.batch import StepBatch
@@ -44,6 +45,7 @@ class ModelRunner:
         if config.kv_scales_granularity not in kv_scales.GRANULARITIES:
             raise ValueError(f"kv_scales_granularity={config.kv_scales_granularity!r} is not known; valid: "
                              f"{', '.join(kv_scales.GRANULARITIES)}")
+        self.dynamic_scales = self._resolve_dynamic_scales(fmt_name)
         # A tensor-parallel rank shards on the host first, so only its share of the weights reaches its GPU.
         loaded = loaded or load_model(config, on_device=not self.tp.is_parallel)
         self.model, self.tokenizer, self.hf_config = loaded.model, loaded.tokenizer, loaded.hf_config
@@ -89,7 +91,8 @@ class ModelRunner:
         # The one resolved description of the cache; only calculated scales replace it (_use_scales).
         self.kv_spec = KVCacheSpec.build(config.kv_cache_dtype, self.dtype, self.block_size, self.num_layers,
                                          self.num_kv_heads, self.head_size, scales, window, window_dtype,
-                                         backend, self.device, name=fmt_name)
+                                         backend, self.device, name=fmt_name, dynamic=self.dynamic_scales,
+                                         rotation=self._resolve_dynamic_rotation())
         self._init_cache()
         self._graphs = self._decode_graphs()
 
@@ -162,8 +165,50 @@ class ModelRunner:
             ids.add(self.tokenizer.eos_token_id)
         return ids
 
+    def _resolve_dynamic_scales(self, fmt_name: str) -> bool:
+        """Whether the cache keeps dynamic scales (config.kv_scales), refusing what cannot go with them."""
+        config = self.config
+        if dynamic_scales.check_kv_scales(config.kv_scales) != dynamic_scales.DYNAMIC:
+            return False
+        if fmt_name == formats.AUTO:
+            self.log("note: --kv-scales dynamic is ignored with kv-cache-dtype auto (the cache is full precision)")
+            return False
+        if self.device.type != "cpu":
+            raise RuntimeError("dynamic KV scales are not implemented in the GPU kernels yet; use --kv-scales static")
+        conflicts = [flag for flag, given in (("--quantization-param-path", config.quantization_param_path),
+                                              ("--calculate-kv-scales", config.calculate_kv_scales)) if given]
+        if conflicts:
+            raise ValueError(f"--kv-scales dynamic computes a scale per token as the cache is written, so "
+                             f"{' and '.join(conflicts)} would go unused; drop {' and '.join(conflicts)}, or use "
+                             "--kv-scales static to use those scales")
+        return True
+
+    def _resolve_dynamic_rotation(self) -> str:
+        """config.kv_rotation for dynamic scales: auto is the Hadamard rotation where the head size allows it."""
+        wanted = self.config.kv_rotation
+        if wanted not in ("auto", NONE, HADAMARD):
+            raise ValueError(f"kv_rotation={wanted!r} is not one of auto, none, hadamard")
+        if not self.dynamic_scales:
+            if wanted != "auto":
+                self.log("note: --kv-rotation applies to --kv-scales dynamic; static scales use the rotation their "
+                         "scales file records (fp8kv calibrate --kv-rotation)")
+            return NONE
+        if wanted != "auto":
+            rotation_matrix(wanted, self.head_size)  # refuses a head size it cannot rotate, naming the fix
+            return wanted
+        try:
+            rotation_matrix(HADAMARD, self.head_size)
+        except ValueError:
+            return NONE
+        return HADAMARD
+
     def _resolve_scales(self, loaded: LoadedModel, fmt_name: str) -> kv_scales.KVScales | None:
-        """The scales by their precedence (None: calculated from the first batch)."""
+        """The scales by their precedence (None: calculated from the first batch, or dynamic scales)."""
+        if self.dynamic_scales:
+            if loaded.checkpoint_scale_tensors:
+                self.log("note: the checkpoint's KV scales are not used: --kv-scales dynamic computes a scale per "
+                         "token and KV head (use --kv-scales static to use them)")
+            return None
         if fmt_name == formats.AUTO and self.config.quantization_param_path:
             self.log("warning: --quantization-param-path is ignored with kv-cache-dtype auto")
         scales = scale_files.resolve_scales(
@@ -213,9 +258,14 @@ class ModelRunner:
         self.kv_caches = sizing.allocate_caches(allocate_kv_cache, spec, self.num_blocks, self.device)
         self.window_caches = sizing.allocate_caches(allocate_kv_cache, spec, plan.window_num_blocks,
                                                     self.device, window=True) if plan.window_seats else None
+        self.scale_caches = spec.allocate_scale_caches(self.num_blocks, self.device)
         for line in sizing.describe(plan, spec.name, self.max_model_len, self.config.max_num_seqs,
                                     spec.model_dtype, spec.window_dtype):
             self.log(line)
+        if spec.dynamic_scales:
+            scale_bytes = dynamic_scales.bytes_per_token(spec.num_layers, spec.num_kv_heads)
+            self.log(f"KV scales: dynamic, {scale_bytes} of the {self.bytes_per_token} bytes per token "
+                     f"({100 * scale_bytes / self.bytes_per_token:.1f}%), rotation {spec.rotation}")
 
     def _decode_graphs(self) -> cuda_graph.DecodeGraphs | None:
         """CUDA graphs for decode steps: on a GPU with the compiled ops and fp8kv's lean layers (whose steps
@@ -238,7 +288,8 @@ class ModelRunner:
                                          self.window_caches, extra, shape.get("table_width"))[0]
         return forward_context.build_forward_context(
             batch, ops=ops, kv_caches=self.kv_caches, spec=self.kv_spec,
-            device=self.device, window_caches=self.window_caches, extra=extra, **shape)
+            device=self.device, window_caches=self.window_caches, extra=extra, scale_caches=self.scale_caches,
+            **shape)
 
     def _device_limit(self) -> sizing.DeviceLimit | None:
         """What the cache may take on a GPU (None: the host's share, see sizing.plan_cache)."""

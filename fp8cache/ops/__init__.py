@@ -67,9 +67,14 @@ def dequantize_fp8(codes: torch.Tensor, kv_cache_dtype: str | int, scale: torch.
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                       value_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_cache_dtype: str | int,
-                      k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+                      k_scale: torch.Tensor, v_scale: torch.Tensor, k_scale_cache: torch.Tensor | None = None,
+                      v_scale_cache: torch.Tensor | None = None) -> None:
+    """Quantize K/V into their slots. k_scale_cache / v_scale_cache (bfloat16 [num_blocks, kv_heads, block_size],
+    FP8 caches): dynamic scales, one per token and head computed here and stored at the token's slot
+    (fp8cache.kvcache.dynamic_scales); k_scale and v_scale are then not used."""
     load().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
-                             format_code(kv_cache_dtype, key_cache.device), k_scale, v_scale)
+                             format_code(kv_cache_dtype, key_cache.device), k_scale, v_scale, k_scale_cache,
+                             v_scale_cache)
 
 
 def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
@@ -77,14 +82,15 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
                     max_seq_len: int, alibi_slopes: torch.Tensor | None, kv_cache_dtype: str | int,
                     k_scale: torch.Tensor, v_scale: torch.Tensor, sliding_window: int = 0,
-                    logit_softcap: float = 0.0, sinks: torch.Tensor | None = None) -> None:
+                    logit_softcap: float = 0.0, sinks: torch.Tensor | None = None,
+                    k_scale_cache: torch.Tensor | None = None, v_scale_cache: torch.Tensor | None = None) -> None:
     """Decode attention over the paged cache (docs/design.md section 4); sliding_window > 0: the newest positions
     only; logit_softcap > 0: logits become cap * tanh(logit / cap); sinks [num_heads]: one more logit per head
-    in the softmax's denominator."""
+    in the softmax's denominator; k_scale_cache / v_scale_cache: dynamic scales (see reshape_and_cache)."""
     load().paged_attention(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables,
                            seq_lens, block_size, max_seq_len, alibi_slopes,
                            format_code(kv_cache_dtype, key_cache.device), k_scale, v_scale, sliding_window,
-                           logit_softcap, sinks)
+                           logit_softcap, sinks, k_scale_cache, v_scale_cache)
 
 
 def paged_attention_window(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
@@ -95,14 +101,15 @@ def paged_attention_window(out: torch.Tensor, query: torch.Tensor, key_cache: to
                            block_size: int, max_seq_len: int, alibi_slopes: torch.Tensor | None,
                            kv_cache_dtype: str | int, k_scale: torch.Tensor, v_scale: torch.Tensor,
                            sliding_window: int = 0, logit_softcap: float = 0.0,
-                           sinks: torch.Tensor | None = None) -> None:
+                           sinks: torch.Tensor | None = None, k_scale_cache: torch.Tensor | None = None,
+                           v_scale_cache: torch.Tensor | None = None) -> None:
     """paged_attention reading positions [window_starts[i], seq_lens[i]) from the model-dtype window ring
     (ring slot = position % window_size) instead of the paged cache; one softmax over all positions."""
     load().paged_attention_window(out, query, key_cache, value_cache, window_key_cache, window_value_cache,
                                   num_kv_heads, scale, block_tables, window_block_tables, seq_lens,
                                   window_starts, window_size, block_size, max_seq_len, alibi_slopes,
                                   format_code(kv_cache_dtype, key_cache.device), k_scale, v_scale, sliding_window,
-                                  logit_softcap, sinks)
+                                  logit_softcap, sinks, k_scale_cache, v_scale_cache)
 
 
 # Decoder-layer elementwise ops (CPU kernels only; fp8cache.model.fused_layer binds them with overload()).

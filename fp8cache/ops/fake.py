@@ -53,8 +53,24 @@ def _check_scale(scale: torch.Tensor, num_kv_heads: int, device: torch.device, n
     _same_device(device, **{name: scale})
 
 
-def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_format, k_scale, v_scale) -> None:
+def _check_scale_caches(key_cache, kv_cache_format, k_scale_cache, v_scale_cache) -> None:
+    """Dynamic scales: bfloat16 [num_blocks, num_kv_heads, block_size] each, both or neither, FP8 caches only."""
+    if k_scale_cache is None and v_scale_cache is None:
+        return
+    _check(k_scale_cache is not None and v_scale_cache is not None,
+           "give both k_scale_cache and v_scale_cache (dynamic scales) or neither (static scales)")
+    _check(kv_cache_format != CacheFormat.AUTO, "an 'auto' cache holds the values themselves: pass no scale caches")
+    shape = (key_cache.shape[0], key_cache.shape[1], key_cache.shape[3])
+    for name, t in (("k_scale_cache", k_scale_cache), ("v_scale_cache", v_scale_cache)):
+        _check(t.dtype == torch.bfloat16 and tuple(t.shape) == shape,
+               f"{name} must be bfloat16 {shape} ([num_blocks, num_kv_heads, block_size]), got {t.dtype} {tuple(t.shape)}")
+        _same_device(key_cache.device, **{name: t})
+
+
+def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_format, k_scale, v_scale,
+                      k_scale_cache=None, v_scale_cache=None) -> None:
     _check_caches(key_cache, value_cache, kv_cache_format)
+    _check_scale_caches(key_cache, kv_cache_format, k_scale_cache, v_scale_cache)
     device, heads, head_size = key_cache.device, key_cache.shape[1], value_cache.shape[2]
     for name, t in (("key", key), ("value", value)):
         _check(t.dim() == 3 and t.shape[1] == heads and t.shape[2] == head_size,
@@ -99,18 +115,20 @@ def _check_features(query, key_cache, sliding_window, logit_softcap, sinks) -> N
 
 def paged_attention(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens, block_size,
                     max_seq_len, alibi_slopes, kv_cache_format, k_scale, v_scale, sliding_window=0, logit_softcap=0.0,
-                    sinks=None) -> None:
+                    sinks=None, k_scale_cache=None, v_scale_cache=None) -> None:
     _check_attention(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens, kv_cache_format,
                      k_scale, v_scale, alibi_slopes)
+    _check_scale_caches(key_cache, kv_cache_format, k_scale_cache, v_scale_cache)
     _check_features(query, key_cache, sliding_window, logit_softcap, sinks)
 
 
 def paged_attention_window(out, query, key_cache, value_cache, window_key_cache, window_value_cache, num_kv_heads,
                            scale, block_tables, window_block_tables, seq_lens, window_starts, window_size,
                            block_size, max_seq_len, alibi_slopes, kv_cache_format, k_scale, v_scale, sliding_window=0,
-                           logit_softcap=0.0, sinks=None) -> None:
+                           logit_softcap=0.0, sinks=None, k_scale_cache=None, v_scale_cache=None) -> None:
     _check_attention(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens, kv_cache_format,
                      k_scale, v_scale, alibi_slopes)
+    _check_scale_caches(key_cache, kv_cache_format, k_scale_cache, v_scale_cache)
     _check_features(query, key_cache, sliding_window, logit_softcap, sinks)
     _check_caches(window_key_cache, window_value_cache, CacheFormat.AUTO, "window_")
     _same_device(key_cache.device, window_key_cache=window_key_cache, window_block_tables=window_block_tables,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from fp8cache.kvcache import formats
+from fp8cache.kvcache import dynamic_scales, formats
 from fp8cache.kvcache.layout import allocate_kv_cache, cache_x, gather_window_at  # noqa: F401 (tests use them too)
 
 
@@ -33,20 +33,37 @@ def _check_slots(slot_mapping: torch.Tensor, num_slots: int) -> torch.Tensor:
     return valid
 
 
+def quantize_dynamic(x: torch.Tensor, fmt: formats.Fp8Format) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [tokens, heads, d] -> (uint8 codes, bfloat16 scales [tokens, heads]): each token and head's own scale,
+    its largest |x| over the format's max rounded up (kvcache.dynamic_scales)."""
+    scales = dynamic_scales.scales_of(dynamic_scales.token_head_amax(x), fmt.max)
+    # times the float32 reciprocal, not divided: what the kernels compute (a multiply costs less than a divide)
+    inverse = 1.0 / scales.float()[..., None]
+    q = torch.clamp(x.to(torch.float32) * inverse, -fmt.max, fmt.max).to(fmt.torch_dtype)
+    return q.view(torch.uint8), scales
+
+
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                       value_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_cache_dtype: str | int,
-                      k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+                      k_scale: torch.Tensor, v_scale: torch.Tensor, k_scale_cache: torch.Tensor | None = None,
+                      v_scale_cache: torch.Tensor | None = None) -> None:
+    """k_scale_cache / v_scale_cache bfloat16 [num_blocks, kv_heads, block_size] (FP8 caches): dynamic scales, computed
+    per token and head and stored at each token's slot; k_scale and v_scale are then not used."""
     num_blocks, num_kv_heads, _, block_size, x = key_cache.shape
     head_size = value_cache.shape[2]
     valid = _check_slots(slot_mapping, num_blocks * block_size)
     slots = slot_mapping[valid].long()
     key, value = key[valid], value[valid]
     fmt = formats.get_format(kv_cache_dtype, formats.backend_of(key_cache.device))
+    blocks, offsets = slots // block_size, slots % block_size
     if fmt is None:
         k_store, v_store = key.to(key_cache.dtype), value.to(value_cache.dtype)
+    elif k_scale_cache is not None:
+        (k_store, k_codes), (v_store, v_codes) = quantize_dynamic(key, fmt), quantize_dynamic(value, fmt)
+        k_scale_cache[blocks, :, offsets] = k_codes
+        v_scale_cache[blocks, :, offsets] = v_codes
     else:
         k_store, v_store = quantize(key, k_scale, fmt), quantize(value, v_scale, fmt)
-    blocks, offsets = slots // block_size, slots % block_size
     # key_cache[b, h, d // x, off, d % x] = k[t, h, d]
     k_view = k_store.reshape(-1, num_kv_heads, head_size // x, x)
     key_cache[blocks, :, :, offsets, :] = k_view
@@ -55,7 +72,8 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
 
 def gather_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
               seq_len: int, kv_cache_dtype: str | int, k_scale: torch.Tensor,
-              v_scale: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+              v_scale: torch.Tensor, start: int = 0, k_scale_cache: torch.Tensor | None = None,
+              v_scale_cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of positions [start, seq_len) of one sequence, dequantized to float32 [seq_len - start, heads,
     d]. Only the blocks holding those positions are read (a sliding window's older blocks may be gone)."""
     num_blocks, block_size = key_cache.shape[0], key_cache.shape[3]
@@ -68,17 +86,19 @@ def gather_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: t
         empty = torch.zeros(0, key_cache.shape[1], value_cache.shape[2], device=key_cache.device)
         return empty, empty.clone()
     k, v = gather_kv_blocks(key_cache, value_cache, ids[None], seq_len - first * block_size, kv_cache_dtype,
-                            k_scale, v_scale)
+                            k_scale, v_scale, k_scale_cache, v_scale_cache)
     skip = start - first * block_size
     return k[0].transpose(0, 1)[skip:], v[0].transpose(0, 1)[skip:]
 
 
 def gather_kv_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int,
                      kv_cache_dtype: str | int, k_scale: torch.Tensor,
-                     v_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                     v_scale: torch.Tensor, k_scale_cache: torch.Tensor | None = None,
+                     v_scale_cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """gather_kv for n sequences at once, head-major: float32 [n, heads, seq_len, d], the same values.
 
     block_ids: int64 [n, blocks], each row a sequence's first blocks (covering seq_len), all in the cache.
+    k_scale_cache / v_scale_cache: dynamic scales (see reshape_and_cache), used instead of k_scale / v_scale.
     """
     n, n_blocks = block_ids.shape
     _, num_kv_heads, _, block_size, x = key_cache.shape
@@ -91,6 +111,14 @@ def gather_kv_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor, block_i
     fmt = formats.get_format(kv_cache_dtype, formats.backend_of(key_cache.device))
     if fmt is None:
         return k.to(torch.float32), v.to(torch.float32)
+    if k_scale_cache is not None:
+        def token_scales(cache: torch.Tensor) -> torch.Tensor:  # [n, heads, seq_len, 1]
+            scales = cache[ids].view(n, n_blocks, num_kv_heads, block_size).permute(0, 2, 1, 3)
+            return scales.reshape(n, num_kv_heads, -1)[:, :, :seq_len].float()[..., None]
+
+        one = torch.ones(1)
+        return (dequantize(k, one, fmt, head_dim=1) * token_scales(k_scale_cache),
+                dequantize(v, one, fmt, head_dim=1) * token_scales(v_scale_cache))
     return dequantize(k, k_scale, fmt, head_dim=1), dequantize(v, v_scale, fmt, head_dim=1)
 
 
@@ -127,9 +155,11 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
                     max_seq_len: int, alibi_slopes: torch.Tensor | None, kv_cache_dtype: str | int,
                     k_scale: torch.Tensor, v_scale: torch.Tensor, sliding_window: int = 0,
-                    logit_softcap: float = 0.0, sinks: torch.Tensor | None = None) -> None:
+                    logit_softcap: float = 0.0, sinks: torch.Tensor | None = None,
+                    k_scale_cache: torch.Tensor | None = None, v_scale_cache: torch.Tensor | None = None) -> None:
     """Decode attention: each query row attends to positions [0, seq_len) of its sequence, the newest
-    sliding_window of them when that is > 0; see attend for logit_softcap and sinks."""
+    sliding_window of them when that is > 0; see attend for logit_softcap and sinks, reshape_and_cache for the
+    scale caches."""
     num_seqs, num_heads, _ = query.shape
     group = num_heads // num_kv_heads
     for i in range(num_seqs):
@@ -138,7 +168,8 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
             out[i] = 0
             continue
         first = window_first(seq_len, sliding_window)
-        k, v = gather_kv(key_cache, value_cache, block_tables[i], seq_len, kv_cache_dtype, k_scale, v_scale, first)
+        k, v = gather_kv(key_cache, value_cache, block_tables[i], seq_len, kv_cache_dtype, k_scale, v_scale, first,
+                         k_scale_cache, v_scale_cache)
         k = k.repeat_interleave(group, dim=1)  # [T, heads, d]
         v = v.repeat_interleave(group, dim=1)
         out[i] = attend(query[i].to(torch.float32), k, v, scale, alibi_slopes, first, logit_softcap,
@@ -188,7 +219,8 @@ def paged_attention_window(out: torch.Tensor, query: torch.Tensor, key_cache: to
                            block_size: int, max_seq_len: int, alibi_slopes: torch.Tensor | None,
                            kv_cache_dtype: str | int, k_scale: torch.Tensor, v_scale: torch.Tensor,
                            sliding_window: int = 0, logit_softcap: float = 0.0,
-                           sinks: torch.Tensor | None = None) -> None:
+                           sinks: torch.Tensor | None = None, k_scale_cache: torch.Tensor | None = None,
+                           v_scale_cache: torch.Tensor | None = None) -> None:
     """Decode attention over FP8 positions [0, window_start) and window positions [window_start, seq_len)."""
     if window_size < 1:
         raise ValueError(f"window_size {window_size} must be >= 1 (use paged_attention without a window)")
@@ -204,7 +236,7 @@ def paged_attention_window(out: torch.Tensor, query: torch.Tensor, key_cache: to
             continue
         first = window_first(seq_len, sliding_window)
         k_old, v_old = gather_kv(key_cache, value_cache, block_tables[i], start, kv_cache_dtype, k_scale,
-                                 v_scale, min(first, start))
+                                 v_scale, min(first, start), k_scale_cache, v_scale_cache)
         k_new, v_new = gather_window_kv(window_key_cache, window_value_cache, window_block_tables[i],
                                         max(first, start), seq_len, window_size)
         k = torch.cat([k_old, k_new]).repeat_interleave(group, dim=1)  # [T, heads, d]

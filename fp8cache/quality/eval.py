@@ -107,7 +107,8 @@ def _window_config(config: EngineConfig, hf_config: object, window_len: int, kv_
     num_heads = hf_config.num_attention_heads
     shape = (hf_config.num_hidden_layers, getattr(hf_config, "num_key_value_heads", None) or num_heads,
              getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads)
-    memory = blocks * config.block_size * sizing.bytes_per_token(*shape, kv_cache_dtype, dtype, backend)
+    dynamic = config.kv_scales == "dynamic" and kv_cache_dtype != formats.AUTO
+    memory = blocks * config.block_size * sizing.bytes_per_token(*shape, kv_cache_dtype, dtype, backend, dynamic)
     if kv_cache_dtype != formats.AUTO and config.kv_recent_window != 0:
         # Room for one seat of the recent-token ring at its largest: the runner caps the window (given, or
         # recorded in the scales file) at max_model_len = window_len, and its dtype is at most 4 bytes.

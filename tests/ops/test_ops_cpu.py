@@ -310,7 +310,8 @@ def test_other_isa_builds(isa):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     files = [Path(__file__), Path(__file__).with_name("test_fp8_conversion.py"),
-             Path(__file__).with_name("test_window_ops.py"), REPO / "tests" / "model" / "test_packed_linear.py"]
+             Path(__file__).with_name("test_window_ops.py"), Path(__file__).with_name("test_dynamic_scales.py"),
+             REPO / "tests" / "model" / "test_packed_linear.py"]
     assert all(f.is_file() for f in files), files
     hadamard = Path(__file__).with_name("test_hadamard_op.py")
     hadamard_ops = [f"{hadamard}::{name}" for name in (  # the op's tests, not its GPU emulation's
