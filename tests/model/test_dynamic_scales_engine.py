@@ -133,7 +133,7 @@ def test_dynamic_scales_with_auto_cache_are_a_note_and_unknown_values_an_error(l
     notes = []
     config_runner = make_runner(loaded, "auto", kv_scales="dynamic")
     assert not config_runner.kv_spec.dynamic_scales and config_runner.scale_caches is None
-    with pytest.raises(ValueError, match="kv_scales='per-token' is not one of static, dynamic"):
+    with pytest.raises(ValueError, match="kv_scales='per-token' is not known; valid choices: static, dynamic"):
         make_runner(loaded, "fp8_e4m3", kv_scales="per-token")
     runner = SimpleNamespace(config=SimpleNamespace(kv_scales="dynamic"), log=notes.append,
                              device=torch.device("cpu"))
