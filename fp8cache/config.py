@@ -42,3 +42,6 @@ class EngineConfig:
     # auto: the model folder's safetensors weights; dummy: random weights from its config.json alone, or a shape
     # shipped with fp8kv by name (benchmarks at a real model's size without its checkpoint; fp8cache/model/dummy.py)
     load_format: str = "auto"
+    # Speculative decoding, vLLM's shape: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": m,
+    # "prompt_lookup_max": M} (a dict or its JSON text; fp8cache/engine/speculative_config.py). None: off.
+    speculative_config: dict | str | None = None
