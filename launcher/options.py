@@ -49,6 +49,21 @@ def env_var(name: str) -> str:
     return paths.flag_env(name)
 
 
+def speculative_arg(ctx: click.Context | None, param: click.Parameter | None, value: str | None) -> dict | None:
+    """--speculative-config JSON, checked now (a bad value is a usage error, not a failure after loading)."""
+    from fp8cache.engine.speculative_config import SpeculativeConfig
+
+    if value is None:
+        return None
+    try:
+        parsed = SpeculativeConfig.parse(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    return None if parsed is None else {"method": parsed.method, "num_speculative_tokens": parsed.num_speculative_tokens,
+                                        "prompt_lookup_min": parsed.prompt_lookup_min,
+                                        "prompt_lookup_max": parsed.prompt_lookup_max}
+
+
 def memory_arg(value: str | None) -> int | str | None:
     """A SIZE flag as EngineConfig takes it: digits are bytes, "2GiB" stays text for the engine to parse."""
     if value is None:
@@ -110,6 +125,11 @@ _ENGINE_OPTIONS = [
                 "activations leave of it (capped at what max-num-seqs x max-model-len need)."),
     option("--enforce-eager", is_flag=True,
            help="On a GPU: run decode steps op by op instead of replaying CUDA graphs."),
+    option("--speculative-config", metavar="JSON", callback=speculative_arg,
+           help='Speculative decoding, vLLM\'s shape: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' proposes the tokens that followed the last '
+                "n-gram's previous occurrence and verifies them in one step (same output; faster on text that "
+                "repeats its context). Default: off."),
     option("--trust-remote-code", is_flag=True,
            help="Allow Python code shipped in the model folder to run (off: transformers' own "
                 "architectures only)."),
@@ -185,7 +205,7 @@ def engine_config(model: str | None, kw: dict) -> EngineConfig:
         seed=kw["seed"], device=kw["device"],
         gpu_memory_utilization=kw["gpu_memory_utilization"], enforce_eager=kw["enforce_eager"],
         trust_remote_code=kw["trust_remote_code"], load_format=kw["load_format"],
-        revision=kw["revision"], download_dir=kw["download_dir"])
+        revision=kw["revision"], download_dir=kw["download_dir"], speculative_config=kw.get("speculative_config"))
 
 
 def engine_errors(fn: Callable) -> Callable:

@@ -43,6 +43,20 @@ class PromptSource:
             self._next_start = (starts[-1] + 1) % room
         return [ids[s:s + length] for s in starts]
 
+    def take_repeat(self, count: int, length: int) -> list[list[int]]:
+        """`count` chat prompts of about `length` tokens that ask the model to repeat a passage of the text word
+        for word (a workload that repeats its context: what n-gram speculation gains on)."""
+        wrapper = len(self._repeat_prompt([]))
+        passages = self.take(count, max(length - wrapper, 1))
+        return [self._repeat_prompt(p) for p in passages]
+
+    def _repeat_prompt(self, passage: list[int]) -> list[int]:
+        text = f"Repeat this passage word for word:\n\n{self.tokenizer.decode(passage)}"
+        if getattr(self.tokenizer, "chat_template", None):
+            return self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                      tokenize=True, return_dict=False)
+        return self.tokenizer(text + "\n\n", add_special_tokens=False)["input_ids"]
+
     def take_text(self, count: int, length: int) -> list[str]:
         """Like take(), decoded to text (for HTTP clients; the server's count may differ by a token)."""
         return [self.tokenizer.decode(w) for w in self.take(count, length)]
