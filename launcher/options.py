@@ -49,19 +49,16 @@ def env_var(name: str) -> str:
     return paths.flag_env(name)
 
 
-def speculative_arg(ctx: click.Context | None, param: click.Parameter | None, value: str | None) -> dict | None:
-    """--speculative-config JSON, checked now (a bad value is a usage error, not a failure after loading)."""
+def speculative_arg(ctx: click.Context | None, param: click.Parameter | None, value: str | None) -> str | None:
+    """--speculative-config JSON, checked now (a bad value is a usage error, not a failure after loading); kept
+    as given, so that systemd-unit writes it back unchanged."""
     from fp8cache.engine.speculative_config import SpeculativeConfig
 
-    if value is None:
-        return None
     try:
-        parsed = SpeculativeConfig.parse(value)
+        SpeculativeConfig.parse(value)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
-    return None if parsed is None else {"method": parsed.method, "num_speculative_tokens": parsed.num_speculative_tokens,
-                                        "prompt_lookup_min": parsed.prompt_lookup_min,
-                                        "prompt_lookup_max": parsed.prompt_lookup_max}
+    return value
 
 
 def memory_arg(value: str | None) -> int | str | None:
