@@ -44,18 +44,25 @@ class PromptSource:
         return [ids[s:s + length] for s in starts]
 
     def take_repeat(self, count: int, length: int) -> list[list[int]]:
-        """`count` chat prompts of about `length` tokens that ask the model to repeat a passage of the text word
-        for word (a workload that repeats its context: what n-gram speculation gains on)."""
-        wrapper = len(self._repeat_prompt([]))
-        passages = self.take(count, max(length - wrapper, 1))
-        return [self._repeat_prompt(p) for p in passages]
+        """`count` chat prompts of exactly `length` tokens (when longer than the instruction) that ask the model
+        to repeat a passage of the text word for word: a workload that repeats its context, where n-gram
+        speculation gains. The passage's ids go in as cut, so prompts are exactly as long as asked."""
+        head, tail = self._repeat_wrapper()
+        passages = self.take(count, max(length - len(head) - len(tail), 1))
+        return [head + p + tail for p in passages]
 
-    def _repeat_prompt(self, passage: list[int]) -> list[int]:
-        text = f"Repeat this passage word for word:\n\n{self.tokenizer.decode(passage)}"
+    def _repeat_wrapper(self) -> tuple[list[int], list[int]]:
+        mark = "\x00PASSAGE\x00"
+        text = f"Repeat this passage word for word:\n\n{mark}"
         if getattr(self.tokenizer, "chat_template", None):
-            return self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                      tokenize=True, return_dict=False)
-        return self.tokenizer(text + "\n\n", add_special_tokens=False)["input_ids"]
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                      tokenize=False)
+        else:
+            text += "\n\n"
+        before, after = text.split(mark)
+        encode = self.tokenizer
+        return (encode(before, add_special_tokens=False)["input_ids"],
+                encode(after, add_special_tokens=False)["input_ids"])
 
     def take_text(self, count: int, length: int) -> list[str]:
         """Like take(), decoded to text (for HTTP clients; the server's count may differ by a token)."""
