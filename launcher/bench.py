@@ -260,8 +260,9 @@ def _check_text(text_path: str | None) -> str:
               help='Also run every fp8kv engine with this speculative decoding, e.g. \'{"method": "ngram", '
                    '"num_speculative_tokens": 4}\': rows "<cache> ngram" with the acceptance rate and "vs no spec".')
 @click.option("--workload", default="text", show_default=True, type=click.Choice(["text", "repeat"]),
-              help="text: prompts are windows of the text to continue; repeat: chat prompts asking to repeat a "
-                   "passage of it word for word (context that repeats: where speculation gains).")
+              help="text: prompts are windows of the text to continue; repeat: a passage of it, a blank line and "
+                   "the passage's first 8 tokens again, which the model goes on copying (context that repeats: "
+                   "where speculation gains).")
 @_THREADS_OPT
 @_TEXT_OPT
 @_DEVICE_OPT

@@ -12,6 +12,7 @@ from fp8cache.quality.eval import locate_eval_text, read_text
 # Tokenizing the whole text (1.3 MB) takes seconds; a prefix of about this many characters per needed
 # token is enough, and we grow it if not.
 _CHARS_PER_TOKEN = 6
+REPEAT_CUE = 8  # tokens of the passage that start its repetition in a repeat prompt
 
 
 class PromptSource:
@@ -44,25 +45,14 @@ class PromptSource:
         return [ids[s:s + length] for s in starts]
 
     def take_repeat(self, count: int, length: int) -> list[list[int]]:
-        """`count` chat prompts of exactly `length` tokens (when longer than the instruction) that ask the model
-        to repeat a passage of the text word for word: a workload that repeats its context, where n-gram
-        speculation gains. The passage's ids go in as cut, so prompts are exactly as long as asked."""
-        head, tail = self._repeat_wrapper()
-        passages = self.take(count, max(length - len(head) - len(tail), 1))
-        return [head + p + tail for p in passages]
-
-    def _repeat_wrapper(self) -> tuple[list[int], list[int]]:
-        mark = "\x00PASSAGE\x00"
-        text = f"Repeat this passage word for word:\n\n{mark}"
-        if getattr(self.tokenizer, "chat_template", None):
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                      tokenize=False)
-        else:
-            text += "\n\n"
-        before, after = text.split(mark)
-        encode = self.tokenizer
-        return (encode(before, add_special_tokens=False)["input_ids"],
-                encode(after, add_special_tokens=False)["input_ids"])
+        """`count` prompts of exactly `length` tokens that repeat their context: a passage of the text, a blank
+        line and the passage's first REPEAT_CUE tokens again, so that the model goes on copying it (the text
+        an edit, summary or quotation repeats; where n-gram speculation gains)."""
+        gap = self.tokenizer("\n\n", add_special_tokens=False)["input_ids"]
+        passage_len = length - len(gap) - REPEAT_CUE
+        if passage_len <= REPEAT_CUE:
+            raise ValueError(f"a repeat prompt needs more than {2 * REPEAT_CUE + len(gap)} tokens, got {length}")
+        return [p + gap + p[:REPEAT_CUE] for p in self.take(count, passage_len)]
 
     def take_text(self, count: int, length: int) -> list[str]:
         """Like take(), decoded to text (for HTTP clients; the server's count may differ by a token)."""

@@ -8,8 +8,9 @@ All engines are built up front (the fp8kv ones share one copy of the weights) an
 turns: round r runs every engine once on prompt set r. Drift on a shared machine then hits every engine
 alike, and the median over rounds is what a row reports.
 
-Workloads: "text" prompts are plain windows of the text (continue it); "repeat" prompts ask the (chat) model to
-repeat a passage of it word for word, what n-gram speculative decoding gains on. With a speculative_config
+Workloads: "text" prompts are plain windows of the text (continue it); "repeat" prompts are a passage of it and
+the start of that passage again, which the model goes on copying (PromptSource.take_repeat): what n-gram
+speculative decoding gains on. With a speculative_config
 every fp8kv cache variant runs twice, without and with speculation (rows "<variant> ngram"), and those rows
 report the acceptance rate and their output tokens/s over the plain row's (vs_no_spec).
 

@@ -10,7 +10,7 @@ import torch
 from click.testing import CliRunner
 
 from fp8cache.bench import throughput
-from fp8cache.bench.prompts import PromptSource
+from fp8cache.bench.prompts import REPEAT_CUE, PromptSource
 from fp8cache.server.metrics import ServerMetrics
 from launcher import bench as bench_commands
 from launcher.cli import main
@@ -26,14 +26,14 @@ def _restore_torch_threads():
     torch.set_num_threads(threads)
 
 
-def test_repeat_prompts_quote_a_passage_of_the_text(default_tokenizer):
-    source = PromptSource(default_tokenizer)
-    prompts = source.take_repeat(3, 80)
-    assert [len(p) for p in prompts] == [80, 80, 80]
-    passage = default_tokenizer.decode(PromptSource(default_tokenizer).take(1, 80 - (80 - 40))[0][:10])
-    assert "Repeat this passage word for word" in default_tokenizer.decode(prompts[0])
-    assert passage.strip()[:20] in default_tokenizer.decode(prompts[0])
-    assert len({tuple(p) for p in prompts}) == 3
+def test_repeat_prompts_repeat_the_start_of_their_passage(default_tokenizer):
+    prompts = PromptSource(default_tokenizer).take_repeat(3, 80)
+    windows = PromptSource(default_tokenizer).take(3, 80 - REPEAT_CUE - 1)
+    gap = default_tokenizer("\n\n", add_special_tokens=False)["input_ids"]
+    assert len(gap) == 1
+    assert prompts == [w + gap + w[:REPEAT_CUE] for w in windows]
+    with pytest.raises(ValueError, match="needs more than"):
+        PromptSource(default_tokenizer).take_repeat(1, 12)
 
 
 def test_spec_rows_pair_with_their_plain_rows():
