@@ -13,6 +13,10 @@ queued, and the extra token that sequence gets from N+1 is dropped. Batches with
 needs its newest token on the host (structured outputs, penalties) or whose logprobs are read run as one
 synchronous step, as do all steps with overlap off and with tensor parallelism.
 
+With a speculative_config (spec_decode.py) each step first gives decoding sequences proposed tokens; a step
+that verifies some runs synchronously and hands each sequence its accepted tokens and one more, appended and
+stop-checked one at a time. The overlapped loop is off then.
+
 Length limits: a prompt longer than max_model_len, or longer than the whole KV cache holds, is refused
 by add_request with ValueError. A sequence that reaches either limit while generating finishes with
 finish_reason "length".
