@@ -126,7 +126,8 @@ _ENGINE_OPTIONS = [
            help='Speculative decoding, vLLM\'s shape: \'{"method": "ngram", "num_speculative_tokens": 4, '
                 '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' proposes the tokens that followed the last '
                 "n-gram's previous occurrence and verifies them in one step (same output; faster on text that "
-                "repeats its context). Default: off."),
+                'repeats its context); "disable_by_batch_size": N (default 4) decodes plainly while more sequences '
+                "run. Default: off."),
     option("--trust-remote-code", is_flag=True,
            help="Allow Python code shipped in the model folder to run (off: transformers' own "
                 "architectures only)."),

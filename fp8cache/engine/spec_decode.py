@@ -46,6 +46,9 @@ class Speculation:
     def propose(self, running: list[Sequence], eos_token_ids: set[int]) -> None:
         for seq in running:
             seq.draft_token_ids = []
+        if len(running) > self.config.disable_by_batch_size:
+            return  # a verify step of many sequences costs more than it gains (SpeculativeConfig)
+        for seq in running:
             if _may_speculate(seq):
                 seq.draft_token_ids = self.proposer.propose(seq, self._limit(seq, eos_token_ids))
 

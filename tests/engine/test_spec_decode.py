@@ -35,6 +35,8 @@ def test_config_takes_vllms_shape_and_fills_the_lookup_bounds():
     c = SpeculativeConfig.parse({"num_speculative_tokens": 2, "prompt_lookup_min": 6})
     assert (c.method, c.prompt_lookup_min, c.prompt_lookup_max) == ("ngram", 6, 6)
     assert SpeculativeConfig.parse(None) is None and SpeculativeConfig.parse({}) is None
+    assert c.disable_by_batch_size == 4
+    assert SpeculativeConfig.parse({"num_speculative_tokens": 2, "disable_by_batch_size": 64}).disable_by_batch_size == 64
 
 
 @pytest.mark.parametrize("value,message", [
@@ -44,6 +46,7 @@ def test_config_takes_vllms_shape_and_fills_the_lookup_bounds():
     ({"num_speculative_tokens": True}, "num_speculative_tokens must be a whole number >= 1"),
     ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "is above prompt_lookup_max"),
     ({"num_speculative_tokens": 2, "draft_model": "x"}, "unknown key"),
+    ({"num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size must be"),
     ("{not json", "not valid JSON"),
     ("[1, 2]", "must be a JSON object"),
 ])
@@ -165,6 +168,24 @@ def test_greedy_output_is_token_identical_with_speculation(default_loaded, loade
     stats_ = engine.stats
     assert 0 < stats_.spec_decode_num_accepted_tokens <= stats_.spec_decode_num_draft_tokens
     assert engine.num_steps < sum(len(o.token_ids) for o in plain)  # a step emitted several tokens
+
+
+def test_no_proposals_while_more_sequences_run_than_disable_by_batch_size(default_loaded):
+    engine = make_engine(default_loaded, {**NGRAM, "disable_by_batch_size": 2})
+    drafted = []
+    propose = engine.speculation.propose
+
+    def watching(running, eos):
+        propose(running, eos)
+        drafted.append((len(running), sum(len(s.draft_token_ids) for s in running)))
+
+    engine.speculation.propose = watching
+    for i, (prompt, n) in enumerate([(STORY, 3), (STORY + " ran", 3), (REPEAT, 16)]):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=n))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert all(count == 0 for running, count in drafted if running > 2)
+    assert any(count for running, count in drafted if running <= 2)
 
 
 @pytest.mark.slow
@@ -326,7 +347,7 @@ def test_sampled_tokens_follow_the_same_distribution_with_speculation(tiny_llama
     prompt = "the city of the river the city of the river the city of the"
     counts, vocab = [], loaded.hf_config.vocab_size
     greedy = None
-    for spec in (None, None, {**NGRAM, "num_speculative_tokens": 3}):
+    for spec in (None, None, {**NGRAM, "num_speculative_tokens": 3, "disable_by_batch_size": 600}):
         config = EngineConfig(model=tiny_llama_path, max_model_len=64, max_num_seqs=600, kv_cache_memory="64MiB",
                               speculative_config=spec, enable_prefix_caching=False)
         engine = LLMEngine(config, log=lambda _: None, runner=ModelRunner(config, log=lambda _: None, loaded=loaded))
