@@ -418,11 +418,11 @@ def add_ratios(rows: list[dict]) -> list[dict]:
     and a windowed FP8 row's over the same dtype's plain (window 0) row (vs_window0)."""
     peer = next((r for r in rows if r["engine"] == "transformers"), None)
     fp8kv = [r for r in rows if r["engine"] == "fp8kv"]
-    fp8kv_plain = [r for r in fp8kv if not r["variant"].endswith(SPEC_SUFFIX)]
+    fp8kv_plain = [r for r in fp8kv if not _variant(r).endswith(SPEC_SUFFIX)]
     auto = next((r for r in fp8kv_plain if r["kv_cache_dtype"] == "auto"), None)
     plain = {r["kv_cache_dtype"]: r for r in fp8kv_plain
              if r["kv_cache_dtype"] != "auto" and r.get("kv_recent_window") == 0}
-    by_variant = {r["variant"]: r for r in fp8kv_plain}
+    by_variant = {_variant(r): r for r in fp8kv_plain}
     for r in fp8kv:
         if peer is not None:
             r["vs_transformers"] = r["output_tokens_per_s"] / peer["output_tokens_per_s"]
@@ -431,10 +431,14 @@ def add_ratios(rows: list[dict]) -> list[dict]:
         base = plain.get(r["kv_cache_dtype"])
         if base is not None and r.get("kv_recent_window"):
             r["vs_window0"] = r["output_tokens_per_s"] / base["output_tokens_per_s"]
-        no_spec = by_variant.get(r["variant"].removesuffix(SPEC_SUFFIX))
-        if r["variant"].endswith(SPEC_SUFFIX) and no_spec is not None:
+        no_spec = by_variant.get(_variant(r).removesuffix(SPEC_SUFFIX))
+        if _variant(r).endswith(SPEC_SUFFIX) and no_spec is not None:
             r["vs_no_spec"] = r["output_tokens_per_s"] / no_spec["output_tokens_per_s"]
     return rows
+
+
+def _variant(row: dict) -> str:
+    return row.get("variant", row["kv_cache_dtype"])
 
 
 def _prompt_sets(tokenizer, text_path: str | None, num_prompts: int, input_len: int,
