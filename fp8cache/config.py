@@ -66,6 +66,9 @@ class EngineConfig:
     # replaces single fields (fp8cache/engine/generation_defaults.py).
     generation_config: str = "auto"
     override_generation_config: dict | str | None = None
+    # Speculative decoding, vLLM's shape: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": m,
+    # "prompt_lookup_max": M} (a dict or its JSON text; fp8cache/engine/speculative_config.py). None: off.
+    speculative_config: dict | str | None = None
 
     def __post_init__(self) -> None:
         for name, choices in field_choices().items():

@@ -17,7 +17,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from launcher.options import SHAPES
+from launcher.options import SHAPES, speculative_arg
 
 console = Console(stderr=True, soft_wrap=True)
 EXIT_INTERRUPTED = 130
@@ -256,6 +256,13 @@ def _check_text(text_path: str | None) -> str:
                    "default: the engine's, 32). A comma list, e.g. 0,32, runs each FP8 dtype once per window "
                    "side by side and reports the windowed rows over window 0.")
 @_WINDOW_DTYPE_OPT
+@click.option("--speculative-config", metavar="JSON", default=None, callback=speculative_arg,
+              help='Also run every fp8kv engine with this speculative decoding, e.g. \'{"method": "ngram", '
+                   '"num_speculative_tokens": 4}\': rows "<cache> ngram" with the acceptance rate and "vs no spec".')
+@click.option("--workload", default="text", show_default=True, type=click.Choice(["text", "repeat"]),
+              help="text: prompts are windows of the text to continue; repeat: a passage of it, a blank line and "
+                   "the passage's first 8 tokens again, which the model goes on copying (context that repeats: "
+                   "where speculation gains).")
 @_THREADS_OPT
 @_TEXT_OPT
 @_DEVICE_OPT
@@ -264,8 +271,8 @@ def _check_text(text_path: str | None) -> str:
 @_PLOT_OPT
 def throughput(model, num_prompts, input_len, output_len, kv_cache_dtypes, compare, repeats, dtype, peer_dtype,
                kv_cache_memory, max_num_seqs, max_num_batched_tokens, max_model_len, load_format, num_shard,
-               kv_recent_window, kv_recent_window_dtype, threads, text_path, device, cpu_isa, as_json,
-               plot_path) -> None:
+               kv_recent_window, kv_recent_window_dtype, speculative_config, workload, threads, text_path, device,
+               cpu_isa, as_json, plot_path) -> None:
     """Offline throughput per kv-cache dtype (and transformers with --compare hf), measured in one run."""
     from fp8cache.bench import machine, plot
     from fp8cache.bench import throughput as bench
@@ -285,7 +292,7 @@ def throughput(model, num_prompts, input_len, output_len, kv_cache_dtypes, compa
         kv_cache_memory, max_num_seqs, max_num_batched_tokens, progress=bar, log=_log, num_shard=num_shard,
         threads_per_rank=threads, kv_recent_window=windows, kv_recent_window_dtype=kv_recent_window_dtype,
         peer_dtype=peer_dtype, device=device, text_path=text_path, load_format=load_format,
-        max_model_len=max_model_len))
+        max_model_len=max_model_len, speculative_config=speculative_config, workload=workload))
     bench.add_ratios(rows)
     path = machine.cpu_path(device)
     for r in rows:
@@ -295,14 +302,16 @@ def throughput(model, num_prompts, input_len, output_len, kv_cache_dtypes, compa
     table = Table(title=f"offline throughput, {num_prompts} prompts, {input_len} in / {output_len} out"
                         f"{shards}\n{_machine_line(rows)}" + (f", fp8kv's CPU path {path}" if path else ""))
     by_window = any("vs_window0" in r for r in rows)
+    spec_cols = ("accepted", "vs no spec") if speculative_config else ()
     for col in ("engine", "dtype", "kv cache", "req/s", "output tok/s", "total tok/s", "elapsed s", "vs auto",
-                "vs transformers") + (("vs window 0",) if by_window else ()) + _STEP_COLUMNS:
+                "vs transformers") + (("vs window 0",) if by_window else ()) + spec_cols + _STEP_COLUMNS:
         table.add_column(col, justify="right")
     for r in rows:
+        spec_cells = (_fmt(r.get("spec_acceptance_rate"), ".0%"), _ratio(r.get("vs_no_spec"))) if spec_cols else ()
         table.add_row(r["engine"], r["dtype"], r.get("variant", r["kv_cache_dtype"]), _fmt(r["requests_per_s"], ".3f"),
                       _fmt(r["output_tokens_per_s"]), _fmt(r["total_tokens_per_s"]), _fmt(r["elapsed_s"], ".2f"),
                       _ratio(r.get("vs_auto")), _ratio(r.get("vs_transformers")),
-                      *((_ratio(r.get("vs_window0")),) if by_window else ()), *_step_cells(r))
+                      *((_ratio(r.get("vs_window0")),) if by_window else ()), *spec_cells, *_step_cells(r))
     _finish(rows, as_json, table, plot_path, plot.plot_throughput, interrupted)
 
 

@@ -53,6 +53,18 @@ def env_var(name: str) -> str:
     return paths.flag_env(name)
 
 
+def speculative_arg(ctx: click.Context | None, param: click.Parameter | None, value: str | None) -> str | None:
+    """--speculative-config JSON, checked now (a bad value is a usage error, not a failure after loading); kept
+    as given, so that systemd-unit writes it back unchanged."""
+    from fp8cache.engine.speculative_config import SpeculativeConfig
+
+    try:
+        SpeculativeConfig.parse(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    return value
+
+
 def memory_arg(value: str | None) -> int | str | None:
     """A SIZE flag as EngineConfig takes it: digits are bytes, "2GiB" stays text for the engine to parse."""
     if value is None:
@@ -142,6 +154,12 @@ _ENGINE_OPTIONS = [
                        "and activations leave of it (capped at what max-num-seqs x max-model-len need)."),
     engine_option("--enforce-eager", section="Device", is_flag=True,
                   help="On a GPU: run decode steps op by op instead of replaying CUDA graphs."),
+    engine_option("--speculative-config", section="Scheduling", metavar="JSON", callback=speculative_arg,
+                  help='Speculative decoding, vLLM\'s shape: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                       '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' proposes the tokens that followed the '
+                       "last n-gram's previous occurrence and verifies them in one step (same output; faster on text "
+                       'that repeats its context); "disable_by_batch_size": N (default 4) decodes plainly while more '
+                       "sequences run. Default: off."),
     engine_option("--trust-remote-code", section="Model", is_flag=True,
                   help="Allow Python code shipped in the model folder to run (off: transformers' own "
                        "architectures only)."),

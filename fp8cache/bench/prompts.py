@@ -12,6 +12,7 @@ from fp8cache.quality.eval import locate_eval_text, read_text
 # Tokenizing the whole text (1.3 MB) takes seconds; a prefix of about this many characters per needed
 # token is enough, and we grow it if not.
 _CHARS_PER_TOKEN = 6
+REPEAT_CUE = 8  # tokens of the passage that start its repetition in a repeat prompt
 
 
 class PromptSource:
@@ -42,6 +43,16 @@ class PromptSource:
             starts = [(self._next_start + i * max(1, room // count)) % room for i in range(count)]
             self._next_start = (starts[-1] + 1) % room
         return [ids[s:s + length] for s in starts]
+
+    def take_repeat(self, count: int, length: int) -> list[list[int]]:
+        """`count` prompts of exactly `length` tokens that repeat their context: a passage of the text, a blank
+        line and the passage's first REPEAT_CUE tokens again, so that the model goes on copying it (the text
+        an edit, summary or quotation repeats; where n-gram speculation gains)."""
+        gap = self.tokenizer("\n\n", add_special_tokens=False)["input_ids"]
+        passage_len = length - len(gap) - REPEAT_CUE
+        if passage_len <= REPEAT_CUE:
+            raise ValueError(f"a repeat prompt needs more than {2 * REPEAT_CUE + len(gap)} tokens, got {length}")
+        return [p + gap + p[:REPEAT_CUE] for p in self.take(count, passage_len)]
 
     def take_text(self, count: int, length: int) -> list[str]:
         """Like take(), decoded to text (for HTTP clients; the server's count may differ by a token)."""

@@ -8,6 +8,12 @@ All engines are built up front (the fp8kv ones share one copy of the weights) an
 turns: round r runs every engine once on prompt set r. Drift on a shared machine then hits every engine
 alike, and the median over rounds is what a row reports.
 
+Workloads: "text" prompts are plain windows of the text (continue it); "repeat" prompts are a passage of it and
+the start of that passage again, which the model goes on copying (PromptSource.take_repeat): what n-gram
+speculative decoding gains on. With a speculative_config
+every fp8kv cache variant runs twice, without and with speculation (rows "<variant> ngram"), and those rows
+report the acceptance rate and their output tokens/s over the plain row's (vs_no_spec).
+
 With num_shard N > 1 the fp8kv engines run tensor-parallel: this process is rank 0 and starts N-1 worker
 processes (fp8cache/distributed/group.py, as LLM(tensor_parallel_size=N) does), each holding its share of
 every engine. The transformers peer stays whole, in this process.
@@ -31,6 +37,8 @@ from fp8cache.kvcache import formats
 # progress(label, done, total): called as output tokens are generated
 Progress = Callable[[str, int, int], None]
 PEERS = ("hf",)
+WORKLOADS = ("text", "repeat")
+SPEC_SUFFIX = " ngram"  # the label of a variant's engine with speculative decoding
 # A peer may run another model dtype than fp8kv, e.g. transformers' own default for a float32 checkpoint.
 PEER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 WARMUP_OUTPUT_LEN = 2  # a prefill and a decode step run every code path
@@ -78,6 +86,8 @@ class BatchResult:
     input_tokens: int
     output_tokens: int
     num_preemptions: int = 0
+    num_draft_tokens: int = 0  # speculative decoding: proposed tokens verified, and of those accepted
+    num_accepted_tokens: int = 0
     peak_running: int = 0  # the most sequences the engine ran at once
     finish_reasons: dict[str, int] = field(default_factory=dict)
     steps: StepTimes | None = None  # None for a peer that reports no steps (transformers generate)
@@ -96,19 +106,24 @@ def check_kv_cache_dtypes(names: list[str]) -> list[str]:
     return list(dict.fromkeys(canonical))
 
 
-def cache_variants(kv_cache_dtypes: list[str], windows: list[int | None]) -> dict[str, dict]:
+def cache_variants(kv_cache_dtypes: list[str], windows: list[int | None],
+                   speculative_config: dict | None = None) -> dict[str, dict]:
     """Engine label -> config overrides: every dtype with every recent-token window (the auto cache, which
-    has no window, once). Labels are the dtype names, plus " w<N>" when several windows are compared."""
+    has no window, once). Labels are the dtype names, plus " w<N>" when several windows are compared. With a
+    speculative_config each also runs with it (label + SPEC_SUFFIX)."""
     variants = {}
     for kv_dtype in kv_cache_dtypes:
         for window in windows[:1] if kv_dtype == "auto" else windows:
             label = kv_dtype if len(windows) == 1 or kv_dtype == "auto" else f"{kv_dtype} w{window}"
             variants[label] = {"kv_cache_dtype": kv_dtype, "kv_recent_window": window}
+            if speculative_config:
+                variants[label + SPEC_SUFFIX] = {**variants[label], "speculative_config": speculative_config}
     return variants
 
 
 def build_engines(model: str | None, kv_cache_dtypes: list[str], log: Callable[[str], None] = print,
-                  windows: list[int | None] | None = None, **config) -> dict[str, object]:
+                  windows: list[int | None] | None = None, speculative_config: dict | None = None,
+                  **config) -> dict[str, object]:
     """One LLMEngine per cache variant (cache_variants), all on one loaded copy of the weights (as eval does)."""
     from fp8cache.config import EngineConfig
     from fp8cache.engine.llm_engine import LLMEngine
@@ -118,7 +133,8 @@ def build_engines(model: str | None, kv_cache_dtypes: list[str], log: Callable[[
     base = EngineConfig(model=model, **config)
     loaded = load_model(base)
     engines = {}
-    for label, overrides in cache_variants(kv_cache_dtypes, windows or [base.kv_recent_window]).items():
+    for label, overrides in cache_variants(kv_cache_dtypes, windows or [base.kv_recent_window],
+                                           speculative_config).items():
         cfg = dataclasses.replace(base, **overrides)
         engines[label] = LLMEngine(cfg, log=log, runner=ModelRunner(cfg, log=log, loaded=loaded))
     return engines
@@ -127,12 +143,15 @@ def build_engines(model: str | None, kv_cache_dtypes: list[str], log: Callable[[
 @contextlib.contextmanager
 def open_engines(model: str | None, kv_cache_dtypes: list[str], log: Callable[[str], None] = print,
                  num_shard: int = 1, threads_per_rank: int | None = None, windows: list[int | None] | None = None,
-                 **config) -> Iterator[dict[str, object]]:
+                 speculative_config: dict | None = None, **config) -> Iterator[dict[str, object]]:
     """build_engines, or with num_shard > 1 the same engines over a tensor-parallel group whose worker
     processes stop when the block ends (threads_per_rank: torch threads of each worker)."""
     if num_shard == 1:
-        yield build_engines(model, kv_cache_dtypes, log, windows, **config)
+        yield build_engines(model, kv_cache_dtypes, log, windows, speculative_config, **config)
         return
+    if speculative_config:
+        raise ValueError("speculative decoding does not run tensor-parallel yet; drop --speculative-config or "
+                         "--num-shard")
     from fp8cache.config import EngineConfig
     from fp8cache.engine.llm_engine import LLMEngine
     from fp8cache.model.tp_ranks import start_group
@@ -190,9 +209,13 @@ def run_batch(engine, prompts: list[list[int]], output_len: int,
     reasons: dict[str, int] = {}
     for o in outputs:
         reasons[o.finish_reason] = reasons.get(o.finish_reason, 0) + 1
+    after = engine.stats
     return BatchResult(elapsed, len(prompts), sum(len(p) for p in prompts),
                        sum(len(o.token_ids) for o in outputs),
-                       engine.stats.num_preemptions - before.num_preemptions, peak, reasons, steps)
+                       after.num_preemptions - before.num_preemptions,
+                       after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens,
+                       after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens,
+                       peak, reasons, steps)
 
 
 def step_figures(result: BatchResult) -> dict:
@@ -245,14 +268,16 @@ def iter_throughput(model: str | None = None, kv_cache_dtypes: tuple[str, ...] =
                     kv_recent_window: int | list[int] | None = None,
                     kv_recent_window_dtype: str = "auto", peer_dtype: str = "same",
                     device: str = "auto", load_format: str = "auto",
-                    max_model_len: int | None = None) -> Iterator[dict]:
+                    max_model_len: int | None = None, speculative_config: dict | None = None,
+                    workload: str = "text") -> Iterator[dict]:
     """Yield one row per fp8kv kv-cache dtype, then one per peer, each after its last timed run.
     peer_dtype: the transformers peer's model dtype, "same" as the fp8kv engines' or a dtype name.
     load_format: "dummy" runs random weights from the model's config.json alone (or a shape shipped with
     fp8kv, by name), the peer the same ones. max_model_len: the engines' (None: the model's own limit).
     num_shard: tensor-parallel ranks of the fp8kv engines (threads_per_rank: torch threads of each worker).
     kv_recent_window: newest tokens kept in full precision beside FP8 (None: the engine's default); a
-    list runs every FP8 dtype once per window, side by side (rows then say e.g. "fp8_e4m3 w32")."""
+    list runs every FP8 dtype once per window, side by side (rows then say e.g. "fp8_e4m3 w32").
+    speculative_config: also run every variant with it (see the module docstring); workload: text | repeat."""
     _check_lengths(num_prompts, input_len, output_len, repeats)
     windows = check_windows(kv_recent_window)
     if isinstance(num_shard, bool) or not isinstance(num_shard, int) or num_shard < 1:
@@ -261,6 +286,8 @@ def iter_throughput(model: str | None = None, kv_cache_dtypes: tuple[str, ...] =
     unknown = [p for p in compare if p not in PEERS]
     if unknown:
         raise ValueError(f"unknown peer(s) {', '.join(unknown)} for --compare; valid: {', '.join(PEERS)}")
+    if workload not in WORKLOADS:
+        raise ValueError(f"workload={workload!r} is not known; valid: {', '.join(WORKLOADS)}")
     if peer_dtype != "same" and peer_dtype not in PEER_DTYPES:
         raise ValueError(f"peer_dtype={peer_dtype!r} is not known; valid: same, {', '.join(PEER_DTYPES)}")
     if max_model_len is not None and max_model_len < input_len + output_len:
@@ -270,14 +297,14 @@ def iter_throughput(model: str | None = None, kv_cache_dtypes: tuple[str, ...] =
                       kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                       max_num_batched_tokens=max_num_batched_tokens, windows=windows,
                       kv_recent_window_dtype=kv_recent_window_dtype, load_format=load_format,
-                      max_model_len=max_model_len) as engines:
+                      max_model_len=max_model_len, speculative_config=speculative_config) as engines:
         yield from _race(engines, num_prompts, input_len, output_len, compare, repeats, text_path, progress,
-                         num_shard, peer_dtype)
+                         num_shard, peer_dtype, workload)
 
 
 def _race(engines: dict[str, object], num_prompts: int, input_len: int, output_len: int,
           compare: tuple[str, ...], repeats: int, text_path: str | None, progress: Progress | None,
-          num_shard: int, peer_dtype: str = "same") -> Iterator[dict]:
+          num_shard: int, peer_dtype: str = "same", workload: str = "text") -> Iterator[dict]:
     """Warm every contestant up, then time them taking turns; one row each after its last run."""
     runner = next(iter(engines.values())).runner
     contestants = [_engine_contestant(label, e, num_shard) for label, e in engines.items()]
@@ -287,7 +314,7 @@ def _race(engines: dict[str, object], num_prompts: int, input_len: int, output_l
     # On a GPU the warm-up runs the timed batch size, so the decode steps' CUDA graphs are captured before
     # the clock starts.
     warmup = num_prompts if runner.device.type == "cuda" else min(num_prompts, 4)
-    sets = _prompt_sets(runner.tokenizer, text_path, num_prompts, input_len, repeats, warmup)
+    sets = _prompt_sets(runner.tokenizer, text_path, num_prompts, input_len, repeats, warmup, workload)
     for c in contestants:
         c.run(sets[0], WARMUP_OUTPUT_LEN, None)
     info = machine.describe()
@@ -380,6 +407,9 @@ def _row(c: _Contestant, results: list[BatchResult], num_prompts: int, input_len
            "machine": info}
     if median.finish_reasons:
         row["finish_reasons"] = median.finish_reasons
+    if median.num_draft_tokens:
+        row["spec_draft_tokens"], row["spec_accepted_tokens"] = median.num_draft_tokens, median.num_accepted_tokens
+        row["spec_acceptance_rate"] = median.num_accepted_tokens / median.num_draft_tokens
     return row
 
 
@@ -388,9 +418,11 @@ def add_ratios(rows: list[dict]) -> list[dict]:
     and a windowed FP8 row's over the same dtype's plain (window 0) row (vs_window0)."""
     peer = next((r for r in rows if r["engine"] == "transformers"), None)
     fp8kv = [r for r in rows if r["engine"] == "fp8kv"]
-    auto = next((r for r in fp8kv if r["kv_cache_dtype"] == "auto"), None)
-    plain = {r["kv_cache_dtype"]: r for r in fp8kv
+    fp8kv_plain = [r for r in fp8kv if not _variant(r).endswith(SPEC_SUFFIX)]
+    auto = next((r for r in fp8kv_plain if r["kv_cache_dtype"] == "auto"), None)
+    plain = {r["kv_cache_dtype"]: r for r in fp8kv_plain
              if r["kv_cache_dtype"] != "auto" and r.get("kv_recent_window") == 0}
+    by_variant = {_variant(r): r for r in fp8kv_plain}
     for r in fp8kv:
         if peer is not None:
             r["vs_transformers"] = r["output_tokens_per_s"] / peer["output_tokens_per_s"]
@@ -399,15 +431,23 @@ def add_ratios(rows: list[dict]) -> list[dict]:
         base = plain.get(r["kv_cache_dtype"])
         if base is not None and r.get("kv_recent_window"):
             r["vs_window0"] = r["output_tokens_per_s"] / base["output_tokens_per_s"]
+        no_spec = by_variant.get(_variant(r).removesuffix(SPEC_SUFFIX))
+        if _variant(r).endswith(SPEC_SUFFIX) and no_spec is not None:
+            r["vs_no_spec"] = r["output_tokens_per_s"] / no_spec["output_tokens_per_s"]
     return rows
 
 
+def _variant(row: dict) -> str:
+    return row.get("variant", row["kv_cache_dtype"])
+
+
 def _prompt_sets(tokenizer, text_path: str | None, num_prompts: int, input_len: int,
-                 repeats: int, warmup: int | None = None) -> list[list[list[int]]]:
+                 repeats: int, warmup: int | None = None, workload: str = "text") -> list[list[list[int]]]:
     """[warm-up prompts, then one set per repeat]: fresh prompts each, so none is a prefix-cache hit."""
     source = PromptSource(tokenizer, text_path)
-    first = source.take(min(num_prompts, 4) if warmup is None else warmup, input_len)
-    return [first] + [source.take(num_prompts, input_len) for _ in range(repeats)]
+    take = source.take_repeat if workload == "repeat" else source.take
+    first = take(min(num_prompts, 4) if warmup is None else warmup, input_len)
+    return [first] + [take(num_prompts, input_len) for _ in range(repeats)]
 
 
 def _check_lengths(num_prompts: int, input_len: int, output_len: int, repeats: int) -> None:

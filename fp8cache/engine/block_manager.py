@@ -192,6 +192,16 @@ class BlockManager:
             self._take(block_id)
             seq.block_table.append(block_id)
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back seq's tail blocks beyond the first num_tokens positions (rejected speculative tokens' blocks;
+        never registered, they go to the front of the free list, to be reused first)."""
+        keep = self.blocks_needed(num_tokens)
+        while len(seq.block_table) > keep:
+            block_id = seq.block_table.pop()
+            self._release(block_id, seq)
+            if block_id in self.free_block_ids:
+                self.free_block_ids.move_to_end(block_id, last=False)
+
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_cache_queries += num_tokens
         self.prefix_cache_hits += num_hit_tokens

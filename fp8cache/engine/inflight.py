@@ -60,3 +60,7 @@ class InFlightStep:
     readback: TokenReadback | None  # None: the step sampled nothing (a prefill chunk short of its prompt's end)
     logits: torch.Tensor | None  # the sampled rows' logits, kept for logprobs (only such steps keep them)
     overlaps: bool  # may stay in flight while the next step is scheduled and launched
+    # A verify step (speculative decoding, synchronous): per sampled sequence its emitted tokens and their
+    # logprob entries (None each without logprobs), instead of one token a row in readback.
+    emitted: list[list[int]] | None = None
+    emitted_logprobs: list[list[dict | None]] | None = None

@@ -13,6 +13,10 @@ queued, and the extra token that sequence gets from N+1 is dropped. Batches with
 needs its newest token on the host (structured outputs, penalties) or whose logprobs are read run as one
 synchronous step, as do all steps with overlap off and with tensor parallelism.
 
+With a speculative_config (spec_decode.py) each step first gives decoding sequences proposed tokens; a step
+that verifies some runs synchronously and hands each sequence its accepted tokens and one more, appended and
+stop-checked one at a time. The overlapped loop is off then.
+
 Length limits: a prompt longer than max_model_len, or longer than the whole KV cache holds, is refused
 by add_request with ValueError. A sequence that reaches either limit while generating finishes with
 finish_reason "length".
@@ -38,6 +42,8 @@ from fp8cache.engine.sampler import Sampler, reads_host_history
 from fp8cache.engine.sampling_params import SamplingParams
 from fp8cache.engine.scheduler import Scheduler, SchedulerOutput
 from fp8cache.engine.sequence import Sequence
+from fp8cache.engine.spec_decode import Speculation
+from fp8cache.engine.speculative_config import SpeculativeConfig
 from fp8cache.engine.structured_output import factory_for
 from fp8cache.engine.window_pool import WindowPool
 from fp8cache.platform.log import configure_default_logging, log_function
@@ -57,6 +63,8 @@ class EngineStats:
     blocks_total: int
     num_running: int
     num_waiting: int
+    spec_decode_num_draft_tokens: int = 0  # speculative decoding: proposed tokens verified
+    spec_decode_num_accepted_tokens: int = 0  # of those, accepted
 
 
 @dataclass
@@ -115,10 +123,12 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.length_limit)
         self.sampler = Sampler(config.seed)
-        supported = bool(getattr(runner, "supports_overlap", False))
+        self.speculation = self._speculation(SpeculativeConfig.parse(getattr(config, "speculative_config", None)))
+        supported = bool(getattr(runner, "supports_overlap", False)) and self.speculation is None
         if overlap and not supported:
+            why = "speculative decoding verifies on the host" if self.speculation else "tensor parallelism"
             raise ValueError(f"{type(runner).__name__} cannot take a step's input ids from the previous step's "
-                             "tokens on the device (tensor parallelism); run it with overlap=False")
+                             f"tokens on the device ({why}); run it with overlap=False")
         self.overlap = (supported and _runs_asynchronously(runner)) if overlap is None else overlap
         self.trace: Callable[[str, int], None] | None = None  # sees ("schedule"|"launch"|"read", step) in order
         self._in_flight: InFlightStep | None = None  # launched, its tokens not yet read (overlapped loop)
@@ -164,6 +174,15 @@ class LLMEngine:
                     self._live_ids.discard(rid)
                     self._inbox.append(("abort", rid))
 
+    def _speculation(self, config: SpeculativeConfig | None) -> Speculation | None:
+        if config is None:
+            return None
+        tp = getattr(self.runner, "tp", None)
+        if tp is not None and tp.is_parallel:
+            raise ValueError("speculative_config is not supported with tensor parallelism yet; drop one of them")
+        self.log(config.describe())
+        return Speculation(config, self.block_manager, self.runner, self.length_limit)
+
     def guide_factory(self):
         """Compiles structured output patterns for this engine's tokenizer (cached per pattern)."""
         return factory_for(self.tokenizer)
@@ -188,7 +207,9 @@ class LLMEngine:
             prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
             num_preemptions=sched.num_preemptions, num_generated_tokens=self.num_generated_tokens,
             num_steps=self.num_steps, blocks_used=bm.num_used_blocks, blocks_free=bm.num_free_blocks,
-            blocks_total=bm.num_blocks, num_running=len(sched.running), num_waiting=len(sched.waiting))
+            blocks_total=bm.num_blocks, num_running=len(sched.running), num_waiting=len(sched.waiting),
+            spec_decode_num_draft_tokens=self.speculation.num_draft_tokens if self.speculation else 0,
+            spec_decode_num_accepted_tokens=self.speculation.num_accepted_tokens if self.speculation else 0)
 
     # --- the step thread ---------------------------------------------------------------------------
 
@@ -203,6 +224,8 @@ class LLMEngine:
             previous = None
         self.block_manager.set_fingerprint(self.runner.cache_fingerprint)
         self._trace("schedule", self.num_steps)
+        if self.speculation is not None:
+            self.speculation.propose(self.scheduler.running, self.eos_token_ids)
         plan = self.scheduler.schedule()
         try:
             current = None if plan.is_empty else self._launch(plan, previous)
@@ -222,6 +245,8 @@ class LLMEngine:
     def _launch(self, plan: SchedulerOutput, previous: InFlightStep | None) -> InFlightStep:
         """Queue the step's forward pass and its sampling on the device; nothing here waits for the device."""
         number, batch = self.num_steps, plan.batch
+        verifies = bool(batch.num_draft_tokens)
+        saved = self.speculation.save_window(plan) if verifies else None
         if batch.future_rows:  # decodes of tokens the previous step sampled: the runner takes them on the device
             if previous is None or previous.readback is None:
                 raise RuntimeError("a step feeds pending tokens but no step before it is in flight")
@@ -231,6 +256,13 @@ class LLMEngine:
         self._trace("launch", number)
         # Scales may have been computed from this very batch: hash its blocks with what they hold now.
         self.block_manager.set_fingerprint(self.runner.cache_fingerprint)
+        if verifies:
+            self.scheduler.on_step_done(plan.scheduled)
+            self.num_steps += 1
+            sampled, emitted, entries = self.speculation.verify(plan, logits, self.sampler, self.eos_token_ids,
+                                                                self.tokenizer, saved)
+            return InFlightStep(number, plan, sampled, None, None, overlaps=False, emitted=emitted,
+                                emitted_logprobs=entries)
         sampled, logits = self._sampling_rows(plan, logits)
         self.scheduler.on_step_done(plan.scheduled)
         self.num_steps += 1
@@ -250,20 +282,34 @@ class LLMEngine:
         """Take a launched step's tokens to the host: append them, offer full blocks to the prefix cache,
         check stops, free what finished. A sequence that finished or was aborted after the step was scheduled
         drops its token (the one step too many of the overlapped loop)."""
-        tokens = step.readback.wait() if step.readback is not None else []
-        self._trace("read", step.number)
-        logprobs = token_logprobs(step.logits, step.sampled, tokens, self.tokenizer) if step.logits is not None \
-            else [None] * len(tokens)
-        live = []
-        for seq, token, entry in zip(step.sampled, tokens, logprobs):
-            seq.num_pending_tokens -= 1
-            if not seq.num_pending_tokens:
-                seq.pending_row = None
-            if not seq.is_finished:
-                seq.append_token(token, entry)
-                if seq.guide is not None and token not in self.eos_token_ids:  # eos ends it: nothing to advance
-                    self._advance_guide(seq, token)
-                live.append(seq)
+        if step.emitted is not None:  # a verify step: each sequence's accepted tokens and one more
+            self._trace("read", step.number)
+            emitted, entries = step.emitted, step.emitted_logprobs
+        else:
+            tokens = step.readback.wait() if step.readback is not None else []
+            self._trace("read", step.number)
+            logprobs = token_logprobs(step.logits, step.sampled, tokens, self.tokenizer) \
+                if step.logits is not None else [None] * len(tokens)
+            emitted, entries = [[t] for t in tokens], [[e] for e in logprobs]
+            for seq in step.sampled:
+                seq.num_pending_tokens -= 1
+                if not seq.num_pending_tokens:
+                    seq.pending_row = None
+        # One token per sequence at a time: a stop at an accepted token drops the ones after it.
+        for j in range(max((len(t) for t in emitted), default=0)):
+            live = []
+            for seq, tokens, logprobs in zip(step.sampled, emitted, entries):
+                if j < len(tokens) and not seq.is_finished:
+                    self._append(seq, tokens[j], logprobs[j])
+                    live.append(seq)
+            self._check(live, progressed)
+
+    def _append(self, seq: Sequence, token: int, logprobs: dict | None) -> None:
+        seq.append_token(token, logprobs)
+        if seq.guide is not None and token not in self.eos_token_ids:  # eos ends it: nothing to advance
+            self._advance_guide(seq, token)
+
+    def _check(self, live: list[Sequence], progressed: dict[str, Request]) -> None:
         # Blocks that end in the tokens just read; before the stop checks, so that a finishing sequence's full
         # blocks stay findable, as they always were.
         self.scheduler.register_blocks(live)

@@ -43,6 +43,18 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]) -> torch.Tensor:
         """One token per row (int64), on the logits' device: queued, not waited for."""
+        logits = self.edited(logits, seqs, eos_token_ids)
+        tokens = logits.argmax(dim=-1)
+        greedy = [s.params.greedy for s in seqs]
+        if not all(greedy):
+            probs = sampling_probs(logits, seqs)
+            greedy_rows = to_device(greedy, torch.bool, logits.device)
+            tokens = torch.where(greedy_rows, tokens, self.draw(probs, seqs))
+        return tokens
+
+    @staticmethod
+    def edited(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]) -> torch.Tensor:
+        """float logits after logit bias, min_tokens bans, penalties and structured output masks."""
         if logits.shape[0] != len(seqs):
             raise ValueError(f"sampler got {logits.shape[0]} logit rows for {len(seqs)} sequences")
         logits = logits.float()
@@ -52,13 +64,11 @@ class Sampler:
             ban_stop_tokens_before_min(logits, seqs, eos_token_ids)
             apply_penalties(logits, seqs)
             apply_guides(logits, seqs)
-        tokens = logits.argmax(dim=-1)
-        greedy = [s.params.greedy for s in seqs]
-        if not all(greedy):
-            probs = sampling_probs(logits, seqs)
-            greedy_rows = to_device(greedy, torch.bool, logits.device)
-            tokens = torch.where(greedy_rows, tokens, self.draw(probs, seqs))
-        return tokens
+        return logits
+
+    def target_probs(self, logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]) -> torch.Tensor:
+        """The distribution sample() draws each row from (speculative decoding verifies against it)."""
+        return sampling_probs(self.edited(logits, seqs, eos_token_ids), seqs)
 
     def draw(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         q = torch.empty(probs.shape, dtype=probs.dtype, device=probs.device)

@@ -12,6 +12,11 @@ so a sequence may hold a pending token (sampled, not yet on the host). It is sch
 id the runner takes from the device (StepBatch.future_rows); one whose pending token is certainly its last
 (max_tokens or the length limit) is left out, so no step ever runs past a limit. A stop that only the token's
 value shows (eos, stop ids, stop strings) is seen a step late: the engine drops that extra token.
+
+Speculative decoding: a decode whose sequence holds proposed tokens (Sequence.draft_token_ids, set by the
+engine before schedule()) feeds them after its last token, a chunk of 1 + K tokens over its cached context,
+when the budget and the free blocks allow; else it decodes plainly. Drafts are not counted as computed here:
+the engine adds those it accepts.
 """
 
 from __future__ import annotations
@@ -27,11 +32,12 @@ from fp8cache.model.batch import SeqChunk, StepBatch, window_slot
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_new_tokens: int
+    num_new_tokens: int  # fed tokens, drafts included
+    num_draft_tokens: int = 0  # speculative decoding: the last fed tokens are seq.draft_token_ids[:this]
 
     @property
     def reaches_end(self) -> bool:
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_new_tokens - self.num_draft_tokens == self.seq.num_tokens
 
 
 @dataclass
@@ -99,7 +105,8 @@ class Scheduler:
         num_preempted = 0
         while queue and budget > 0:
             seq = queue.popleft()
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_drafts = self._drafts_that_fit(seq, budget)
+            num_new = min(seq.num_uncomputed_tokens + num_drafts, budget)
             while not self.block_manager.can_allocate(seq, num_new):
                 victim = max([seq, *queue], key=lambda s: s.arrival)
                 if victim is not seq:
@@ -111,11 +118,21 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue
             self.block_manager.append(seq, num_new)
-            scheduled.append(ScheduledSeq(seq, num_new))
+            scheduled.append(ScheduledSeq(seq, num_new, num_drafts))
             budget -= num_new
         if not num_preempted:  # admitting new work right after running out of blocks would thrash
             budget = self._admit_waiting(budget, scheduled)
         return SchedulerOutput(scheduled, self._build_batch(scheduled), num_preempted)
+
+    def _drafts_that_fit(self, seq: Sequence, budget: int) -> int:
+        """How many of seq's proposed tokens this step verifies: all, when it is a decode and the budget and the
+        free blocks take them (else none: proposals never preempt anything)."""
+        drafts = len(seq.draft_token_ids)
+        if not drafts or seq.num_uncomputed_tokens != 1 or seq.num_pending_tokens:
+            return 0
+        if 1 + drafts > budget or not self.block_manager.can_allocate(seq, 1 + drafts):
+            return 0
+        return drafts
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledSeq]) -> int:
         bm = self.block_manager
@@ -169,8 +186,9 @@ class Scheduler:
             start = seq.num_computed_tokens
             end = start + n
             known = len(seq.token_ids)
-            batch.token_ids.extend(seq.token_ids[start:end])
-            if end > known:  # its pending token: the runner copies it in from the previous step's tokens
+            batch.token_ids.extend(seq.token_ids[start:end - item.num_draft_tokens])
+            batch.token_ids.extend(seq.draft_token_ids[:item.num_draft_tokens])
+            if end - item.num_draft_tokens > known:  # its pending token: the runner copies it in from the previous step's tokens
                 assert end == known + 1 and seq.pending_row is not None, f"{seq}: no pending token to feed"
                 batch.future_rows.append(len(batch.token_ids))
                 batch.future_src.append(seq.pending_row)
@@ -188,16 +206,17 @@ class Scheduler:
             # The ring's list is only ever replaced, never changed in place: the chunk may share it.
             batch.seqs.append(SeqChunk(query_len=n, context_len=end, block_table=table[:-(-end // bs)],
                                        want_logits=item.reaches_end, prompt_logits=seq.needs_prompt_logits,
-                                       window_block_table=seq.window_block_table, window_floor=seq.window_floor))
-            if n > 1 or seq.num_sampled_tokens == 0:
+                                       window_block_table=seq.window_block_table, window_floor=seq.window_floor,
+                                       num_draft_tokens=item.num_draft_tokens))
+            if n - item.num_draft_tokens > 1 or seq.num_sampled_tokens == 0:
                 self.num_prefill_tokens_computed += n
         return batch
 
     def on_step_done(self, scheduled: list[ScheduledSeq]) -> None:
         """Mark the fed tokens as computed and offer newly full blocks to the prefix cache. Called once the step
         is queued on the device: any step that reads those K/V is queued after it."""
-        for item in scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
+        for item in scheduled:  # drafts count once verified (the engine's acceptance)
+            item.seq.num_computed_tokens += item.num_new_tokens - item.num_draft_tokens
         self.register_blocks([item.seq for item in scheduled])
         for item in scheduled:
             self.block_manager.release_behind_window(item.seq)

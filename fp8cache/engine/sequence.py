@@ -55,6 +55,10 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.generator = _generator(params, index)
         self.guide = None  # with params.structured_outputs: its SequenceGuide (set by the engine)
+        # Speculative decoding (ngram_proposer.py): this step's proposed tokens, and the back-off state.
+        self.draft_token_ids: list[int] = []
+        self.spec_skip = 0  # steps left without proposals
+        self.spec_misses = 0  # proposals in a row whose first token was rejected
         self.logprobs: list[dict] = []  # with params.logprobs: one dict of Logprob per output token
         # With params.prompt_logprobs, on the request's first sequence (its siblings share the prompt): one
         # entry per prompt token scored so far, None for the first.

@@ -23,6 +23,9 @@ class SeqChunk:
     # it computed itself (older ones came from the prefix cache and exist only in FP8).
     window_block_table: list[int] = field(default_factory=list)
     window_floor: int = 0
+    # Speculative decoding: the last num_draft_tokens fed tokens are proposals to verify; the step returns
+    # logits at each of them and at the token before them (query_len = 1 + num_draft_tokens).
+    num_draft_tokens: int = 0
 
 
 @dataclass
@@ -36,6 +39,10 @@ class StepBatch:
     # for row future_src[i] of the previous step's sampled tokens, which the runner copies in on the device.
     future_rows: list[int] = field(default_factory=list)
     future_src: list[int] = field(default_factory=list)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(s.num_draft_tokens for s in self.seqs)
 
     @property
     def is_decode_only(self) -> bool:

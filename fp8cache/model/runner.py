@@ -366,7 +366,7 @@ class ModelRunner:
     def execute(self, batch: StepBatch, all_logits: bool = False,
                 prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits, [rows, vocab]: in seq order, every fed token of a prompt_logits chunk, the last one of
-        a want_logits chunk; with all_logits every token. Queued on a GPU, not waited for.
+        a want_logits chunk (the last 1 + num_draft_tokens of a verify chunk); with all_logits every token. Queued on a GPU, not waited for.
 
         prev_tokens: the previous step's sampled tokens, on the device, when batch.future_rows take their input
         ids from them (the overlapped loop)."""
@@ -451,8 +451,8 @@ class ModelRunner:
         for s in batch.seqs:
             if s.prompt_logits:
                 rows.extend(range(offset, offset + s.query_len))
-            elif s.want_logits:
-                rows.append(offset + s.query_len - 1)
+            elif s.want_logits:  # a verify chunk: its drafts' rows and the row before them
+                rows.extend(range(offset + s.query_len - 1 - s.num_draft_tokens, offset + s.query_len))
             offset += s.query_len
         return None if len(rows) == offset else np.asarray(rows, dtype=np.int64)
 

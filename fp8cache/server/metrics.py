@@ -45,6 +45,12 @@ class ServerMetrics:
         self.prefix_hit_rate = self._gauge("fp8kv_prefix_cache_hit_rate",
                                            "Share of queried prompt blocks found in the prefix cache.")
         self.engine_alive = self._gauge("fp8kv_engine_alive", "1 while the engine loop runs.")
+        # vLLM's names; the engine keeps running totals, which these counters follow (_totals: the last seen).
+        self._totals: dict[str, float] = {}
+        self.spec_draft_tokens = self._counter("fp8kv_spec_decode_num_draft_tokens",
+                                               "Speculative decoding: proposed tokens verified.")
+        self.spec_accepted_tokens = self._counter("fp8kv_spec_decode_num_accepted_tokens",
+                                                  "Speculative decoding: proposed tokens accepted.")
         self.structured_output_compiles = Counter(
             "fp8kv_structured_output_compiles", "Structured output grammars asked for, by outcome: compiled, "
             "cached, refused (too big, too costly or invalid), busy (costly ones' line full: 429), timeout, memory "
@@ -76,6 +82,13 @@ class ServerMetrics:
         self.usage.set(used / (used + free) if used + free else 0.0)
         self.prefix_hit_rate.set(stats.get("prefix_cache_hit_rate", 0.0))
         self.engine_alive.set(1 if stats.get("engine_alive") else 0)
+        for counter, name in ((self.spec_draft_tokens, "spec_decode_num_draft_tokens"),
+                              (self.spec_accepted_tokens, "spec_decode_num_accepted_tokens")):
+            total = stats.get(name, 0)
+            if total > self._totals.get(name, 0):  # a counter only goes up: add what the engine added since
+                counter.inc(total - self._totals.get(name, 0))
+                self._totals[name] = total
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+

@@ -1,0 +1,154 @@
+"""Speculative decoding over the paged (FP8) cache: propose, verify in one step, accept, roll back.
+
+Before each step every decoding sequence that may speculate gets up to K proposed tokens (ngram_proposer.py).
+The scheduler feeds them after its last token: a chunk of 1 + K tokens attending to the cached context
+through the same paged path as a chunked prefill, mixed with plain decodes and prefill chunks. The step
+returns logits at all 1 + K positions; spec_accept.py picks the emitted tokens (the accepted drafts and one
+more).
+
+Rejected tokens leave no trace: they are never counted as computed (so attention never reads their slots,
+which the next steps overwrite, and the prefix cache never registers them), the blocks allocated only for
+them are given back, and the recent-window ring slots they overwrote get their old K/V back
+(window_rollback.py). A step with proposals runs synchronously: acceptance needs the logits on the host side.
+
+Not speculated: sequences with a structured output grammar or penalties (their next row depends on the
+previous token's value on the host), sequences still scoring their prompt, and proposals past max_tokens, the
+length limit, or past min_tokens' edge (the stop-token ban must be the same at every verified row).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fp8cache.engine import spec_accept, window_rollback
+from fp8cache.engine.logprobs import logprob_entries, score_prompt
+from fp8cache.engine.ngram_proposer import NgramProposer
+from fp8cache.engine.sampler import Sampler, has_penalties
+from fp8cache.engine.scheduler import SchedulerOutput
+from fp8cache.engine.sequence import Sequence
+from fp8cache.engine.speculative_config import SpeculativeConfig
+
+
+class Speculation:
+    def __init__(self, config: SpeculativeConfig, block_manager, runner, length_limit: int) -> None:
+        self.config = config
+        self.proposer = NgramProposer(config)
+        self.block_manager = block_manager
+        self.runner = runner
+        self.length_limit = length_limit
+        self.window = block_manager.window_size
+        self.num_draft_tokens = 0  # proposed tokens that were verified
+        self.num_accepted_tokens = 0  # of those, accepted
+        self.num_verify_steps = 0  # steps that verified at least one proposal
+
+    # --- before schedule() -------------------------------------------------------------------------
+
+    def propose(self, running: list[Sequence], eos_token_ids: set[int]) -> None:
+        for seq in running:
+            seq.draft_token_ids = []
+        if len(running) > self.config.disable_by_batch_size:
+            return  # a verify step of many sequences costs more than it gains (SpeculativeConfig)
+        for seq in running:
+            if _may_speculate(seq):
+                seq.draft_token_ids = self.proposer.propose(seq, self._limit(seq, eos_token_ids))
+
+    def _limit(self, seq: Sequence, eos_token_ids: set[int]) -> int:
+        """The most drafts seq may verify now: the emitted tokens (drafts + 1) stay within max_tokens and the
+        length limit, within the recent window's ring, and on one side of min_tokens."""
+        p = seq.params
+        limit = min(self.config.num_speculative_tokens, self.length_limit - seq.num_tokens - 1)
+        if p.max_tokens is not None:
+            limit = min(limit, p.max_tokens - seq.num_sampled_tokens - 1)
+        if self.window:
+            limit = min(limit, self.window - 1)
+        bans = p.stop_token_ids or (eos_token_ids and not p.ignore_eos)
+        if seq.num_sampled_tokens < p.min_tokens and bans:
+            limit = min(limit, p.min_tokens - seq.num_sampled_tokens - 1)
+        return limit
+
+    # --- around the forward pass -------------------------------------------------------------------
+
+    def save_window(self, plan: SchedulerOutput) -> tuple[list[int], object] | None:
+        """Copies of the ring slots the step's drafts will overwrite (None without a recent window)."""
+        if not self.window:
+            return None
+        slots = [plan.batch.window_slot_mapping[r] for r in _draft_rows(plan)]
+        caches = self.runner.window_caches
+        return slots, window_rollback.save_slots(caches, slots, self.block_manager.block_size)
+
+    def verify(self, plan: SchedulerOutput, logits: torch.Tensor, sampler: Sampler, eos_token_ids: set[int],
+               tokenizer, saved) -> tuple[list[Sequence], list[list[int]], list[list[dict | None]]]:
+        """The sequences that emit tokens this step, their emitted tokens and logprobs; rejected drafts rolled
+        back. Called after scheduler.on_step_done (which counted only the non-draft tokens as computed)."""
+        spans, row = [], 0  # (seq, first logits row, number of drafts)
+        for item, chunk in zip(plan.scheduled, plan.batch.seqs):
+            if chunk.prompt_logits:
+                score_prompt(item.seq, logits[row:row + chunk.query_len], chunk.context_len - chunk.query_len,
+                             tokenizer)
+                row += chunk.query_len
+                if chunk.want_logits:
+                    spans.append((item.seq, row - 1, 0))
+            elif chunk.want_logits:
+                spans.append((item.seq, row, chunk.num_draft_tokens))
+                row += 1 + chunk.num_draft_tokens
+        rows = [first + j for _, first, drafts in spans for j in range(drafts + 1)]
+        row_seqs = [seq for seq, _, drafts in spans for _ in range(drafts + 1)]
+        logits = logits[rows]
+        drawn = sampler.sample(logits, row_seqs, eos_token_ids).tolist()
+        emitted, entries, keep, r = [], [], [], 0
+        for seq, _, num_drafts in spans:
+            rows_of_seq = slice(r, r + num_drafts + 1)
+            tokens = self._accept(seq, num_drafts, drawn[rows_of_seq], logits[rows_of_seq], sampler, eos_token_ids)
+            if num_drafts:
+                self._roll_back(seq, num_drafts, len(tokens) - 1)
+                keep += [j < len(tokens) - 1 for j in range(num_drafts)]
+            emitted.append(tokens)
+            entries.append(_logprobs(seq, logits[r:r + len(tokens)], tokens, tokenizer))
+            r += num_drafts + 1
+        if saved is not None:
+            slots, copies = saved
+            window_rollback.restore_slots(self.runner.window_caches, slots, copies, keep,
+                                          self.block_manager.block_size)
+        self.num_verify_steps += 1
+        return [seq for seq, _, _ in spans], emitted, entries
+
+    def _accept(self, seq: Sequence, num_drafts: int, drawn: list[int], logits: torch.Tensor, sampler: Sampler,
+                eos_token_ids: set[int]) -> list[int]:
+        if not num_drafts:
+            return drawn
+        drafts = seq.draft_token_ids[:num_drafts]
+        if seq.params.greedy:
+            return spec_accept.accept_greedy(drafts, drawn)
+        probs = sampler.target_probs(logits, [seq] * (num_drafts + 1), eos_token_ids).cpu()
+        generator = seq.generator if seq.generator is not None else sampler.generator
+        return spec_accept.accept_sampled(drafts, probs, generator)
+
+    def _roll_back(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+        """Count the accepted drafts as computed; give back the blocks only rejected ones needed."""
+        seq.num_computed_tokens += num_accepted
+        self.block_manager.trim(seq, seq.num_computed_tokens + 1)  # + 1: the emitted token fed next step
+        seq.draft_token_ids = []
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        NgramProposer.observe(seq, num_accepted)
+
+
+def _may_speculate(seq: Sequence) -> bool:
+    return (seq.guide is None and not has_penalties(seq.params) and not seq.num_pending_tokens
+            and seq.num_uncomputed_tokens == 1 and not seq.needs_prompt_logits)
+
+
+def _draft_rows(plan: SchedulerOutput) -> list[int]:
+    """Rows of the packed stream that hold drafts."""
+    rows, offset = [], 0
+    for chunk in plan.batch.seqs:
+        end = offset + chunk.query_len
+        rows.extend(range(end - chunk.num_draft_tokens, end))
+        offset = end
+    return rows
+
+
+def _logprobs(seq: Sequence, logits: torch.Tensor, tokens: list[int], tokenizer) -> list[dict | None]:
+    if seq.params.logprobs is None:
+        return [None] * len(tokens)
+    return logprob_entries(logits, tokens, [seq.params.logprobs] * len(tokens), tokenizer)
