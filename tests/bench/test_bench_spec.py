@@ -14,7 +14,7 @@ from fp8cache.bench.prompts import REPEAT_CUE, PromptSource
 from fp8cache.server.metrics import ServerMetrics
 from launcher import bench as bench_commands
 from launcher.cli import main
-from launcher.options import engine_config
+from launcher.options import ENGINE_DEFAULTS, engine_config
 
 SPEC = '{"method": "ngram", "num_speculative_tokens": 3}'
 
@@ -59,12 +59,7 @@ def test_a_bad_speculative_config_fails_before_loading_anything():
 
 
 def test_the_flag_reaches_the_engine_config_and_a_unit_file():
-    kw = {name: None for name in ("tokenizer", "quantization_param_path", "kv_recent_window", "max_model_len",
-                                  "kv_cache_memory", "revision", "download_dir")}
-    kw |= {"dtype": "auto", "kv_cache_dtype": "auto", "calculate_kv_scales": False, "kv_scales_granularity": "tensor",
-           "kv_recent_window_dtype": "auto", "block_size": "16", "max_num_seqs": 4, "max_num_batched_tokens": 64,
-           "enable_prefix_caching": True, "seed": 0, "device": "cpu", "gpu_memory_utilization": 0.9,
-           "enforce_eager": False, "trust_remote_code": False, "load_format": "auto", "speculative_config": SPEC}
+    kw = ENGINE_DEFAULTS | {"device": "cpu", "speculative_config": SPEC}  # the flags at their defaults
     assert engine_config(None, kw).speculative_config == SPEC
     result = CliRunner().invoke(main, ["systemd-unit", "--device", "cpu", "--speculative-config", SPEC])
     assert result.exit_code == 0, result.output
