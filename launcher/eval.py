@@ -88,3 +88,23 @@ def eval_command(model: str | None, kv_cache_dtype: str, quantization_param_path
     table.add_row(result["kv_cache_dtype"], f"{result['ppl']:.3f}", f"{result['baseline_ppl']:.3f}",
                   f"{result['kl']:.5f}", f"{100 * result['top1_agreement']:.2f}%")
     Console().print(table)
+    _print_saturation(result["saturation"])
+
+
+def _print_saturation(rows: list[dict]) -> None:
+    """Per layer, the K/V values the cache write lost (clipped at the format's max, nonzero ones written as
+    zero); only layers that lost any, and one line when none did."""
+    if not rows:
+        return
+    lossy = [r for r in rows if r["saturated"] or r["underflow"]]
+    if not lossy:
+        Console().print(f"saturation: no K/V value clipped or flushed to zero ({rows[0]['written']} per layer and kind)")
+        return
+    table = Table(title="saturation: K/V values the cache write lost, per layer (layers without loss left out)")
+    for col in ("layer", "kind", "written", "clipped", "clipped %", "flushed to zero"):
+        table.add_column(col, justify="right")
+    for r in lossy:
+        share = 100 * r["saturated"] / r["written"] if r["written"] else 0.0
+        table.add_row(str(r["layer"]), r["kind"].upper(), str(r["written"]), str(r["saturated"]), f"{share:.3f}%",
+                      str(r["underflow"]))
+    Console().print(table)

@@ -10,6 +10,7 @@ and how often the top-1 token agrees.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -77,6 +78,8 @@ def evaluate(config: EngineConfig, text_path: str | None = None, windows: int = 
     baseline = ModelRunner(_window_config(config, loaded.hf_config, window_len, "auto", dtype), log, loaded)
     tested = ModelRunner(_window_config(config, loaded.hf_config, window_len, config.kv_cache_dtype, dtype), log,
                          loaded)
+    if tested.saturation is not None:
+        tested.saturation.sample_every = 1  # count every window's writes
     totals = {"nll_base": 0.0, "nll_fp8": 0.0, "kl": 0.0, "agree": 0, "tokens": 0}
     with _progress_bar(progress, windows) as advance:
         for w in range(windows):
@@ -96,6 +99,8 @@ def evaluate(config: EngineConfig, text_path: str | None = None, windows: int = 
         "kv_recent_window": spec.window_size,
         "kv_recent_window_dtype": str(spec.window_dtype).removeprefix("torch."),
         "device": str(tested.device),
+        # per layer and K/V: values written, clipped at the format's max, flushed to zero (static scales only)
+        "saturation": [dataclasses.asdict(row) for row in tested.saturation_counts()],
     }
 
 
