@@ -100,7 +100,7 @@ def _print_saturation(rows: list[dict]) -> None:
     if not lossy:
         Console().print(f"saturation: no K/V value clipped or flushed to zero ({rows[0]['written']} per layer and kind)")
         return
-    table = Table(title="saturation: K/V values the cache write lost, per layer (layers without loss left out)")
+    table = Table(title="K/V values lost by the cache write (layers without loss left out)")
     for col in ("layer", "kind", "written", "clipped", "clipped %", "flushed to zero"):
         table.add_column(col, justify="right")
     for r in lossy:

@@ -85,8 +85,7 @@ class SaturationCounter:
                 self._warned.add(entry.layer)
                 self.warn(f"KV cache layer {entry.layer}: {100 * entry.saturated_ratio:.2f}% of its {entry.kind.upper()} "
                           f"values clip at the {self.fmt.name} maximum ({entry.saturated} of {entry.written} counted); "
-                          "its scales are too small: use --kv-scales dynamic, calibrate (fp8kv calibrate), or "
-                          "keep the layer in 16 bits")
+                          "its scales are too small: use --kv-scales dynamic or calibrated scales (fp8kv calibrate)")
 
     def snapshot(self) -> list[LayerSaturation]:
         """Every layer's K and V counts as of the last counted step (plain ints: safe to read from any thread)."""

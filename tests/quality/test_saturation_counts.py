@@ -5,6 +5,7 @@ K/V that transformers' own attention sees; the warning; /metrics; `fp8kv eval`'s
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -165,3 +166,17 @@ def test_eval_reports_saturation_per_layer(outlier_model, text_file, caplog):  #
                                     kv_recent_window=0, kv_scales="dynamic", enable_prefix_caching=False,
                                     device="cpu"), text_path=text_file, windows=1, window_len=48, progress=False)
     assert dynamic["saturation"] == []  # dynamic scales cannot clip: nothing to count
+
+
+def test_eval_command_prints_the_layers_that_lose_values(outlier_model, text_file):  # noqa: F811
+    from click.testing import CliRunner
+
+    from launcher.cli import main
+
+    result = CliRunner().invoke(main, ["eval", outlier_model, "--text", text_file, "--windows", "1",
+                                       "--window-len", "48", "--device", "cpu", "--kv-recent-window", "0"])
+    assert result.exit_code == 0, result.output
+    assert "K/V values lost by the cache write" in result.output
+    rows = re.findall(r"│\s+(\d+) │\s+([KV]) │\s+(\d+) │\s+(\d+) │", result.output)
+    assert sorted((layer, kind) for layer, kind, _, _ in rows) == [("0", "K"), ("0", "V"), ("1", "K"), ("1", "V")]
+    assert all(int(clipped) > 0 for *_, clipped in rows)  # both layers, K and V, clip
