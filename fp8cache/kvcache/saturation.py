@@ -35,6 +35,9 @@ class LayerSaturation:
     written: int
     saturated: int
     underflow: int
+    # relative MSE of the dequantized values against the exact ones (sum of squared errors / sum of squares),
+    # measured only when the counter is asked to (fp8kv eval --per-layer): it costs a float8 round trip
+    relative_mse: float | None = None
 
     @property
     def saturated_ratio(self) -> float:
@@ -52,6 +55,16 @@ def count_lost(x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format) -> torch.Te
     return torch.stack([torch.tensor(x.numel(), device=x.device), clipped, flushed])
 
 
+def squared_error(x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+    """float64 [2]: (sum of squared errors of x's dequantized FP8 codes, sum of x squared), x [T, kv_heads, d]
+    written with `scale` as the cache write does: codes of clamp(x / scale, +-max), read back times scale."""
+    exact = x.double()
+    per_head = scale.double().view(-1, 1)
+    scaled = (x.float() * scale.float().reciprocal().view(-1, 1)).clamp_(-fmt.max, fmt.max)
+    back = scaled.to(fmt.torch_dtype).double() * per_head
+    return torch.stack([(back - exact).square().sum(), exact.square().sum()])
+
+
 def smallest_subnormal(fmt: Fp8Format) -> float:
     return 2.0 ** (1 - fmt.bias - fmt.mantissa_bits)
 
@@ -65,8 +78,11 @@ class SaturationCounter:
         if sample_every < 1:
             raise ValueError(f"sample_every must be >= 1, got {sample_every}")
         self.fmt, self.sample_every, self.warn = fmt, sample_every, warn
+        self.measure_error = False  # also the relative MSE per layer (fp8kv eval --per-layer)
         self._device_counts = torch.zeros(num_layers, len(KINDS), 3, dtype=torch.int64, device=device)
+        self._device_errors = torch.zeros(num_layers, len(KINDS), 2, dtype=torch.float64, device=device)
         self._counts = [[(0, 0, 0) for _ in KINDS] for _ in range(num_layers)]
+        self._errors: list | None = None
         self._warned: set[int] = set()
         self._steps = 0
 
@@ -81,10 +97,15 @@ class SaturationCounter:
         """Add what writing k and v ([T, kv_heads, d]) with these scales loses to `layer`'s counts."""
         self._device_counts[layer, 0] += count_lost(k, k_scale, self.fmt)
         self._device_counts[layer, 1] += count_lost(v, v_scale, self.fmt)
+        if self.measure_error:
+            self._device_errors[layer, 0] += squared_error(k, k_scale, self.fmt)
+            self._device_errors[layer, 1] += squared_error(v, v_scale, self.fmt)
 
     def finish_step(self) -> None:
         """Read the counts back after a counted step, and warn once per layer whose clipped share passed 0.1%."""
         self._counts = [[tuple(kind) for kind in layer] for layer in self._device_counts.tolist()]
+        if self.measure_error:
+            self._errors = self._device_errors.tolist()
         for entry in self.snapshot():
             if entry.saturated_ratio > WARN_RATIO and entry.layer not in self._warned and self.warn is not None:
                 self._warned.add(entry.layer)
@@ -94,6 +115,11 @@ class SaturationCounter:
 
     def snapshot(self) -> list[LayerSaturation]:
         """Every layer's K and V counts as of the last counted step (plain ints: safe to read from any thread)."""
-        counts = self._counts
-        return [LayerSaturation(layer, kind, *counts[layer][i]) for layer in range(len(counts))
-                for i, kind in enumerate(KINDS)]
+        counts, errors = self._counts, self._errors
+        return [LayerSaturation(layer, kind, *counts[layer][i],
+                                _ratio(*errors[layer][i]) if errors is not None else None)
+                for layer in range(len(counts)) for i, kind in enumerate(KINDS)]
+
+
+def _ratio(error: float, norm: float) -> float:
+    return error / norm if norm else 0.0
