@@ -42,6 +42,9 @@ def _fail(message: str) -> None:
               help="auto (the first GPU if torch sees one, else the CPU), cpu, cuda or cuda:N.")
 @click.option("--windows", default=6, show_default=True, help="Number of consecutive windows.")
 @click.option("--window-len", default=1024, show_default=True, help="Tokens per window.")
+@click.option("--per-layer", is_flag=True,
+              help="Also each layer's K/V quantization error (relative MSE of the dequantized values) and "
+                   "saturation, every layer shown (static FP8 scales).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 @click.option("--load-format", type=click.Choice(["auto", "dummy"]), default="auto", show_default=True,
               help="Only auto (the checkpoint's weights): random weights (dummy) have no quality to measure.")
@@ -50,7 +53,8 @@ def _fail(message: str) -> None:
               help="Hub ids: the Hugging Face cache folder to read and download into (default: $HF_HOME/hub).")
 def eval_command(model: str | None, kv_cache_dtype: str, quantization_param_path: str | None,
                  calculate_kv_scales: bool, kv_scales: str, kv_rotation: str, dtype: str, text_path: str | None, kv_recent_window: int | None,
-                 kv_recent_window_dtype: str, device: str, windows: int, window_len: int, as_json: bool,
+                 kv_recent_window_dtype: str, device: str, windows: int, window_len: int, per_layer: bool,
+                 as_json: bool,
                  load_format: str, revision: str | None, download_dir: str | None) -> None:
     """Measure what an FP8 cache costs in quality (decode-faithful perplexity, KL, top-1 agreement)."""
     if load_format == "dummy":
@@ -73,7 +77,7 @@ def eval_command(model: str | None, kv_cache_dtype: str, quantization_param_path
     try:
         check_engine_scales(config)  # a bad scales file fails now, not after the model loads
         result = evaluate(config, text_path=text_path, windows=windows, window_len=window_len,
-                          progress=not as_json)
+                          progress=not as_json, per_layer=per_layer)
     except (ValueError, OSError) as exc:
         _fail(str(exc))
     if as_json:
@@ -87,4 +91,43 @@ def eval_command(model: str | None, kv_cache_dtype: str, quantization_param_path
         table.add_column(col, justify="right")
     table.add_row(result["kv_cache_dtype"], f"{result['ppl']:.3f}", f"{result['baseline_ppl']:.3f}",
                   f"{result['kl']:.5f}", f"{100 * result['top1_agreement']:.2f}%")
+    Console().print(table)
+    if per_layer:
+        _print_per_layer(result["saturation"], result["kv_cache_dtype"])
+    else:
+        _print_saturation(result["saturation"])
+
+
+def _print_per_layer(rows: list[dict], kv_cache_dtype: str) -> None:
+    """Every layer's K and V: relative MSE of the dequantized values, clipped and flushed-to-zero shares."""
+    if not rows:
+        Console().print(f"per-layer error: only measured for an FP8 cache with static scales ({kv_cache_dtype} "
+                        "has none to measure: auto stores the values, dynamic scales cannot clip)")
+        return
+    table = Table(title="Per layer: K/V quantization error and saturation")
+    for col in ("layer", "kind", "relative MSE", "clipped %", "flushed %"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        written = r["written"] or 1
+        table.add_row(str(r["layer"]), r["kind"].upper(), f"{r['relative_mse']:.3e}",
+                      f"{100 * r['saturated'] / written:.3f}%", f"{100 * r['underflow'] / written:.3f}%")
+    Console().print(table)
+
+
+def _print_saturation(rows: list[dict]) -> None:
+    """Per layer, the K/V values the cache write lost (clipped at the format's max, nonzero ones written as
+    zero); only layers that lost any, and one line when none did."""
+    if not rows:
+        return
+    lossy = [r for r in rows if r["saturated"] or r["underflow"]]
+    if not lossy:
+        Console().print(f"saturation: no K/V value clipped or flushed to zero ({rows[0]['written']} per layer and kind)")
+        return
+    table = Table(title="K/V values lost by the cache write (layers without loss left out)")
+    for col in ("layer", "kind", "written", "clipped", "clipped %", "flushed to zero"):
+        table.add_column(col, justify="right")
+    for r in lossy:
+        share = 100 * r["saturated"] / r["written"] if r["written"] else 0.0
+        table.add_row(str(r["layer"]), r["kind"].upper(), str(r["written"]), str(r["saturated"]), f"{share:.3f}%",
+                      str(r["underflow"]))
     Console().print(table)

@@ -117,6 +117,8 @@ def attend(ctx: ForwardContext, layer: int, q: torch.Tensor, k: torch.Tensor, v:
     earlier = [gather_window_at(window[0], window[1], g.earlier_index) for g in ctx.prefill_groups] if window else []
     ctx.ops.reshape_and_cache(k, v, key_cache, value_cache, ctx.slot_mapping, ctx.kv_cache_dtype,
                               k_scale, v_scale, *scale_caches)
+    if ctx.saturation is not None:
+        ctx.saturation.count(layer, k, v, k_scale, v_scale)
     if window:
         ctx.ops.reshape_and_cache(k, v, window[0], window[1], ctx.window_slot_mapping, CacheFormat.AUTO, k_scale,
                                   v_scale)

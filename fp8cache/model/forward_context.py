@@ -16,6 +16,7 @@ import torch
 
 from fp8cache.kvcache.formats import CacheFormat
 from fp8cache.kvcache.rotation import NONE
+from fp8cache.kvcache.saturation import SaturationCounter
 from fp8cache.kvcache.spec import KVCacheSpec
 from fp8cache.model import step_metadata
 from fp8cache.model.batch import StepBatch, window_slot
@@ -103,6 +104,9 @@ class ForwardContext:
     # Dynamic KV scales: per layer (k_scale_cache, v_scale_cache), indexed by the same slots as kv_caches; the
     # cache write fills them and attention reads them instead of k_scales / v_scales. None: static scales.
     scale_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    # Set for a step whose cache writes are counted (kvcache/saturation.py): attention adds each layer's
+    # clipped and flushed-to-zero K/V values to it.
+    saturation: SaturationCounter | None = None
     extra: dict[str, torch.Tensor] = field(default_factory=dict)  # the caller's arrays, on the device
 
 

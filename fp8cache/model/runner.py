@@ -14,7 +14,7 @@ from fp8cache import ops
 from fp8cache.config import DEFAULT_KV_RECENT_WINDOW, EngineConfig
 from fp8cache.distributed import parallel_state, sharding
 from fp8cache.distributed import worker as tp_worker
-from fp8cache.kvcache import dynamic_scales, formats, scale_files, sizing
+from fp8cache.kvcache import dynamic_scales, formats, saturation, scale_files, sizing
 from fp8cache.kvcache import scales as kv_scales
 from fp8cache.kvcache.layout import allocate_kv_cache
 from fp8cache.kvcache.rotation import HADAMARD, NONE, rotation_matrix
@@ -95,6 +95,7 @@ class ModelRunner:
                                          rotation=self._resolve_dynamic_rotation())
         self._init_cache()
         self._graphs = self._decode_graphs()
+        self.saturation = self._saturation_counter()
 
     # ---- setup -------------------------------------------------------------------------------------
 
@@ -267,6 +268,19 @@ class ModelRunner:
             self.log(f"KV scales: dynamic, {scale_bytes} of the {self.bytes_per_token} bytes per token "
                      f"({100 * scale_bytes / self.bytes_per_token:.1f}%), rotation {spec.rotation}")
 
+    def _saturation_counter(self) -> saturation.SaturationCounter | None:
+        """Counts of clipped and flushed K/V values for an FP8 cache with static scales (dynamic ones never clip)."""
+        spec = self.kv_spec
+        fmt = formats.get_format(spec.format)
+        if fmt is None or spec.dynamic_scales:
+            return None
+        return saturation.SaturationCounter(self.num_layers, fmt, self.device,
+                                            warn=lambda msg: self.log(f"warning: {msg}"))
+
+    def saturation_counts(self) -> list[saturation.LayerSaturation]:
+        """Per layer and for K and V: values counted, clipped, flushed to zero (empty: nothing is counted)."""
+        return self.saturation.snapshot() if self.saturation is not None else []
+
     def _decode_graphs(self) -> cuda_graph.DecodeGraphs | None:
         """CUDA graphs for decode steps: on a GPU with the compiled ops and fp8kv's lean layers (whose steps
         never wait for the GPU), unless enforce_eager."""
@@ -379,7 +393,8 @@ class ModelRunner:
             self._kernel_errors.check()  # what an earlier step's kernels reported, now that it has landed
         rows = None if all_logits else self._logits_rows(batch)
         calculating = self.kv_spec.scales_pending
-        if self._graphs is not None and rows is None and not calculating and not all_logits:
+        counting = self.saturation is not None and self.saturation.start_step()
+        if self._graphs is not None and rows is None and not calculating and not counting and not all_logits:
             logits = self._graphs.run(batch, prev_tokens)
             if logits is not None:
                 if self._kernel_errors is not None:
@@ -394,9 +409,13 @@ class ModelRunner:
         amax: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         if calculating:
             ctx.calculate_scales = self._scale_calculator(ctx.slot_mapping, amax)
+        if counting:
+            ctx.saturation = self.saturation
         logits = self._forward(ctx.extra["input_ids"], ctx.extra["positions"], ctx.extra.get("logits_rows"), ctx)
         if calculating:
             self._finish_calculation(amax)
+        if counting:
+            self.saturation.finish_step()
         if self._kernel_errors is not None:
             self._kernel_errors.after_step()
         return logits if logits.dtype == torch.float32 else logits.to(torch.float32)

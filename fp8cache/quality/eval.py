@@ -10,6 +10,7 @@ and how often the top-1 token agrees.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -61,7 +62,10 @@ def read_text(path: str) -> str:
 
 
 def evaluate(config: EngineConfig, text_path: str | None = None, windows: int = 6, window_len: int = 1024,
-             progress: bool = True) -> dict:
+             progress: bool = True, per_layer: bool = False) -> dict:
+    """Quality of config's cache against the auto one over `windows` windows of the text. The result's
+    "saturation" rows hold, per layer and for K and V, the values the cache write clipped or flushed to zero
+    (static FP8 scales; empty otherwise), with per_layer also their relative MSE after the round trip."""
     if windows < 1 or window_len < 2:
         raise ValueError(f"need windows >= 1 and window_len >= 2, got windows={windows}, "
                          f"window_len={window_len}")
@@ -77,6 +81,9 @@ def evaluate(config: EngineConfig, text_path: str | None = None, windows: int = 
     baseline = ModelRunner(_window_config(config, loaded.hf_config, window_len, "auto", dtype), log, loaded)
     tested = ModelRunner(_window_config(config, loaded.hf_config, window_len, config.kv_cache_dtype, dtype), log,
                          loaded)
+    if tested.saturation is not None:
+        tested.saturation.sample_every = 1  # count every window's writes
+        tested.saturation.measure_error = per_layer
     totals = {"nll_base": 0.0, "nll_fp8": 0.0, "kl": 0.0, "agree": 0, "tokens": 0}
     with _progress_bar(progress, windows) as advance:
         for w in range(windows):
@@ -96,6 +103,8 @@ def evaluate(config: EngineConfig, text_path: str | None = None, windows: int = 
         "kv_recent_window": spec.window_size,
         "kv_recent_window_dtype": str(spec.window_dtype).removeprefix("torch."),
         "device": str(tested.device),
+        # per layer and K/V: values written, clipped at the format's max, flushed to zero (static scales only)
+        "saturation": [dataclasses.asdict(row) for row in tested.saturation_counts()],
     }
 
 

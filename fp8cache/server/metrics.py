@@ -6,7 +6,10 @@ deployment of the same model side by side.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
@@ -89,6 +92,33 @@ class ServerMetrics:
                 counter.inc(total - self._totals.get(name, 0))
                 self._totals[name] = total
 
+    def watch_saturation(self, source: Callable[[], Sequence]) -> None:
+        """Expose the cache write's per-layer counts (kvcache/saturation.py LayerSaturation rows from `source`,
+        e.g. ModelRunner.saturation_counts), read at each scrape."""
+        self.registry.register(_SaturationCollector(source, self._labels))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
+
+class _SaturationCollector:
+    """fp8kv_kv_cache_{written,saturated,underflow}_total{layer,kind}: counters the engine keeps itself."""
+
+    _SERIES = (("written", "K/V values counted at the cache write (static scales; a sample of the steps)."),
+               ("saturated", "K/V values clipped at the FP8 format's largest magnitude by the cache write."),
+               ("underflow", "Nonzero K/V values the cache write stored as zero codes (flushed to zero)."))
+
+    def __init__(self, source: Callable[[], Sequence], labels: dict[str, str]) -> None:
+        self.source, self.labels = source, labels
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        rows = self.source()
+        names = list(self.labels) + ["layer", "kind"]
+        for field, doc in self._SERIES:
+            family = CounterMetricFamily(f"fp8kv_kv_cache_{field}", doc, labels=names)
+            for row in rows:
+                family.add_metric([*self.labels.values(), str(row.layer), row.kind], getattr(row, field))
+            yield family
+
+    def describe(self) -> list:
+        return []  # no description at registration: collect() reads the engine's counts only on a scrape

@@ -155,6 +155,7 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
     metrics = ServerMetrics(name, info.kv_cache_dtype, {"scales_source": info.scales_source,
                                                          "capacity_tokens": str(info.capacity_tokens),
                                                          "block_size": str(info.block_size)})
+    metrics.watch_saturation(getattr(engine.runner, "saturation_counts", list))
     outcome = {"code": EXIT_OK}
     server: _Server | None = None
 

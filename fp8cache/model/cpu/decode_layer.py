@@ -56,8 +56,9 @@ class WholeLayer:
 
 def step_args(ctx: ForwardContext, layer: int) -> tuple | None:
     """decode_layer's attention arguments for `layer` (key_cache .. window_size) when the step is decode tokens
-    only, on the CPU, with no kv rotation and no scale calculation; None otherwise."""
-    if (not ctx.all_decode or ctx.rotation != NONE or ctx.calculate_scales is not None
+    only, on the CPU, with no kv rotation, no scale calculation and no saturation count (the op writes the
+    cache inside); None otherwise."""
+    if (not ctx.all_decode or ctx.rotation != NONE or ctx.calculate_scales is not None or ctx.saturation is not None
             or ctx.slot_mapping.device.type != "cpu"):
         return None
     key_cache, value_cache = ctx.kv_caches[layer]
