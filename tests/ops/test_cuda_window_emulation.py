@@ -160,7 +160,8 @@ def emu_attention(emu: ctypes.CDLL, case: WindowCase, b: dict, max_seq_len: int 
         key_cache.shape[0], window_key_cache.shape[0], case.block_size, table.shape[1], window_table.shape[1],
         case.window_size, max(case.lens()) if max_seq_len is None else max_seq_len,
         ctypes.c_float(case.head_size**-0.5), int(b["k_scale"].numel() > 1), int(b["v_scale"].numel() > 1),
-        b.get("sliding_window", 0), ctypes.c_float(b.get("logit_softcap", 0.0)), _p(b.get("sinks")))
+        b.get("sliding_window", 0), ctypes.c_float(b.get("logit_softcap", 0.0)), _p(b.get("sinks")),
+        _p(b.get("k_scale_cache")), _p(b.get("v_scale_cache")))
     return error, out
 
 
