@@ -259,6 +259,64 @@ def test_paged_attention_matches_reference(emu, case):
     torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
 
 
+def _filled_dynamic_cache(num_blocks, block_size, num_kv_heads, head_size, kv_cache_dtype, dtype, gen):
+    """Caches and their dynamic scale caches: K with magnitudes from 1e-2 to 10 across tokens (logits within what
+    the tensor cores' 16-bit queries keep to their tolerance), V from 1e-3 to 1e3."""
+    key_cache, value_cache = reference.allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_size,
+                                                         kv_cache_dtype, dtype)
+    scale_caches = [torch.zeros(num_blocks, num_kv_heads, block_size, dtype=torch.bfloat16) for _ in range(2)]
+    n = num_blocks * block_size
+    order = torch.randperm(n, generator=gen)
+    key_magnitude, value_magnitude = torch.logspace(-2, 1, n)[order], torch.logspace(-3, 3, n).flip(0)[order]
+    key = (torch.randn(n, num_kv_heads, head_size, generator=gen) * key_magnitude[:, None, None]).to(dtype)
+    value = (torch.randn(n, num_kv_heads, head_size, generator=gen) * value_magnitude[:, None, None]).to(dtype)
+    unused = torch.ones(1)
+    reference.reshape_and_cache(key, value, key_cache, value_cache, torch.arange(n), kv_cache_dtype, unused, unused,
+                                *scale_caches)
+    return key_cache, value_cache, *scale_caches
+
+
+DYNAMIC_CASES = [
+    # head_size, block_size, num_heads, num_kv_heads, dtype, kv_cache_dtype, seq_lens
+    (64, 16, 8, 2, torch.bfloat16, "fp8_e4m3", [37, 300]),  # GQA 4
+    (128, 32, 4, 1, torch.float16, "fp8_e5m2", [1, 200]),  # MQA
+    (64, 32, 2, 2, torch.float32, "fp8_e4m3fnuz", [130, 17]),  # MHA, float32 queries
+    (128, 16, 16, 1, torch.bfloat16, "fp8_e4m3", [260]),  # group 16: 16 head slots on tensor cores
+]
+
+
+@pytest.mark.parametrize("tensor_cores", [1, 0], ids=["tensor-cores", "cuda-cores"])
+@pytest.mark.parametrize("case", DYNAMIC_CASES, ids=lambda c: f"d{c[0]}-bs{c[1]}-h{c[2]}/{c[3]}-{c[5]}")
+def test_paged_attention_with_dynamic_scales_matches_reference(emu, case, tensor_cores):
+    head_size, block_size, num_heads, num_kv_heads, dtype, kv_cache_dtype, lens = case
+    gen = torch.Generator().manual_seed(head_size + block_size + num_heads)
+    num_blocks = sum((s + block_size - 1) // block_size for s in lens) + 1
+    *caches, k_scales, v_scales = _filled_dynamic_cache(num_blocks, block_size, num_kv_heads, head_size,
+                                                        kv_cache_dtype, dtype, gen)
+    query = torch.randn(len(lens), num_heads, head_size, generator=gen).to(dtype)
+    tables = _block_tables(lens, block_size, num_blocks, gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    static = torch.full((1,), 3.0)  # not used with dynamic scales
+    scale = head_size**-0.5
+    expected = torch.empty(query.shape, dtype=torch.float32)
+    reference.paged_attention(expected, query, *caches, num_kv_heads, scale, tables, seq_lens, block_size, max(lens),
+                              None, kv_cache_dtype, static, static, k_scale_cache=k_scales, v_scale_cache=v_scales)
+    out = torch.full(query.shape, float("nan"), dtype=dtype)
+
+    previous = emu.fp8kv_emu_set_tensor_cores(tensor_cores)
+    try:
+        error = emu_paged_attention(emu, out, query, *caches, tables, seq_lens, max(lens), None, kv_cache_dtype,
+                                    static, static, scale, k_scale_cache=k_scales, v_scale_cache=v_scales)
+    finally:
+        emu.fp8kv_emu_set_tensor_cores(previous)
+
+    assert error == 0
+    # relative to each row's size: the outputs span the values' 1e-3 .. 1e3
+    size = expected.abs().amax(dim=-1, keepdim=True)
+    tol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.float() / size, expected / size, rtol=tol, atol=tol)
+
+
 def test_paged_attention_reports_bad_block_ids_and_lengths(emu):
     gen = torch.Generator().manual_seed(7)
     head_size, block_size, num_kv_heads, num_blocks = 64, 16, 1, 6
