@@ -135,6 +135,18 @@ struct TcAttention {
   // (f16 subnormals) falls out of P.V, a contribution below the 16-bit operands' precision of that largest.
   bool dynamic;
   float unit[kRows];
+  float k_next, v_next;  // this lane's position's scales in the next tile, loaded a tile ahead (load_scales)
+
+  // The dynamic scales of this lane's position in `tile` (1 and 0 outside the sequence or a missing block) into
+  // k_next / v_next: loaded while the tile before it is computed, so their latency hides behind its mma's.
+  FP8KV_DEVICE void load_scales(int tile) {
+    const int pos = task.start + tile * kTcTile + lane;
+    k_next = 1.0f;
+    v_next = 0.0f;
+    if (pos < task.end && pos >= task.lo && block_at(pos) >= 0) {
+      Cfg::Src::token_scales(p, block_at(pos), task.kv_head, pos & (c.block_size - 1), k_next, v_next);
+    }
+  }
 
   FP8KV_DEVICE int block_at(int pos) const { return block_ids[(pos >> c.block_shift) - first_entry]; }
 
@@ -213,17 +225,16 @@ struct TcAttention {
   }
 
   // One tile, from the stage this lane's copies filled.
-  FP8KV_DEVICE void compute(int tile, uint8_t* stage) {
+  // next_tile: this warp's next tile in the split (-1: none), whose scales are loaded now (dynamic scales).
+  FP8KV_DEVICE void compute(int tile, uint8_t* stage, int next_tile) {
     const int base = task.start + tile * kTcTile;
     if (base < task.lo) clear_before_window(base, stage);
     const int mine = base + lane;
     const bool mine_ok = mine < task.end && mine >= task.lo && block_at(mine) >= 0;
     const uint32_t valid = th.ballot(mine_ok);
     // This lane's token's dynamic scales (its position is base + lane), loaded before the mma's use them.
-    float k_mine = 1.0f, v_mine = 0.0f;
-    if (dynamic && mine_ok) {
-      Cfg::Src::token_scales(p, block_at(mine), task.kv_head, mine & (c.block_size - 1), k_mine, v_mine);
-    }
+    const float k_mine = k_next, v_mine = v_next;  // loaded a tile ahead (1 and 0 where mine_ok is false)
+    if (dynamic && next_tile >= 0) load_scales(next_tile);
 
     // S = Q K^T for the tile's 4 n-tiles of 8 tokens.
     float s[4][4];
@@ -567,6 +578,8 @@ FP8KV_DEVICE void tc_attention_body(const AttentionParams& p, uint8_t* smem, con
       kLog2e * Src::k_scale(p, kv_head) * Cfg::kRescale / q_mul, kLog2e * p.softcap};
   a.locate(head_size);
   a.dynamic = Cfg::kQuantized && p.k_scale_cache != nullptr;
+  a.k_next = 1.0f;
+  a.v_next = 0.0f;
   FP8KV_UNROLL
   for (int r = 0; r < Cfg::kRows; ++r) {
     const int h = (lane >> 2) + 8 * r;
@@ -586,6 +599,7 @@ FP8KV_DEVICE void tc_attention_body(const AttentionParams& p, uint8_t* smem, con
   // first tiles are on their way before the query fragments are built: that work hides in their latency.
   const int stages = p.tc_stages;
   const int mine = t1 - t0 > warp ? (t1 - t0 - warp + kTcWarps - 1) / kTcWarps : 0;
+  if (a.dynamic && mine > 0) a.load_scales(t0 + warp);
   uint8_t* pipe = pipes + warp * stages * Cfg::kStageBytes;
   for (int k = 0; k < stages - 1; ++k) {
     if (k < mine) a.issue(t0 + warp + k * kTcWarps, pipe + k * Cfg::kStageBytes);
@@ -601,7 +615,8 @@ FP8KV_DEVICE void tc_attention_body(const AttentionParams& p, uint8_t* smem, con
     if (k + stages - 1 < mine) a.issue(t0 + warp + (k + stages - 1) * kTcWarps, pipe + write * Cfg::kStageBytes);
     th.copy_commit();
     th.copy_wait(stages - 1);
-    a.compute(t0 + warp + k * kTcWarps, pipe + read * Cfg::kStageBytes);
+    const int tile = t0 + warp + k * kTcWarps;
+    a.compute(tile, pipe + read * Cfg::kStageBytes, k + 1 < mine ? tile + kTcWarps : -1);
     read = read + 1 == stages ? 0 : read + 1;
     write = write + 1 == stages ? 0 : write + 1;
   }
