@@ -10,7 +10,8 @@
 #
 #   kernels     decode attention (bench kernels) at Llama-3.1-8B's (32/8 d128), the default model's (9/3 d64) and
 #               Qwen2-7B's (28/4 d128) heads, 8x8192 32x4096 1x16384 1x512: every FP8 format, our bfloat16
-#               kernel, torch SDPA on a dense bfloat16 cache, the copy bandwidth, the issue's targets met or not
+#               kernel, torch SDPA on a dense bfloat16 cache, the copy bandwidth, the issue's targets met or not;
+#               then DYNAMIC_KERNEL_ARGS with --kv-scales both: static against dynamic KV scales (issue 54)
 #   throughput  the default model, 64 x 256 in / 128 out, fp8_e4m3 and auto against transformers
 #   capacity    Llama-3.1-8B's shape with random weights (--load-format dummy), a 16.5 GiB KV budget: 32
 #               bfloat16 sequences of 4096 + 128 tokens fit, fp8_e4m3 against auto in one run
@@ -44,6 +45,7 @@ CAPACITY_MODEL="${CAPACITY_MODEL:-llama-3.1-8b}"
 # 16.5 GiB of bfloat16 cache at 128 KiB a token holds 32 sequences of 4224 tokens (264 blocks of 16 each); FP8 64.
 CAPACITY_ARGS="${CAPACITY_ARGS:---dtype bfloat16 --kv-cache-memory 16.5GiB --context 4224 --output-len 128}"
 KERNEL_ARGS="${KERNEL_ARGS:---heads 32/8/128,9/3/64,28/4/128 --shapes 8x8192,32x4096,1x16384,1x512 --repeats 5}"
+DYNAMIC_KERNEL_ARGS="${DYNAMIC_KERNEL_ARGS:---heads 32/8/128,9/3/64 --shapes 8x8192 --repeats 5}"
 SWEEP_ARGS="${SWEEP_ARGS:---heads 32/8/128,9/3/64 --shapes 8x8192,32x4096,1x16384,1x512 --repeats 3 --settle-ms 5}"
 SWEEP_SETTINGS="${SWEEP_SETTINGS:-STAGES=2 STAGES=3 STAGES=4 SPLITS=1 SPLITS=4 SPLITS=16 SPLITS=32}"
 STALLS_ARGS="${STALLS_ARGS:---batch 8 --context 8192 --heads 32/8/128 --kv-cache-dtype fp8_e4m3}"
@@ -181,7 +183,8 @@ fi
 if want kernels; then
   kernels_bench() {
     # shellcheck disable=SC2086  # KERNEL_ARGS is a list of flags
-    fp8kv bench kernels --device "$DEVICE" $KERNEL_ARGS --json > "$out/kernels.json" && summarize kernels "$out"
+    fp8kv bench kernels --device "$DEVICE" $KERNEL_ARGS --json > "$out/kernels.json" && summarize kernels "$out" &&
+      fp8kv bench kernels --device "$DEVICE" $DYNAMIC_KERNEL_ARGS --kv-scales both | tee "$out/kernels-dynamic.txt"
   }
   step kernels kernels_bench
 fi

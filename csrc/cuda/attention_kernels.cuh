@@ -23,6 +23,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "../common/dynamic_scale.h"
 #include "cache_codec.cuh"
 #include "launch.h"
 
@@ -153,11 +154,25 @@ struct PagedSource {
   FP8KV_DEVICE static const CacheRef& cache(const AttentionParams& p) { return p.paged; }
   FP8KV_DEVICE static int splits(const AttentionParams& p) { return p.paged_splits; }
   FP8KV_DEVICE static int split_base(const AttentionParams&) { return 0; }
+  // The static scales; 1 with dynamic ones, which each token carries (token_scales).
   FP8KV_DEVICE static float k_scale(const AttentionParams& p, int kv_head) {
-    return kQuantized ? p.k_scale[p.k_scale_per_head ? kv_head : 0] : 1.0f;
+    return kQuantized && p.k_scale_cache == nullptr ? p.k_scale[p.k_scale_per_head ? kv_head : 0] : 1.0f;
   }
   FP8KV_DEVICE static float v_scale(const AttentionParams& p, int kv_head) {
-    return kQuantized ? p.v_scale[p.v_scale_per_head ? kv_head : 0] : 1.0f;
+    return kQuantized && p.v_scale_cache == nullptr ? p.v_scale[p.v_scale_per_head ? kv_head : 0] : 1.0f;
+  }
+  // The dynamic scales of the token at (block, offset), 1 with static ones: ks folds into its logit, vs into its
+  // probability (docs/design.md section 10).
+  FP8KV_DEVICE static void token_scales(const AttentionParams& p, int block, int kv_head, int offset, float& ks,
+                                        float& vs) {
+    ks = vs = 1.0f;
+    if constexpr (kQuantized) {
+      if (p.k_scale_cache != nullptr) {
+        const int64_t at = (int64_t(block) * p.num_kv_heads + kv_head) * p.paged.block_size + offset;
+        ks = scale_value(p.k_scale_cache[at]);
+        vs = scale_value(p.v_scale_cache[at]);
+      }
+    }
   }
 };
 
@@ -176,6 +191,9 @@ struct RingSource {
   FP8KV_DEVICE static int split_base(const AttentionParams& p) { return p.paged_splits; }
   FP8KV_DEVICE static float k_scale(const AttentionParams&, int) { return 1.0f; }
   FP8KV_DEVICE static float v_scale(const AttentionParams&, int) { return 1.0f; }
+  FP8KV_DEVICE static void token_scales(const AttentionParams&, int, int, int, float& ks, float& vs) {
+    ks = vs = 1.0f;
+  }
 };
 
 // The sequence's length and this source's positions, checked (report: one thread per sequence reports).
@@ -233,6 +251,7 @@ struct Attention {
     int64_t key_base;  // element offset of its block and KV head in the key cache
     int offset;        // within the block
     bool ok;           // inside the split and its block id valid
+    float k_scale, v_scale;  // its dynamic scales (Src::token_scales), 1 with static ones
   };
 
   // One tile's raw K and V bytes of one lane, loaded ahead (kPrefetch only).
@@ -275,10 +294,11 @@ struct Attention {
 
   FP8KV_DEVICE Token locate(int tile) const {
     const int pos = task.start + tile * kTile + lane % kTile;
-    Token t{0, 0, false};
+    Token t{0, 0, false, 1.0f, 1.0f};
     const int block = pos < task.end && pos >= task.lo ? block_of(pos, t.offset) : -1;
     t.ok = block >= 0;
     t.key_base = key_base(t.ok ? block : 0);
+    if (t.ok) Src::token_scales(p, block, task.kv_head, t.offset, t.k_scale, t.v_scale);
     return t;
   }
 
@@ -486,6 +506,7 @@ FP8KV_DEVICE void attention_body(const AttentionParams& p, AttentionSmem<kHeads,
     FP8KV_UNROLL
     for (int h = 0; h < kHeads; ++h) {
       for (int mask = kTile; mask < kWarpSize; mask *= 2) dot[h] += th.shfl_xor(dot[h], mask);
+      dot[h] *= cur.token.k_scale;
     }
 
     // Online softmax over the tile's 16 tokens (lanes t and t + 16 hold the same values).
@@ -504,7 +525,7 @@ FP8KV_DEVICE void attention_body(const AttentionParams& p, AttentionSmem<kHeads,
       m[h] = m_new;
       FP8KV_UNROLL
       for (int k = 0; k < A::kRowsPerLane; ++k) acc[h][k] *= correction;
-      if (group == 0) sm.p[warp][h][token] = weight;
+      if (group == 0) sm.p[warp][h][token] = weight * cur.token.v_scale;  // the sum above is without it
     }
     if constexpr (!Src::kBlockIds) {
       if (group == 0) {

@@ -128,6 +128,25 @@ struct TcAttention {
   // The running softmax of this lane's rows and its share of their outputs.
   float m[kRows], l[kRows];
   float o[kMTiles][kRows][4];
+  // Dynamic scales (p.k_scale_cache set): each token's K scale multiplies its logit and its V scale its
+  // probability. The weights p * vs are f16 (or bf16) mma operands, so each row takes them relative to unit[r],
+  // the largest weight it has seen (in the running max's frame, as the outputs): o holds the outputs over
+  // unit[r], rescaled when it grows and multiplied by it at the end. A weight under 2^-24 of the row's largest
+  // (f16 subnormals) falls out of P.V, a contribution below the 16-bit operands' precision of that largest.
+  bool dynamic;
+  float unit[kRows];
+  float k_next, v_next;  // this lane's position's scales in the next tile, loaded a tile ahead (load_scales)
+
+  // The dynamic scales of this lane's position in `tile` (1 and 0 outside the sequence or a missing block) into
+  // k_next / v_next: loaded while the tile before it is computed, so their latency hides behind its mma's.
+  FP8KV_DEVICE void load_scales(int tile) {
+    const int pos = task.start + tile * kTcTile + lane;
+    k_next = 1.0f;
+    v_next = 0.0f;
+    if (pos < task.end && pos >= task.lo && block_at(pos) >= 0) {
+      Cfg::Src::token_scales(p, block_at(pos), task.kv_head, pos & (c.block_size - 1), k_next, v_next);
+    }
+  }
 
   FP8KV_DEVICE int block_at(int pos) const { return block_ids[(pos >> c.block_shift) - first_entry]; }
 
@@ -206,11 +225,16 @@ struct TcAttention {
   }
 
   // One tile, from the stage this lane's copies filled.
-  FP8KV_DEVICE void compute(int tile, uint8_t* stage) {
+  // next_tile: this warp's next tile in the split (-1: none), whose scales are loaded now (dynamic scales).
+  FP8KV_DEVICE void compute(int tile, uint8_t* stage, int next_tile) {
     const int base = task.start + tile * kTcTile;
     if (base < task.lo) clear_before_window(base, stage);
     const int mine = base + lane;
-    const uint32_t valid = th.ballot(mine < task.end && mine >= task.lo && block_at(mine) >= 0);
+    const bool mine_ok = mine < task.end && mine >= task.lo && block_at(mine) >= 0;
+    const uint32_t valid = th.ballot(mine_ok);
+    // This lane's token's dynamic scales (its position is base + lane), loaded before the mma's use them.
+    const float k_mine = k_next, v_mine = v_next;  // loaded a tile ahead (1 and 0 where mine_ok is false)
+    if (dynamic && next_tile >= 0) load_scales(next_tile);
 
     // S = Q K^T for the tile's 4 n-tiles of 8 tokens.
     float s[4][4];
@@ -244,8 +268,27 @@ struct TcAttention {
       }
     }
 
+    // The scales of this lane's 8 tokens, from their lanes (1 with static scales); the outputs' rescale.
+    float k_tok[4][2], v_tok[4][2];
+    FP8KV_UNROLL
+    for (int n = 0; n < 4; ++n) {
+      FP8KV_UNROLL
+      for (int cc = 0; cc < 2; ++cc) k_tok[n][cc] = v_tok[n][cc] = 1.0f;
+    }
+    if (dynamic) {
+      FP8KV_UNROLL
+      for (int n = 0; n < 4; ++n) {
+        FP8KV_UNROLL
+        for (int cc = 0; cc < 2; ++cc) {
+          const int token = tc_token(n, 2 * t + cc);
+          k_tok[n][cc] = th.shfl(k_mine, token);
+          v_tok[n][cc] = th.shfl(v_mine, token);
+        }
+      }
+    }
+
     // Online softmax of each row over the tile (a row's 32 tokens sit in the 4 lanes of its g).
-    float prob[kRows][4][2], correction[kRows];
+    float prob[kRows][4][2], correction[kRows], o_correction[kRows];
     const int newest = task.seq_len - 1;
     FP8KV_UNROLL
     for (int r = 0; r < kRows; ++r) {
@@ -255,7 +298,8 @@ struct TcAttention {
         FP8KV_UNROLL
         for (int cc = 0; cc < 2; ++cc) {
           const int token = tc_token(n, 2 * t + cc);
-          float logit = s[n][2 * r + cc] * logit_scale + slope[r] * static_cast<float>(base + token - newest);
+          float logit = s[n][2 * r + cc] * k_tok[n][cc] * logit_scale +
+                        slope[r] * static_cast<float>(base + token - newest);
           // cap * tanh(l / cap) in natural units is this in log2 units, cap_log2 = cap * log2(e)
           if (cap_log2 > 0.0f) logit = cap_log2 * tanhf(logit / cap_log2);
           x[n][cc] = (valid >> token) & 1u ? logit : -INFINITY;
@@ -279,13 +323,37 @@ struct TcAttention {
       }
       l[r] = l[r] * correction[r] + sum;
       m[r] = m_new;
+      o_correction[r] = correction[r];
+      if (dynamic) {  // the weights p * vs over the row's unit (see unit)
+        float w_max = 0.0f;
+        FP8KV_UNROLL
+        for (int n = 0; n < 4; ++n) {
+          FP8KV_UNROLL
+          for (int cc = 0; cc < 2; ++cc) {
+            prob[r][n][cc] *= v_tok[n][cc];
+            w_max = fmaxf(w_max, prob[r][n][cc]);
+          }
+        }
+        w_max = fmaxf(w_max, th.shfl_xor(w_max, 1));
+        w_max = fmaxf(w_max, th.shfl_xor(w_max, 2));
+        const float carried = unit[r] * correction[r];
+        const float grown = fmaxf(carried, w_max);
+        const float inverse = grown > 0.0f ? 1.0f / grown : 0.0f;
+        FP8KV_UNROLL
+        for (int n = 0; n < 4; ++n) {
+          FP8KV_UNROLL
+          for (int cc = 0; cc < 2; ++cc) prob[r][n][cc] *= inverse;
+        }
+        o_correction[r] = grown > 0.0f ? carried / grown : correction[r];
+        unit[r] = grown;
+      }
     }
 
     // Rescale the outputs: this lane holds heads 2t and 2t + 1 of each head tile, whose rows live in the
     // lanes of g = 2t and 2t + 1.
     FP8KV_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      const float even = th.shfl(correction[r], 8 * t), odd = th.shfl(correction[r], 8 * t + 4);
+      const float even = th.shfl(o_correction[r], 8 * t), odd = th.shfl(o_correction[r], 8 * t + 4);
       FP8KV_UNROLL
       for (int i = 0; i < kMTiles; ++i) {
         o[i][r][0] *= even;
@@ -509,12 +577,16 @@ FP8KV_DEVICE void tc_attention_body(const AttentionParams& p, uint8_t* smem, con
   A a{p, c, th, block_ids, query, task, lane, lane >> 2, lane & 3, first_entry,
       kLog2e * Src::k_scale(p, kv_head) * Cfg::kRescale / q_mul, kLog2e * p.softcap};
   a.locate(head_size);
+  a.dynamic = Cfg::kQuantized && p.k_scale_cache != nullptr;
+  a.k_next = 1.0f;
+  a.v_next = 0.0f;
   FP8KV_UNROLL
   for (int r = 0; r < Cfg::kRows; ++r) {
     const int h = (lane >> 2) + 8 * r;
     a.slope[r] = p.alibi_slopes != nullptr && h < heads ? kLog2e * p.alibi_slopes[first_head + h] : 0.0f;
     a.m[r] = -INFINITY;
     a.l[r] = 0.0f;
+    a.unit[r] = 0.0f;
     FP8KV_UNROLL
     for (int i = 0; i < Cfg::kMTiles; ++i) {
       FP8KV_UNROLL
@@ -527,6 +599,7 @@ FP8KV_DEVICE void tc_attention_body(const AttentionParams& p, uint8_t* smem, con
   // first tiles are on their way before the query fragments are built: that work hides in their latency.
   const int stages = p.tc_stages;
   const int mine = t1 - t0 > warp ? (t1 - t0 - warp + kTcWarps - 1) / kTcWarps : 0;
+  if (a.dynamic && mine > 0) a.load_scales(t0 + warp);
   uint8_t* pipe = pipes + warp * stages * Cfg::kStageBytes;
   for (int k = 0; k < stages - 1; ++k) {
     if (k < mine) a.issue(t0 + warp + k * kTcWarps, pipe + k * Cfg::kStageBytes);
@@ -542,7 +615,8 @@ FP8KV_DEVICE void tc_attention_body(const AttentionParams& p, uint8_t* smem, con
     if (k + stages - 1 < mine) a.issue(t0 + warp + (k + stages - 1) * kTcWarps, pipe + write * Cfg::kStageBytes);
     th.copy_commit();
     th.copy_wait(stages - 1);
-    a.compute(t0 + warp + k * kTcWarps, pipe + read * Cfg::kStageBytes);
+    const int tile = t0 + warp + k * kTcWarps;
+    a.compute(tile, pipe + read * Cfg::kStageBytes, k + 1 < mine ? tile + kTcWarps : -1);
     read = read + 1 == stages ? 0 : read + 1;
     write = write + 1 == stages ? 0 : write + 1;
   }
@@ -550,6 +624,20 @@ FP8KV_DEVICE void tc_attention_body(const AttentionParams& p, uint8_t* smem, con
   for (int r = 0; r < Cfg::kRows; ++r) {
     a.l[r] += th.shfl_xor(a.l[r], 1);
     a.l[r] += th.shfl_xor(a.l[r], 2);
+  }
+  if (a.dynamic) {  // the outputs were over their rows' units; this lane holds heads 2t and 2t + 1 (rows of g)
+    const int t = lane & 3;
+    FP8KV_UNROLL
+    for (int r = 0; r < Cfg::kRows; ++r) {
+      const float even = th.shfl(a.unit[r], 8 * t), odd = th.shfl(a.unit[r], 8 * t + 4);
+      FP8KV_UNROLL
+      for (int i = 0; i < Cfg::kMTiles; ++i) {
+        a.o[i][r][0] *= even;
+        a.o[i][r][1] *= odd;
+        a.o[i][r][2] *= even;
+        a.o[i][r][3] *= odd;
+      }
+    }
   }
   th.copy_wait(0);
   th.sync();  // every warp is done with its pipeline, whose memory now holds the merge

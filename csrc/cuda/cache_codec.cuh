@@ -24,6 +24,16 @@ struct CacheCodec {
     }
   }
 
+  // stored = Q(x * inverse_scale): dynamic scales multiply by their float32 reciprocal, as the CPU write and the
+  // reference do (common/dynamic_scale.h), a fraction of a division's cost.
+  FP8KV_DEVICE static cache_t encode_times(scalar_t x, float inverse_scale) {
+    if constexpr (kQuantized) {
+      return fp8_encode<kFormat>(to_float(x) * inverse_scale);
+    } else {
+      return x;
+    }
+  }
+
   // The stored value without its scale: attention folds the scale into the dot product and the output.
   FP8KV_DEVICE static float decode(cache_t v) {
     if constexpr (kQuantized) {

@@ -163,7 +163,7 @@ template <typename scalar_t, typename cache_t, Fp8Format kFormat>
 int reshape_and_cache(const void* key, const void* value, void* key_cache, void* value_cache,
                       const int64_t* slots, const float* k_scale, const float* v_scale, int64_t num_tokens,
                       int num_kv_heads, int head_size, int num_blocks, int block_size, bool k_per_head,
-                      bool v_per_head) {
+                      bool v_per_head, uint16_t* k_scale_cache, uint16_t* v_scale_cache) {
   int flag = 0;
   ReshapeAndCacheArgs<scalar_t, cache_t> a{};
   a.key = static_cast<const scalar_t*>(key);
@@ -173,6 +173,8 @@ int reshape_and_cache(const void* key, const void* value, void* key_cache, void*
   a.slot_mapping = slots;
   a.k_scale = k_scale;
   a.v_scale = v_scale;
+  a.k_scale_cache = k_scale_cache;
+  a.v_scale_cache = v_scale_cache;
   a.error_flag = &flag;
   a.num_tokens = num_tokens;
   a.num_kv_heads = num_kv_heads;
@@ -203,8 +205,10 @@ struct AttentionCall {
                 const float* k_scale, const float* v_scale, int num_seqs, int num_heads, int num_kv_heads,
                 int head_size, int num_blocks, int block_size, int max_blocks_per_seq, int max_seq_len,
                 float scale, bool k_per_head, bool v_per_head, int sliding_window, float softcap,
-                const float* sinks) {
+                const float* sinks, const uint16_t* k_scale_cache, const uint16_t* v_scale_cache) {
     AttentionParams& p = params;
+    p.k_scale_cache = k_scale_cache;
+    p.v_scale_cache = v_scale_cache;
     p.sliding_window = sliding_window;
     p.softcap = softcap;
     p.sinks = sinks;
@@ -347,10 +351,11 @@ int paged_attention(DType dtype, DType cache, void* out, const void* query, cons
                     const float* k_scale, const float* v_scale, int num_seqs, int num_heads, int num_kv_heads,
                     int head_size, int num_blocks, int block_size, int max_blocks_per_seq, int max_seq_len,
                     float scale, bool k_per_head, bool v_per_head, int sliding_window, float softcap,
-                    const float* sinks) {
+                    const float* sinks, const uint16_t* k_scale_cache, const uint16_t* v_scale_cache) {
   AttentionCall call(dtype, cache, out, query, key_cache, value_cache, block_tables, seq_lens, alibi, k_scale,
                      v_scale, num_seqs, num_heads, num_kv_heads, head_size, num_blocks, block_size,
-                     max_blocks_per_seq, max_seq_len, scale, k_per_head, v_per_head, sliding_window, softcap, sinks);
+                     max_blocks_per_seq, max_seq_len, scale, k_per_head, v_per_head, sliding_window, softcap, sinks,
+                     k_scale_cache, v_scale_cache);
   const AttentionParams& p = call.params;
   const bool reduce = p.paged_splits > 1 || p.sinks != nullptr;  // as launch_paged_attention
   if (reduce) call.allocate_partials(p.paged_splits);
@@ -367,10 +372,11 @@ int paged_attention_window(DType dtype, DType cache, DType window, void* out, co
                            int num_blocks, int num_window_blocks, int block_size, int max_blocks_per_seq,
                            int max_window_blocks_per_seq, int window_size, int max_seq_len, float scale,
                            bool k_per_head, bool v_per_head, int sliding_window, float softcap,
-                           const float* sinks) {
+                           const float* sinks, const uint16_t* k_scale_cache, const uint16_t* v_scale_cache) {
   AttentionCall call(dtype, cache, out, query, key_cache, value_cache, block_tables, seq_lens, alibi, k_scale,
                      v_scale, num_seqs, num_heads, num_kv_heads, head_size, num_blocks, block_size,
-                     max_blocks_per_seq, max_seq_len, scale, k_per_head, v_per_head, sliding_window, softcap, sinks);
+                     max_blocks_per_seq, max_seq_len, scale, k_per_head, v_per_head, sliding_window, softcap, sinks,
+                     k_scale_cache, v_scale_cache);
   AttentionParams& p = call.params;
   p.window_starts = window_starts;
   p.window_size = window_size;
@@ -436,12 +442,13 @@ extern "C" {
 int fp8kv_emu_reshape_and_cache(int dtype, int format, const void* key, const void* value, void* key_cache,
                                 void* value_cache, const int64_t* slots, const float* k_scale,
                                 const float* v_scale, int64_t num_tokens, int num_kv_heads, int head_size,
-                                int num_blocks, int block_size, int k_per_head, int v_per_head) {
+                                int num_blocks, int block_size, int k_per_head, int v_per_head,
+                                uint16_t* k_scale_cache, uint16_t* v_scale_cache) {
   using namespace fp8kv::gpu;
   return with_types(dtype, format, [&](auto scalar, auto cache, auto fmt) {
     return reshape_and_cache<decltype(scalar), decltype(cache), decltype(fmt)::value>(
         key, value, key_cache, value_cache, slots, k_scale, v_scale, num_tokens, num_kv_heads, head_size,
-        num_blocks, block_size, k_per_head != 0, v_per_head != 0);
+        num_blocks, block_size, k_per_head != 0, v_per_head != 0, k_scale_cache, v_scale_cache);
   });
 }
 
@@ -450,13 +457,15 @@ int fp8kv_emu_paged_attention(int dtype, int format, void* out, const void* quer
                               const float* alibi, const float* k_scale, const float* v_scale, int num_seqs,
                               int num_heads, int num_kv_heads, int head_size, int num_blocks, int block_size,
                               int max_blocks_per_seq, int max_seq_len, float scale, int k_per_head,
-                              int v_per_head, int sliding_window, float softcap, const float* sinks) {
+                              int v_per_head, int sliding_window, float softcap, const float* sinks,
+                              const uint16_t* k_scale_cache, const uint16_t* v_scale_cache) {
   using namespace fp8kv::gpu;
   if (dtype < 0 || dtype > 2 || !fp8kv::is_kv_format_code(format)) return -1;
   return paged_attention(model_dtype_code(dtype), cache_dtype_code(dtype, format), out, query, key_cache,
                          value_cache, block_tables, seq_lens, alibi, k_scale, v_scale, num_seqs, num_heads,
                          num_kv_heads, head_size, num_blocks, block_size, max_blocks_per_seq, max_seq_len, scale,
-                         k_per_head != 0, v_per_head != 0, sliding_window, softcap, sinks);
+                         k_per_head != 0, v_per_head != 0, sliding_window, softcap, sinks, k_scale_cache,
+                         v_scale_cache);
 }
 
 // window_dtype: the window cache's, coded as dtype.
@@ -469,7 +478,8 @@ int fp8kv_emu_paged_attention_window(int dtype, int format, int window_dtype, vo
                                      int num_kv_heads, int head_size, int num_blocks, int num_window_blocks,
                                      int block_size, int max_blocks_per_seq, int max_window_blocks_per_seq,
                                      int window_size, int max_seq_len, float scale, int k_per_head,
-                                     int v_per_head, int sliding_window, float softcap, const float* sinks) {
+                                     int v_per_head, int sliding_window, float softcap, const float* sinks,
+                                     const uint16_t* k_scale_cache, const uint16_t* v_scale_cache) {
   using namespace fp8kv::gpu;
   if (dtype < 0 || dtype > 2 || !fp8kv::is_kv_format_code(format) || window_dtype < 0 || window_dtype > 2) return -1;
   return paged_attention_window(model_dtype_code(dtype), cache_dtype_code(dtype, format),
@@ -478,7 +488,7 @@ int fp8kv_emu_paged_attention_window(int dtype, int format, int window_dtype, vo
                                 window_starts, alibi, k_scale, v_scale, num_seqs, num_heads, num_kv_heads,
                                 head_size, num_blocks, num_window_blocks, block_size, max_blocks_per_seq,
                                 max_window_blocks_per_seq, window_size, max_seq_len, scale, k_per_head != 0,
-                                v_per_head != 0, sliding_window, softcap, sinks);
+                                v_per_head != 0, sliding_window, softcap, sinks, k_scale_cache, v_scale_cache);
 }
 
 // Whether the emulated calls run paged FP8 and 16-bit caches on the tensor-core kernel (1, the default) or the

@@ -38,6 +38,10 @@ struct ReshapeAndCacheArgs {
   const int64_t* slot_mapping;  // [num_tokens]; negative = padding, skipped
   const float* k_scale;         // [1] or [num_kv_heads]
   const float* v_scale;
+  // Dynamic scales (common/dynamic_scale.h): bfloat16 bits [num_blocks, num_kv_heads, block_size], contiguous,
+  // computed and stored by the write and used instead of k_scale / v_scale; nullptr: static scales.
+  uint16_t* k_scale_cache;
+  uint16_t* v_scale_cache;
   int* error_flag;  // one int, zeroed by the caller
   int64_t num_tokens;
   int num_kv_heads;
@@ -101,6 +105,10 @@ struct AttentionParams {
   const float* k_scale;       // [1] or [num_kv_heads]
   const float* v_scale;
   bool k_scale_per_head, v_scale_per_head;
+  // Dynamic scales of the paged cache (common/dynamic_scale.h): bfloat16 bits [num_blocks, num_kv_heads,
+  // block_size], contiguous, one per token and KV head, used instead of k_scale / v_scale; nullptr: static scales.
+  const uint16_t* k_scale_cache;
+  const uint16_t* v_scale_cache;
   int* error_flag;
   int num_seqs, num_heads, num_kv_heads, head_size, max_seq_len;
   float scale;

@@ -207,10 +207,40 @@ void raise_reported_errors(int bits, const char* op, int64_t num_slots, int64_t 
               "block_tables row holds; pass max_seq_len >= max(seq_lens) and enough block ids per row.");
 }
 
+// Dynamic scales (common/dynamic_scale.h): both scale caches or neither, bfloat16 [num_blocks, num_kv_heads,
+// block_size], contiguous, on the caches' device, only beside an FP8 cache (the CPU ops' checks, cpu/checks.h).
+// Their bits (nullptr, nullptr: static scales).
+struct ScaleCaches {
+  uint16_t* k = nullptr;
+  uint16_t* v = nullptr;
+};
+
+ScaleCaches check_scale_caches(const std::optional<at::Tensor>& k_scale_cache,
+                               const std::optional<at::Tensor>& v_scale_cache, const Geometry& g, KVFormat format,
+                               const at::Device& device) {
+  if (!k_scale_cache.has_value() && !v_scale_cache.has_value()) return {};
+  TORCH_CHECK(k_scale_cache.has_value() && v_scale_cache.has_value(),
+              "give both k_scale_cache and v_scale_cache (dynamic scales) or neither (static scales)");
+  TORCH_CHECK(format != KVFormat::AUTO,
+              "an 'auto' cache holds the values themselves: pass no k_scale_cache / v_scale_cache");
+  for (const at::Tensor* t : {&*k_scale_cache, &*v_scale_cache}) {
+    const char* name = t == &*k_scale_cache ? "k_scale_cache" : "v_scale_cache";
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->dim() == 3 && t->size(0) == g.num_blocks &&
+                    t->size(1) == g.num_kv_heads && t->size(2) == g.block_size,
+                name, " must be bfloat16 [num_blocks=", g.num_blocks, ", num_kv_heads=", g.num_kv_heads,
+                ", block_size=", g.block_size, "], got ", t->scalar_type(), " ", t->sizes(),
+                "; allocate it with fp8cache.kvcache.dynamic_scales.allocate_scale_caches");
+    check_on(*t, device, name);
+    TORCH_CHECK(t->is_contiguous(), name, " must be contiguous");
+  }
+  return {static_cast<uint16_t*>(k_scale_cache->data_ptr()), static_cast<uint16_t*>(v_scale_cache->data_ptr())};
+}
+
 template <typename scalar_t, typename cache_t, Fp8Format kFormat>
 void run_reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                            at::Tensor& value_cache, const at::Tensor& slots, const Geometry& g,
-                           const at::Tensor& k_scale, const at::Tensor& v_scale, const ErrorFlag& flag) {
+                           const at::Tensor& k_scale, const at::Tensor& v_scale, const ScaleCaches& dyn,
+                           const ErrorFlag& flag) {
   using S = kernel_t<scalar_t>;
   using C = kernel_t<cache_t>;
   ReshapeAndCacheArgs<S, C> a{};
@@ -221,6 +251,8 @@ void run_reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::T
   a.slot_mapping = slots.data_ptr<int64_t>();
   a.k_scale = k_scale.data_ptr<float>();
   a.v_scale = v_scale.data_ptr<float>();
+  a.k_scale_cache = dyn.k;
+  a.v_scale_cache = dyn.v;
   a.error_flag = flag.tensor.data_ptr<int>();
   a.num_tokens = key.size(0);
   a.num_kv_heads = static_cast<int>(g.num_kv_heads);
@@ -240,22 +272,16 @@ void run_reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::T
   C10_CUDA_CHECK((launch_reshape_and_cache<S, C, kFormat>(a, c10::cuda::getCurrentCUDAStream())));
 }
 
-// Dynamic KV scales (per token and head, common/dynamic_scale.h) are read by the CPU kernels only so far.
-void refuse_dynamic_scales(const std::optional<at::Tensor>& k_scale_cache,
-                           const std::optional<at::Tensor>& v_scale_cache) {
-  TORCH_CHECK(!k_scale_cache.has_value() && !v_scale_cache.has_value(),
-              "dynamic KV scales are not implemented in the GPU kernels yet; use --kv-scales static");
-}
 
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                        at::Tensor& value_cache, const at::Tensor& slot_mapping,
                        int64_t kv_cache_format, const at::Tensor& k_scale,
                        const at::Tensor& v_scale, const std::optional<at::Tensor>& k_scale_cache,
                        const std::optional<at::Tensor>& v_scale_cache) {
-  refuse_dynamic_scales(k_scale_cache, v_scale_cache);
   const KVFormat format = kv_format_from_code(kv_cache_format);
   const Geometry g = check_caches(key_cache, value_cache, format);
   const at::Device device = key_cache.device();
+  const ScaleCaches dyn = check_scale_caches(k_scale_cache, v_scale_cache, g, format, device);
   for (const auto& [t, name] : {std::pair{&key, "key"}, std::pair{&value, "value"}}) {
     TORCH_CHECK(t->dim() == 3 && t->size(1) == g.num_kv_heads && t->size(2) == g.head_size, name,
                 " must be [num_tokens, num_kv_heads=", g.num_kv_heads, ", head_size=", g.head_size, "], got ",
@@ -289,7 +315,7 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   const ErrorFlag flag = new_error_flag(device);
 #define FP8KV_CALL(scalar_t, cache_t, kFormat)                                                          \
   run_reshape_and_cache<scalar_t, cache_t, fp8_format_of(kFormat)>(k, v, key_cache, value_cache, slots, g, \
-                                                                   ks, vs, flag)
+                                                                   ks, vs, dyn, flag)
   FP8KV_DISPATCH_BY_KV_FORMAT(k.scalar_type(), format, FP8KV_CALL);
 #undef FP8KV_CALL
   raise_reported_errors(reported_errors(flag), "reshape_and_cache", g.num_blocks * g.block_size,
@@ -508,13 +534,15 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                      const at::Tensor& v_scale, int64_t sliding_window, double logit_softcap,
                      const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& k_scale_cache,
                      const std::optional<at::Tensor>& v_scale_cache) {
-  refuse_dynamic_scales(k_scale_cache, v_scale_cache);
   const KVFormat format = kv_format_from_code(kv_cache_format);
   const Geometry g = check_caches(key_cache, value_cache, format);
+  const ScaleCaches dyn = check_scale_caches(k_scale_cache, v_scale_cache, g, format, key_cache.device());
   const c10::cuda::OptionalCUDAGuard guard(key_cache.device());
   AttentionCall call = attention_call(out, query, key_cache, value_cache, g, format, num_kv_heads, scale,
                                       block_tables, seq_lens, block_size, max_seq_len, alibi_slopes, k_scale,
                                       v_scale, sliding_window, logit_softcap, sinks);
+  call.params.k_scale_cache = dyn.k;
+  call.params.v_scale_cache = dyn.v;
   // Sinks are merged by the reduce kernel, which reads partials even for one split.
   if (call.params.paged_splits > 1 || call.params.sinks != nullptr) allocate_partials(call, call.params.paged_splits);
   C10_CUDA_CHECK(launch_paged_attention(call.params, c10::cuda::getCurrentCUDAStream()));
@@ -603,16 +631,18 @@ void paged_attention_window(at::Tensor& out, const at::Tensor& query, const at::
                             double logit_softcap, const std::optional<at::Tensor>& sinks,
                             const std::optional<at::Tensor>& k_scale_cache,
                             const std::optional<at::Tensor>& v_scale_cache) {
-  refuse_dynamic_scales(k_scale_cache, v_scale_cache);
   TORCH_CHECK(window_size >= 1, "window_size = ", window_size,
               " must be >= 1; call paged_attention when there is no window");
   TORCH_CHECK(window_size <= INT32_MAX - kMaxSplitTokens, "window_size = ", window_size, " is too large");
   const KVFormat format = kv_format_from_code(kv_cache_format);
   const Geometry g = check_caches(key_cache, value_cache, format);
+  const ScaleCaches dyn = check_scale_caches(k_scale_cache, v_scale_cache, g, format, key_cache.device());
   const c10::cuda::OptionalCUDAGuard guard(key_cache.device());
   AttentionCall call = attention_call(out, query, key_cache, value_cache, g, format, num_kv_heads, scale,
                                       block_tables, seq_lens, block_size, max_seq_len, alibi_slopes, k_scale,
                                       v_scale, sliding_window, logit_softcap, sinks);
+  call.params.k_scale_cache = dyn.k;
+  call.params.v_scale_cache = dyn.v;
   add_window(call, window_key_cache, window_value_cache, window_block_tables, window_starts, window_size);
   allocate_partials(call, call.params.paged_splits + call.params.ring_splits);
   C10_CUDA_CHECK(launch_paged_attention_window(call.params, c10::cuda::getCurrentCUDAStream()));

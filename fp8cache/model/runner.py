@@ -174,8 +174,6 @@ class ModelRunner:
         if fmt_name == formats.AUTO:
             self.log("note: --kv-scales dynamic is ignored with kv-cache-dtype auto (the cache is full precision)")
             return False
-        if self.device.type != "cpu":
-            raise RuntimeError("dynamic KV scales are not implemented in the GPU kernels yet; use --kv-scales static")
         conflicts = [flag for flag, given in (("--quantization-param-path", config.quantization_param_path),
                                               ("--calculate-kv-scales", config.calculate_kv_scales)) if given]
         if conflicts:

@@ -155,12 +155,12 @@ def test_rotation_is_for_dynamic_scales_and_refuses_what_it_cannot_rotate():
         ModelRunner._resolve_dynamic_rotation(runner)
 
 
-def test_gpu_device_refuses_dynamic_scales_at_start():
+def test_gpu_device_takes_dynamic_scales():
+    """The CUDA/HIP kernels read and write the scale caches (tests/ops/test_cuda_*_emulation.py, test_ops_cuda.py)."""
     runner = SimpleNamespace(config=SimpleNamespace(kv_scales="dynamic", quantization_param_path=None,
                                                     calculate_kv_scales=False),
                              log=print, device=torch.device("cuda", 0))
-    with pytest.raises(RuntimeError, match="not implemented in the GPU kernels yet; use --kv-scales static"):
-        ModelRunner._resolve_dynamic_scales(runner, "fp8_e4m3")
+    assert ModelRunner._resolve_dynamic_scales(runner, "fp8_e4m3") is True
 
 
 def test_prefix_cache_fingerprint_tells_dynamic_from_static():

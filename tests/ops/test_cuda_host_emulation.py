@@ -82,17 +82,20 @@ def _p(t: torch.Tensor | None) -> ctypes.c_void_p:
 
 
 def emu_reshape_and_cache(emu: ctypes.CDLL, key, value, key_cache, value_cache, slots, kv_cache_dtype,
-                          k_scale, v_scale) -> int:
+                          k_scale, v_scale, k_scale_cache=None, v_scale_cache=None) -> int:
+    """k_scale_cache / v_scale_cache: bfloat16 [num_blocks, num_kv_heads, block_size], dynamic scales."""
     num_blocks, num_kv_heads, _, block_size, _ = key_cache.shape
     return emu.fp8kv_emu_reshape_and_cache(
         DTYPE_CODES[key.dtype], FORMAT_CODES[kv_cache_dtype], _p(key), _p(value), _p(key_cache),
         _p(value_cache), _p(slots), _p(k_scale), _p(v_scale), ctypes.c_int64(key.shape[0]), num_kv_heads,
-        value_cache.shape[2], num_blocks, block_size, int(k_scale.numel() > 1), int(v_scale.numel() > 1))
+        value_cache.shape[2], num_blocks, block_size, int(k_scale.numel() > 1), int(v_scale.numel() > 1),
+        _p(k_scale_cache), _p(v_scale_cache))
 
 
 def emu_paged_attention(emu: ctypes.CDLL, out, query, key_cache, value_cache, block_tables, seq_lens,
                         max_seq_len, alibi, kv_cache_dtype, k_scale, v_scale, scale, sliding_window: int = 0,
-                        logit_softcap: float = 0.0, sinks: torch.Tensor | None = None) -> int:
+                        logit_softcap: float = 0.0, sinks: torch.Tensor | None = None,
+                        k_scale_cache: torch.Tensor | None = None, v_scale_cache: torch.Tensor | None = None) -> int:
     num_blocks, num_kv_heads, _, block_size, _ = key_cache.shape
     num_seqs, num_heads, head_size = query.shape
     sinks = None if sinks is None else sinks.to(torch.float32).contiguous()
@@ -101,7 +104,7 @@ def emu_paged_attention(emu: ctypes.CDLL, out, query, key_cache, value_cache, bl
         _p(value_cache), _p(block_tables), _p(seq_lens), _p(alibi), _p(k_scale), _p(v_scale), num_seqs,
         num_heads, num_kv_heads, head_size, num_blocks, block_size, block_tables.shape[1], max_seq_len,
         ctypes.c_float(scale), int(k_scale.numel() > 1), int(v_scale.numel() > 1), sliding_window,
-        ctypes.c_float(logit_softcap), _p(sinks))
+        ctypes.c_float(logit_softcap), _p(sinks), _p(k_scale_cache), _p(v_scale_cache))
 
 
 def _scales(per_head: bool, num_kv_heads: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,6 +142,38 @@ def test_reshape_and_cache_matches_reference_bit_for_bit(emu, kv_cache_dtype, dt
     assert error == 0
     for expected, got in zip(caches[0], caches[1]):
         assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))  # NaN bits included
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz"])
+@pytest.mark.parametrize("dtype,head_size,num_kv_heads", [
+    (torch.float32, 64, 2), (torch.float16, 80, 5), (torch.bfloat16, 128, 3)])
+def test_reshape_and_cache_with_dynamic_scales_matches_reference_bit_for_bit(emu, kv_cache_dtype, dtype, head_size,
+                                                                             num_kv_heads):
+    gen = torch.Generator().manual_seed(head_size + 1)
+    num_blocks, block_size, num_tokens = 4, 16, 11
+    key = _kv_with_specials(num_tokens, num_kv_heads, head_size, dtype, gen)
+    # rows of very different magnitudes, a zero row and one whose only non-zero is NaN: each token and head its scale
+    key[:, 0] *= torch.logspace(-6, 4, num_tokens)[:, None].to(dtype)
+    key[5, -1] = 0.0
+    value = _kv_with_specials(num_tokens, num_kv_heads, head_size, dtype, gen).flip(0).contiguous()
+    value[2, 0] = 0.0
+    value[2, 0, 7] = float("nan")
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[4] = -1  # padding
+    unused = torch.ones(1)
+    caches = [reference.allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_size, kv_cache_dtype,
+                                          dtype) for _ in range(2)]
+    scale_caches = [[torch.full((num_blocks, num_kv_heads, block_size), 7.0, dtype=torch.bfloat16)
+                     for _ in range(2)] for _ in range(2)]
+
+    reference.reshape_and_cache(key, value, *caches[0], slots, kv_cache_dtype, unused, unused, *scale_caches[0])
+    error = emu_reshape_and_cache(emu, key, value, *caches[1], slots, kv_cache_dtype, unused, unused,
+                                  *scale_caches[1])
+
+    assert error == 0
+    for expected, got in zip([*caches[0], *scale_caches[0]], [*caches[1], *scale_caches[1]]):
+        assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))  # NaN bits included
+    assert (scale_caches[1][0] != 7.0).sum() == (num_tokens - 1) * num_kv_heads  # every written slot, nothing else
 
 
 def test_reshape_and_cache_skips_and_reports_an_out_of_range_slot(emu):
@@ -222,6 +257,64 @@ def test_paged_attention_matches_reference(emu, case):
     assert error == 0
     tol = TOLERANCES[dtype]
     torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
+
+
+def _filled_dynamic_cache(num_blocks, block_size, num_kv_heads, head_size, kv_cache_dtype, dtype, gen):
+    """Caches and their dynamic scale caches: K with magnitudes from 1e-2 to 10 across tokens (logits within what
+    the tensor cores' 16-bit queries keep to their tolerance), V from 1e-3 to 1e3."""
+    key_cache, value_cache = reference.allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_size,
+                                                         kv_cache_dtype, dtype)
+    scale_caches = [torch.zeros(num_blocks, num_kv_heads, block_size, dtype=torch.bfloat16) for _ in range(2)]
+    n = num_blocks * block_size
+    order = torch.randperm(n, generator=gen)
+    key_magnitude, value_magnitude = torch.logspace(-2, 1, n)[order], torch.logspace(-3, 3, n).flip(0)[order]
+    key = (torch.randn(n, num_kv_heads, head_size, generator=gen) * key_magnitude[:, None, None]).to(dtype)
+    value = (torch.randn(n, num_kv_heads, head_size, generator=gen) * value_magnitude[:, None, None]).to(dtype)
+    unused = torch.ones(1)
+    reference.reshape_and_cache(key, value, key_cache, value_cache, torch.arange(n), kv_cache_dtype, unused, unused,
+                                *scale_caches)
+    return key_cache, value_cache, *scale_caches
+
+
+DYNAMIC_CASES = [
+    # head_size, block_size, num_heads, num_kv_heads, dtype, kv_cache_dtype, seq_lens
+    (64, 16, 8, 2, torch.bfloat16, "fp8_e4m3", [37, 300]),  # GQA 4
+    (128, 32, 4, 1, torch.float16, "fp8_e5m2", [1, 200]),  # MQA
+    (64, 32, 2, 2, torch.float32, "fp8_e4m3fnuz", [130, 17]),  # MHA, float32 queries
+    (128, 16, 16, 1, torch.bfloat16, "fp8_e4m3", [260]),  # group 16: 16 head slots on tensor cores
+]
+
+
+@pytest.mark.parametrize("tensor_cores", [1, 0], ids=["tensor-cores", "cuda-cores"])
+@pytest.mark.parametrize("case", DYNAMIC_CASES, ids=lambda c: f"d{c[0]}-bs{c[1]}-h{c[2]}/{c[3]}-{c[5]}")
+def test_paged_attention_with_dynamic_scales_matches_reference(emu, case, tensor_cores):
+    head_size, block_size, num_heads, num_kv_heads, dtype, kv_cache_dtype, lens = case
+    gen = torch.Generator().manual_seed(head_size + block_size + num_heads)
+    num_blocks = sum((s + block_size - 1) // block_size for s in lens) + 1
+    *caches, k_scales, v_scales = _filled_dynamic_cache(num_blocks, block_size, num_kv_heads, head_size,
+                                                        kv_cache_dtype, dtype, gen)
+    query = torch.randn(len(lens), num_heads, head_size, generator=gen).to(dtype)
+    tables = _block_tables(lens, block_size, num_blocks, gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    static = torch.full((1,), 3.0)  # not used with dynamic scales
+    scale = head_size**-0.5
+    expected = torch.empty(query.shape, dtype=torch.float32)
+    reference.paged_attention(expected, query, *caches, num_kv_heads, scale, tables, seq_lens, block_size, max(lens),
+                              None, kv_cache_dtype, static, static, k_scale_cache=k_scales, v_scale_cache=v_scales)
+    out = torch.full(query.shape, float("nan"), dtype=dtype)
+
+    previous = emu.fp8kv_emu_set_tensor_cores(tensor_cores)
+    try:
+        error = emu_paged_attention(emu, out, query, *caches, tables, seq_lens, max(lens), None, kv_cache_dtype,
+                                    static, static, scale, k_scale_cache=k_scales, v_scale_cache=v_scales)
+    finally:
+        emu.fp8kv_emu_set_tensor_cores(previous)
+
+    assert error == 0
+    # relative to each row's size: the outputs span the values' 1e-3 .. 1e3
+    size = expected.abs().amax(dim=-1, keepdim=True)
+    tol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.float() / size, expected / size, rtol=tol, atol=tol)
 
 
 def test_paged_attention_reports_bad_block_ids_and_lengths(emu):

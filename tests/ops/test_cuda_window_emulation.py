@@ -56,6 +56,7 @@ class WindowCase:
     starts: tuple[str, ...] = ("low", "high", "mid")  # cycled over the sequences, see window_start()
     per_head_scale: bool = False
     alibi: bool = False
+    dynamic: bool = False  # dynamic scales for the paged cache, its K and V of varied magnitudes across tokens
 
     def lens(self) -> tuple[int, ...]:
         w = self.window_size
@@ -68,7 +69,8 @@ class WindowCase:
         return "-".join([self.kv_cache_dtype, f"win-{name(self.window_dtype)}", f"W{self.window_size}",
                          f"d{self.head_size}", f"bs{self.block_size}", f"h{self.num_heads}/{self.num_kv_heads}",
                          f"q-{name(self.dtype)}", "x".join(map(str, self.lens()))]
-                        + [flag for flag, on in (("perhead", self.per_head_scale), ("alibi", self.alibi)) if on])
+                        + [flag for flag, on in (("perhead", self.per_head_scale), ("alibi", self.alibi),
+                                                 ("dynamic", self.dynamic)) if on])
 
 
 def window_start(kind: str, seq_len: int, window_size: int) -> int:
@@ -93,6 +95,10 @@ CASES = [
     # a window longer than a partition: two window partitions
     WindowCase("fp8_e5m2", f32, 700, 64, 32, 2, 1, bf16, seq_lens=(1401, 650, 700, 1300),
                starts=("low", "mid", "low+1", "high-1"), alibi=True),
+    # dynamic scales (the paged cache's own, per token and head; the ring has none)
+    WindowCase("fp8_e4m3", bf16, 32, 128, 16, 8, 2, bf16, dynamic=True),
+    WindowCase("fp8_e5m2", f16, 16, 64, 32, 4, 1, f32, seq_lens=(700, 40, 16), alibi=True, dynamic=True),
+    WindowCase("fp8_e4m3fnuz", f32, 24, 64, 16, 4, 2, f32, seq_lens=(300, 24), dynamic=True),
 ]
 
 
@@ -121,15 +127,22 @@ def build(case: WindowCase, seed: int = 0) -> dict:
         num_blocks, bs, hk, d, case.kv_cache_dtype, case.dtype)]
     window_caches = [_nan_filled(c, "auto") for c in reference.allocate_kv_cache(
         num_window_blocks, bs, hk, d, "auto", case.window_dtype)]
+    # NaN where no token was written: a scale the kernel must not read
+    scale_caches = [torch.full((num_blocks, hk, bs), float("nan"), dtype=torch.bfloat16) for _ in range(2)] \
+        if case.dynamic else [None, None]
     used = 0
     for s, length in enumerate(lens):
         table[s, :blocks_per_seq[s]] = ids[used:used + blocks_per_seq[s]]
         used += blocks_per_seq[s]
         positions = torch.arange(length)
         slots = table[s].long()[positions // bs] * bs + positions % bs
-        key = (torch.randn(length, hk, d, generator=gen) * 0.5).to(case.dtype)
-        value = torch.randn(length, hk, d, generator=gen).to(case.dtype)
-        reference.reshape_and_cache(key, value, *caches, slots, case.kv_cache_dtype, k_scale, v_scale)
+        key = torch.randn(length, hk, d, generator=gen) * 0.5
+        value = torch.randn(length, hk, d, generator=gen)
+        if case.dynamic:
+            key *= torch.logspace(-2, 1, length)[torch.randperm(length, generator=gen), None, None]
+            value *= torch.logspace(-3, 3, length)[torch.randperm(length, generator=gen), None, None]
+        reference.reshape_and_cache(key.to(case.dtype), value.to(case.dtype), *caches, slots, case.kv_cache_dtype,
+                                    k_scale, v_scale, *scale_caches)
         # The ring: only blocks holding a position of the newest window get an id.
         ring = torch.arange(max(0, length - w), length)
         held = torch.unique(ring % w // bs)
@@ -142,7 +155,7 @@ def build(case: WindowCase, seed: int = 0) -> dict:
     return {"query": torch.randn(len(lens), case.num_heads, d, generator=gen).to(case.dtype),
             "caches": caches, "window_caches": window_caches, "table": table, "window_table": window_table,
             "seq_lens": torch.tensor(lens, dtype=torch.int32), "window_starts": torch.tensor(starts, dtype=torch.int32),
-            "k_scale": k_scale, "v_scale": v_scale,
+            "k_scale": k_scale, "v_scale": v_scale, "k_scale_cache": scale_caches[0], "v_scale_cache": scale_caches[1],
             "alibi": torch.rand(case.num_heads, generator=gen) * 0.1 if case.alibi else None}
 
 
@@ -160,7 +173,8 @@ def emu_attention(emu: ctypes.CDLL, case: WindowCase, b: dict, max_seq_len: int 
         key_cache.shape[0], window_key_cache.shape[0], case.block_size, table.shape[1], window_table.shape[1],
         case.window_size, max(case.lens()) if max_seq_len is None else max_seq_len,
         ctypes.c_float(case.head_size**-0.5), int(b["k_scale"].numel() > 1), int(b["v_scale"].numel() > 1),
-        b.get("sliding_window", 0), ctypes.c_float(b.get("logit_softcap", 0.0)), _p(b.get("sinks")))
+        b.get("sliding_window", 0), ctypes.c_float(b.get("logit_softcap", 0.0)), _p(b.get("sinks")),
+        _p(b.get("k_scale_cache")), _p(b.get("v_scale_cache")))
     return error, out
 
 
@@ -169,7 +183,8 @@ def reference_attention(case: WindowCase, b: dict) -> torch.Tensor:
     reference.paged_attention_window(
         expected, b["query"], *b["caches"], *b["window_caches"], case.num_kv_heads, case.head_size**-0.5,
         b["table"], b["window_table"], b["seq_lens"], b["window_starts"], case.window_size, case.block_size,
-        max(case.lens()), b["alibi"], case.kv_cache_dtype, b["k_scale"], b["v_scale"])
+        max(case.lens()), b["alibi"], case.kv_cache_dtype, b["k_scale"], b["v_scale"],
+        k_scale_cache=b["k_scale_cache"], v_scale_cache=b["v_scale_cache"])
     return expected
 
 
@@ -183,7 +198,9 @@ def test_window_attention_matches_reference(emu, case):
     assert error == 0
     assert not expected.isnan().any()
     tol = TOLERANCES[case.dtype]
-    torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
+    # dynamic cases' outputs span their values' 1e-3 .. 1e3: each row relative to its size
+    size = expected.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30) if case.dynamic else 1.0
+    torch.testing.assert_close(out.float() / size, expected / size, rtol=tol, atol=tol)
 
 
 def test_every_window_start_of_one_sequence(emu):

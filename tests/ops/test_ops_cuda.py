@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import pytest
 import test_attention_features as feature_tests
+import test_dynamic_scales as dynamic_tests
 import test_hadamard_op as hadamard_tests
 import test_ops_cpu as paged_tests
 import test_window_ops as window_tests
 import torch
 from numerics import attention_error
 
+from fp8cache.kvcache import dynamic_scales
 from fp8cache.ops import format_code
 from fp8cache.ops import reference as ref
 
@@ -326,3 +328,57 @@ def test_layer_ops_match_reference(ops, dtype):
     got = torch.empty(tokens, 1536, dtype=dtype, device=GPU)
     ops.silu_and_mul(got, g[:, :1536], g[:, 1536:])
     close(got, want)
+
+
+# ---- dynamic KV scales (issue 54) ----------------------------------------------------------------------------
+
+def dynamic_write(impl, case, b: dict, code: int, device: str):
+    caches = on_gpu(ref.allocate_kv_cache(b["num_blocks"], case.block_size, case.kv_heads, case.head_size, case.kv,
+                                          case.dtype)) if device == GPU else \
+        ref.allocate_kv_cache(b["num_blocks"], case.block_size, case.kv_heads, case.head_size, case.kv, case.dtype)
+    scale_caches = dynamic_scales.allocate_scale_caches(b["num_blocks"], case.block_size, case.kv_heads, device)
+    ones = torch.ones(1, device=device)
+    impl.reshape_and_cache(b["key"], b["value"], *caches, b["slots"], code, ones, ones, *scale_caches)
+    return caches, scale_caches
+
+
+def dynamic_attention(impl, case, b: dict, code: int, caches, scale_caches) -> torch.Tensor:
+    out = torch.full_like(b["query"], 7.0)
+    device = b["query"].device
+    # static scales far from 1: dynamic scales replace them, so they must not count
+    k_scale, v_scale = torch.full((1,), 1e3, device=device), torch.full((case.kv_heads,), 1e-3, device=device)
+    impl.paged_attention(out, b["query"], *caches, case.kv_heads, case.head_size ** -0.5, b["table"], b["seq_lens"],
+                         case.block_size, max(case.seq_lens), b["alibi"], code, k_scale, v_scale, 0, 0.0, None,
+                         *scale_caches)
+    return out
+
+
+@pytest.mark.parametrize("case", dynamic_tests.DYNAMIC_CASES, ids=paged_tests.Case.id)
+def test_dynamic_scales_match_reference(ops, case):
+    """The cache write's codes and scales bit for bit, and attention (CUDA cores or tensor cores) reading them."""
+    code = format_code(case.kv, torch.device(GPU))  # "fp8" is E4M3FNUZ on ROCm: the reference codes the same
+    b = dynamic_tests.build(case)
+    g = gpu_inputs(b)
+    want_caches, want_scales = dynamic_write(ref, case, b, code, "cpu")
+    got_caches, got_scales = dynamic_write(ops, case, g, code, GPU)
+    for got, want in zip((*got_caches, *got_scales), (*want_caches, *want_scales)):
+        assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8)), "cache or scale bytes differ"
+    want = dynamic_attention(ref, case, b, code, want_caches, want_scales)
+    got = dynamic_attention(ops, case, g, code, got_caches, got_scales).cpu()
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    err = attention_error(got, want)
+    print(f"{case.id()} dynamic: max error {err:.2e} of the output scale")
+    assert err <= paged_tests.tolerance(case.dtype), f"max error {err:.2e} of the output scale"
+
+
+def test_bad_scale_caches_raise_on_the_gpu(ops):
+    kc, vc = on_gpu(ref.allocate_kv_cache(4, 16, 2, 64, "fp8_e4m3", torch.float32))
+    k_sc, v_sc = dynamic_scales.allocate_scale_caches(4, 16, 2, GPU)
+    x, slots, one = torch.randn(3, 2, 64, device=GPU), torch.arange(3, device=GPU), torch.ones(1, device=GPU)
+    code = format_code("fp8_e4m3", torch.device(GPU))
+    with pytest.raises(RuntimeError, match="both k_scale_cache and v_scale_cache"):
+        ops.reshape_and_cache(x, x, kc, vc, slots, code, one, one, k_sc, None)
+    with pytest.raises(RuntimeError, match=r"k_scale_cache must be bfloat16 \[num_blocks=4"):
+        ops.reshape_and_cache(x, x, kc, vc, slots, code, one, one, k_sc[:, :, :8].contiguous(), v_sc)
+    with pytest.raises(RuntimeError, match="is on cpu but the caches are on"):
+        ops.reshape_and_cache(x, x, kc, vc, slots, code, one, one, k_sc.cpu(), v_sc)

@@ -144,7 +144,8 @@ def _run(tmp_path: Path, model: str, *steps: str) -> subprocess.CompletedProcess
            "MODEL": model or str(config), "LOAD_FORMAT": "dummy", "SERVE_PORT": str(_free_port()),
            "CAPACITY_MODEL": str(config), "OMP_NUM_THREADS": "1",
            "CAPACITY_ARGS": "--kv-cache-memory 1MiB --context 128 --output-len 8 --dtype float32 --threads 1",
-           "KERNEL_ARGS": "--heads 4/2/64,6/2/32 --shapes 1x64 --repeats 1 --settle-ms 0"}
+           "KERNEL_ARGS": "--heads 4/2/64,6/2/32 --shapes 1x64 --repeats 1 --settle-ms 0",
+           "DYNAMIC_KERNEL_ARGS": "--heads 4/2/64 --shapes 1x64 --repeats 1 --settle-ms 0"}
     return subprocess.run(["bash", str(SCRIPT), *steps], env=env, capture_output=True, text=True, timeout=900,
                           check=False)
 
