@@ -120,7 +120,7 @@ _ENGINE_OPTIONS = [
     engine_option("--kv-scales", section="KV cache",
                   help="static: per-tensor or per-head scales (scales file, checkpoint, --calculate-kv-scales or "
                        "1.0). dynamic: a scale per token and KV head computed as the cache is written, no "
-                       "calibration (CPU only so far)."),
+                       "calibration (the GPU kernels have not yet run on a GPU)."),
     engine_option("--kv-rotation", section="KV cache",
                   help="With --kv-scales dynamic: rotate K/V by a Hadamard matrix before quantizing (auto: where the "
                        "head size allows). Static scales use the rotation their scales file records."),
