@@ -52,7 +52,8 @@ def count_lost(x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format) -> torch.Te
     magnitude = (x.float() * scale.float().reciprocal().view(-1, 1)).abs_()
     clipped = (magnitude > fmt.max).sum()
     flushed = (magnitude <= smallest_subnormal(fmt) / 2).sum() - (x == 0).sum()
-    return torch.stack([torch.tensor(x.numel(), device=x.device), clipped, flushed])
+    # torch.full, not torch.tensor: no host-to-device copy of the count (and the stand-in GPU's fake tensors)
+    return torch.stack([torch.full((), x.numel(), dtype=torch.int64, device=x.device), clipped, flushed])
 
 
 def squared_error(x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:

@@ -176,7 +176,7 @@ def test_family_features_reach_the_ops_on_the_stand_in_gpu(family_paths, family,
     decode_op = attention._decode_op
 
     def spy(*args, **kwargs):
-        features = args[-1] if isinstance(args[-1], attention.LayerFeatures) else kwargs.get("features", attention.PLAIN)
+        features = next((a for a in args if isinstance(a, attention.LayerFeatures)), kwargs.get("features", attention.PLAIN))
         seen.add((features.sliding_window, features.logit_softcap, features.sinks is not None))
         return decode_op(*args, **kwargs)
 
