@@ -70,6 +70,13 @@ def option(*decls: str, help: str, section: str | None = None, **kwargs) -> Call
                         section=section, **kwargs)
 
 
+def num_shard_option(help: str) -> Callable:
+    """--num-shard (alias --tensor-parallel-size), the engine's tensor_parallel_size; `help` says how the command
+    starts its ranks."""
+    return option("--num-shard", "--tensor-parallel-size", "num_shard", section="Device", type=click.IntRange(min=1),
+                  default=1, help=help)
+
+
 ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 # EngineConfig fields without a flag of their own name, and why (tests/launcher/test_engine_flags.py).
 CLI_LESS = {"model": "the MODEL argument, or --model (model_option)",
