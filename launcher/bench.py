@@ -32,13 +32,14 @@ def _log(message: str) -> None:
     console.print(message.rstrip(), style="dim", markup=False, highlight=False)
 
 
-def _dtype_list(values: tuple[str, ...]) -> list[str]:
-    """--kv-cache-dtype given several times and/or as a comma list, checked before any model loads."""
+def _dtype_list(values: tuple[str, ...], device: str) -> list[str]:
+    """--kv-cache-dtype given several times and/or as a comma list, resolved for `device` (a resolved --device)
+    and checked before any model loads."""
     from fp8cache.bench.throughput import check_kv_cache_dtypes
 
     names = [n for v in values for n in v.split(",") if n.strip()]
     try:
-        return check_kv_cache_dtypes(names)
+        return check_kv_cache_dtypes(names, device)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--kv-cache-dtype") from exc
 
@@ -277,11 +278,11 @@ def throughput(model, num_prompts, input_len, output_len, kv_cache_dtypes, compa
     from fp8cache.bench import machine, plot
     from fp8cache.bench import throughput as bench
 
-    dtypes = _dtype_list(kv_cache_dtypes)
+    device = _device(device)
+    dtypes = _dtype_list(kv_cache_dtypes, device)
     windows = None if kv_recent_window is None else _int_list(kv_recent_window, "--kv-recent-window", 0, "0,32")
     _check_plot(plot_path)
     text_path = _check_text(text_path)
-    device = _device(device)
     if cpu_isa != "native" and num_shard > 1:  # the other ranks are processes of their own, which load the native path
         raise click.BadParameter("a lower CPU path runs in this process only; drop --num-shard", param_hint="--cpu-isa")
     if device == "cpu" or cpu_isa != "native":
@@ -346,11 +347,11 @@ def capacity(model, kv_cache_memory, contexts, output_len, kv_cache_dtypes, max_
     from fp8cache.bench import capacity as bench
     from fp8cache.bench import machine, plot
 
-    dtypes = _dtype_list(kv_cache_dtypes)
+    device = _device(device)
+    dtypes = _dtype_list(kv_cache_dtypes, device)
     context_list = _int_list(contexts, "--context")
     _check_plot(plot_path)
     text_path = _check_text(text_path)
-    device = _device(device)
     machine.set_threads(threads)
     rows, interrupted = _collect(lambda bar: bench.iter_capacity(
         model, tuple(dtypes), kv_cache_memory, tuple(context_list), output_len, max_num_seqs,

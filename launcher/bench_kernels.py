@@ -56,7 +56,6 @@ def bench_kernels(shapes: str, num_heads: int, num_kv_heads: int, head_size: int
                   block_size: int, repeats: int, settle_ms: float, as_json: bool, device: str, kv_scales: str,
                   cache_write: bool, cpu_isa: str) -> None:
     """Decode attention per kv-cache dtype vs torch SDPA on a dense cache (float32 on a CPU, bfloat16 on a GPU)."""
-    import torch
 
     from fp8cache.bench import kernels, machine
 
@@ -67,7 +66,7 @@ def bench_kernels(shapes: str, num_heads: int, num_kv_heads: int, head_size: int
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--heads") from exc
     parsed_shapes = _parse_shapes(shapes)
-    from fp8cache.platform.device import DeviceError, resolve_device
+    from fp8cache.platform.device import DeviceError, gpu_name, resolve_device
 
     try:
         device = resolve_device(device)
@@ -75,7 +74,7 @@ def bench_kernels(shapes: str, num_heads: int, num_kv_heads: int, head_size: int
         raise click.BadParameter(str(exc), param_hint="--device") from exc
     load_cpu_path(device, cpu_isa)  # a lower path is loaded before the bench's own load, which then reuses it
     info = machine.describe()
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{info['threads']} threads"
+    where = gpu_name(device) if device.type == "cuda" else f"{info['threads']} threads"
     path = machine.cpu_path(device)
     console.print(f"machine: {info['cpu']}, {where}, torch {info['torch']}" + (f", CPU path {path}" if path else ""))
     with console.status("measuring...") as status:

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import click
 
-from fp8cache.platform import paths
+from fp8cache.platform import envs
 
 
 class LazyCommand(NamedTuple):
@@ -62,7 +62,7 @@ class _Commands(click.Group):
                                 "Print a systemd unit that runs `fp8kv run` with these flags."),
     "calibrate": LazyCommand("launcher.calibrate:calibrate", "Measure a model's KV cache scales into a file."),
     "eval": LazyCommand("launcher.eval:eval_command", "Measure what an FP8 cache costs in quality."),
-}, context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": paths.FLAG_ENV_PREFIX})
+}, context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": envs.FLAG_ENV_PREFIX})
 @click.version_option(package_name="fp8kv")
 def main() -> None:
     """Serve language models with an FP8 KV cache."""

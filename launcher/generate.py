@@ -12,7 +12,15 @@ from fp8cache.platform.log import log_function
 from launcher.build import build_ops_ahead
 from launcher.help_sections import SectionedCommand
 from launcher.logs import logger, setup_logging
-from launcher.options import engine_config, engine_errors, engine_options, fail, option, pick_model
+from launcher.options import (
+    engine_config,
+    engine_errors,
+    engine_options,
+    fail,
+    num_shard_option,
+    option,
+    pick_model,
+)
 from launcher.supervisor import owns_its_children
 
 if TYPE_CHECKING:
@@ -43,11 +51,9 @@ GENERATE_DEFAULTS = {"temperature": 0.0, "max_tokens": 128}  # where neither a f
 @option("--chat/--no-chat", section="Sampling", default=None,
         help="Wrap PROMPT in the tokenizer's chat template as a user turn (default: when the tokenizer has one; "
              "LLM.generate() in Python does not, LLM.chat() does).")
-@option("--num-shard", "--tensor-parallel-size", "num_shard", section="Device", type=click.IntRange(min=1),
-        default=1,
-        help="Tensor-parallel ranks: this process is rank 0 and starts the others itself. With "
-             "RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set (several machines, torchrun) this process is that "
-             "one rank.")
+@num_shard_option("Tensor-parallel ranks: this process is rank 0 and starts the others itself. With "
+                  "RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set (several machines, torchrun) this process is that "
+                  "one rank.")
 @engine_options
 @owns_its_children
 @engine_errors

@@ -23,7 +23,7 @@ from rich.console import Console
 from fp8cache.config import EngineConfig, field_choices
 from fp8cache.engine.generation_defaults import DEFAULT_MAX_TOKENS
 from fp8cache.model.shapes import shape_names
-from fp8cache.platform import paths
+from fp8cache.platform import envs
 from launcher.help_sections import SectionedOption
 
 SHAPES = ", ".join(shape_names())  # for --help; fp8cache/data/shapes
@@ -50,7 +50,7 @@ def fail(message: str, code: int = 2) -> NoReturn:
 
 def env_var(name: str) -> str:
     """The environment variable behind a flag: kv-cache-dtype -> FP8KV_KV_CACHE_DTYPE."""
-    return paths.flag_env(name)
+    return envs.flag_env(name)
 
 
 def speculative_arg(ctx: click.Context | None, param: click.Parameter | None, value: str | None) -> str | None:
@@ -82,6 +82,13 @@ def option(*decls: str, help: str, section: str | None = None, **kwargs) -> Call
                         section=section, **kwargs)
 
 
+def num_shard_option(help: str) -> Callable:
+    """--num-shard (alias --tensor-parallel-size), the engine's tensor_parallel_size; `help` says how the command
+    starts its ranks."""
+    return option("--num-shard", "--tensor-parallel-size", "num_shard", section="Device", type=click.IntRange(min=1),
+                  default=1, help=help)
+
+
 ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 # EngineConfig fields without a flag of their own name, and why (tests/launcher/test_engine_flags.py).
 CLI_LESS = {"model": "the MODEL argument, or --model (model_option)",
@@ -101,7 +108,7 @@ def engine_option(*decls: str, help: str, **kwargs) -> Callable:
 
 
 _ENGINE_OPTIONS = [
-    option("--model", "model_option", section="Model", metavar="PATH", envvar=paths.flag_env("model"),
+    option("--model", "model_option", section="Model", metavar="PATH", envvar=envs.flag_env("model"),
            help="Model folder (safetensors) or Hugging Face hub id (org/name: the hub cache first, else a "
                 "download); same as the MODEL argument. Default: the embedded SmolLM2-135M-Instruct."),
     engine_option("--revision", section="Model", metavar="REV",

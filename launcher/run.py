@@ -18,7 +18,7 @@ from launcher.options import (
     engine_options,
     fail,
     memory_arg,
-    option,
+    num_shard_option,
     pick_model,
     server_options,
 )
@@ -29,11 +29,9 @@ from launcher.supervisor import owns_its_children
 @click.argument("model", required=False, metavar="[MODEL]")
 @engine_options
 @server_options
-@option("--num-shard", "--tensor-parallel-size", "num_shard", section="Device", type=click.IntRange(min=1),
-        default=1,
-        help="Tensor-parallel ranks: this many processes each hold a slice of the model's heads and MLP. "
-             "Started here when RANK is unset; with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set (several "
-             "machines, torchrun) this process is that one rank.")
+@num_shard_option("Tensor-parallel ranks: this many processes each hold a slice of the model's heads and MLP. "
+                  "Started here when RANK is unset; with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set (several "
+                  "machines, torchrun) this process is that one rank.")
 @owns_its_children
 @engine_errors
 def run(model: str | None, **kw) -> None:

@@ -77,9 +77,9 @@ def _unit_wants_gpu(device: str | None) -> bool:
     """Whether the unit must let the service reach a GPU. `auto` is settled here, on the machine the unit is
     made on: a GPU host gets GPU access, a CPU host the full sandbox (PrivateDevices=, PrivateUsers=)."""
     if device in (None, "", "auto"):
-        import torch
+        from fp8cache.platform.device import gpu_available
 
-        found = torch.cuda.is_available()
+        found = gpu_available()
         logger.info("--device auto: torch %s GPU here, so the unit %s; pass --device cpu or --device cuda to "
                     "choose for another machine", "sees a" if found else "sees no",
                     "keeps /dev/nvidia*, /dev/kfd and /dev/dri visible" if found else "hides all devices")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from fp8cache.platform import paths
+from fp8cache.platform import envs
 from launcher.options import DEFAULT_GRACEFUL_TIMEOUT
 
 MEMORY_HEADROOM = 4 * 2**30  # Python, torch, activations and `fp8kv build`'s compilers beside the KV cache
@@ -85,7 +85,7 @@ def render_unit(command: list[str], args: list[str], template: bool = False, use
     env_files = ["EnvironmentFile=-/etc/fp8kv/fp8kv.env"] + (["EnvironmentFile=-/etc/fp8kv/%i.env"]
                                                               if template else [])
     description = description or ("fp8kv model server (%i)" if template else "fp8kv model server")
-    extra_env = [f"Environment={paths.flag_env('served-model-name')}=%i"] if template else []
+    extra_env = [f"Environment={envs.flag_env('served-model-name')}=%i"] if template else []
     if pythonpath:
         extra_env.append(f"Environment={quote_systemd('PYTHONPATH=' + pythonpath)}")
     lines = [
@@ -115,7 +115,7 @@ def render_unit(command: list[str], args: list[str], template: bool = False, use
         "DynamicUser=yes",
         "StateDirectory=fp8kv",
         "CacheDirectory=fp8kv",
-        f"Environment={paths.CACHE_DIR_ENV}=%C/fp8kv XDG_CACHE_HOME=%C/fp8kv HOME=%S/fp8kv",
+        "Environment=FP8KV_CACHE_DIR=%C/fp8kv XDG_CACHE_HOME=%C/fp8kv HOME=%S/fp8kv",
         "Environment=HF_HOME=%C/fp8kv/huggingface",
         *extra_env,
         "ProtectSystem=strict",

@@ -54,7 +54,7 @@ def iter_capacity(model: str | None = None, kv_cache_dtypes: tuple[str, ...] = (
     fresh prompts, so drift on a shared machine hits them alike; a row reports the median round.
     load_format "dummy": random weights from the model's config.json alone, or a shape shipped with fp8kv
     by name (e.g. llama-3.1-8b: capacity at a real model's size without its checkpoint)."""
-    dtypes = check_kv_cache_dtypes(list(kv_cache_dtypes))
+    dtypes = check_kv_cache_dtypes(list(kv_cache_dtypes), device)
     contexts = _check_contexts(contexts, output_len)
     if max_num_seqs < 1 or repeats < 1:
         raise ValueError(f"max_num_seqs={max_num_seqs} and repeats={repeats} must both be >= 1")

@@ -2,26 +2,16 @@
 
 from __future__ import annotations
 
-import platform
 import statistics
 import time
 
 import torch
 
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+from fp8cache.platform.cpu_info import cpu_model_name
 
 
 def describe() -> dict:
-    return {"cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__}
+    return {"cpu": cpu_model_name(), "threads": torch.get_num_threads(), "torch": torch.__version__}
 
 
 def synchronize(device: torch.device | str = "cpu") -> None:

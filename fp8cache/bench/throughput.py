@@ -98,9 +98,11 @@ class BatchResult:
                 "total_tokens_per_s": (self.input_tokens + self.output_tokens) / self.elapsed_s}
 
 
-def check_kv_cache_dtypes(names: list[str]) -> list[str]:
-    """The canonical names, in order, without repeats; an unknown name raises naming the valid ones."""
-    canonical = [formats.resolve_kv_cache_dtype(n.strip()) for n in names]
+def check_kv_cache_dtypes(names: list[str], device: torch.device | str) -> list[str]:
+    """The canonical names on `device` ("fp8" is its native format: fp8_e4m3fnuz on ROCm), in order, without
+    repeats; an unknown name raises naming the valid ones."""
+    backend = formats.backend_of(device)
+    canonical = [formats.resolve_kv_cache_dtype(n.strip(), backend) for n in names]
     if not canonical:
         raise ValueError(f"give at least one kv-cache-dtype; valid: {', '.join(formats.KV_CACHE_DTYPES)}")
     return list(dict.fromkeys(canonical))
@@ -282,7 +284,7 @@ def iter_throughput(model: str | None = None, kv_cache_dtypes: tuple[str, ...] =
     windows = check_windows(kv_recent_window)
     if isinstance(num_shard, bool) or not isinstance(num_shard, int) or num_shard < 1:
         raise ValueError(f"num_shard={num_shard!r} must be an integer >= 1")
-    dtypes = check_kv_cache_dtypes(list(kv_cache_dtypes))
+    dtypes = check_kv_cache_dtypes(list(kv_cache_dtypes), device)
     unknown = [p for p in compare if p not in PEERS]
     if unknown:
         raise ValueError(f"unknown peer(s) {', '.join(unknown)} for --compare; valid: {', '.join(PEERS)}")

@@ -70,13 +70,9 @@ _CODE_NAMES = {code: name for name, code in FORMAT_CODES.items()}
 
 def backend_of(device: torch.device | str | None = None) -> str:
     """The kernel backend that serves `device`: cpu, cuda or rocm (any other device stands in for a GPU)."""
-    if device is None or isinstance(device, str):
-        from fp8cache.platform.device import resolve_device
+    from fp8cache.platform.device import kernel_backend, resolve_device
 
-        device = resolve_device(device or "cpu")
-    if device.type == "cpu":
-        return "cpu"
-    return "rocm" if getattr(torch.version, "hip", None) else "cuda"
+    return kernel_backend(resolve_device(device or "cpu") if device is None or isinstance(device, str) else device)
 
 
 def resolve_kv_cache_dtype(name: str, backend: str = "cpu") -> str:

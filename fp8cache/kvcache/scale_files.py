@@ -6,6 +6,7 @@ section 3). Every reader takes the model's shape (layers, KV heads) as arguments
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -18,7 +19,22 @@ import torch
 
 from fp8cache.jsonkind import json_kind
 from fp8cache.kvcache import formats
-from fp8cache.kvcache.scales import *
+from fp8cache.kvcache.scales import (
+    E4M3_SCALE_UNIT,
+    MAX_SCALE,
+    MAX_SCALE_F32,
+    MIN_SCALE,
+    MIN_SCALE_F32,
+    ROTATIONS,
+    CheckpointScalesError,
+    KVScales,
+    ScalesFileError,
+    check_canonical,
+    head_range,
+    ones,
+)
+
+logger = logging.getLogger(__name__)
 
 # Far above any real scales file (128 layers x 128 heads x 3 tables is ~1.2 MB), far below what a
 # mistaken path (a log, a model file, /dev/zero) could cost to read.

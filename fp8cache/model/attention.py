@@ -115,7 +115,7 @@ def attend(ctx: ForwardContext, layer: int, q: torch.Tensor, k: torch.Tensor, v:
     # A prefill chunk's rows see their predecessors' full-precision K/V, which this step's window writes
     # may overwrite in the ring: read them first.
     earlier = [gather_window_at(window[0], window[1], g.earlier_index) for g in ctx.prefill_groups] if window else []
-    ctx.ops.reshape_and_cache(k, v, key_cache, value_cache, ctx.slot_mapping, ctx.kv_cache_dtype,
+    ctx.ops.reshape_and_cache(k, v, key_cache, value_cache, ctx.slot_mapping, ctx.cache_format,
                               k_scale, v_scale, *scale_caches)
     if ctx.saturation is not None:
         ctx.saturation.count(layer, k, v, k_scale, v_scale)
@@ -161,13 +161,13 @@ def _decode_op(ctx: ForwardContext, result: torch.Tensor, query: torch.Tensor, k
     extra = (*features.op_args(), *scale_caches) if scale_caches or not features.plain else ()
     if ring is None:
         ctx.ops.paged_attention(result, query, key_cache, value_cache, key_cache.shape[1], float(scaling),
-                                block_tables, seq_lens, ctx.block_size, max_len, None, ctx.kv_cache_dtype,
+                                block_tables, seq_lens, ctx.block_size, max_len, None, ctx.cache_format,
                                 k_scale, v_scale, *extra)
     else:
         ring_k, ring_v, ring_tables, window_starts, ring_size = ring
         ctx.ops.paged_attention_window(
             result, query, key_cache, value_cache, ring_k, ring_v, key_cache.shape[1], float(scaling), block_tables,
-            ring_tables, seq_lens, window_starts, ring_size, ctx.block_size, max_len, None, ctx.kv_cache_dtype,
+            ring_tables, seq_lens, window_starts, ring_size, ctx.block_size, max_len, None, ctx.cache_format,
             k_scale, v_scale, *extra)
 
 

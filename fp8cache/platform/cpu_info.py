@@ -4,6 +4,7 @@ lines that identify it (an op library built with -march=native belongs to one CP
 from __future__ import annotations
 
 import os
+import platform
 
 IDENTITY_KEYS = ("vendor_id", "cpu family", "model", "model name", "flags", "CPU implementer",
                  "CPU architecture", "CPU variant", "CPU part", "Features")
@@ -24,6 +25,11 @@ def first_cpu_lines() -> dict[str, str]:
     except OSError:
         pass
     return fields
+
+
+def cpu_model_name() -> str:
+    """The CPU's marketing name ("model name"), else what Python's platform module knows (Arm has no such line)."""
+    return first_cpu_lines().get("model name") or platform.processor() or platform.machine()
 
 
 def cpu_feature_names() -> set[str]:

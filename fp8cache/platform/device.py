@@ -20,7 +20,7 @@ class DeviceError(ValueError):
 def resolve_device(name: str | torch.device | None) -> torch.device:
     """The torch.device behind a --device value; raises DeviceError naming the fix."""
     if name is None or (isinstance(name, str) and name.strip().lower() in ("", AUTO)):
-        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        return torch.device("cuda", 0) if gpu_available() else torch.device("cpu")
     try:
         device = torch.device(name)
     except (RuntimeError, TypeError) as exc:
@@ -29,7 +29,7 @@ def resolve_device(name: str | torch.device | None) -> torch.device:
         return device
     if device.type != "cuda":
         raise DeviceError(f"--device {name!r}: fp8kv runs on {CHOICES_HELP}")
-    if not torch.cuda.is_available():
+    if not gpu_available():
         build = "a CPU-only build of torch" if torch.version.cuda is None and torch.version.hip is None \
             else "no usable GPU or driver"
         raise DeviceError(f"--device {name!r}: torch sees no GPU here ({build}); use --device cpu or auto")
@@ -38,6 +38,32 @@ def resolve_device(name: str | torch.device | None) -> torch.device:
     if index >= count:
         raise DeviceError(f"--device {name!r}: this machine has {count} GPU(s), cuda:0 to cuda:{count - 1}")
     return torch.device("cuda", index)
+
+
+def gpu_available() -> bool:
+    """Whether torch can use a GPU on this machine (CUDA, or ROCm under torch's "cuda" name)."""
+    return torch.cuda.is_available()
+
+
+def is_rocm() -> bool:
+    """Whether this torch build drives AMD GPUs (ROCm/HIP) rather than NVIDIA's."""
+    return getattr(torch.version, "hip", None) is not None
+
+
+def kernel_backend(device: torch.device) -> str:
+    """The kernel backend that serves `device`: cpu, cuda or rocm (any other device stands in for a GPU)."""
+    if device.type == "cpu":
+        return "cpu"
+    return "rocm" if is_rocm() else "cuda"
+
+
+def compute_capability(device: torch.device) -> tuple[int, int]:
+    """A CUDA GPU's (major, minor) compute capability, e.g. (9, 0) for an H100/H200."""
+    return torch.cuda.get_device_capability(device)
+
+
+def gpu_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device)
 
 
 def is_gpu(device: torch.device | str) -> bool:

@@ -27,7 +27,7 @@ import warnings
 from collections.abc import Callable
 from typing import TextIO
 
-from fp8cache.platform.paths import CONFIGURE_LOGGING_ENV
+from fp8cache.platform import envs
 
 ROOT = "fp8kv"
 TEXT_FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
@@ -50,7 +50,7 @@ def configure_default_logging() -> None:
         return
     _configured = True
     root = logging.getLogger(ROOT)
-    if os.environ.get(CONFIGURE_LOGGING_ENV, "1") == "0" or root.handlers or logging.getLogger().handlers:
+    if not envs.configure_logging() or root.handlers or logging.getLogger().handlers:
         return
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(TextFormatter())

@@ -25,10 +25,9 @@ from fp8cache.kvcache import formats, sizing
 from fp8cache.model.batch import SeqChunk, StepBatch, window_slot
 from fp8cache.model.loader import load_model
 from fp8cache.model.runner import ModelRunner
-from fp8cache.platform import paths
+from fp8cache.platform import envs, paths
 from fp8cache.platform.device import resolve_device
 
-EVAL_TEXT_ENV = paths.EVAL_TEXT_ENV
 # WikiText-2's test split ships inside the package (CC BY-SA: its licence notice lies beside it), so eval,
 # calibrate and bench work from any install without a download.
 SHIPPED_EVAL_TEXT = os.path.join(paths.PACKAGE_DATA, "wikitext-2-raw",
@@ -43,15 +42,15 @@ def locate_eval_text(text_path: str | None = None) -> str:
             raise FileNotFoundError(f"evaluation text {text_path!r} does not exist or is not a file; give a UTF-8 "
                                     "text file, or leave it out to use the shipped WikiText-2 test text")
         return text_path
-    if os.environ.get(EVAL_TEXT_ENV):
-        path = os.environ[EVAL_TEXT_ENV]
+    if envs.eval_text():
+        path = envs.eval_text()
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"{EVAL_TEXT_ENV}={path!r} is not a file; point it at a UTF-8 text file, "
+            raise FileNotFoundError(f"FP8KV_EVAL_TEXT={path!r} is not a file; point it at a UTF-8 text file, "
                                     "or unset it to use the shipped WikiText-2 test text")
         return path
     if not os.path.isfile(SHIPPED_EVAL_TEXT):
         raise FileNotFoundError(f"the WikiText-2 test text that ships with fp8kv is missing ({SHIPPED_EVAL_TEXT}); "
-                                f"reinstall fp8kv, or give a text file with --text or {EVAL_TEXT_ENV}")
+                                "reinstall fp8kv, or give a text file with --text or FP8KV_EVAL_TEXT")
     return SHIPPED_EVAL_TEXT
 
 

@@ -34,7 +34,7 @@ def test_the_licence_notice_lies_beside_the_text():
 
 
 def test_the_default_text_is_the_shipped_one_wherever_we_run(monkeypatch, tmp_path):
-    monkeypatch.delenv(fp8_eval.EVAL_TEXT_ENV, raising=False)
+    monkeypatch.delenv("FP8KV_EVAL_TEXT", raising=False)
     monkeypatch.chdir(tmp_path)  # nothing beside the working directory either
     path = fp8_eval.locate_eval_text()
     assert os.path.samefile(path, DATA / "wiki.test.raw")
@@ -45,18 +45,18 @@ def test_the_default_text_is_the_shipped_one_wherever_we_run(monkeypatch, tmp_pa
 def test_overrides_still_win_and_a_missing_one_is_named(monkeypatch, tmp_path):
     mine = tmp_path / "mine.txt"
     mine.write_text("some other text")
-    monkeypatch.setenv(fp8_eval.EVAL_TEXT_ENV, str(mine))
+    monkeypatch.setenv("FP8KV_EVAL_TEXT", str(mine))
     assert fp8_eval.locate_eval_text() == str(mine)
     other = tmp_path / "other.txt"
     other.write_text("x")
     assert fp8_eval.locate_eval_text(str(other)) == str(other)
-    monkeypatch.setenv(fp8_eval.EVAL_TEXT_ENV, str(tmp_path / "gone.txt"))
+    monkeypatch.setenv("FP8KV_EVAL_TEXT", str(tmp_path / "gone.txt"))
     with pytest.raises(FileNotFoundError, match="gone.txt"):
         fp8_eval.locate_eval_text()
 
 
 def test_a_missing_shipped_text_says_how_to_fix_it(monkeypatch, tmp_path):
-    monkeypatch.delenv(fp8_eval.EVAL_TEXT_ENV, raising=False)
+    monkeypatch.delenv("FP8KV_EVAL_TEXT", raising=False)
     monkeypatch.setattr(fp8_eval, "SHIPPED_EVAL_TEXT", str(tmp_path / "wiki.test.raw"))
     with pytest.raises(FileNotFoundError) as err:
         fp8_eval.locate_eval_text()
@@ -104,10 +104,10 @@ def test_bench_fails_before_building_engines_when_the_text_is_missing(monkeypatc
     result = CliRunner().invoke(command, ["--text", str(missing)])
     assert result.exit_code == 2, result.output
     assert str(missing) in result.output and "not a file" in result.output
-    monkeypatch.setenv(fp8_eval.EVAL_TEXT_ENV, str(missing))
+    monkeypatch.setenv("FP8KV_EVAL_TEXT", str(missing))
     result = CliRunner().invoke(command, [])
     assert result.exit_code == 2, result.output
-    assert fp8_eval.EVAL_TEXT_ENV in result.output
+    assert "FP8KV_EVAL_TEXT" in result.output
 
 
 @pytest.mark.parametrize("given", [True, False])
@@ -120,7 +120,7 @@ def test_bench_throughput_cuts_its_prompts_from_the_chosen_text(monkeypatch, tmp
         seen.update(kwargs)
         return iter(())
 
-    monkeypatch.delenv(fp8_eval.EVAL_TEXT_ENV, raising=False)
+    monkeypatch.delenv("FP8KV_EVAL_TEXT", raising=False)
     monkeypatch.setattr(throughput, "iter_throughput", record)
     mine = tmp_path / "prompts.txt"
     mine.write_text("text to cut prompts from")
