@@ -55,15 +55,29 @@ def notify(tmp_path_factory):
     listener.close()
 
 
+def _notifying_server(model_path: str, folder, notify: NotifyListener) -> ServerProcess:
+    env = {"NOTIFY_SOCKET": notify.sock.getsockname(), "WATCHDOG_USEC": "1000000"}
+    return ServerProcess([model_path, "--kv-cache-dtype", "fp8_e5m2", "--calculate-kv-scales",
+                          "--max-model-len", "256", "--kv-cache-memory", "16MiB", "--graceful-timeout", "120",
+                          "--log-format", "json"], str(folder / "server.log"), env=env)
+
+
 @pytest.fixture(scope="module")
 def server(default_model_path, tmp_path_factory, notify):
-    env = {"NOTIFY_SOCKET": notify.sock.getsockname(), "WATCHDOG_USEC": "1000000"}
-    proc = ServerProcess([default_model_path, "--kv-cache-dtype", "fp8_e5m2", "--calculate-kv-scales",
-                          "--max-model-len", "256", "--kv-cache-memory", "16MiB", "--graceful-timeout", "120",
-                          "--log-format", "json"],
-                         str(tmp_path_factory.mktemp("server") / "server.log"), env=env)
+    proc = _notifying_server(default_model_path, tmp_path_factory.mktemp("server"), notify)
     yield proc
     proc.stop()
+
+
+@pytest.fixture
+def server_to_stop(default_model_path, tmp_path):
+    """A server of the test's own, with its own fake systemd, for a test that stops it: the module's server
+    stays up for the other tests whatever order they run in."""
+    listener = NotifyListener(str(tmp_path / "notify.sock"))
+    proc = _notifying_server(default_model_path, tmp_path, listener)
+    yield proc, listener
+    proc.stop()
+    listener.close()
 
 
 def _stream_body(max_tokens: int) -> dict:
@@ -120,7 +134,8 @@ def test_non_streaming_disconnect_aborts(server):
 
 
 @pytest.mark.slow
-def test_sigterm_finishes_inflight_request_then_exits_zero(server, notify):
+def test_sigterm_finishes_inflight_request_then_exits_zero(server_to_stop):
+    server, notify = server_to_stop
     max_tokens = 48
     result: dict = {"events": [], "done": False}
     first_token = threading.Event()
