@@ -324,7 +324,7 @@ class Launch {
     // Scales only mean something for FP8 caches; an "auto" cache holds the values themselves.
     const bool fp8 = format != KVFormat::AUTO;
     CacheSource& src = p.sources[kPaged];
-    src.dynamic = check_scale_caches(k_scale_cache, v_scale_cache, paged_, fp8);
+    src.dynamic = check_scale_caches(k_scale_cache, v_scale_cache, paged_, fp8, at::Device(at::kCPU));
     const bool static_scales = fp8 && !src.dynamic.dynamic();  // dynamic scales replace k_scale and v_scale
     src.k_scale = static_scales ? check_scale(k_scale, num_kv_heads, "k_scale") : std::vector<float>(num_kv_heads, 1.f);
     src.v_scale = static_scales ? check_scale(v_scale, num_kv_heads, "v_scale") : std::vector<float>(num_kv_heads, 1.f);

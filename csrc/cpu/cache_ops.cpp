@@ -201,7 +201,7 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
                        const std::optional<at::Tensor>& v_scale_cache) {
   const KVFormat format = kv_format_from_code(kv_cache_format);
   const CacheGeometry g = check_caches(key_cache, value_cache, format != KVFormat::AUTO);
-  const ScaleCaches dyn = check_scale_caches(k_scale_cache, v_scale_cache, g, format != KVFormat::AUTO);
+  const ScaleCaches dyn = check_scale_caches(k_scale_cache, v_scale_cache, g, format != KVFormat::AUTO, key_cache.device());
   check_kv_input(key, "key", g);
   check_kv_input(value, "value", g);
   TORCH_CHECK(value.size(0) == key.size(0), "key and value have different token counts: ", key.size(0),

@@ -9,6 +9,8 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include "../scale_cache_checks.h"
+
 namespace fp8kv::cpu {
 
 // Geometry of a paged KV cache pair (docs/design.md section 4 layouts).
@@ -66,32 +68,6 @@ inline std::vector<float> check_scale(const at::Tensor& scale, int64_t num_heads
   return out;
 }
 
-// Dynamic scales (common/dynamic_scale.h): both scale caches or neither, bfloat16 [num_blocks, num_kv_heads,
-// block_size], contiguous CPU tensors, only beside an FP8 cache. Returns their bits (nullptr, nullptr: static).
-struct ScaleCaches {
-  uint16_t* k = nullptr;
-  uint16_t* v = nullptr;
-  bool dynamic() const { return k != nullptr; }
-};
-
-inline ScaleCaches check_scale_caches(const std::optional<at::Tensor>& k_scale_cache,
-                                      const std::optional<at::Tensor>& v_scale_cache, const CacheGeometry& g,
-                                      bool fp8) {
-  if (!k_scale_cache.has_value() && !v_scale_cache.has_value()) return {};
-  TORCH_CHECK(k_scale_cache.has_value() && v_scale_cache.has_value(),
-              "give both k_scale_cache and v_scale_cache (dynamic scales) or neither (static scales)");
-  TORCH_CHECK(fp8, "an 'auto' cache holds the values themselves: pass no k_scale_cache / v_scale_cache");
-  for (const at::Tensor* t : {&*k_scale_cache, &*v_scale_cache}) {
-    const char* name = t == &*k_scale_cache ? "k_scale_cache" : "v_scale_cache";
-    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->dim() == 3 && t->size(0) == g.num_blocks &&
-                    t->size(1) == g.num_kv_heads && t->size(2) == g.block_size,
-                name, " must be bfloat16 [num_blocks=", g.num_blocks, ", num_kv_heads=", g.num_kv_heads,
-                ", block_size=", g.block_size, "], got ", t->scalar_type(), " ", t->sizes(),
-                "; allocate it with fp8cache.kvcache.dynamic_scales.allocate_scale_caches");
-    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), name, " must be a contiguous CPU tensor");
-  }
-  return {static_cast<uint16_t*>(k_scale_cache->data_ptr()), static_cast<uint16_t*>(v_scale_cache->data_ptr())};
-}
 
 inline void check_model_dtype(const at::Tensor& t, const char* name) {
   const auto d = t.scalar_type();

@@ -10,6 +10,7 @@
 // reads it at a sync it has anyway (fp8cache/model/runner.py).
 #include "launch.h"  // first: under hipcc the HIP runtime must come before common/fp8.h
 #include "layer_kernels.cuh"
+#include "../scale_cache_checks.h"
 
 #include <algorithm>
 #include <cstdlib>
@@ -207,34 +208,6 @@ void raise_reported_errors(int bits, const char* op, int64_t num_slots, int64_t 
               "block_tables row holds; pass max_seq_len >= max(seq_lens) and enough block ids per row.");
 }
 
-// Dynamic scales (common/dynamic_scale.h): both scale caches or neither, bfloat16 [num_blocks, num_kv_heads,
-// block_size], contiguous, on the caches' device, only beside an FP8 cache (the CPU ops' checks, cpu/checks.h).
-// Their bits (nullptr, nullptr: static scales).
-struct ScaleCaches {
-  uint16_t* k = nullptr;
-  uint16_t* v = nullptr;
-};
-
-ScaleCaches check_scale_caches(const std::optional<at::Tensor>& k_scale_cache,
-                               const std::optional<at::Tensor>& v_scale_cache, const Geometry& g, KVFormat format,
-                               const at::Device& device) {
-  if (!k_scale_cache.has_value() && !v_scale_cache.has_value()) return {};
-  TORCH_CHECK(k_scale_cache.has_value() && v_scale_cache.has_value(),
-              "give both k_scale_cache and v_scale_cache (dynamic scales) or neither (static scales)");
-  TORCH_CHECK(format != KVFormat::AUTO,
-              "an 'auto' cache holds the values themselves: pass no k_scale_cache / v_scale_cache");
-  for (const at::Tensor* t : {&*k_scale_cache, &*v_scale_cache}) {
-    const char* name = t == &*k_scale_cache ? "k_scale_cache" : "v_scale_cache";
-    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->dim() == 3 && t->size(0) == g.num_blocks &&
-                    t->size(1) == g.num_kv_heads && t->size(2) == g.block_size,
-                name, " must be bfloat16 [num_blocks=", g.num_blocks, ", num_kv_heads=", g.num_kv_heads,
-                ", block_size=", g.block_size, "], got ", t->scalar_type(), " ", t->sizes(),
-                "; allocate it with fp8cache.kvcache.dynamic_scales.allocate_scale_caches");
-    check_on(*t, device, name);
-    TORCH_CHECK(t->is_contiguous(), name, " must be contiguous");
-  }
-  return {static_cast<uint16_t*>(k_scale_cache->data_ptr()), static_cast<uint16_t*>(v_scale_cache->data_ptr())};
-}
 
 template <typename scalar_t, typename cache_t, Fp8Format kFormat>
 void run_reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
@@ -281,7 +254,7 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   const KVFormat format = kv_format_from_code(kv_cache_format);
   const Geometry g = check_caches(key_cache, value_cache, format);
   const at::Device device = key_cache.device();
-  const ScaleCaches dyn = check_scale_caches(k_scale_cache, v_scale_cache, g, format, device);
+  const ScaleCaches dyn = check_scale_caches(k_scale_cache, v_scale_cache, g, format != KVFormat::AUTO, device);
   for (const auto& [t, name] : {std::pair{&key, "key"}, std::pair{&value, "value"}}) {
     TORCH_CHECK(t->dim() == 3 && t->size(1) == g.num_kv_heads && t->size(2) == g.head_size, name,
                 " must be [num_tokens, num_kv_heads=", g.num_kv_heads, ", head_size=", g.head_size, "], got ",
@@ -536,7 +509,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                      const std::optional<at::Tensor>& v_scale_cache) {
   const KVFormat format = kv_format_from_code(kv_cache_format);
   const Geometry g = check_caches(key_cache, value_cache, format);
-  const ScaleCaches dyn = check_scale_caches(k_scale_cache, v_scale_cache, g, format, key_cache.device());
+  const ScaleCaches dyn = check_scale_caches(k_scale_cache, v_scale_cache, g, format != KVFormat::AUTO, key_cache.device());
   const c10::cuda::OptionalCUDAGuard guard(key_cache.device());
   AttentionCall call = attention_call(out, query, key_cache, value_cache, g, format, num_kv_heads, scale,
                                       block_tables, seq_lens, block_size, max_seq_len, alibi_slopes, k_scale,
@@ -636,7 +609,7 @@ void paged_attention_window(at::Tensor& out, const at::Tensor& query, const at::
   TORCH_CHECK(window_size <= INT32_MAX - kMaxSplitTokens, "window_size = ", window_size, " is too large");
   const KVFormat format = kv_format_from_code(kv_cache_format);
   const Geometry g = check_caches(key_cache, value_cache, format);
-  const ScaleCaches dyn = check_scale_caches(k_scale_cache, v_scale_cache, g, format, key_cache.device());
+  const ScaleCaches dyn = check_scale_caches(k_scale_cache, v_scale_cache, g, format != KVFormat::AUTO, key_cache.device());
   const c10::cuda::OptionalCUDAGuard guard(key_cache.device());
   AttentionCall call = attention_call(out, query, key_cache, value_cache, g, format, num_kv_heads, scale,
                                       block_tables, seq_lens, block_size, max_seq_len, alibi_slopes, k_scale,
