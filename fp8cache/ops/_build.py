@@ -192,13 +192,27 @@ def _toolchain_key(compilers: list[str]) -> str:
     return h.hexdigest()[:16]
 
 
-def _read_compiler_memory() -> dict:
+def _read_cache_record(name: str) -> dict:
+    """The JSON object the ops cache keeps in `name`; {} when it is missing, unreadable or not an object."""
     try:
-        with open(cache_dir() / COMPILER_MEMORY, encoding="utf-8") as f:
-            memory = json.load(f)
+        with open(cache_dir() / name, encoding="utf-8") as f:
+            record = json.load(f)
     except (OSError, ValueError):
         return {}
-    return memory if isinstance(memory, dict) else {}
+    return record if isinstance(record, dict) else {}
+
+
+def _write_cache_record(name: str, record: dict) -> None:
+    """Replace `name` in the ops cache with `record` at once (a reader sees the old file or the new one); a
+    failure to write costs only what the record would have saved."""
+    path = cache_dir() / name
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as exc:
+        logger.debug("could not write %s: %s", path, exc)
 
 
 def _ordered_compilers() -> tuple[list[str], str]:
@@ -206,7 +220,7 @@ def _ordered_compilers() -> tuple[list[str], str]:
     key); the plain order when nothing is remembered for this toolchain."""
     compilers = _compilers()
     key = _toolchain_key(compilers)
-    memory = _read_compiler_memory()
+    memory = _read_cache_record(COMPILER_MEMORY)
     if memory.get("toolchain") != key:
         return compilers, key
     works, failed = memory.get("works"), set(memory.get("failed") or [])
@@ -218,19 +232,11 @@ def _ordered_compilers() -> tuple[list[str], str]:
 def _remember_compiler(key: str, works: str, failed: list[str]) -> None:
     """Add what this start learnt to what is remembered for this toolchain, written only when that changes
     (a failure to write costs nothing but the next start's probe)."""
-    old = _read_compiler_memory()
+    old = _read_cache_record(COMPILER_MEMORY)
     known = set(old.get("failed") or []) if old.get("toolchain") == key else set()
     memory = {"toolchain": key, "works": works, "failed": sorted((known | set(failed)) - {works})}
-    if old == memory:
-        return
-    path = cache_dir() / COMPILER_MEMORY
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(memory, indent=1) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError as exc:
-        logger.debug("could not remember the compiler in %s: %s", path, exc)
+    if old != memory:
+        _write_cache_record(COMPILER_MEMORY, memory)
 
 
 # How long the last compile of each kind took here, so that the next one (a new fp8kv version's sources) can say
@@ -244,29 +250,13 @@ def _build_kind(cflags: list[str] | tuple[str, ...], with_cuda: bool) -> str:
             f"cores={cpu_info.usable_cores()}")
 
 
-def _read_build_times() -> dict:
-    try:
-        with open(cache_dir() / BUILD_TIMES, encoding="utf-8") as f:
-            times = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    return times if isinstance(times, dict) else {}
-
-
 def _last_build_seconds(kind: str) -> float | None:
-    seconds = _read_build_times().get(kind)
+    seconds = _read_cache_record(BUILD_TIMES).get(kind)
     return float(seconds) if isinstance(seconds, (int, float)) and seconds > 0 else None
 
 
 def _remember_build_seconds(kind: str, seconds: float) -> None:
-    times = {**_read_build_times(), kind: round(seconds, 1)}
-    path = cache_dir() / BUILD_TIMES
-    try:
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(times, indent=1) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError as exc:  # the next build just says less
-        logger.debug("could not write %s: %s", path, exc)
+    _write_cache_record(BUILD_TIMES, {**_read_cache_record(BUILD_TIMES), kind: round(seconds, 1)})
 
 
 def _c_compiler_for(cxx: str) -> str | None:
