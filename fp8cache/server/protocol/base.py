@@ -57,6 +57,18 @@ def refuse_if_set(*names: str):
     return field_validator(*names)(classmethod(check))
 
 
+def only_with(name: str, flag: str, message: str):
+    """A validator for a field that means something only beside another: `name` given (not null) while `flag`,
+    declared before it, is not true fails with `message`."""
+
+    def check(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None and not info.data.get(flag):
+            raise ValueError(message)
+        return value
+
+    return field_validator(name)(classmethod(check))
+
+
 def check_stop(value: Any, *, allow_str: bool) -> list[str] | None:
     if value is None:
         return None

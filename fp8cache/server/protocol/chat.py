@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 
-from fp8cache.server.protocol.base import MAX_LOGPROBS, MAX_MESSAGES, Strict
+from fp8cache.server.protocol.base import MAX_LOGPROBS, MAX_MESSAGES, Strict, only_with
 from fp8cache.server.protocol.outputs import PromptLogprobs, UsageInfo
 from fp8cache.server.protocol.sampling import SamplingFields
 from fp8cache.version import __version__
@@ -110,12 +110,7 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError(f"tool_choice and {self.structure_field()} each constrain the output; give one")
         return self
 
-    @field_validator("top_logprobs")
-    @classmethod
-    def _top_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
-        if value is not None and not info.data.get("logprobs"):
-            raise ValueError("needs logprobs: true")
-        return value
+    _top_logprobs = only_with("top_logprobs", "logprobs", "needs logprobs: true")
 
     def sampling_kwargs(self) -> dict[str, Any]:
         return super().sampling_kwargs() | ({"logprobs": self.top_logprobs or 0} if self.logprobs else {})

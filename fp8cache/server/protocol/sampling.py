@@ -20,6 +20,7 @@ from fp8cache.server.protocol.base import (
     Strict,
     check_stop,
     check_token_ids,
+    only_with,
 )
 from fp8cache.server.protocol.request_error import RequestError
 
@@ -113,12 +114,7 @@ class SamplingFields(Strict):
             raise ValueError("best_of different from n is not supported by fp8kv; remove best_of")
         return value
 
-    @field_validator("stream_options")
-    @classmethod
-    def _stream_options(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
-        if value is not None and not info.data.get("stream"):
-            raise ValueError("is only allowed with stream: true")
-        return value
+    _stream_options = only_with("stream_options", "stream", "is only allowed with stream: true")
 
     @field_validator("prompt_logprobs")
     @classmethod
