@@ -455,14 +455,7 @@ class Launch {
 
 }  // namespace
 
-void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
-                     const at::Tensor& value_cache, int64_t num_kv_heads, double scale,
-                     const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t block_size,
-                     int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes,
-                     int64_t kv_cache_format, const at::Tensor& k_scale,
-                     const at::Tensor& v_scale, int64_t sliding_window, double logit_softcap,
-                     const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& k_scale_cache,
-                     const std::optional<at::Tensor>& v_scale_cache) {
+void paged_attention(FP8KV_PAGED_ATTENTION_PARAMS) {
   (void)max_seq_len;  // partitions are sized from seq_lens itself, so a stale max_seq_len cannot overflow
   Launch launch(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens, block_size,
                 alibi_slopes, kv_cache_format, k_scale, v_scale, sliding_window, logit_softcap, sinks, k_scale_cache,
@@ -474,17 +467,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   launch.finish();
 }
 
-void paged_attention_window(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
-                            const at::Tensor& value_cache, const at::Tensor& window_key_cache,
-                            const at::Tensor& window_value_cache, int64_t num_kv_heads, double scale,
-                            const at::Tensor& block_tables, const at::Tensor& window_block_tables,
-                            const at::Tensor& seq_lens, const at::Tensor& window_starts, int64_t window_size,
-                            int64_t block_size, int64_t max_seq_len,
-                            const std::optional<at::Tensor>& alibi_slopes, int64_t kv_cache_format,
-                            const at::Tensor& k_scale, const at::Tensor& v_scale, int64_t sliding_window,
-                            double logit_softcap, const std::optional<at::Tensor>& sinks,
-                            const std::optional<at::Tensor>& k_scale_cache,
-                            const std::optional<at::Tensor>& v_scale_cache) {
+void paged_attention_window(FP8KV_PAGED_ATTENTION_WINDOW_PARAMS) {
   (void)max_seq_len;
   TORCH_CHECK(window_size >= 1, "window_size = ", window_size,
               " must be >= 1; call paged_attention when there is no window");

@@ -194,11 +194,7 @@ int64_t heads_of(const at::Tensor& x, const at::Tensor& scale) {
 
 }  // namespace
 
-void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
-                       at::Tensor& value_cache, const at::Tensor& slot_mapping,
-                       int64_t kv_cache_format, const at::Tensor& k_scale,
-                       const at::Tensor& v_scale, const std::optional<at::Tensor>& k_scale_cache,
-                       const std::optional<at::Tensor>& v_scale_cache) {
+void reshape_and_cache(FP8KV_RESHAPE_AND_CACHE_PARAMS) {
   const KVFormat format = kv_format_from_code(kv_cache_format);
   const CacheGeometry g = check_caches(key_cache, value_cache, format != KVFormat::AUTO);
   const ScaleCaches dyn = check_scale_caches(k_scale_cache, v_scale_cache, g, format != KVFormat::AUTO, key_cache.device());

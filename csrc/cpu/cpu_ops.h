@@ -8,42 +8,14 @@
 #include <ATen/core/List.h>
 #include <c10/util/ArrayRef.h>
 
+#include "../op_signatures.h"
+
 namespace fp8kv::cpu {
 
-void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
-                       at::Tensor& value_cache, const at::Tensor& slot_mapping,
-                       int64_t kv_cache_format, const at::Tensor& k_scale,
-                       const at::Tensor& v_scale, const std::optional<at::Tensor>& k_scale_cache = std::nullopt,
-                       const std::optional<at::Tensor>& v_scale_cache = std::nullopt);
-
-void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
-                     const at::Tensor& value_cache, int64_t num_kv_heads, double scale,
-                     const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t block_size,
-                     int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes,
-                     int64_t kv_cache_format, const at::Tensor& k_scale,
-                     const at::Tensor& v_scale, int64_t sliding_window = 0, double logit_softcap = 0.0,
-                     const std::optional<at::Tensor>& sinks = std::nullopt,
-                     const std::optional<at::Tensor>& k_scale_cache = std::nullopt,
-                     const std::optional<at::Tensor>& v_scale_cache = std::nullopt);
-
-// k_scale_cache / v_scale_cache: dynamic scales, bfloat16 [num_blocks, num_kv_heads, block_size] (common/dynamic_scale.h),
-// written by reshape_and_cache and read by attention in place of k_scale / v_scale.
-// sliding_window > 0: each sequence attends to its newest sliding_window positions; logit_softcap > 0: logits
-// become logit_softcap * tanh(logit / logit_softcap); sinks [num_heads]: one more logit per head in the
-// softmax's denominator (docs/design.md section 4).
-// paged_attention whose newest positions [window_starts[i], seq_lens[i]) come from a model-dtype ring
-// (window_key_cache / window_value_cache, ring slot = position % window_size) instead of the paged cache.
-void paged_attention_window(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
-                            const at::Tensor& value_cache, const at::Tensor& window_key_cache,
-                            const at::Tensor& window_value_cache, int64_t num_kv_heads, double scale,
-                            const at::Tensor& block_tables, const at::Tensor& window_block_tables,
-                            const at::Tensor& seq_lens, const at::Tensor& window_starts, int64_t window_size,
-                            int64_t block_size, int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes,
-                            int64_t kv_cache_format, const at::Tensor& k_scale,
-                            const at::Tensor& v_scale, int64_t sliding_window = 0, double logit_softcap = 0.0,
-                            const std::optional<at::Tensor>& sinks = std::nullopt,
-                            const std::optional<at::Tensor>& k_scale_cache = std::nullopt,
-                            const std::optional<at::Tensor>& v_scale_cache = std::nullopt);
+// The ops both backends implement, with their parameters from ../op_signatures.h.
+void reshape_and_cache(FP8KV_RESHAPE_AND_CACHE_PARAMS);
+void paged_attention(FP8KV_PAGED_ATTENTION_PARAMS);
+void paged_attention_window(FP8KV_PAGED_ATTENTION_WINDOW_PARAMS);
 
 at::Tensor quantize_fp8(const at::Tensor& x, int64_t kv_cache_format, const at::Tensor& scale);
 

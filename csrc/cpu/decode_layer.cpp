@@ -91,7 +91,7 @@ void decode_layer(at::Tensor& hidden, at::TensorList weights, const c10::List<st
   if (windowed) {
     at::Tensor window_key = window[0], window_value = window[1];
     reshape_and_cache(k, v, window_key, window_value, *window_slot_mapping,
-                      static_cast<int64_t>(KVFormat::AUTO), k_scale, v_scale);
+                      static_cast<int64_t>(KVFormat::AUTO), k_scale, v_scale, std::nullopt, std::nullopt);
     paged_attention_window(attn, query, key_cache, value_cache, window_key, window_value, kv_heads, scale,
                            block_tables, *window_block_tables, seq_lens, *window_starts, window_size,
                            key_cache.size(3), max_seq_len, std::nullopt, kv_cache_format, k_scale, v_scale, 0, 0.0,

@@ -4,15 +4,11 @@
 #include "cpu/cpu_ops.h"
 
 TORCH_LIBRARY_IMPL(fp8kv, CPU, m) {
-  m.impl("reshape_and_cache", &fp8kv::cpu::reshape_and_cache);
-  m.impl("paged_attention", &fp8kv::cpu::paged_attention);
-  m.impl("paged_attention_window", &fp8kv::cpu::paged_attention_window);
+#define FP8KV_IMPL(name) m.impl(#name, &fp8kv::cpu::name);
+  FP8KV_FOR_EACH_BACKEND_OP(FP8KV_IMPL)
+#undef FP8KV_IMPL
   m.impl("quantize_fp8", &fp8kv::cpu::quantize_fp8);
   m.impl("dequantize_fp8", &fp8kv::cpu::dequantize_fp8);
-  m.impl("rms_norm", &fp8kv::cpu::rms_norm);
-  m.impl("fused_add_rms_norm", &fp8kv::cpu::fused_add_rms_norm);
-  m.impl("rotary_embedding_cos_sin", &fp8kv::cpu::rotary_embedding_cos_sin);
-  m.impl("silu_and_mul", &fp8kv::cpu::silu_and_mul);
   m.impl("linear_f32_pack", &fp8kv::cpu::linear_f32_pack);
   m.impl("linear_f32", &fp8kv::cpu::linear_f32);
   m.impl("linear_bf16_pack", &fp8kv::cpu::linear_bf16_pack);

@@ -10,6 +10,7 @@
 // reads it at a sync it has anyway (fp8cache/model/runner.py).
 #include "launch.h"  // first: under hipcc the HIP runtime must come before common/fp8.h
 #include "layer_kernels.cuh"
+#include "../op_signatures.h"
 #include "../scale_cache_checks.h"
 
 #include <algorithm>
@@ -209,6 +210,12 @@ void raise_reported_errors(int bits, const char* op, int64_t num_slots, int64_t 
 }
 
 
+// A tensor's data as the kernels' element type T (float, bf16_t or half_t: the same bits as torch's).
+template <typename T>
+T* data_of(const at::Tensor& t) {
+  return reinterpret_cast<T*>(t.data_ptr());
+}
+
 template <typename scalar_t, typename cache_t, Fp8Format kFormat>
 void run_reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                            at::Tensor& value_cache, const at::Tensor& slots, const Geometry& g,
@@ -217,10 +224,10 @@ void run_reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::T
   using S = kernel_t<scalar_t>;
   using C = kernel_t<cache_t>;
   ReshapeAndCacheArgs<S, C> a{};
-  a.key = reinterpret_cast<const S*>(key.data_ptr());
-  a.value = reinterpret_cast<const S*>(value.data_ptr());
-  a.key_cache = reinterpret_cast<C*>(key_cache.data_ptr());
-  a.value_cache = reinterpret_cast<C*>(value_cache.data_ptr());
+  a.key = data_of<const S>(key);
+  a.value = data_of<const S>(value);
+  a.key_cache = data_of<C>(key_cache);
+  a.value_cache = data_of<C>(value_cache);
   a.slot_mapping = slots.data_ptr<int64_t>();
   a.k_scale = k_scale.data_ptr<float>();
   a.v_scale = v_scale.data_ptr<float>();
@@ -246,11 +253,7 @@ void run_reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::T
 }
 
 
-void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
-                       at::Tensor& value_cache, const at::Tensor& slot_mapping,
-                       int64_t kv_cache_format, const at::Tensor& k_scale,
-                       const at::Tensor& v_scale, const std::optional<at::Tensor>& k_scale_cache,
-                       const std::optional<at::Tensor>& v_scale_cache) {
+void reshape_and_cache(FP8KV_RESHAPE_AND_CACHE_PARAMS) {
   const KVFormat format = kv_format_from_code(kv_cache_format);
   const Geometry g = check_caches(key_cache, value_cache, format);
   const at::Device device = key_cache.device();
@@ -355,13 +358,12 @@ struct AttentionCall {
   Geometry g;
 };
 
-AttentionCall attention_call(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
-                             const at::Tensor& value_cache, const Geometry& g, KVFormat format,
-                             int64_t num_kv_heads, double scale, const at::Tensor& block_tables,
-                             const at::Tensor& seq_lens, int64_t block_size, int64_t max_seq_len,
-                             const std::optional<at::Tensor>& alibi_slopes, const at::Tensor& k_scale,
-                             const at::Tensor& v_scale, int64_t sliding_window, double logit_softcap,
-                             const std::optional<at::Tensor>& sinks) {
+// Checks a paged_attention call (or paged_attention_window's paged part) and plans its launch; the caller holds
+// a guard on the caches' device.
+AttentionCall attention_call(FP8KV_PAGED_ATTENTION_PARAMS) {
+  const KVFormat format = kv_format_from_code(kv_cache_format);
+  const Geometry g = check_caches(key_cache, value_cache, format);
+  const ScaleCaches dyn = check_scale_caches(k_scale_cache, v_scale_cache, g, format != KVFormat::AUTO, key_cache.device());
   const at::Device device = key_cache.device();
   TORCH_CHECK(query.dim() == 3, "query must be [num_seqs, num_heads, head_size], got ", query.sizes());
   TORCH_CHECK(sliding_window >= 0, "sliding_window = ", sliding_window, " must be >= 0 (0: no sliding window)");
@@ -461,6 +463,8 @@ AttentionCall attention_call(at::Tensor& out, const at::Tensor& query, const at:
   p.sliding_window = static_cast<int>(std::min<int64_t>(sliding_window, INT32_MAX));
   p.softcap = static_cast<float>(logit_softcap);
   p.sinks = call.sinks.defined() ? call.sinks.data_ptr<float>() : nullptr;
+  p.k_scale_cache = dyn.k;
+  p.v_scale_cache = dyn.v;
   p.paged = cache_ref(key_cache, value_cache, g, cache_type, call.block_tables);
   // The positions a split plan covers: a sliding window's, from its aligned start, at most.
   const int plan_len = p.sliding_window > 0 ? std::min<int64_t>(p.max_seq_len, int64_t(p.sliding_window) + kWindowAlign)
@@ -499,27 +503,16 @@ int finish_attention(const AttentionCall& call) {
   return reported_errors(call.flag);
 }
 
-void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
-                     const at::Tensor& value_cache, int64_t num_kv_heads, double scale,
-                     const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t block_size,
-                     int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes,
-                     int64_t kv_cache_format, const at::Tensor& k_scale,
-                     const at::Tensor& v_scale, int64_t sliding_window, double logit_softcap,
-                     const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& k_scale_cache,
-                     const std::optional<at::Tensor>& v_scale_cache) {
-  const KVFormat format = kv_format_from_code(kv_cache_format);
-  const Geometry g = check_caches(key_cache, value_cache, format);
-  const ScaleCaches dyn = check_scale_caches(k_scale_cache, v_scale_cache, g, format != KVFormat::AUTO, key_cache.device());
+void paged_attention(FP8KV_PAGED_ATTENTION_PARAMS) {
   const c10::cuda::OptionalCUDAGuard guard(key_cache.device());
-  AttentionCall call = attention_call(out, query, key_cache, value_cache, g, format, num_kv_heads, scale,
-                                      block_tables, seq_lens, block_size, max_seq_len, alibi_slopes, k_scale,
-                                      v_scale, sliding_window, logit_softcap, sinks);
-  call.params.k_scale_cache = dyn.k;
-  call.params.v_scale_cache = dyn.v;
+  AttentionCall call = attention_call(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
+                                      block_size, max_seq_len, alibi_slopes, kv_cache_format, k_scale, v_scale,
+                                      sliding_window, logit_softcap, sinks, k_scale_cache, v_scale_cache);
   // Sinks are merged by the reduce kernel, which reads partials even for one split.
   if (call.params.paged_splits > 1 || call.params.sinks != nullptr) allocate_partials(call, call.params.paged_splits);
   C10_CUDA_CHECK(launch_paged_attention(call.params, c10::cuda::getCurrentCUDAStream()));
-  raise_reported_errors(finish_attention(call), "paged_attention", g.num_blocks * g.block_size, g.num_blocks);
+  raise_reported_errors(finish_attention(call), "paged_attention", call.g.num_blocks * call.g.block_size,
+                        call.g.num_blocks);
 }
 
 // ---- paged_attention_window -------------------------------------------------------------------------------
@@ -593,29 +586,14 @@ void raise_reported_window_errors(int bits, const AttentionCall& call) {
               "blocks were not read.");
 }
 
-void paged_attention_window(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
-                            const at::Tensor& value_cache, const at::Tensor& window_key_cache,
-                            const at::Tensor& window_value_cache, int64_t num_kv_heads, double scale,
-                            const at::Tensor& block_tables, const at::Tensor& window_block_tables,
-                            const at::Tensor& seq_lens, const at::Tensor& window_starts, int64_t window_size,
-                            int64_t block_size, int64_t max_seq_len,
-                            const std::optional<at::Tensor>& alibi_slopes, int64_t kv_cache_format,
-                            const at::Tensor& k_scale, const at::Tensor& v_scale, int64_t sliding_window,
-                            double logit_softcap, const std::optional<at::Tensor>& sinks,
-                            const std::optional<at::Tensor>& k_scale_cache,
-                            const std::optional<at::Tensor>& v_scale_cache) {
+void paged_attention_window(FP8KV_PAGED_ATTENTION_WINDOW_PARAMS) {
   TORCH_CHECK(window_size >= 1, "window_size = ", window_size,
               " must be >= 1; call paged_attention when there is no window");
   TORCH_CHECK(window_size <= INT32_MAX - kMaxSplitTokens, "window_size = ", window_size, " is too large");
-  const KVFormat format = kv_format_from_code(kv_cache_format);
-  const Geometry g = check_caches(key_cache, value_cache, format);
-  const ScaleCaches dyn = check_scale_caches(k_scale_cache, v_scale_cache, g, format != KVFormat::AUTO, key_cache.device());
   const c10::cuda::OptionalCUDAGuard guard(key_cache.device());
-  AttentionCall call = attention_call(out, query, key_cache, value_cache, g, format, num_kv_heads, scale,
-                                      block_tables, seq_lens, block_size, max_seq_len, alibi_slopes, k_scale,
-                                      v_scale, sliding_window, logit_softcap, sinks);
-  call.params.k_scale_cache = dyn.k;
-  call.params.v_scale_cache = dyn.v;
+  AttentionCall call = attention_call(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
+                                      block_size, max_seq_len, alibi_slopes, kv_cache_format, k_scale, v_scale,
+                                      sliding_window, logit_softcap, sinks, k_scale_cache, v_scale_cache);
   add_window(call, window_key_cache, window_value_cache, window_block_tables, window_starts, window_size);
   allocate_partials(call, call.params.paged_splits + call.params.ring_splits);
   C10_CUDA_CHECK(launch_paged_attention_window(call.params, c10::cuda::getCurrentCUDAStream()));
@@ -652,13 +630,30 @@ void check_like(const at::Tensor& t, const char* name, const at::Tensor& ref, co
               ref.scalar_type());
 }
 
+// The one way the elementwise ops reach their kernels: on `like`'s device and current stream, `launch(T{},
+// stream)` for the kernels' type T of its dtype fills the op's argument struct and launches it; an error is raised.
 template <typename F>
-void with_kernel_type(at::ScalarType t, const F& fn) {
-  switch (t) {
-    case at::kFloat: return fn(float{});
-    case at::kBFloat16: return fn(bf16_t{});
-    default: return fn(half_t{});
+void launch_elementwise(const at::Tensor& like, const F& launch) {
+  const c10::cuda::OptionalCUDAGuard guard(like.device());
+  const Stream stream = c10::cuda::getCurrentCUDAStream();
+  switch (like.scalar_type()) {
+    case at::kFloat: C10_CUDA_CHECK(launch(float{}, stream)); break;
+    case at::kBFloat16: C10_CUDA_CHECK(launch(bf16_t{}, stream)); break;
+    default: C10_CUDA_CHECK(launch(half_t{}, stream)); break;
   }
+}
+
+// The arguments RMSNorm's kernels share: `out` (the normalized rows, `o` its view), weight and epsilon.
+template <typename T>
+RowsArgs<T> norm_args(const at::Tensor& out, const RowView& o, const at::Tensor& weight, double epsilon) {
+  RowsArgs<T> a{};
+  a.out = data_of<T>(out);
+  a.weight = data_of<const T>(weight);
+  a.rows = o.rows;
+  a.n = o.n;
+  a.out_stride = o.stride;
+  a.epsilon = static_cast<float>(epsilon);
+  return a;
 }
 
 void rms_norm(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight, double epsilon) {
@@ -667,19 +662,12 @@ void rms_norm(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight
   check_like(weight, "weight", input, "input");
   TORCH_CHECK(o.rows == x.rows && o.n == x.n && weight.numel() == x.n && weight.is_contiguous(),
               "rms_norm: out ", out.sizes(), ", input ", input.sizes(), " and weight ", weight.sizes(), " differ");
-  const c10::cuda::OptionalCUDAGuard guard(input.device());
-  with_kernel_type(input.scalar_type(), [&](auto type) {
+  launch_elementwise(input, [&](auto type, Stream stream) {
     using T = decltype(type);
-    RowsArgs<T> a{};
-    a.out = reinterpret_cast<T*>(out.data_ptr());
-    a.input = reinterpret_cast<const T*>(input.data_ptr());
-    a.weight = reinterpret_cast<const T*>(weight.data_ptr());
-    a.rows = x.rows;
-    a.n = x.n;
-    a.out_stride = o.stride;
+    RowsArgs<T> a = norm_args<T>(out, o, weight, epsilon);
+    a.input = data_of<const T>(input);
     a.input_stride = x.stride;
-    a.epsilon = static_cast<float>(epsilon);
-    C10_CUDA_CHECK(launch_rms_norm(a, c10::cuda::getCurrentCUDAStream()));
+    return launch_rms_norm(a, stream);
   });
 }
 
@@ -690,19 +678,12 @@ void fused_add_rms_norm(at::Tensor& input, at::Tensor& residual, const at::Tenso
   TORCH_CHECK(r.rows == x.rows && r.n == x.n && weight.numel() == x.n && weight.is_contiguous(),
               "fused_add_rms_norm: input ", input.sizes(), ", residual ", residual.sizes(), " and weight ",
               weight.sizes(), " differ");
-  const c10::cuda::OptionalCUDAGuard guard(input.device());
-  with_kernel_type(input.scalar_type(), [&](auto type) {
+  launch_elementwise(input, [&](auto type, Stream stream) {
     using T = decltype(type);
-    RowsArgs<T> a{};
-    a.out = reinterpret_cast<T*>(input.data_ptr());
-    a.residual = reinterpret_cast<T*>(residual.data_ptr());
-    a.weight = reinterpret_cast<const T*>(weight.data_ptr());
-    a.rows = x.rows;
-    a.n = x.n;
-    a.out_stride = x.stride;
+    RowsArgs<T> a = norm_args<T>(input, x, weight, epsilon);  // input is normalized in place
+    a.residual = data_of<T>(residual);
     a.residual_stride = r.stride;
-    a.epsilon = static_cast<float>(epsilon);
-    C10_CUDA_CHECK(launch_fused_add_rms_norm(a, c10::cuda::getCurrentCUDAStream()));
+    return launch_fused_add_rms_norm(a, stream);
   });
 }
 
@@ -719,14 +700,13 @@ void rotary_embedding_cos_sin(at::Tensor& query, at::Tensor& key, const at::Tens
                   sin.sizes() == cos.sizes() && cos.stride(1) == 1 && sin.stride(1) == 1,
               "cos and sin must be [tokens, head_size] with a contiguous last dim, got ", cos.sizes(), " and ",
               sin.sizes());
-  const c10::cuda::OptionalCUDAGuard guard(query.device());
-  with_kernel_type(query.scalar_type(), [&](auto type) {
+  launch_elementwise(query, [&](auto type, Stream stream) {
     using T = decltype(type);
     RotaryArgs<T> a{};
-    a.query = reinterpret_cast<T*>(query.data_ptr());
-    a.key = reinterpret_cast<T*>(key.data_ptr());
-    a.cos = reinterpret_cast<const T*>(cos.data_ptr());
-    a.sin = reinterpret_cast<const T*>(sin.data_ptr());
+    a.query = data_of<T>(query);
+    a.key = data_of<T>(key);
+    a.cos = data_of<const T>(cos);
+    a.sin = data_of<const T>(sin);
     a.tokens = query.size(0);
     a.heads = static_cast<int>(query.size(1));
     a.kv_heads = static_cast<int>(key.size(1));
@@ -737,7 +717,7 @@ void rotary_embedding_cos_sin(at::Tensor& query, at::Tensor& key, const at::Tens
     a.key_head_stride = key.stride(1);
     a.cos_stride = cos.stride(0);
     a.sin_stride = sin.stride(0);
-    C10_CUDA_CHECK(launch_rotary(a, c10::cuda::getCurrentCUDAStream()));
+    return launch_rotary(a, stream);
   });
 }
 
@@ -747,19 +727,18 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& gate, const at::Tensor& up)
   check_like(up, "up", out, "out");
   TORCH_CHECK(o.rows == g.rows && o.rows == u.rows && o.n == g.n && o.n == u.n, "silu_and_mul: out ",
               out.sizes(), ", gate ", gate.sizes(), " and up ", up.sizes(), " differ");
-  const c10::cuda::OptionalCUDAGuard guard(out.device());
-  with_kernel_type(out.scalar_type(), [&](auto type) {
+  launch_elementwise(out, [&](auto type, Stream stream) {
     using T = decltype(type);
     SiluMulArgs<T> a{};
-    a.out = reinterpret_cast<T*>(out.data_ptr());
-    a.gate = reinterpret_cast<const T*>(gate.data_ptr());
-    a.up = reinterpret_cast<const T*>(up.data_ptr());
+    a.out = data_of<T>(out);
+    a.gate = data_of<const T>(gate);
+    a.up = data_of<const T>(up);
     a.rows = o.rows;
     a.n = o.n;
     a.out_stride = o.stride;
     a.gate_stride = g.stride;
     a.up_stride = u.stride;
-    C10_CUDA_CHECK(launch_silu_and_mul(a, c10::cuda::getCurrentCUDAStream()));
+    return launch_silu_and_mul(a, stream);
   });
 }
 
@@ -771,11 +750,7 @@ TORCH_LIBRARY_FRAGMENT(fp8kv, m) {
 }
 
 TORCH_LIBRARY_IMPL(fp8kv, CUDA, m) {
-  m.impl("reshape_and_cache", &fp8kv::gpu::reshape_and_cache);
-  m.impl("paged_attention", &fp8kv::gpu::paged_attention);
-  m.impl("paged_attention_window", &fp8kv::gpu::paged_attention_window);
-  m.impl("rms_norm", &fp8kv::gpu::rms_norm);
-  m.impl("fused_add_rms_norm", &fp8kv::gpu::fused_add_rms_norm);
-  m.impl("rotary_embedding_cos_sin", &fp8kv::gpu::rotary_embedding_cos_sin);
-  m.impl("silu_and_mul", &fp8kv::gpu::silu_and_mul);
+#define FP8KV_IMPL(name) m.impl(#name, &fp8kv::gpu::name);
+  FP8KV_FOR_EACH_BACKEND_OP(FP8KV_IMPL)
+#undef FP8KV_IMPL
 }

@@ -152,11 +152,28 @@ def hadamard_transform(x):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-def _in_place(*names: str):
-    def check(*tensors) -> None:
-        device = tensors[0].device
-        _same_device(device, **{n: t for n, t in zip(names[1:], tensors[1:]) if isinstance(t, torch.Tensor)})
-    return check
+def _same_device_as_first(**tensors: torch.Tensor) -> None:
+    """The decoder-layer ops' one check: every tensor on the first one's device (named as the op names it)."""
+    first = next(iter(tensors.values()))
+    _same_device(first.device, **tensors)
+
+
+# The decoder-layer elementwise ops write in place and return nothing; their parameters are the ops' own.
+
+def rms_norm(out, input, weight, epsilon) -> None:
+    _same_device_as_first(out=out, input=input, weight=weight)
+
+
+def fused_add_rms_norm(input, residual, weight, epsilon) -> None:
+    _same_device_as_first(input=input, residual=residual, weight=weight)
+
+
+def rotary_embedding_cos_sin(query, key, cos, sin) -> None:
+    _same_device_as_first(query=query, key=key, cos=cos, sin=sin)
+
+
+def silu_and_mul(out, gate, up) -> None:
+    _same_device_as_first(out=out, gate=gate, up=up)
 
 
 _FAKES = {
@@ -166,10 +183,10 @@ _FAKES = {
     "quantize_fp8": quantize_fp8,
     "dequantize_fp8": dequantize_fp8,
     "hadamard_transform": hadamard_transform,
-    "rms_norm": lambda out, x, weight, eps: _in_place("out", "input", "weight")(out, x, weight),
-    "fused_add_rms_norm": lambda x, residual, weight, eps: _in_place("input", "residual", "weight")(x, residual, weight),
-    "rotary_embedding_cos_sin": lambda q, k, cos, sin: _in_place("query", "key", "cos", "sin")(q, k, cos, sin),
-    "silu_and_mul": lambda out, gate, up: _in_place("out", "gate", "up")(out, gate, up),
+    "rms_norm": rms_norm,
+    "fused_add_rms_norm": fused_add_rms_norm,
+    "rotary_embedding_cos_sin": rotary_embedding_cos_sin,
+    "silu_and_mul": silu_and_mul,
 }
 
 
