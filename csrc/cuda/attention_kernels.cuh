@@ -374,6 +374,49 @@ struct Attention {
   }
 };
 
+// What one attention block works on: grid x is (KV head, block of up to kHeads of its query heads), y the
+// sequence, z the split; `heads` of the block's kHeads slots are real (a group's last block may hold fewer).
+struct BlockWork {
+  int kv_head, first_head, heads, seq, split;
+};
+
+template <int kHeads, class Thread>
+FP8KV_DEVICE BlockWork block_work(const AttentionParams& p, const Thread& th) {
+  const int group_size = p.num_heads / p.num_kv_heads;
+  const int head_blocks = (group_size + kHeads - 1) / kHeads;
+  BlockWork w{};
+  w.kv_head = th.block_x() / head_blocks;
+  w.first_head = w.kv_head * group_size + (th.block_x() % head_blocks) * kHeads;
+  w.heads = min_int(kHeads, w.kv_head * group_size + group_size - w.first_head);
+  w.seq = th.block_y();
+  w.split = th.block_z();
+  return w;
+}
+
+// Tiles per split when num_splits share `tiles` (the last splits may get fewer, or none).
+FP8KV_DEVICE int split_tiles(int tiles, int num_splits) { return (tiles + num_splits - 1) / num_splits; }
+
+// The result of a block with nothing to attend to (an empty output, or a split the merge weighs 0): zeros in
+// out when the block writes it `direct`ly, else an empty partial (max -inf, sum 0) in split slot `part` of
+// `total_splits`; row0 is the block's (sequence, first head) row, heads its heads.
+template <int kThreads>
+FP8KV_DEVICE void write_empty_split(const AttentionParams& p, bool direct, int64_t row0, int heads, int total_splits,
+                                    int part, int tid) {
+  const int head_size = p.head_size;
+  for (int i = tid; i < heads * head_size; i += kThreads) {
+    const int h = i / head_size, d = i % head_size;
+    if (direct) {
+      store_model_value(p.out, (row0 + h) * head_size + d, p.out_dtype, 0.0f);
+    } else {
+      p.partial_out[((row0 + h) * total_splits + part) * head_size + d] = 0.0f;
+    }
+  }
+  if (!direct && tid < heads) {
+    p.partial_max[(row0 + tid) * total_splits + part] = -INFINITY;
+    p.partial_sum[(row0 + tid) * total_splits + part] = 0.0f;
+  }
+}
+
 template <class Src, int kChunks, int kHeads, class Thread>
 FP8KV_DEVICE void attention_body(const AttentionParams& p, AttentionSmem<kHeads, kChunks * 16>& sm,
                                  const Thread& th) {
@@ -381,12 +424,9 @@ FP8KV_DEVICE void attention_body(const AttentionParams& p, AttentionSmem<kHeads,
   using cache_t = typename Src::Cache;
   constexpr int kMaxD = A::kMaxD;
   const int tid = th.index();
-  const int group_size = p.num_heads / p.num_kv_heads;
-  const int head_blocks = (group_size + kHeads - 1) / kHeads;
-  const int kv_head = th.block_x() / head_blocks;
-  const int first_head = kv_head * group_size + (th.block_x() % head_blocks) * kHeads;
-  const int heads = min_int(kHeads, kv_head * group_size + group_size - first_head);
-  const int seq = th.block_y(), split = th.block_z();
+  const BlockWork work = block_work<kHeads>(p, th);
+  const int kv_head = work.kv_head, first_head = work.first_head, heads = work.heads, seq = work.seq;
+  const int split = work.split;
   const CacheRef& c = Src::cache(p);
   const int head_size = p.head_size;
 
@@ -395,9 +435,7 @@ FP8KV_DEVICE void attention_body(const AttentionParams& p, AttentionSmem<kHeads,
   const Task& task = a.task;
   const int num_splits = Src::splits(p);
   const int tiles = (task.end - task.start + kTile - 1) / kTile;
-  const int tiles_per_split = (tiles + num_splits - 1) / num_splits;
-  const int t0 = split * tiles_per_split;
-  const int t1 = min_int(t0 + tiles_per_split, tiles);
+  const int t0 = split * split_tiles(tiles, num_splits), t1 = min_int(t0 + split_tiles(tiles, num_splits), tiles);
   // No reduce: write the output here (sinks join the softmax in the reduce).
   const bool direct = num_splits == 1 && p.window_starts == nullptr && p.sinks == nullptr;
   const int64_t row0 = int64_t(seq) * p.num_heads + first_head;  // (seq, first head)
@@ -405,18 +443,7 @@ FP8KV_DEVICE void attention_body(const AttentionParams& p, AttentionSmem<kHeads,
   const int part = Src::split_base(p) + split;
 
   if (t0 >= t1) {  // nothing to attend to: an empty output, or a split the merge weighs 0
-    for (int i = tid; i < heads * head_size; i += kAttentionThreads) {
-      const int h = i / head_size, d = i % head_size;
-      if (direct) {
-        store_model_value(p.out, (row0 + h) * head_size + d, p.out_dtype, 0.0f);
-      } else {
-        p.partial_out[((row0 + h) * total_splits + part) * head_size + d] = 0.0f;
-      }
-    }
-    if (!direct && tid < heads) {
-      p.partial_max[(row0 + tid) * total_splits + part] = -INFINITY;
-      p.partial_sum[(row0 + tid) * total_splits + part] = 0.0f;
-    }
+    write_empty_split<kAttentionThreads>(p, direct, row0, heads, total_splits, part, tid);
     return;
   }
 

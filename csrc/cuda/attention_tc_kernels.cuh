@@ -498,38 +498,22 @@ FP8KV_DEVICE void tc_attention_body(const AttentionParams& p, uint8_t* smem, con
   using A = TcAttention<Cfg, Thread>;
   constexpr int kHeads = Cfg::kSlots, kD = Cfg::kDims;
   const int tid = th.index(), lane = tid % 32, warp = tid / 32;
-  const int group_size = p.num_heads / p.num_kv_heads;
-  const int head_blocks = (group_size + kHeads - 1) / kHeads;
-  const int kv_head = th.block_x() / head_blocks;
-  const int first_head = kv_head * group_size + (th.block_x() % head_blocks) * kHeads;
-  const int heads = min_int(kHeads, kv_head * group_size + group_size - first_head);
-  const int seq = th.block_y(), split = th.block_z();
+  const BlockWork work = block_work<kHeads>(p, th);
+  const int kv_head = work.kv_head, first_head = work.first_head, heads = work.heads, seq = work.seq;
+  const int split = work.split;
   const CacheRef& c = p.paged;
   const int head_size = p.head_size;
   const Task task = make_task<Src>(p, seq, kv_head, tid == 0 && split == 0 && th.block_x() == 0);
   const int num_splits = p.paged_splits;
   const int tiles = (task.end - task.start + kTcTile - 1) / kTcTile;
-  const int tiles_per_split = (tiles + num_splits - 1) / num_splits;
-  const int t0 = split * tiles_per_split;
-  const int t1 = min_int(t0 + tiles_per_split, tiles);
+  const int t0 = split * split_tiles(tiles, num_splits), t1 = min_int(t0 + split_tiles(tiles, num_splits), tiles);
   // No reduce: write the output here (sinks join the softmax in the reduce).
   const bool direct = num_splits == 1 && p.window_starts == nullptr && p.sinks == nullptr;
   const int64_t row0 = int64_t(seq) * p.num_heads + first_head;
   const int total_splits = p.paged_splits + (p.window_starts != nullptr ? p.ring_splits : 0);
 
   if (t0 >= t1) {  // nothing to attend to: an empty output, or a split the merge weighs 0
-    for (int i = tid; i < heads * head_size; i += kTcThreads) {
-      const int h = i / head_size, d = i % head_size;
-      if (direct) {
-        store_model_value(p.out, (row0 + h) * head_size + d, p.out_dtype, 0.0f);
-      } else {
-        p.partial_out[((row0 + h) * total_splits + split) * head_size + d] = 0.0f;
-      }
-    }
-    if (!direct && tid < heads) {
-      p.partial_max[(row0 + tid) * total_splits + split] = -INFINITY;
-      p.partial_sum[(row0 + tid) * total_splits + split] = 0.0f;
-    }
+    write_empty_split<kTcThreads>(p, direct, row0, heads, total_splits, split, tid);
     return;
   }
 

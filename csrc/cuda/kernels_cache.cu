@@ -8,41 +8,32 @@
 
 namespace fp8kv::gpu {
 
+// One block of `threads` per row (token) of a call's `blocks`; none for an empty call.
+template <typename Args>
+Error launch_per_row(void (*kernel)(Args), int64_t blocks, int threads, const Args& args, Stream stream) {
+  if (blocks == 0) return kSuccess;
+  kernel<<<dim3(static_cast<unsigned>(blocks)), dim3(threads), 0, stream>>>(args);
+  return last_launch_error();
+}
+
 template <typename scalar_t, typename cache_t, Fp8Format kFormat>
 Error launch_reshape_and_cache(const ReshapeAndCacheArgs<scalar_t, cache_t>& args, Stream stream) {
-  if (args.num_tokens == 0) return kSuccess;
-  reshape_and_cache_kernel<scalar_t, cache_t, kFormat>
-      <<<dim3(static_cast<unsigned>(args.num_tokens)), dim3(kCacheThreads), 0, stream>>>(args);
-  return last_launch_error();
+  return launch_per_row(reshape_and_cache_kernel<scalar_t, cache_t, kFormat>, args.num_tokens, kCacheThreads, args,
+                        stream);
 }
 
-template <typename T>
-Error launch_rms_norm(const RowsArgs<T>& args, Stream stream) {
-  if (args.rows == 0) return kSuccess;
-  rms_norm_kernel<T><<<dim3(static_cast<unsigned>(args.rows)), dim3(kLayerThreads), 0, stream>>>(args);
-  return last_launch_error();
-}
+// The decoder-layer ops' launchers, launch_rms_norm<T> and its kind: one block of kLayerThreads per row.
+#define FP8KV_LAYER_LAUNCHER(launcher, kernel, Args, rows)                    \
+  template <typename T>                                                       \
+  Error launcher(const Args<T>& args, Stream stream) {                        \
+    return launch_per_row(kernel<T>, args.rows, kLayerThreads, args, stream); \
+  }
 
-template <typename T>
-Error launch_fused_add_rms_norm(const RowsArgs<T>& args, Stream stream) {
-  if (args.rows == 0) return kSuccess;
-  fused_add_rms_norm_kernel<T><<<dim3(static_cast<unsigned>(args.rows)), dim3(kLayerThreads), 0, stream>>>(args);
-  return last_launch_error();
-}
-
-template <typename T>
-Error launch_rotary(const RotaryArgs<T>& args, Stream stream) {
-  if (args.tokens == 0) return kSuccess;
-  rotary_kernel<T><<<dim3(static_cast<unsigned>(args.tokens)), dim3(kLayerThreads), 0, stream>>>(args);
-  return last_launch_error();
-}
-
-template <typename T>
-Error launch_silu_and_mul(const SiluMulArgs<T>& args, Stream stream) {
-  if (args.rows == 0) return kSuccess;
-  silu_and_mul_kernel<T><<<dim3(static_cast<unsigned>(args.rows)), dim3(kLayerThreads), 0, stream>>>(args);
-  return last_launch_error();
-}
+FP8KV_LAYER_LAUNCHER(launch_rms_norm, rms_norm_kernel, RowsArgs, rows)
+FP8KV_LAYER_LAUNCHER(launch_fused_add_rms_norm, fused_add_rms_norm_kernel, RowsArgs, rows)
+FP8KV_LAYER_LAUNCHER(launch_rotary, rotary_kernel, RotaryArgs, tokens)
+FP8KV_LAYER_LAUNCHER(launch_silu_and_mul, silu_and_mul_kernel, SiluMulArgs, rows)
+#undef FP8KV_LAYER_LAUNCHER
 
 #define FP8KV_INSTANTIATE_LAYER(T)                                         \
   template Error launch_rms_norm<T>(const RowsArgs<T>&, Stream);           \

@@ -41,26 +41,25 @@
 
 namespace fp8kv::gpu {
 
+#if defined(FP8KV_PLATFORM_ROCM) || defined(FP8KV_PLATFORM_CUDA)
+// The runtime's name for a thing: hipStream_t or cudaStream_t, hipSuccess or cudaSuccess.
 #if defined(FP8KV_PLATFORM_ROCM)
-using Stream = hipStream_t;
-using Error = hipError_t;
-constexpr Error kSuccess = hipSuccess;
-constexpr Error kInvalidValue = hipErrorInvalidValue;
-inline Error last_launch_error() { return hipGetLastError(); }
-using half_t = __half;
+#define FP8KV_RUNTIME(name) hip##name
 #if defined(__AMDGCN_WAVEFRONT_SIZE)
 constexpr int kWarpSize = __AMDGCN_WAVEFRONT_SIZE;
 #else
 constexpr int kWarpSize = 64;  // host pass; only device code reads it
 #endif
-#elif defined(FP8KV_PLATFORM_CUDA)
-using Stream = cudaStream_t;
-using Error = cudaError_t;
-constexpr Error kSuccess = cudaSuccess;
-constexpr Error kInvalidValue = cudaErrorInvalidValue;
-inline Error last_launch_error() { return cudaGetLastError(); }
-using half_t = __half;
+#else
+#define FP8KV_RUNTIME(name) cuda##name
 constexpr int kWarpSize = 32;
+#endif
+using Stream = FP8KV_RUNTIME(Stream_t);
+using Error = FP8KV_RUNTIME(Error_t);
+constexpr Error kSuccess = FP8KV_RUNTIME(Success);
+constexpr Error kInvalidValue = FP8KV_RUNTIME(ErrorInvalidValue);
+inline Error last_launch_error() { return FP8KV_RUNTIME(GetLastError)(); }
+using half_t = __half;
 #else
 using Stream = void*;
 using Error = int;
