@@ -190,37 +190,4 @@ FP8KV_HOST_DEVICE FP8KV_INLINE uint8_t scaled_float_to_fp8(float x, float scale)
   return float_to_fp8<F>(x / scale);
 }
 
-// Array forms (N known at compile time so the compiler can unroll / vectorise).
-template <Fp8Format F, int N>
-FP8KV_HOST_DEVICE FP8KV_INLINE void fp8_to_float_n(const uint8_t* in, float* out) {
-#if defined(__CUDACC__) || defined(__HIPCC__)
-#pragma unroll
-#endif
-  for (int i = 0; i < N; ++i) out[i] = fp8_to_float<F>(in[i]);
-}
-
-template <Fp8Format F, int N>
-FP8KV_HOST_DEVICE FP8KV_INLINE void fp8_to_float_scaled_n(const uint8_t* in, float* out, float scale) {
-#if defined(__CUDACC__) || defined(__HIPCC__)
-#pragma unroll
-#endif
-  for (int i = 0; i < N; ++i) out[i] = fp8_to_float<F>(in[i]) * scale;
-}
-
-template <Fp8Format F, int N>
-FP8KV_HOST_DEVICE FP8KV_INLINE void float_to_fp8_n(const float* in, uint8_t* out) {
-#if defined(__CUDACC__) || defined(__HIPCC__)
-#pragma unroll
-#endif
-  for (int i = 0; i < N; ++i) out[i] = float_to_fp8<F>(in[i]);
-}
-
-template <Fp8Format F, int N>
-FP8KV_HOST_DEVICE FP8KV_INLINE void scaled_float_to_fp8_n(const float* in, uint8_t* out, float scale) {
-#if defined(__CUDACC__) || defined(__HIPCC__)
-#pragma unroll
-#endif
-  for (int i = 0; i < N; ++i) out[i] = float_to_fp8<F>(in[i] / scale);
-}
-
 }  // namespace fp8kv

@@ -130,6 +130,14 @@ void rotate_row(T* x, const T* cos, const T* sin, int64_t d) {
   }
 }
 
+// fn(r) for each of `rows` rows of `n` elements' work, spread over the threads.
+template <typename F>
+void for_each_row(int64_t rows, int64_t n, const F& fn) {
+  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) fn(r);
+  });
+}
+
 #define FP8KV_DISPATCH_MODEL_DTYPE(TYPE, NAME, ...) \
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, TYPE, NAME, __VA_ARGS__)
 
@@ -140,10 +148,8 @@ void rms_norm(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight
   check_same(out, "out", input, "input");
   const std::vector<float> w = weight_of(weight, x.n);
   FP8KV_DISPATCH_MODEL_DTYPE(input.scalar_type(), "rms_norm", [&] {
-    at::parallel_for(0, x.rows, grain_rows(x.n), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        norm_row(o.row<scalar_t>(r), x.row<scalar_t>(r), w.data(), x.n, static_cast<float>(epsilon));
-      }
+    for_each_row(x.rows, x.n, [&](int64_t r) {
+      norm_row(o.row<scalar_t>(r), x.row<scalar_t>(r), w.data(), x.n, static_cast<float>(epsilon));
     });
   });
 }
@@ -153,15 +159,13 @@ void fused_add_rms_norm(at::Tensor& input, at::Tensor& residual, const at::Tenso
   check_same(input, "input", residual, "residual");
   const std::vector<float> w = weight_of(weight, x.n);
   FP8KV_DISPATCH_MODEL_DTYPE(input.scalar_type(), "fused_add_rms_norm", [&] {
-    at::parallel_for(0, x.rows, grain_rows(x.n), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        scalar_t* sum = res.row<scalar_t>(r);
-        scalar_t* in = x.row<scalar_t>(r);
-        for (int64_t i = 0; i < x.n; ++i) {
-          sum[i] = round_to<scalar_t>(static_cast<float>(sum[i]) + static_cast<float>(in[i]));
-        }
-        norm_row(in, sum, w.data(), x.n, static_cast<float>(epsilon));
+    for_each_row(x.rows, x.n, [&](int64_t r) {
+      scalar_t* sum = res.row<scalar_t>(r);
+      scalar_t* in = x.row<scalar_t>(r);
+      for (int64_t i = 0; i < x.n; ++i) {
+        sum[i] = round_to<scalar_t>(static_cast<float>(sum[i]) + static_cast<float>(in[i]));
       }
+      norm_row(in, sum, w.data(), x.n, static_cast<float>(epsilon));
     });
   });
 }
@@ -182,13 +186,11 @@ void rotary_embedding_cos_sin(at::Tensor& query, at::Tensor& key, const at::Tens
               " and ", cos.scalar_type());
   const int64_t qh = query.size(1), kh = key.size(1);
   FP8KV_DISPATCH_MODEL_DTYPE(query.scalar_type(), "rotary_embedding_cos_sin", [&] {
-    at::parallel_for(0, tokens, grain_rows(d * (qh + kh)), [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        const scalar_t* ct = c.row<scalar_t>(t);
-        const scalar_t* st = s.row<scalar_t>(t);
-        for (int64_t h = 0; h < qh; ++h) rotate_row(q.row<scalar_t>(t * qh + h), ct, st, d);
-        for (int64_t h = 0; h < kh; ++h) rotate_row(k.row<scalar_t>(t * kh + h), ct, st, d);
-      }
+    for_each_row(tokens, d * (qh + kh), [&](int64_t t) {
+      const scalar_t* ct = c.row<scalar_t>(t);
+      const scalar_t* st = s.row<scalar_t>(t);
+      for (int64_t h = 0; h < qh; ++h) rotate_row(q.row<scalar_t>(t * qh + h), ct, st, d);
+      for (int64_t h = 0; h < kh; ++h) rotate_row(k.row<scalar_t>(t * kh + h), ct, st, d);
     });
   });
 }

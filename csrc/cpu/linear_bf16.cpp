@@ -106,15 +106,7 @@ at::Tensor linear_bf16_pack(const at::Tensor& weight) {
   const int64_t N = weight.size(0), K = weight.size(1), P = (N + kPanel - 1) / kPanel, K2 = (K + 1) / 2;
   at::Tensor packed = at::zeros({P, K2, kPanel, 2}, weight.options());
   const at::Tensor w = weight.contiguous();
-  const bf16* src = w.data_ptr<bf16>();
-  bf16* dst = packed.data_ptr<bf16>();
-  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      for (int64_t n = p * kPanel; n < std::min(N, (p + 1) * kPanel); ++n) {
-        for (int64_t k = 0; k < K; ++k) dst[((p * K2 + k / 2) * kPanel + n % kPanel) * 2 + k % 2] = src[n * K + k];
-      }
-    }
-  });
+  pack_panels<2>(w.data_ptr<bf16>(), N, K, packed.data_ptr<bf16>());
   return packed;
 }
 

@@ -81,15 +81,7 @@ at::Tensor linear_f32_pack(const at::Tensor& weight) {
   const int64_t N = weight.size(0), K = weight.size(1), P = (N + kPanel - 1) / kPanel;
   at::Tensor packed = at::zeros({P, K, kPanel}, weight.options());
   const at::Tensor w = weight.contiguous();
-  const float* src = w.data_ptr<float>();
-  float* dst = packed.data_ptr<float>();
-  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      for (int64_t n = p * kPanel; n < std::min(N, (p + 1) * kPanel); ++n) {
-        for (int64_t k = 0; k < K; ++k) dst[(p * K + k) * kPanel + n % kPanel] = src[n * K + k];
-      }
-    }
-  });
+  pack_panels<1>(w.data_ptr<float>(), N, K, packed.data_ptr<float>());
   return packed;
 }
 

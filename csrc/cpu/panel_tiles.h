@@ -19,6 +19,23 @@ namespace fp8kv::cpu {
 
 constexpr int kPanel = 16;  // output columns per panel
 
+// Packs weight [N, K] (row-major, src) into the panels the kernels read: feature n, input k at
+// dst[((p * Kp + k / kPair) * kPanel + n % kPanel) * kPair + k % kPair], p = n / kPanel, Kp = ceil(K / kPair)
+// (kPair 2: bfloat16's k pairs). dst comes zeroed, so the last panel's and pair's padding stays 0.
+template <int kPair, typename T>
+void pack_panels(const T* src, int64_t N, int64_t K, T* dst) {
+  const int64_t P = (N + kPanel - 1) / kPanel, Kp = (K + kPair - 1) / kPair;
+  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      for (int64_t n = p * kPanel; n < std::min(N, (p + 1) * kPanel); ++n) {
+        for (int64_t k = 0; k < K; ++k) {
+          dst[((p * Kp + k / kPair) * kPanel + n % kPanel) * kPair + k % kPair] = src[n * K + k];
+        }
+      }
+    }
+  });
+}
+
 // Rows of one register tile against NR panels: 8 x 3, 12 x 2 or 16 x 1 accumulators (24, 24 and 16 zmm).
 constexpr int rows_per_tile(int NR) { return NR == 3 ? 8 : NR == 2 ? 12 : 16; }
 
