@@ -1,5 +1,6 @@
-// Op schemas of torch.ops.fp8kv (docs/design.md section 4). Kernels are registered per backend:
-// cpu/register.cpp (CPU) and cuda/ (CUDA, HIP).
+// Op schemas of torch.ops.fp8kv (docs/design.md section 4): each op's signature, declared once. The C++ parameter
+// lists (op_signatures.h), the Python wrappers, fake kernels and reference follow them, checked by
+// tests/ops/test_op_signatures.py. Kernels are registered per backend: cpu/register.cpp (CPU) and cuda/ (CUDA, HIP).
 #include <string>
 
 #include <torch/library.h>
