@@ -91,7 +91,7 @@ def evaluate(config: EngineConfig, text_path: str | None = None, windows: int = 
             advance()
     n, spec = totals["tokens"], tested.kv_spec
     return {
-        "kv_cache_dtype": spec.name,
+        "kv_cache_dtype": spec.cache_dtype_name,
         "ppl": math.exp(totals["nll_fp8"] / n),
         "baseline_ppl": math.exp(totals["nll_base"] / n),
         "kl": totals["kl"] / n,

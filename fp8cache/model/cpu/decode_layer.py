@@ -63,8 +63,9 @@ def step_args(ctx: ForwardContext, layer: int) -> tuple | None:
         return None
     key_cache, value_cache = ctx.kv_caches[layer]
     window = ctx.window_caches[layer] if ctx.window_size else ()
-    scale_caches = ctx.scale_caches[layer] if ctx.scale_caches is not None else ()  # dynamic scales
-    return (key_cache, value_cache, ctx.slot_mapping, ctx.cache_format, ctx.k_scales[layer], ctx.v_scales[layer],
+    # Dynamic scales; () for a layer kept in the model dtype, whose format is AUTO in a mixed cache.
+    scale_caches = ctx.scale_caches[layer] if ctx.scale_caches is not None else ()
+    return (key_cache, value_cache, ctx.slot_mapping, ctx.layer_formats[layer], ctx.k_scales[layer], ctx.v_scales[layer],
             ctx.decode_block_tables, ctx.decode_context_lens, ctx.max_decode_len, list(window),
             ctx.window_slot_mapping if window else None, ctx.decode_window_block_tables if window else None,
             ctx.decode_window_starts if window else None, ctx.window_size, *scale_caches)
