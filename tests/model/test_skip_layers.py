@@ -195,3 +195,26 @@ def test_the_python_api_takes_the_layer_list(tiny_llama_path):
               max_num_seqs=2)
     runner = llm.llm_engine.runner
     assert runner.kv_spec.skip_layers == (1,) and runner.kv_caches[1][0].dtype == torch.float32
+
+
+@pytest.mark.parametrize("kv_scales", ["static", "dynamic"])
+def test_a_mixed_cache_keeps_to_the_gpu(tiny_llama_path, kv_scales):
+    """The GPU path (the stand-in device, fake_gpu.py): a bfloat16 model whose layer 1 keeps a bfloat16 cache beside
+    layer 0's FP8 one runs chunked prefill, a prefix-cache hit, the recent window and decode with every tensor on
+    the device."""
+    from fake_gpu import fake_gpu
+    from test_gpu_paths import _engine, _run
+
+    from fp8cache.engine.sampling_params import SamplingParams
+
+    shared = [5, 6, 7, 8] * 12
+    with fake_gpu():
+        engine = _engine(tiny_llama_path, kv_cache_dtype_skip_layers=(1,), kv_scales=kv_scales, kv_recent_window=8,
+                         max_model_len=256, max_num_batched_tokens=32, kv_cache_memory="2MiB", max_num_seqs=2)
+        caches = engine.runner.kv_caches
+        assert caches[0][0].dtype == torch.uint8 and caches[1][0].dtype == torch.bfloat16
+        engine.add_request("chunked", shared + [9], SamplingParams(max_tokens=5, ignore_eos=True, temperature=0))
+        _run(engine)
+        engine.add_request("prefix-hit", shared + [11], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0))
+        _run(engine)
+        assert engine.stats.prefix_cache_hits > 0
