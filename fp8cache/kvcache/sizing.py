@@ -194,10 +194,11 @@ def allocate_caches(allocate: Callable, spec: KVCacheSpec, num_blocks: int, devi
             for fmt, dtype in formats_and_dtypes]
 
 
-def describe(plan: CachePlan, kv_cache_dtype: str, max_model_len: int, max_num_seqs: int = 1,
+def describe(plan: CachePlan, cache_label: str, max_model_len: int, max_num_seqs: int = 1,
              model_dtype: torch.dtype | None = None, window_dtype: torch.dtype | None = None) -> list[str]:
+    """The start log's lines about the cache; cache_label: its resolved dtype (and any layers in another)."""
     mib = plan.num_blocks * plan.block_size * plan.bytes_per_token / 2**20
-    lines = [(f"KV cache: {kv_cache_dtype}, {plan.num_blocks} blocks of {plan.block_size} tokens = "
+    lines = [(f"KV cache: {cache_label}, {plan.num_blocks} blocks of {plan.block_size} tokens = "
               f"{plan.capacity_tokens} tokens of capacity, {plan.bytes_per_token} bytes per token "
               f"({mib:.1f} MiB, {plan.budget_source})")]
     if plan.window_size:

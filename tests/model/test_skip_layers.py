@@ -218,3 +218,27 @@ def test_a_mixed_cache_keeps_to_the_gpu(tiny_llama_path, kv_scales):
         engine.add_request("prefix-hit", shared + [11], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0))
         _run(engine)
         assert engine.stats.prefix_cache_hits > 0
+
+
+def test_the_flag_parses_reaches_the_config_and_goes_into_a_unit(monkeypatch):
+    import os
+
+    import click
+    from click.testing import CliRunner
+
+    from launcher.cli import main
+    from launcher.options import engine_config
+    from launcher.run import run
+
+    for name in [n for n in os.environ if n.startswith("FP8KV_")]:
+        monkeypatch.delenv(name)
+    ctx = run.make_context("run", ["--kv-cache-dtype", "fp8", "--kv-cache-dtype-skip-layers", "3,0"])
+    assert engine_config(None, ctx.params).kv_cache_dtype_skip_layers == (0, 3)
+    monkeypatch.setenv("FP8KV_KV_CACHE_DTYPE_SKIP_LAYERS", "1")
+    assert engine_config(None, run.make_context("run", []).params).kv_cache_dtype_skip_layers == (1,)
+    with pytest.raises(click.BadParameter, match="not a list of layer ids; give them as 0,1,5"):
+        run.make_context("run", ["--kv-cache-dtype-skip-layers", "0,x"])
+    monkeypatch.delenv("FP8KV_KV_CACHE_DTYPE_SKIP_LAYERS")
+    done = CliRunner().invoke(main, ["systemd-unit", "--template", "--kv-cache-dtype-skip-layers", "3,0"])
+    assert done.exit_code == 0, done.output
+    assert "--kv-cache-dtype-skip-layers 0,3" in done.output
