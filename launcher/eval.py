@@ -101,12 +101,12 @@ def eval_command(model: str | None, kv_cache_dtype: str, quantization_param_path
                   f"{result['kl']:.5f}", f"{100 * result['top1_agreement']:.2f}%")
     Console().print(table)
     if per_layer:
-        _print_per_layer(result["saturation"], result["kv_cache_dtype"])
+        _print_per_layer(result["saturation"], result["kv_cache_dtype"], result["kv_cache_dtype_skip_layers"])
     else:
         _print_saturation(result["saturation"])
 
 
-def _print_per_layer(rows: list[dict], kv_cache_dtype: str) -> None:
+def _print_per_layer(rows: list[dict], kv_cache_dtype: str, skip_layers: list[int]) -> None:
     """Every layer's K and V: relative MSE of the dequantized values, clipped and flushed-to-zero shares."""
     if not rows:
         Console().print(f"per-layer error: only measured for an FP8 cache with static scales ({kv_cache_dtype} "
@@ -116,6 +116,9 @@ def _print_per_layer(rows: list[dict], kv_cache_dtype: str) -> None:
     for col in ("layer", "kind", "relative MSE", "clipped %", "flushed %"):
         table.add_column(col, justify="right")
     for r in rows:
+        if r["layer"] in skip_layers:
+            table.add_row(str(r["layer"]), r["kind"].upper(), "model dtype", "-", "-")
+            continue
         written = r["written"] or 1
         table.add_row(str(r["layer"]), r["kind"].upper(), f"{r['relative_mse']:.3e}",
                       f"{100 * r['saturated'] / written:.3f}%", f"{100 * r['underflow'] / written:.3f}%")

@@ -4,6 +4,7 @@ is layer 1; the KL it reports is what `fp8kv eval` measures with that layer skip
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -93,3 +94,19 @@ def test_the_command_prints_each_measured_set_and_the_flag(outlier_model, text_f
     last = measured[-1][0]
     assert f"--kv-cache-dtype-skip-layers {last}" in result.output
     assert re.search(rf"use it: fp8kv run .* --kv-cache-dtype-skip-layers {last}", result.output)
+
+
+def test_eval_takes_the_flag_and_shows_the_skipped_layer(outlier_model, text_file):
+    from launcher.eval import eval_command
+
+    common = [outlier_model, "--text", text_file, "--windows", "1", "--window-len", str(WINDOW), "--device", "cpu",
+              "--kv-recent-window", "0"]
+    plain = CliRunner().invoke(eval_command, [*common, "--json"])
+    skipped = CliRunner().invoke(eval_command, [*common, "--json", "--kv-cache-dtype-skip-layers", str(OUTLIER_LAYER)])
+    assert plain.exit_code == skipped.exit_code == 0, plain.output + skipped.output
+    plain, skipped = json.loads(plain.stdout), json.loads(skipped.stdout)
+    assert skipped["kv_cache_dtype_skip_layers"] == [OUTLIER_LAYER] and plain["kv_cache_dtype_skip_layers"] == []
+    assert skipped["kl"] < plain["kl"] / 4
+    assert [r["written"] for r in skipped["saturation"] if r["layer"] == OUTLIER_LAYER] == [0, 0]
+    table = CliRunner().invoke(eval_command, [*common, "--per-layer", "--kv-cache-dtype-skip-layers", "1"])
+    assert table.exit_code == 0 and re.search(r"1 │\s+K │\s+model dtype", table.output), table.output
