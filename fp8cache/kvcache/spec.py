@@ -95,14 +95,14 @@ class KVCacheSpec:
     def build(cls, kv_cache_dtype: str, model_dtype: torch.dtype, block_size: int, num_layers: int,
               num_kv_heads: int, head_size: int, scales: kv_scales.KVScales | None, window_size: int = 0,
               window_dtype: torch.dtype | None = None, backend: str = "cpu",
-              device: torch.device | str = "cpu", name: str | None = None, dynamic: bool = False,
+              device: torch.device | str = "cpu", cache_dtype_name: str | None = None, dynamic: bool = False,
               rotation: str = NONE, skip_layers: tuple[int, ...] = ()) -> KVCacheSpec:
         """The spec for a cache on `device`. scales None: an FP8 cache whose scales the first batch will
-        calculate (placeholders of 1.0 until then); an auto cache gets unused ones. name: kv_cache_dtype
+        calculate (placeholders of 1.0 until then); an auto cache gets unused ones. cache_dtype_name: kv_cache_dtype
         resolved for `backend` already (the runner resolves it once, before the model loads). dynamic: an FP8
         cache with dynamic scales (`scales` must be None), K/V rotated by `rotation` ("none", "hadamard").
         skip_layers: layers kept in the model dtype (ignored for an auto cache)."""
-        name = name or formats.resolve_kv_cache_dtype(kv_cache_dtype, backend)
+        name = cache_dtype_name or formats.resolve_kv_cache_dtype(kv_cache_dtype, backend)
         if dynamic:
             if scales is not None:
                 raise ValueError(f"dynamic KV scales replace static ones; got scales from {scales.source} too")

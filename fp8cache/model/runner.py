@@ -91,7 +91,8 @@ class ModelRunner:
         # The one resolved description of the cache; only calculated scales replace it (_use_scales).
         self.kv_spec = KVCacheSpec.build(config.kv_cache_dtype, self.dtype, self.block_size, self.num_layers,
                                          self.num_kv_heads, self.head_size, scales, window, window_dtype,
-                                         backend, self.device, name=cache_dtype_name, dynamic=self.dynamic_scales,
+                                         backend, self.device, cache_dtype_name=cache_dtype_name,
+                                         dynamic=self.dynamic_scales,
                                          rotation=self._resolve_dynamic_rotation(),
                                          skip_layers=self._resolve_skip_layers(cache_dtype_name))
         self._init_cache()
