@@ -58,6 +58,10 @@ console = Console(stderr=True, soft_wrap=True)
               help="Also name the fewest layers to keep in 16 bits (--kv-cache-dtype-skip-layers) for a KL against "
                    "the auto cache of at most KL with these scales: layers taken by their K/V quantization error, "
                    "largest first, each set's KL measured on the evaluation text (as fp8kv eval scores it).")
+@click.option("--skip-layers-rank", type=click.Choice(["error", "kl"]), default="error",
+              help="Order in which --skip-layers-kl-budget tries layers: error = each layer's K/V quantization error "
+                   "(eval --per-layer; no extra run), kl = each layer's own KL with only it in FP8 (one run per "
+                   "layer; slower, often fewer layers).")
 @click.option("--skip-layers-windows", type=click.IntRange(min=1), default=2,
               help="Windows of the evaluation text (512 tokens, or the model's limit) each KL of "
                    "--skip-layers-kl-budget is measured on.")
@@ -69,7 +73,8 @@ console = Console(stderr=True, soft_wrap=True)
 def calibrate(model: str | None, dataset: str | None, num_samples: int, max_seq_len: int | None,
               granularity: str, kv_rotation: str, kv_cache_dtype: str, statistic: str, output: str, force: bool,
               write_checkpoint: str | None, dtype: str, device: str, tokenizer: str | None,
-              kv_recent_window: int | None, skip_layers_kl_budget: float | None, skip_layers_windows: int,
+              kv_recent_window: int | None, skip_layers_kl_budget: float | None, skip_layers_rank: str,
+              skip_layers_windows: int,
               trust_remote_code: bool, revision: str | None, download_dir: str | None) -> None:
     """Measure KV cache scales of MODEL (default: the embedded model) on a calibration dataset.
 
@@ -102,7 +107,7 @@ def calibrate(model: str | None, dataset: str | None, num_samples: int, max_seq_
             engine = EngineConfig(model=model, kv_cache_dtype=fmt, dtype=dtype, device=device, tokenizer=tokenizer,
                                   quantization_param_path=output, kv_recent_window=kv_recent_window,
                                   trust_remote_code=trust_remote_code, revision=revision, download_dir=download_dir)
-            suggestion = _suggest_skip_layers(engine, skip_layers_kl_budget, skip_layers_windows)
+            suggestion = _suggest_skip_layers(engine, skip_layers_kl_budget, skip_layers_windows, skip_layers_rank)
     except (ValueError, OSError, DefaultModelError) as exc:
         console.print(f"[bold red]error:[/] {exc}", highlight=False)
         sys.exit(2)
@@ -120,7 +125,7 @@ def calibrate(model: str | None, dataset: str | None, num_samples: int, max_seq_
                       highlight=False)
 
 
-def _suggest_skip_layers(engine: EngineConfig, kl_budget: float, windows: int):
+def _suggest_skip_layers(engine: EngineConfig, kl_budget: float, windows: int, rank_by: str):
     """suggest_skip_layers with a line per measured set and a closing verdict; the suggestion."""
     from fp8cache.quality.skip_layers import suggest_skip_layers
 
@@ -129,10 +134,11 @@ def _suggest_skip_layers(engine: EngineConfig, kl_budget: float, windows: int):
         console.print(f"layers in 16 bits: {which:<20} KL {trial.kl:.5f}", highlight=False)
 
     console.print(f"choosing layers to keep in 16 bits for KL <= {kl_budget:g} ({windows} windows of the evaluation "
-                  "text)", highlight=False)
-    suggestion = suggest_skip_layers(engine, kl_budget, windows=windows, on_trial=show)
-    worst = ", ".join(f"{layer} ({error:.2e})" for layer, error in suggestion.layer_errors[:5])
-    console.print(f"largest K+V relative MSE: layers {worst}", highlight=False)
+                  f"text, ranked by {rank_by})", highlight=False)
+    suggestion = suggest_skip_layers(engine, kl_budget, windows=windows, on_trial=show, rank_by=rank_by)
+    measure = "K+V relative MSE" if rank_by == "error" else "KL with only that layer in FP8"
+    worst = ", ".join(f"{layer} ({value:.2e})" for layer, value in suggestion.ranking[:5])
+    console.print(f"largest {measure}: layers {worst}", highlight=False)
     first = suggestion.trials[0].kl
     if not suggestion.skip_layers:
         console.print(f"[green]no layer needs 16 bits[/]: KL {first:.5f} <= {kl_budget:g} with every layer in FP8",

@@ -2,10 +2,12 @@
 layers, taken greedily by their K/V quantization error, whose skipping (kv_cache_dtype_skip_layers) brings the
 model's KL against the auto cache under a budget.
 
-The per-layer error is `fp8kv eval --per-layer`'s: the relative MSE of each layer's dequantized K and V, measured
-beside the cache write on the same windows. Layers are added in order of K + V error, largest first, and the KL is
-measured again with each set (decode-faithful, as `fp8kv eval` scores it), until it is within the budget: each
-step is confirmed by a measurement, not predicted. The auto cache's log-probabilities are computed once.
+Layers are ranked by one of two measures, largest first: "error" (the default, free) is `fp8kv eval --per-layer`'s
+relative MSE of each layer's dequantized K plus V, measured beside the cache write on the same windows; "kl" is each
+layer's own KL, measured with only that layer in FP8 (one more run per layer: slower, but it sees what the error
+misses, such as how sharply a layer attends). Layers are then added in that order and the KL is measured again with
+each set (decode-faithful, as `fp8kv eval` scores it) until it is within the budget: each step is confirmed by a
+measurement, not predicted. The auto cache's log-probabilities are computed once.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from fp8cache.quality.eval import locate_eval_text, read_text, runner_batch, win
 
 DEFAULT_WINDOWS = 2
 DEFAULT_WINDOW_LEN = 512
+RANKINGS = ("error", "kl")
 
 
 @dataclass(frozen=True)
@@ -37,7 +40,8 @@ class Trial:
 class SkipLayersSuggestion:
     kl_budget: float
     tokens: int  # scored per trial
-    layer_errors: list[tuple[int, float]]  # (layer, K + V relative MSE), largest first
+    ranked_by: str  # one of RANKINGS
+    ranking: list[tuple[int, float]]  # (layer, K + V relative MSE or its own KL), largest first
     trials: list[Trial] = field(default_factory=list)  # the first skips no layer
 
     @property
@@ -61,10 +65,13 @@ class SkipLayersSuggestion:
 def suggest_skip_layers(config: EngineConfig, kl_budget: float, text_path: str | None = None,
                         windows: int = DEFAULT_WINDOWS, window_len: int | None = None,
                         log: Callable[[str], None] = lambda msg: None, loaded: LoadedModel | None = None,
-                        on_trial: Callable[[Trial], None] | None = None) -> SkipLayersSuggestion:
+                        on_trial: Callable[[Trial], None] | None = None,
+                        rank_by: str = "error") -> SkipLayersSuggestion:
     """The layers of config's FP8 cache (static scales) to keep in the model dtype for a mean per-token KL against
     the auto cache of at most kl_budget, over `windows` windows of window_len tokens (default: 512 or the model's
-    limit) of the evaluation text (eval.locate_eval_text)."""
+    limit) of the evaluation text (eval.locate_eval_text), taken in the order `rank_by` (RANKINGS) gives."""
+    if rank_by not in RANKINGS:
+        raise ValueError(f"rank_by={rank_by!r} is not one of {', '.join(RANKINGS)}")
     if isinstance(kl_budget, bool) or not isinstance(kl_budget, (int, float)) or not kl_budget > 0 \
             or math.isinf(kl_budget):
         raise ValueError(f"KL budget {kl_budget!r} must be a number > 0, e.g. 0.005")
@@ -94,20 +101,28 @@ def suggest_skip_layers(config: EngineConfig, kl_budget: float, text_path: str |
     def measure(skip: tuple[int, ...], tested: ModelRunner | None = None) -> Trial:
         tested = tested or runner(config.kv_cache_dtype, skip)
         kl = sum(float((b.exp() * (b - _log_probs(tested, ids))).sum()) for b, ids in zip(base, texts))
-        trial = Trial(skip, kl / sum(len(ids) - 1 for ids in texts))
+        return Trial(skip, kl / sum(len(ids) - 1 for ids in texts))
+
+    def tried(trial: Trial) -> Trial:
         if on_trial is not None:
             on_trial(trial)
         return trial
 
     plain = runner(config.kv_cache_dtype)
     plain.saturation.sample_every, plain.saturation.measure_error = 1, True
-    trials = [measure((), plain)]
-    suggestion = SkipLayersSuggestion(kl_budget, sum(len(ids) - 1 for ids in texts), _ranking(plain), trials)
+    trials = [tried(measure((), plain))]
+    if rank_by == "error":
+        ranking = _error_ranking(plain)
+    else:
+        layers = range(hf.num_hidden_layers)
+        alone = {i: measure(tuple(j for j in layers if j != i)).kl for i in layers}
+        ranking = sorted(alone.items(), key=lambda item: (-item[1], item[0]))
     del plain
-    for layer, _ in suggestion.layer_errors:
+    suggestion = SkipLayersSuggestion(kl_budget, sum(len(ids) - 1 for ids in texts), rank_by, ranking, trials)
+    for layer, _ in ranking:
         if suggestion.within_budget:
             break
-        trials.append(measure(tuple(sorted((*suggestion.skip_layers, layer)))))
+        trials.append(tried(measure(tuple(sorted((*suggestion.skip_layers, layer))))))
     return suggestion
 
 
@@ -123,7 +138,7 @@ def _log_probs(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(runner.execute(runner_batch(ids, runner), all_logits=True)[:-1], -1)
 
 
-def _ranking(runner: ModelRunner) -> list[tuple[int, float]]:
+def _error_ranking(runner: ModelRunner) -> list[tuple[int, float]]:
     """(layer, K + V relative MSE) of the runner's counted writes, largest error first."""
     errors: dict[int, float] = {}
     for row in runner.saturation_counts():

@@ -50,7 +50,7 @@ def config(model: str, **fields) -> EngineConfig:
 
 def test_the_outlier_layer_is_the_one_to_skip(outlier_model, text_file):
     suggestion = suggest_skip_layers(config(outlier_model), 0.01, text_path=text_file, windows=2, window_len=WINDOW)
-    assert suggestion.layer_errors[0][0] == OUTLIER_LAYER  # its clipped K/V: the largest error
+    assert suggestion.ranking[0][0] == OUTLIER_LAYER  # its clipped K/V: the largest error
     assert suggestion.trials[0].skip_layers == () and suggestion.trials[0].kl > 0.01
     assert suggestion.skip_layers == (OUTLIER_LAYER,) and suggestion.within_budget
     assert suggestion.flag == f"--kv-cache-dtype-skip-layers {OUTLIER_LAYER}"
@@ -59,6 +59,18 @@ def test_the_outlier_layer_is_the_one_to_skip(outlier_model, text_file):
                             windows=2, window_len=WINDOW, progress=False)
         assert measured["kv_cache_dtype_skip_layers"] == list(trial.skip_layers)
         assert trial.kl == pytest.approx(measured["kl"], rel=1e-4, abs=1e-9)
+
+
+def test_ranking_by_each_layers_own_kl_names_the_outlier_layer(outlier_model, text_file):
+    """rank_by="kl": each layer's KL with only it in FP8, which is what eval measures with the others skipped."""
+    suggestion = suggest_skip_layers(config(outlier_model), 0.01, text_path=text_file, windows=1, window_len=WINDOW,
+                                     rank_by="kl")
+    assert suggestion.ranked_by == "kl" and [layer for layer, _ in suggestion.ranking][0] == OUTLIER_LAYER
+    assert suggestion.skip_layers == (OUTLIER_LAYER,)
+    alone = dict(suggestion.ranking)[0]
+    measured = evaluate(config(outlier_model, kv_cache_dtype_skip_layers=(1, 2)), text_path=text_file, windows=1,
+                        window_len=WINDOW, progress=False)
+    assert alone == pytest.approx(measured["kl"], rel=1e-4, abs=1e-9)
 
 
 def test_a_budget_already_met_skips_nothing_and_a_tight_one_skips_more(outlier_model, text_file):
