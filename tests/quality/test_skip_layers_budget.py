@@ -61,11 +61,12 @@ def test_the_outlier_layer_is_the_one_to_skip(outlier_model, text_file):
         assert trial.kl == pytest.approx(measured["kl"], rel=1e-4, abs=1e-9)
 
 
+@pytest.mark.slow
 def test_ranking_by_each_layers_own_kl_names_the_outlier_layer(outlier_model, text_file):
     """rank_by="kl": each layer's KL with only it in FP8, which is what eval measures with the others skipped."""
     suggestion = suggest_skip_layers(config(outlier_model), 0.01, text_path=text_file, windows=1, window_len=WINDOW,
                                      rank_by="kl")
-    assert suggestion.ranked_by == "kl" and [layer for layer, _ in suggestion.ranking][0] == OUTLIER_LAYER
+    assert suggestion.ranked_by == "kl" and suggestion.ranking[0][0] == OUTLIER_LAYER
     assert suggestion.skip_layers == (OUTLIER_LAYER,)
     alone = dict(suggestion.ranking)[0]
     measured = evaluate(config(outlier_model, kv_cache_dtype_skip_layers=(1, 2)), text_path=text_file, windows=1,
@@ -108,6 +109,7 @@ def test_the_command_prints_each_measured_set_and_the_flag(outlier_model, text_f
     assert re.search(rf"use it: fp8kv run .* --kv-cache-dtype-skip-layers {last}", result.output)
 
 
+@pytest.mark.slow
 def test_eval_takes_the_flag_and_shows_the_skipped_layer(outlier_model, text_file):
     from launcher.eval import eval_command
 
