@@ -56,8 +56,8 @@ console = Console(stderr=True, soft_wrap=True)
                    "run/eval/bench take it when not given one.")
 @click.option("--skip-layers-kl-budget", type=click.FloatRange(min=0, min_open=True), default=None, metavar="KL",
               help="Also name the fewest layers to keep in 16 bits (--kv-cache-dtype-skip-layers) for a KL against "
-                   "the auto cache of at most KL with these scales: layers taken by their K/V quantization error, "
-                   "largest first, each set's KL measured on the evaluation text (as fp8kv eval scores it).")
+                   "the auto cache of at most KL with these scales: layers added in --skip-layers-rank order, each "
+                   "set's KL measured on the evaluation text (as fp8kv eval scores it).")
 @click.option("--skip-layers-rank", type=click.Choice(["error", "kl"]), default="error",
               help="Order in which --skip-layers-kl-budget tries layers: error = each layer's K/V quantization error "
                    "(eval --per-layer; no extra run), kl = each layer's own KL with only it in FP8 (one run per "
