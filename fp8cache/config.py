@@ -37,6 +37,9 @@ class EngineConfig:
     # Dynamic scales only: auto (the Hadamard rotation where the head size allows it: measured to pay, docs/design.md
     # "Dynamic KV scales"), hadamard or none. Static scales take theirs from their scales file.
     kv_rotation: Literal["auto", "none", "hadamard"] = "auto"
+    # Layers whose cache is held in the model dtype while the others are FP8 (vLLM's name): where FP8 hurts most
+    # (`fp8kv calibrate --skip-layers-kl-budget` names them). No effect with an auto kv_cache_dtype.
+    kv_cache_dtype_skip_layers: tuple[int, ...] = ()
     block_size: int = 16
     max_model_len: int | None = None  # None: the model's own limit
     max_num_seqs: int = 64
@@ -82,10 +85,27 @@ class EngineConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{name}={value!r} must be an integer >= {least}" + (" (or None)" if optional else ""))
+        self.kv_cache_dtype_skip_layers = layer_ids(self.kv_cache_dtype_skip_layers)
         for name in ("gpu_memory_utilization", "kv_cache_memory_fraction"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
                 raise ValueError(f"{name}={value!r} must be a share in (0, 1]")
+
+
+def layer_ids(value: object, field: str = "kv_cache_dtype_skip_layers") -> tuple[int, ...]:
+    """Layer ids as a sorted tuple, from a list/tuple of ints or text such as "0,1,5"; each >= 0 and given once
+    (the model's layer count bounds them when it loads)."""
+    if isinstance(value, str):
+        parts = [p.strip() for p in value.split(",") if p.strip()]
+        if not all(p.isdigit() for p in parts):
+            raise ValueError(f"{field}={value!r} is not a list of layer ids; give them as 0,1,5")
+        value = [int(p) for p in parts]
+    if not isinstance(value, (list, tuple)) or any(isinstance(i, bool) or not isinstance(i, int) or i < 0
+                                                   for i in value):
+        raise ValueError(f"{field}={value!r} must be a list of layer ids (integers >= 0), e.g. [0, 1]")
+    if len(set(value)) != len(value):
+        raise ValueError(f"{field}={list(value)} names a layer twice; give each once")
+    return tuple(sorted(value))
 
 
 # Integer fields: (smallest valid value, None allowed).

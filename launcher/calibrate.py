@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from fp8cache.config import EngineConfig
 from fp8cache.kvcache import formats
 from fp8cache.kvcache.rotation import ROTATIONS
 from fp8cache.kvcache.scales import GRANULARITIES
@@ -53,6 +54,17 @@ console = Console(stderr=True, soft_wrap=True)
 @click.option("--kv-recent-window", type=click.IntRange(min=0), default=None,
               help="Record the recent-token window (newest tokens kept in full precision) to use with these scales; "
                    "run/eval/bench take it when not given one.")
+@click.option("--skip-layers-kl-budget", type=click.FloatRange(min=0, min_open=True), default=None, metavar="KL",
+              help="Also name the fewest layers to keep in 16 bits (--kv-cache-dtype-skip-layers) for a KL against "
+                   "the auto cache of at most KL with these scales: layers added in --skip-layers-rank order, each "
+                   "set's KL measured on the evaluation text (as fp8kv eval scores it).")
+@click.option("--skip-layers-rank", type=click.Choice(["error", "kl"]), default="error",
+              help="Order in which --skip-layers-kl-budget tries layers: error = each layer's K/V quantization error "
+                   "(eval --per-layer; no extra run), kl = each layer's own KL with only it in FP8 (one run per "
+                   "layer; slower, often fewer layers).")
+@click.option("--skip-layers-windows", type=click.IntRange(min=1), default=2,
+              help="Windows of the evaluation text (512 tokens, or the model's limit) each KL of "
+                   "--skip-layers-kl-budget is measured on.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow Python code shipped in the model folder to run.")
 @click.option("--revision", metavar="REV", help="Hub ids: the branch, tag or commit to use (default: main).")
 @click.option("--download-dir", metavar="DIR", type=click.Path(file_okay=False),
@@ -61,8 +73,9 @@ console = Console(stderr=True, soft_wrap=True)
 def calibrate(model: str | None, dataset: str | None, num_samples: int, max_seq_len: int | None,
               granularity: str, kv_rotation: str, kv_cache_dtype: str, statistic: str, output: str, force: bool,
               write_checkpoint: str | None, dtype: str, device: str, tokenizer: str | None,
-              kv_recent_window: int | None, trust_remote_code: bool, revision: str | None,
-              download_dir: str | None) -> None:
+              kv_recent_window: int | None, skip_layers_kl_budget: float | None, skip_layers_rank: str,
+              skip_layers_windows: int,
+              trust_remote_code: bool, revision: str | None, download_dir: str | None) -> None:
     """Measure KV cache scales of MODEL (default: the embedded model) on a calibration dataset.
 
     Example: fp8kv calibrate ./my-model --dataset calib.txt --kv-cache-dtype fp8 --output scales.json
@@ -85,15 +98,22 @@ def calibrate(model: str | None, dataset: str | None, num_samples: int, max_seq_
             result.scales = dataclasses.replace(result.scales, recent_window=kv_recent_window)
         cal.write_scales(result, output)
         checkpoint = cal.write_checkpoint(result, write_checkpoint) if write_checkpoint else None
+        Console().print(_table(result))
+        fmt = result.scales.fmt_name
+        console.print(f"[green]wrote[/] {output}: {result.num_samples} samples, {result.num_tokens} tokens, "
+                      f"{fmt}, {result.granularity}, rotation {kv_rotation}", highlight=False)
+        suggestion = None
+        if skip_layers_kl_budget is not None:
+            engine = EngineConfig(model=model, kv_cache_dtype=fmt, dtype=dtype, device=device, tokenizer=tokenizer,
+                                  quantization_param_path=output, kv_recent_window=kv_recent_window,
+                                  trust_remote_code=trust_remote_code, revision=revision, download_dir=download_dir)
+            suggestion = _suggest_skip_layers(engine, skip_layers_kl_budget, skip_layers_windows, skip_layers_rank)
     except (ValueError, OSError, DefaultModelError) as exc:
         console.print(f"[bold red]error:[/] {exc}", highlight=False)
         sys.exit(2)
-    Console().print(_table(result))
-    fmt = result.scales.fmt_name
-    console.print(f"[green]wrote[/] {output}: {result.num_samples} samples, {result.num_tokens} tokens, "
-                  f"{fmt}, {result.granularity}, rotation {kv_rotation}", highlight=False)
     run = " ".join(["fp8kv run", *([model] if model else []), f"--kv-cache-dtype {fmt}",
-                    f"--quantization-param-path {output}"])
+                    f"--quantization-param-path {output}", *([suggestion.flag] if suggestion and suggestion.flag
+                                                             else [])])
     console.print(f"use it: {run}", highlight=False)
     if checkpoint:
         copied = [n for n in checkpoint.copied if n.endswith(".safetensors")]
@@ -103,6 +123,34 @@ def calibrate(model: str | None, dataset: str | None, num_samples: int, max_seq_
                       f"{'attn_head' if result.scales.per_head() else 'tensor'}; {how}): fp8kv run "
                       f"{checkpoint.path} --kv-cache-dtype fp8, or vLLM: LLM(model=..., kv_cache_dtype=\"fp8\")",
                       highlight=False)
+
+
+def _suggest_skip_layers(engine: EngineConfig, kl_budget: float, windows: int, rank_by: str):
+    """suggest_skip_layers with a line per measured set and a closing verdict; the suggestion."""
+    from fp8cache.quality.skip_layers import suggest_skip_layers
+
+    def show(trial) -> None:
+        which = ",".join(map(str, trial.skip_layers)) or "none"
+        console.print(f"layers in 16 bits: {which:<20} KL {trial.kl:.5f}", highlight=False)
+
+    console.print(f"choosing layers to keep in 16 bits for KL <= {kl_budget:g} ({windows} windows of the evaluation "
+                  f"text, ranked by {rank_by})", highlight=False)
+    suggestion = suggest_skip_layers(engine, kl_budget, windows=windows, on_trial=show, rank_by=rank_by)
+    measure = "K+V relative MSE" if rank_by == "error" else "KL with only that layer in FP8"
+    worst = ", ".join(f"{layer} ({value:.2e})" for layer, value in suggestion.ranking[:5])
+    console.print(f"largest {measure}: layers {worst}", highlight=False)
+    first = suggestion.trials[0].kl
+    if not suggestion.skip_layers:
+        console.print(f"[green]no layer needs 16 bits[/]: KL {first:.5f} <= {kl_budget:g} with every layer in FP8",
+                      highlight=False)
+    elif suggestion.within_budget:
+        console.print(f"[green]keep layers {','.join(map(str, suggestion.skip_layers))} in 16 bits[/]: KL "
+                      f"{first:.5f} -> {suggestion.kl:.5f} <= {kl_budget:g} ({suggestion.tokens} tokens); pass "
+                      f"{suggestion.flag}", highlight=False)
+    else:
+        console.print(f"[yellow]KL {suggestion.kl:.5f} stays above {kl_budget:g} even with every layer in 16 bits[/]"
+                      " (the auto cache's own run-to-run difference); raise the budget", highlight=False)
+    return suggestion
 
 
 class _progress:

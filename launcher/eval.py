@@ -9,6 +9,8 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from launcher.options import LayerIds
+
 console = Console(stderr=True, soft_wrap=True)
 
 
@@ -31,6 +33,9 @@ def _fail(message: str) -> None:
               help="dynamic: a scale per token and KV head computed as the cache is written (no scales file).")
 @click.option("--kv-rotation", type=click.Choice(["auto", "none", "hadamard"]), default="auto", show_default=True,
               help="With --kv-scales dynamic: Hadamard-rotate K/V first (auto: where the head size allows).")
+@click.option("--kv-cache-dtype-skip-layers", "skip_layers", type=LayerIds(), default=(), metavar="0,1,...",
+              help="Layers whose cache stays in the model dtype (what `fp8kv calibrate --skip-layers-kl-budget` "
+                   "suggests).")
 @click.option("--dtype", default="float32", show_default=True, help="Model dtype: float32 or bfloat16.")
 @click.option("--text", "text_path", type=click.Path(dir_okay=False),
               help="Plain-text file to score (default: the WikiText-2 test text).")
@@ -52,7 +57,8 @@ def _fail(message: str) -> None:
 @click.option("--download-dir", metavar="DIR", type=click.Path(file_okay=False),
               help="Hub ids: the Hugging Face cache folder to read and download into (default: $HF_HOME/hub).")
 def eval_command(model: str | None, kv_cache_dtype: str, quantization_param_path: str | None,
-                 calculate_kv_scales: bool, kv_scales: str, kv_rotation: str, dtype: str, text_path: str | None, kv_recent_window: int | None,
+                 calculate_kv_scales: bool, kv_scales: str, kv_rotation: str, skip_layers: tuple[int, ...],
+                 dtype: str, text_path: str | None, kv_recent_window: int | None,
                  kv_recent_window_dtype: str, device: str, windows: int, window_len: int, per_layer: bool,
                  as_json: bool,
                  load_format: str, revision: str | None, download_dir: str | None) -> None:
@@ -71,7 +77,7 @@ def eval_command(model: str | None, kv_cache_dtype: str, quantization_param_path
     config = EngineConfig(model=model, kv_cache_dtype=kv_cache_dtype, dtype=dtype,
                           quantization_param_path=quantization_param_path,
                           calculate_kv_scales=calculate_kv_scales, kv_scales=kv_scales, kv_rotation=kv_rotation,
-                          enable_prefix_caching=False,
+                          kv_cache_dtype_skip_layers=skip_layers, enable_prefix_caching=False,
                           kv_recent_window=kv_recent_window, kv_recent_window_dtype=kv_recent_window_dtype,
                           device=device, revision=revision, download_dir=download_dir)
     try:
@@ -86,6 +92,8 @@ def eval_command(model: str | None, kv_cache_dtype: str, quantization_param_path
     table = Table(title=f"{result['kv_cache_dtype']} vs auto {dtype}, {result['tokens']} tokens on {result['device']} "
                         f"({result['windows']} windows), scales: {result['scales_source']}, "
                         f"recent window: {result['kv_recent_window']}"
+                        + (f", layers kept in {dtype}: {','.join(map(str, result['kv_cache_dtype_skip_layers']))}"
+                           if result["kv_cache_dtype_skip_layers"] else "")
                         + (f" ({result['kv_recent_window_dtype']})" if result["kv_recent_window"] else ""))
     for col in ("kv cache", "PPL", "baseline PPL", "KL", "top-1 agree"):
         table.add_column(col, justify="right")
@@ -93,12 +101,12 @@ def eval_command(model: str | None, kv_cache_dtype: str, quantization_param_path
                   f"{result['kl']:.5f}", f"{100 * result['top1_agreement']:.2f}%")
     Console().print(table)
     if per_layer:
-        _print_per_layer(result["saturation"], result["kv_cache_dtype"])
+        _print_per_layer(result["saturation"], result["kv_cache_dtype"], result["kv_cache_dtype_skip_layers"])
     else:
         _print_saturation(result["saturation"])
 
 
-def _print_per_layer(rows: list[dict], kv_cache_dtype: str) -> None:
+def _print_per_layer(rows: list[dict], kv_cache_dtype: str, skip_layers: list[int]) -> None:
     """Every layer's K and V: relative MSE of the dequantized values, clipped and flushed-to-zero shares."""
     if not rows:
         Console().print(f"per-layer error: only measured for an FP8 cache with static scales ({kv_cache_dtype} "
@@ -108,6 +116,9 @@ def _print_per_layer(rows: list[dict], kv_cache_dtype: str) -> None:
     for col in ("layer", "kind", "relative MSE", "clipped %", "flushed %"):
         table.add_column(col, justify="right")
     for r in rows:
+        if r["layer"] in skip_layers:
+            table.add_row(str(r["layer"]), r["kind"].upper(), "model dtype", "-", "-")
+            continue
         written = r["written"] or 1
         table.add_row(str(r["layer"]), r["kind"].upper(), f"{r['relative_mse']:.3e}",
                       f"{100 * r['saturated'] / written:.3f}%", f"{100 * r['underflow'] / written:.3f}%")

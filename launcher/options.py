@@ -65,6 +65,20 @@ def speculative_arg(ctx: click.Context | None, param: click.Parameter | None, va
     return value
 
 
+class LayerIds(click.ParamType):
+    """Layer ids as "0,1,5" on the command line (a tuple of ints for EngineConfig)."""
+
+    name = "LAYERS"
+
+    def convert(self, value, param, ctx) -> tuple[int, ...]:
+        from fp8cache.config import layer_ids
+
+        try:
+            return layer_ids(value, param.name if param is not None else "layers")
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
 def memory_arg(value: str | None) -> int | str | None:
     """A SIZE flag as EngineConfig takes it: digits are bytes, "2GiB" stays text for the engine to parse."""
     if value is None:
@@ -131,6 +145,10 @@ _ENGINE_OPTIONS = [
     engine_option("--kv-rotation", section="KV cache",
                   help="With --kv-scales dynamic: rotate K/V by a Hadamard matrix before quantizing (auto: where the "
                        "head size allows). Static scales use the rotation their scales file records."),
+    engine_option("--kv-cache-dtype-skip-layers", section="KV cache", type=LayerIds(), metavar="0,1,...",
+                  help="Layers whose KV cache is kept in the model dtype (2 or 4 bytes a value instead of 1) while "
+                       "the others are FP8, where FP8 hurts most (`fp8kv calibrate --skip-layers-kl-budget` names "
+                       "them). No effect with kv-cache-dtype auto. Default: none."),
     engine_option("--kv-recent-window", section="KV cache", type=click.IntRange(min=0),
                   help="Keep each sequence's newest N tokens' K/V in full precision too (0: plain FP8 cache; "
                        "default 32 with an FP8 cache)."),

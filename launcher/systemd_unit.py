@@ -122,6 +122,8 @@ def _flags_for(ctx: click.Context, given: list[str], kw: dict) -> list[str]:
         elif value is not None:
             if isinstance(value, str) and name == "quantization_param_path":
                 value = os.path.abspath(value)
+            if isinstance(value, tuple):  # layer ids: written back as the flag takes them
+                value = ",".join(map(str, value))
             flags += [param.opts[0], str(value)]
     return flags
 

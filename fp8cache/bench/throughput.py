@@ -344,7 +344,7 @@ def check_windows(kv_recent_window: int | list[int] | tuple[int, ...] | None) ->
 
 def _engine_contestant(label: str, engine, num_shard: int = 1) -> _Contestant:
     runner = engine.runner  # with num_shard > 1, rank 0's: capacity and bytes per token are per rank
-    return _Contestant("fp8kv", runner.kv_spec.name, runner.kv_spec.model_dtype,
+    return _Contestant("fp8kv", runner.kv_spec.cache_dtype_name, runner.kv_spec.model_dtype,
                        lambda prompts, n, cb: run_batch(engine, prompts, n, cb),
                        {"num_shard": num_shard, **cache_figures(runner)}, label)
 

@@ -51,18 +51,26 @@ def available_memory_bytes() -> int:
 
 
 def bytes_per_token(num_layers: int, num_kv_heads: int, head_size: int, kv_cache_dtype: str,
-                    model_dtype: torch.dtype, backend: str = "cpu", dynamic: bool = False) -> int:
-    """Cache bytes one token takes across all layers, K and V; dynamic: with its per-token scales."""
+                    model_dtype: torch.dtype, backend: str = "cpu", dynamic: bool = False,
+                    skip_layers: int = 0) -> int:
+    """Cache bytes one token takes across all layers, K and V; dynamic: with its per-token scales; skip_layers:
+    how many of the layers an FP8 cache keeps in the model dtype (without scales)."""
+    fp8_layers = num_layers - skip_layers if formats.is_fp8(formats.format_code(kv_cache_dtype, backend)) \
+        else num_layers
     element = formats.bytes_per_element(kv_cache_dtype, model_dtype, backend)
-    scales = dynamic_scales.bytes_per_token(num_layers, num_kv_heads) if dynamic else 0
-    return 2 * num_layers * num_kv_heads * head_size * element + scales
+    skipped = 2 * (num_layers - fp8_layers) * num_kv_heads * head_size * model_dtype.itemsize
+    scales = dynamic_scales.bytes_per_token(fp8_layers, num_kv_heads) if dynamic else 0
+    return 2 * fp8_layers * num_kv_heads * head_size * element + skipped + scales
 
 
 def spec_bytes_per_token(spec: KVCacheSpec, window: bool = False) -> int:
-    """bytes_per_token of a spec's cache, or (window) of its recent-token ring, held in window_dtype."""
-    fmt, dtype = (formats.CacheFormat.AUTO, spec.window_dtype) if window else (spec.format, spec.model_dtype)
-    return bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_size, fmt, dtype, spec.backend,
-                           spec.dynamic_scales and not window)
+    """bytes_per_token of a spec's cache (each layer in its own format), or (window) of its recent-token ring,
+    held in window_dtype."""
+    if window:
+        return bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_size, formats.CacheFormat.AUTO,
+                               spec.window_dtype, spec.backend)
+    return bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_size, spec.format, spec.model_dtype,
+                           spec.backend, spec.dynamic_scales, len(spec.skip_layers))
 
 
 @dataclass
@@ -175,17 +183,22 @@ def gpu_limit(device: torch.device, utilization: float, reserve_bytes: int) -> D
 
 def allocate_caches(allocate: Callable, spec: KVCacheSpec, num_blocks: int, device: torch.device | str,
                     window: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One (key_cache, value_cache) pair per layer of a spec's cache, or (window) of its recent-token ring,
-    in docs/design.md section 4 layouts. `allocate` has kvcache.layout.allocate_kv_cache's signature."""
-    fmt, dtype = (formats.CacheFormat.AUTO, spec.window_dtype) if window else (spec.format, spec.model_dtype)
+    """One (key_cache, value_cache) pair per layer of a spec's cache, each in its layer's format, or (window) of
+    its recent-token ring, in docs/design.md section 4 layouts. `allocate` has kvcache.layout.allocate_kv_cache's
+    signature."""
+    if window:
+        formats_and_dtypes = [(formats.CacheFormat.AUTO, spec.window_dtype)] * spec.num_layers
+    else:
+        formats_and_dtypes = [(fmt, spec.model_dtype) for fmt in spec.layer_formats]
     return [allocate(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size, fmt, dtype, str(device))
-            for _ in range(spec.num_layers)]
+            for fmt, dtype in formats_and_dtypes]
 
 
-def describe(plan: CachePlan, kv_cache_dtype: str, max_model_len: int, max_num_seqs: int = 1,
+def describe(plan: CachePlan, cache_label: str, max_model_len: int, max_num_seqs: int = 1,
              model_dtype: torch.dtype | None = None, window_dtype: torch.dtype | None = None) -> list[str]:
+    """The start log's lines about the cache; cache_label: its resolved dtype (and any layers in another)."""
     mib = plan.num_blocks * plan.block_size * plan.bytes_per_token / 2**20
-    lines = [(f"KV cache: {kv_cache_dtype}, {plan.num_blocks} blocks of {plan.block_size} tokens = "
+    lines = [(f"KV cache: {cache_label}, {plan.num_blocks} blocks of {plan.block_size} tokens = "
               f"{plan.capacity_tokens} tokens of capacity, {plan.bytes_per_token} bytes per token "
               f"({mib:.1f} MiB, {plan.budget_source})")]
     if plan.window_size:

@@ -40,8 +40,8 @@ def check_gpu_head_size(head_size: int, fmt: formats.CacheFormat, model_dtype: t
 
 @dataclass(frozen=True, eq=False)  # eq=False: fields hold tensors, which have no single truth value
 class KVCacheSpec:
-    kv_cache_dtype: str  # as the user gave it ("fp8", "auto", ...); `name` is what it resolved to
-    format: formats.CacheFormat  # what the compiled ops take
+    kv_cache_dtype: str  # as the user gave it ("fp8", "auto", ...); `cache_dtype_name` is what it resolved to
+    format: formats.CacheFormat  # the code the compiled ops take for every layer not in skip_layers
     model_dtype: torch.dtype
     block_size: int
     num_layers: int
@@ -59,12 +59,17 @@ class KVCacheSpec:
     # Dynamic scales (kvcache/dynamic_scales.py): per token and KV head, in scale caches beside the cache's codes;
     # k_scales and v_scales are then unused ones.
     dynamic_scales: bool = False
+    # Layers whose cache is held in the model dtype (an auto cache) while the others are FP8 (vLLM's
+    # --kv-cache-dtype-skip-layers); their scales, scale caches and saturation counts are unused.
+    skip_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience; tuples keep a frozen spec from being changed in place.
         object.__setattr__(self, "k_scales", tuple(self.k_scales))
         object.__setattr__(self, "v_scales", tuple(self.v_scales))
         object.__setattr__(self, "format", formats.format_code(int(self.format)))
+        skip = check_skip_layers(self.skip_layers, self.num_layers)
+        object.__setattr__(self, "skip_layers", skip if self.format != formats.CacheFormat.AUTO else ())
         if self.window_dtype is None:
             object.__setattr__(self, "window_dtype", self.model_dtype)
         check_block_size(self.block_size)
@@ -90,13 +95,14 @@ class KVCacheSpec:
     def build(cls, kv_cache_dtype: str, model_dtype: torch.dtype, block_size: int, num_layers: int,
               num_kv_heads: int, head_size: int, scales: kv_scales.KVScales | None, window_size: int = 0,
               window_dtype: torch.dtype | None = None, backend: str = "cpu",
-              device: torch.device | str = "cpu", name: str | None = None, dynamic: bool = False,
-              rotation: str = NONE) -> KVCacheSpec:
+              device: torch.device | str = "cpu", cache_dtype_name: str | None = None, dynamic: bool = False,
+              rotation: str = NONE, skip_layers: tuple[int, ...] = ()) -> KVCacheSpec:
         """The spec for a cache on `device`. scales None: an FP8 cache whose scales the first batch will
-        calculate (placeholders of 1.0 until then); an auto cache gets unused ones. name: kv_cache_dtype
+        calculate (placeholders of 1.0 until then); an auto cache gets unused ones. cache_dtype_name: kv_cache_dtype
         resolved for `backend` already (the runner resolves it once, before the model loads). dynamic: an FP8
-        cache with dynamic scales (`scales` must be None), K/V rotated by `rotation` ("none", "hadamard")."""
-        name = name or formats.resolve_kv_cache_dtype(kv_cache_dtype, backend)
+        cache with dynamic scales (`scales` must be None), K/V rotated by `rotation` ("none", "hadamard").
+        skip_layers: layers kept in the model dtype (ignored for an auto cache)."""
+        name = cache_dtype_name or formats.resolve_kv_cache_dtype(kv_cache_dtype, backend)
         if dynamic:
             if scales is not None:
                 raise ValueError(f"dynamic KV scales replace static ones; got scales from {scales.source} too")
@@ -106,7 +112,7 @@ class KVCacheSpec:
         ones = kv_scales.ones(num_layers, name)
         spec = cls(kv_cache_dtype, formats.FORMAT_CODES[name], model_dtype, block_size, num_layers, num_kv_heads,
                    head_size, tuple(ones.k), tuple(ones.v), PENDING_SOURCE, None, NONE, window_size,
-                   window_dtype, backend, dynamic)
+                   window_dtype, backend, dynamic, tuple(skip_layers))
         return spec if scales is None else spec.with_scales(scales, device)
 
     def with_scales(self, scales: kv_scales.KVScales, device: torch.device | str = "cpu") -> KVCacheSpec:
@@ -117,13 +123,27 @@ class KVCacheSpec:
             scales_source=scales.source, scales=scales, rotation=scales.rotation)
 
     @property
-    def name(self) -> str:
+    def cache_dtype_name(self) -> str:
         """The canonical kv-cache-dtype ("auto", "fp8_e4m3", ...): "fp8" resolved for the backend."""
         return formats.format_name(self.format)
 
     @property
     def is_fp8(self) -> bool:
+        """Whether any layer's cache is FP8."""
         return self.format != formats.CacheFormat.AUTO
+
+    @functools.cached_property
+    def layer_formats(self) -> tuple[formats.CacheFormat, ...]:
+        """Per layer, the code the ops take: AUTO for skip_layers, `format` for the others."""
+        skipped = set(self.skip_layers)
+        return tuple(formats.CacheFormat.AUTO if i in skipped else self.format for i in range(self.num_layers))
+
+    def layer_is_fp8(self, layer: int) -> bool:
+        return self.layer_formats[layer] != formats.CacheFormat.AUTO
+
+    @property
+    def num_fp8_layers(self) -> int:
+        return sum(map(self.layer_is_fp8, range(self.num_layers)))
 
     @property
     def fp8_format(self) -> formats.Fp8Format | None:
@@ -134,10 +154,9 @@ class KVCacheSpec:
         """An FP8 cache waiting for the first batch to calculate its scales."""
         return self.is_fp8 and self.scales is None
 
-    @property
-    def storage_dtype(self) -> torch.dtype:
-        """Element type of the cache tensors: uint8 codes for FP8, the model dtype for auto."""
-        return formats.cache_storage_dtype(self.format, self.model_dtype)
+    def storage_dtype(self, layer: int) -> torch.dtype:
+        """Element type of a layer's cache tensors: uint8 codes for FP8, the model dtype for auto."""
+        return formats.cache_storage_dtype(self.layer_formats[layer], self.model_dtype)
 
     def scale_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """One layer's K (or V) dynamic scale cache: bfloat16 [num_blocks, num_kv_heads, block_size]."""
@@ -145,15 +164,17 @@ class KVCacheSpec:
 
     def allocate_scale_caches(self, num_blocks: int,
                               device: torch.device | str) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-        """Per layer (k_scale_cache, v_scale_cache) for dynamic scales; None for static ones."""
+        """Per layer (k_scale_cache, v_scale_cache) for dynamic scales, () for a skipped layer (the ops then get
+        none); None for static ones."""
         if not self.dynamic_scales:
             return None
         return [dynamic_scales.allocate_scale_caches(num_blocks, self.block_size, self.num_kv_heads, device)
-                for _ in range(self.num_layers)]
+                if self.layer_is_fp8(i) else () for i in range(self.num_layers)]
 
-    def cache_shapes(self, num_blocks: int, window: bool = False) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """(key_cache, value_cache) shapes of one layer (kvcache.layout); window: the recent-token ring's."""
-        x = layout.cache_x(self.window_dtype if window else self.storage_dtype)
+    def cache_shapes(self, num_blocks: int, layer: int = 0,
+                     window: bool = False) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(key_cache, value_cache) shapes of a layer (kvcache.layout); window: the recent-token ring's."""
+        x = layout.cache_x(self.window_dtype if window else self.storage_dtype(layer))
         return ((num_blocks, self.num_kv_heads, self.head_size // x, self.block_size, x),
                 (num_blocks, self.num_kv_heads, self.head_size, self.block_size))
 
@@ -163,11 +184,26 @@ class KVCacheSpec:
         engine asks twice a step, and hashing every scale each time is measurable."""
         if not self.is_fp8:
             return f"auto:{self.model_dtype}"
+        name = self.cache_dtype_name
+        if self.skip_layers:  # those layers' blocks hold model-dtype values, not codes
+            name += f":skip{','.join(map(str, self.skip_layers))}:{self.model_dtype}"
         if self.scales is None:
-            return f"{self.name}:pending"
+            return f"{name}:pending"
         if self.dynamic_scales:  # each block carries its own scales: nothing else decides what its bytes mean
-            return f"{self.name}:dynamic:{self.rotation}"
-        return f"{self.name}:{self.scales.fingerprint()}:{self.rotation}"
+            return f"{name}:dynamic:{self.rotation}"
+        return f"{name}:{self.scales.fingerprint()}:{self.rotation}"
+
+
+def check_skip_layers(skip_layers: tuple[int, ...] | list[int], num_layers: int) -> tuple[int, ...]:
+    """The layer ids sorted, or a ValueError naming the model's layer count."""
+    layers = tuple(skip_layers)
+    for i in layers:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers:
+            raise ValueError(f"kv_cache_dtype_skip_layers names layer {i!r}, but the model has {num_layers} layers "
+                             f"(0..{num_layers - 1}); give layer ids from that range")
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"kv_cache_dtype_skip_layers={list(layers)} names a layer twice; give each once")
+    return tuple(sorted(layers))
 
 
 def check_block_size(block_size: int) -> None:

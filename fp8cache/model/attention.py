@@ -101,10 +101,12 @@ def attend(ctx: ForwardContext, layer: int, q: torch.Tensor, k: torch.Tensor, v:
     """One layer's attention for the step: q [T, heads, d], k/v [T, kv_heads, d] (any strides) -> [T, heads, d].
     Writes the step's K/V into the caches first. Prefill rows are decode queries of their own lengths, so a
     sliding window, soft cap and sinks apply to them exactly as to decode."""
-    if ctx.rotation != NONE:
+    fmt = ctx.layer_formats[layer]  # AUTO for a layer kept in the model dtype: no scales, no rotation
+    rotation = ctx.rotation if fmt != CacheFormat.AUTO else NONE
+    if rotation != NONE:
         # q.k and softmax(qk)V are unchanged: Q meets K in the same rotated basis and the output rotates back
         # below (H is its own inverse). apply_rotation runs the compiled O(d log d) transform when it can.
-        q, k, v = (apply_rotation(t, ctx.rotation) for t in (q, k, v))
+        q, k, v = (apply_rotation(t, rotation) for t in (q, k, v))
     if ctx.calculate_scales is not None:
         # Scales come from this step's own K/V, so they must exist before anything is written.
         ctx.k_scales[layer], ctx.v_scales[layer] = ctx.calculate_scales(layer, k, v)
@@ -115,27 +117,28 @@ def attend(ctx: ForwardContext, layer: int, q: torch.Tensor, k: torch.Tensor, v:
     # A prefill chunk's rows see their predecessors' full-precision K/V, which this step's window writes
     # may overwrite in the ring: read them first.
     earlier = [gather_window_at(window[0], window[1], g.earlier_index) for g in ctx.prefill_groups] if window else []
-    ctx.ops.reshape_and_cache(k, v, key_cache, value_cache, ctx.slot_mapping, ctx.cache_format,
-                              k_scale, v_scale, *scale_caches)
-    if ctx.saturation is not None:
+    ctx.ops.reshape_and_cache(k, v, key_cache, value_cache, ctx.slot_mapping, fmt, k_scale, v_scale, *scale_caches)
+    if ctx.saturation is not None and fmt != CacheFormat.AUTO:
         ctx.saturation.count(layer, k, v, k_scale, v_scale)
     if window:
         ctx.ops.reshape_and_cache(k, v, window[0], window[1], ctx.window_slot_mapping, CacheFormat.AUTO, k_scale,
                                   v_scale)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous: the decode op writes into it
     if ctx.num_decode:
-        _decode(ctx, q, out, key_cache, value_cache, k_scale, v_scale, scaling, window, features, scale_caches)
+        _decode(ctx, q, out, key_cache, value_cache, k_scale, v_scale, scaling, window, features, scale_caches,
+                fmt=fmt)
     for n, group in enumerate(ctx.prefill_groups):
         _prefill(ctx, group, q, k, v, out, key_cache, value_cache, k_scale, v_scale, scaling,
-                 earlier[n] if window else None, features, scale_caches)
-    if ctx.rotation != NONE:
-        out = apply_rotation(out, ctx.rotation)
+                 earlier[n] if window else None, features, scale_caches, fmt=fmt)
+    if rotation != NONE:
+        out = apply_rotation(out, rotation)
     return out
 
 
 def _decode(ctx: ForwardContext, q: torch.Tensor, out: torch.Tensor, key_cache: torch.Tensor,
             value_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor, scaling: float,
-            window: tuple[torch.Tensor, torch.Tensor] | None, features: LayerFeatures, scale_caches: tuple = ()) -> None:
+            window: tuple[torch.Tensor, torch.Tensor] | None, features: LayerFeatures, scale_caches: tuple = (), *,
+            fmt: CacheFormat) -> None:
     if ctx.all_decode:  # the packed rows are the decode rows already: write the output in place
         # The GPU op reads rows of any stride (q is a column view of the merged q/k/v projection).
         query, result = (q.contiguous() if q.device.type == "cpu" else q), out
@@ -145,7 +148,7 @@ def _decode(ctx: ForwardContext, q: torch.Tensor, out: torch.Tensor, key_cache: 
     ring = None if window is None else (*window, ctx.decode_window_block_tables, ctx.decode_window_starts,
                                          ctx.window_size)
     _decode_op(ctx, result, query, key_cache, value_cache, k_scale, v_scale, scaling, ctx.decode_block_tables,
-               ctx.decode_context_lens, ctx.max_decode_len, ring, features, scale_caches)
+               ctx.decode_context_lens, ctx.max_decode_len, ring, features, scale_caches, fmt=fmt)
     if not ctx.all_decode:
         out.index_copy_(0, ctx.decode_tokens, result)
 
@@ -154,20 +157,21 @@ def _decode_op(ctx: ForwardContext, result: torch.Tensor, query: torch.Tensor, k
                value_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor, scaling: float,
                block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int,
                ring: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int] | None,
-               features: LayerFeatures = PLAIN, scale_caches: tuple[torch.Tensor, torch.Tensor] | tuple = ()) -> None:
+               features: LayerFeatures = PLAIN, scale_caches: tuple[torch.Tensor, torch.Tensor] | tuple = (),
+               *, fmt: CacheFormat) -> None:
     """One query row per entry of seq_lens through the decode op; ring: (window key cache, window value cache,
     window block tables, window starts, ring size) reads each row's newest positions from there; scale_caches:
-    the layer's dynamic scales, () for static ones."""
+    the layer's dynamic scales, () for static ones; fmt: the layer's format (ctx.layer_formats)."""
     extra = (*features.op_args(), *scale_caches) if scale_caches or not features.plain else ()
     if ring is None:
         ctx.ops.paged_attention(result, query, key_cache, value_cache, key_cache.shape[1], float(scaling),
-                                block_tables, seq_lens, ctx.block_size, max_len, None, ctx.cache_format,
+                                block_tables, seq_lens, ctx.block_size, max_len, None, fmt,
                                 k_scale, v_scale, *extra)
     else:
         ring_k, ring_v, ring_tables, window_starts, ring_size = ring
         ctx.ops.paged_attention_window(
             result, query, key_cache, value_cache, ring_k, ring_v, key_cache.shape[1], float(scaling), block_tables,
-            ring_tables, seq_lens, window_starts, ring_size, ctx.block_size, max_len, None, ctx.cache_format,
+            ring_tables, seq_lens, window_starts, ring_size, ctx.block_size, max_len, None, fmt,
             k_scale, v_scale, *extra)
 
 
@@ -175,7 +179,7 @@ def _prefill(ctx: ForwardContext, group: PrefillGroup, q: torch.Tensor, k: torch
              out: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, k_scale: torch.Tensor,
              v_scale: torch.Tensor, scaling: float,
              earlier: tuple[torch.Tensor, torch.Tensor] | None, features: LayerFeatures = PLAIN,
-             scale_caches: tuple = ()) -> None:
+             scale_caches: tuple = (), *, fmt: CacheFormat) -> None:
     """The group's rows through the decode op (see RowQueries); the chunk's K/V are in the cache already.
     earlier: float32 full-precision K/V [n * earlier, kv_heads, d] of the positions before each chunk that its
     rows read (recent-token window; the chunk's own K/V follow them); None without a window."""
@@ -205,7 +209,7 @@ def _prefill(ctx: ForwardContext, group: PrefillGroup, q: torch.Tensor, k: torch
                                   v_scale)
         ring = (scratch_k, scratch_v, rows.window_tables, rows.window_starts, rows.window_span)
     _decode_op(ctx, result, query, key_cache, value_cache, k_scale, v_scale, scaling, rows.block_tables,
-               rows.seq_lens, rows.max_len, ring, features, scale_caches)
+               rows.seq_lens, rows.max_len, ring, features, scale_caches, fmt=fmt)
     if not group.token_range:
         out.index_copy_(0, group.tokens, result)
 

@@ -75,7 +75,9 @@ class ForwardContext:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer
     k_scales: list[torch.Tensor]  # per layer, [1] or [num_kv_heads]
     v_scales: list[torch.Tensor]
-    cache_format: CacheFormat  # the format code the user's kv-cache-dtype resolved to; the ops take the code
+    # Per layer, the format code the ops take: the one the user's kv-cache-dtype resolved to, AUTO for a layer
+    # kept in the model dtype (kv_cache_dtype_skip_layers).
+    layer_formats: tuple[CacheFormat, ...]
     block_size: int
     slot_mapping: torch.Tensor  # int64 [num_tokens]
     query_starts: list[int]  # per seq: first token of the seq in the packed stream
@@ -134,7 +136,7 @@ def build_forward_context(batch: StepBatch, ops: object,
     all_decode = len(decode) == len(seqs)
     ctx = ForwardContext(
         ops=ops, kv_caches=kv_caches, k_scales=list(spec.k_scales),
-        v_scales=list(spec.v_scales), cache_format=spec.format, block_size=spec.block_size,
+        v_scales=list(spec.v_scales), layer_formats=spec.layer_formats, block_size=spec.block_size,
         slot_mapping=views["slot_mapping"],
         query_starts=starts.tolist(), query_lens=[s.query_len for s in seqs], context_lens=[s.context_len for s in seqs],
         block_tables=views["block_tables"], num_decode=len(decode),

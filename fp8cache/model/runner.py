@@ -18,7 +18,7 @@ from fp8cache.kvcache import dynamic_scales, formats, saturation, scale_files, s
 from fp8cache.kvcache import scales as kv_scales
 from fp8cache.kvcache.layout import allocate_kv_cache
 from fp8cache.kvcache.rotation import HADAMARD, NONE, rotation_matrix
-from fp8cache.kvcache.spec import PENDING_SOURCE, KVCacheSpec, check_block_size
+from fp8cache.kvcache.spec import PENDING_SOURCE, KVCacheSpec, check_block_size, check_skip_layers
 from fp8cache.model import attention, forward_context, fused_layer, step_metadata
 from fp8cache.model.batch import StepBatch
 from fp8cache.model.cpu import dtype_probe, packed_linear
@@ -41,11 +41,11 @@ class ModelRunner:
         backend = formats.backend_of(self.device)
         log(f"device: {describe_device(self.device)}")
         # Resolved once, before the model loads, so that a bad name fails fast; the spec keeps it.
-        fmt_name = formats.resolve_kv_cache_dtype(config.kv_cache_dtype, backend)
+        cache_dtype_name = formats.resolve_kv_cache_dtype(config.kv_cache_dtype, backend)
         if config.kv_scales_granularity not in kv_scales.GRANULARITIES:
             raise ValueError(f"kv_scales_granularity={config.kv_scales_granularity!r} is not known; valid: "
                              f"{', '.join(kv_scales.GRANULARITIES)}")
-        self.dynamic_scales = self._resolve_dynamic_scales(fmt_name)
+        self.dynamic_scales = self._resolve_dynamic_scales(cache_dtype_name)
         # A tensor-parallel rank shards on the host first, so only its share of the weights reaches its GPU.
         loaded = loaded or load_model(config, on_device=not self.tp.is_parallel)
         self.model, self.tokenizer, self.hf_config = loaded.model, loaded.tokenizer, loaded.hf_config
@@ -86,13 +86,15 @@ class ModelRunner:
         fused = fused_layer.install(self.model)
         if fused:
             log(f"{fused} decoder layers run fp8kv's fused forward")
-        scales = self._resolve_scales(loaded, fmt_name)
-        window, window_dtype = self._resolve_recent_window(fmt_name, scales), self._resolve_window_dtype()
+        scales = self._resolve_scales(loaded, cache_dtype_name)
+        window, window_dtype = self._resolve_recent_window(cache_dtype_name, scales), self._resolve_window_dtype()
         # The one resolved description of the cache; only calculated scales replace it (_use_scales).
         self.kv_spec = KVCacheSpec.build(config.kv_cache_dtype, self.dtype, self.block_size, self.num_layers,
                                          self.num_kv_heads, self.head_size, scales, window, window_dtype,
-                                         backend, self.device, name=fmt_name, dynamic=self.dynamic_scales,
-                                         rotation=self._resolve_dynamic_rotation())
+                                         backend, self.device, cache_dtype_name=cache_dtype_name,
+                                         dynamic=self.dynamic_scales,
+                                         rotation=self._resolve_dynamic_rotation(),
+                                         skip_layers=self._resolve_skip_layers(cache_dtype_name))
         self._init_cache()
         self._graphs = self._decode_graphs()
         self.saturation = self._saturation_counter()
@@ -133,12 +135,12 @@ class ModelRunner:
             raise ValueError("the model config has no max_position_embeddings; set max_model_len")
         return int(length)  # sliding-window models too: the ops attend to each layer's window
 
-    def _resolve_recent_window(self, fmt_name: str, scales: kv_scales.KVScales | None) -> int:
+    def _resolve_recent_window(self, cache_dtype_name: str, scales: kv_scales.KVScales | None) -> int:
         wanted = self.config.kv_recent_window
         if wanted is not None and (not isinstance(wanted, int) or isinstance(wanted, bool) or wanted < 0):
             raise ValueError(f"kv_recent_window={wanted!r} must be a whole number of tokens >= 0 "
                              "(0 keeps every token in FP8)")
-        if fmt_name == formats.AUTO:
+        if cache_dtype_name == formats.AUTO:
             if wanted:
                 self.log("note: kv_recent_window is ignored with kv-cache-dtype auto (the cache is full precision)")
             return 0
@@ -166,12 +168,12 @@ class ModelRunner:
             ids.add(self.tokenizer.eos_token_id)
         return ids
 
-    def _resolve_dynamic_scales(self, fmt_name: str) -> bool:
+    def _resolve_dynamic_scales(self, cache_dtype_name: str) -> bool:
         """Whether the cache keeps dynamic scales (config.kv_scales), refusing what cannot go with them."""
         config = self.config
         if dynamic_scales.check_kv_scales(config.kv_scales) != dynamic_scales.DYNAMIC:
             return False
-        if fmt_name == formats.AUTO:
+        if cache_dtype_name == formats.AUTO:
             self.log("note: --kv-scales dynamic is ignored with kv-cache-dtype auto (the cache is full precision)")
             return False
         conflicts = [flag for flag, given in (("--quantization-param-path", config.quantization_param_path),
@@ -181,6 +183,17 @@ class ModelRunner:
                              f"{' and '.join(conflicts)} would go unused; drop {' and '.join(conflicts)}, or use "
                              "--kv-scales static to use those scales")
         return True
+
+    def _resolve_skip_layers(self, cache_dtype_name: str) -> tuple[int, ...]:
+        """config.kv_cache_dtype_skip_layers, checked against the model's layers (a no-op for an auto cache)."""
+        skip = check_skip_layers(self.config.kv_cache_dtype_skip_layers, self.num_layers)
+        if skip and cache_dtype_name == formats.AUTO:
+            self.log("note: kv_cache_dtype_skip_layers is ignored with kv-cache-dtype auto (every layer is full "
+                     "precision)")
+            return ()
+        if len(skip) == self.num_layers:
+            self.log("note: kv_cache_dtype_skip_layers names every layer: the cache is an auto cache")
+        return skip
 
     def _resolve_dynamic_rotation(self) -> str:
         """config.kv_rotation for dynamic scales: auto is the Hadamard rotation where the head size allows it."""
@@ -201,17 +214,17 @@ class ModelRunner:
             return NONE
         return HADAMARD
 
-    def _resolve_scales(self, loaded: LoadedModel, fmt_name: str) -> kv_scales.KVScales | None:
+    def _resolve_scales(self, loaded: LoadedModel, cache_dtype_name: str) -> kv_scales.KVScales | None:
         """The scales by their precedence (None: calculated from the first batch, or dynamic scales)."""
         if self.dynamic_scales:
             if loaded.checkpoint_scale_tensors:
                 self.log("note: the checkpoint's KV scales are not used: --kv-scales dynamic computes a scale per "
                          "token and KV head (use --kv-scales static to use them)")
             return None
-        if fmt_name == formats.AUTO and self.config.quantization_param_path:
+        if cache_dtype_name == formats.AUTO and self.config.quantization_param_path:
             self.log("warning: --quantization-param-path is ignored with kv-cache-dtype auto")
         scales = scale_files.resolve_scales(
-            fmt_name, self.num_layers, self.total_kv_heads,
+            cache_dtype_name, self.num_layers, self.total_kv_heads,
             quantization_param_path=self.config.quantization_param_path, tp_rank=self.tp.rank,
             tp_size=self.tp.world_size,
             checkpoint_tensors=loaded.checkpoint_scale_tensors, config=read_config_dict(self.model_path),
@@ -258,11 +271,11 @@ class ModelRunner:
         self.window_caches = sizing.allocate_caches(allocate_kv_cache, spec, plan.window_num_blocks,
                                                     self.device, window=True) if plan.window_seats else None
         self.scale_caches = spec.allocate_scale_caches(self.num_blocks, self.device)
-        for line in sizing.describe(plan, spec.name, self.max_model_len, self.config.max_num_seqs,
+        for line in sizing.describe(plan, _cache_label(spec), self.max_model_len, self.config.max_num_seqs,
                                     spec.model_dtype, spec.window_dtype):
             self.log(line)
         if spec.dynamic_scales:
-            scale_bytes = dynamic_scales.bytes_per_token(spec.num_layers, spec.num_kv_heads)
+            scale_bytes = dynamic_scales.bytes_per_token(spec.num_fp8_layers, spec.num_kv_heads)
             self.log(f"KV scales: dynamic, {scale_bytes} of the {self.bytes_per_token} bytes per token "
                      f"({100 * scale_bytes / self.bytes_per_token:.1f}%), rotation {spec.rotation}")
 
@@ -336,9 +349,9 @@ class ModelRunner:
     # Read-only views of kv_spec under the names the engine, server, bench and tests read.
 
     @property
-    def kv_cache_dtype(self) -> str:
-        """The canonical kv-cache-dtype ("fp8" resolved for the device)."""
-        return self.kv_spec.name
+    def cache_dtype_name(self) -> str:
+        """The canonical kv-cache-dtype ("fp8" resolved for the device); config.kv_cache_dtype is the user's."""
+        return self.kv_spec.cache_dtype_name
 
     @property
     def kv_recent_window(self) -> int:
@@ -480,7 +493,7 @@ class ModelRunner:
         # Padding tokens are not stored, so they do not shape the scales (a mask, not a boolean index: no
         # wait for the device to count the valid rows).
         padding = (slot_mapping < 0)[:, None, None]
-        fmt, granularity = self.kv_spec.name, self.config.kv_scales_granularity
+        fmt, granularity = self.kv_spec.cache_dtype_name, self.config.kv_scales_granularity
 
         def calculate(layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             k_amax = k.abs().masked_fill(padding, 0).amax(dim=(0, 2)).to(torch.float32)  # per KV head
@@ -499,10 +512,19 @@ class ModelRunner:
             raise RuntimeError(f"calculate_kv_scales saw layers {sorted(amax)} of {self.num_layers}")
         scales = kv_scales.compute_scales([amax[i][0].cpu() for i in range(self.num_layers)],
                                           [amax[i][1].cpu() for i in range(self.num_layers)],
-                                          self.kv_spec.name, self.config.kv_scales_granularity)
+                                          self.kv_spec.cache_dtype_name, self.config.kv_scales_granularity)
         self._use_scales(scales)
         self.log(f"KV scales calculated from the first batch ({self.config.kv_scales_granularity}), "
                  f"fingerprint {scales.fingerprint()}")
+
+
+def _cache_label(spec: KVCacheSpec) -> str:
+    """The cache's dtype for the start log: with skipped layers, which of them hold the model dtype."""
+    if not spec.skip_layers:
+        return spec.cache_dtype_name
+    dtype = str(spec.model_dtype).removeprefix("torch.")
+    s = "s" if len(spec.skip_layers) > 1 else ""
+    return f"{spec.cache_dtype_name} ({dtype} in layer{s} {','.join(map(str, spec.skip_layers))})"
 
 
 def _check_future_rows(batch: StepBatch, n: int, prev_tokens: torch.Tensor | None) -> None:

@@ -77,8 +77,8 @@ def evaluate(config: EngineConfig, text_path: str | None = None, windows: int = 
         raise ValueError(f"the text has {len(tokens)} tokens, fewer than windows * window_len = "
                          f"{windows * window_len}; use fewer or shorter windows")
     dtype = next(loaded.model.parameters()).dtype
-    baseline = ModelRunner(_window_config(config, loaded.hf_config, window_len, "auto", dtype), log, loaded)
-    tested = ModelRunner(_window_config(config, loaded.hf_config, window_len, config.kv_cache_dtype, dtype), log,
+    baseline = ModelRunner(window_config(config, loaded.hf_config, window_len, "auto", dtype), log, loaded)
+    tested = ModelRunner(window_config(config, loaded.hf_config, window_len, config.kv_cache_dtype, dtype), log,
                          loaded)
     if tested.saturation is not None:
         tested.saturation.sample_every = 1  # count every window's writes
@@ -91,7 +91,7 @@ def evaluate(config: EngineConfig, text_path: str | None = None, windows: int = 
             advance()
     n, spec = totals["tokens"], tested.kv_spec
     return {
-        "kv_cache_dtype": spec.name,
+        "kv_cache_dtype": spec.cache_dtype_name,
         "ppl": math.exp(totals["nll_fp8"] / n),
         "baseline_ppl": math.exp(totals["nll_base"] / n),
         "kl": totals["kl"] / n,
@@ -100,6 +100,7 @@ def evaluate(config: EngineConfig, text_path: str | None = None, windows: int = 
         "windows": windows,
         "scales_source": spec.scales_source,
         "kv_recent_window": spec.window_size,
+        "kv_cache_dtype_skip_layers": list(spec.skip_layers),
         "kv_recent_window_dtype": str(spec.window_dtype).removeprefix("torch."),
         "device": str(tested.device),
         # per layer and K/V: values written, clipped at the format's max, flushed to zero (static scales only)
@@ -107,7 +108,7 @@ def evaluate(config: EngineConfig, text_path: str | None = None, windows: int = 
     }
 
 
-def _window_config(config: EngineConfig, hf_config: object, window_len: int, kv_cache_dtype: str,
+def window_config(config: EngineConfig, hf_config: object, window_len: int, kv_cache_dtype: str,
                    dtype: torch.dtype) -> EngineConfig:
     """The user's config with a cache of exactly one window (slots 0..window_len-1, reused per window)."""
     blocks = -(-window_len // config.block_size)
@@ -116,7 +117,9 @@ def _window_config(config: EngineConfig, hf_config: object, window_len: int, kv_
     shape = (hf_config.num_hidden_layers, getattr(hf_config, "num_key_value_heads", None) or num_heads,
              getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads)
     dynamic = config.kv_scales == "dynamic" and kv_cache_dtype != formats.AUTO
-    memory = blocks * config.block_size * sizing.bytes_per_token(*shape, kv_cache_dtype, dtype, backend, dynamic)
+    skipped = len({i for i in config.kv_cache_dtype_skip_layers if i < shape[0]})  # the runner refuses the others
+    memory = blocks * config.block_size * sizing.bytes_per_token(*shape, kv_cache_dtype, dtype, backend, dynamic,
+                                                                 skipped)
     if kv_cache_dtype != formats.AUTO and config.kv_recent_window != 0:
         # Room for one seat of the recent-token ring at its largest: the runner caps the window (given, or
         # recorded in the scales file) at max_model_len = window_len, and its dtype is at most 4 bytes.

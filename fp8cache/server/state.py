@@ -61,7 +61,7 @@ class ModelInfo:
         model_vocab = getattr(getattr(runner, "hf_config", None), "vocab_size", None)
         return cls(
             tokenizer=tokenizer, max_model_len=int(runner.max_model_len),
-            capacity_tokens=int(runner.capacity_tokens), kv_cache_dtype=str(runner.kv_cache_dtype),
+            capacity_tokens=int(runner.capacity_tokens), kv_cache_dtype=str(runner.cache_dtype_name),
             scales_source=str(getattr(runner, "scales_source", "none")), block_size=int(runner.block_size),
             num_blocks=int(runner.num_blocks), vocab_size=min(vocab, model_vocab) if model_vocab else vocab,
             model_dtype=str(getattr(runner, "dtype", "float32")).removeprefix("torch."),

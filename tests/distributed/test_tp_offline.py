@@ -65,18 +65,19 @@ def quiet(msg: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-def test_two_ranks_give_the_greedy_tokens_of_one(tiny_llama_path, kv_cache_dtype):
+@pytest.mark.parametrize("kv_cache_dtype,skip_layers", [("auto", ()), ("fp8", ()), ("fp8", (1,))])
+def test_two_ranks_give_the_greedy_tokens_of_one(tiny_llama_path, kv_cache_dtype, skip_layers):
     engine = dict(model=tiny_llama_path, kv_cache_dtype=kv_cache_dtype, kv_cache_memory="16MiB", log=quiet,
-                  **(PLAIN_FP8 if kv_cache_dtype == "fp8" else {}))
+                  **(PLAIN_FP8 if kv_cache_dtype == "fp8" else {}),
+                  **({"kv_cache_dtype_skip_layers": skip_layers} if skip_layers else {}))
     with LLM(tensor_parallel_size=2, **engine) as llm:
         workers = list(llm.tp_group.workers)
         assert [w.rank for w in workers] == [1]
         runner = llm.engine.runner
         # Rank 0 holds half of the 2 KV heads, so its cache does too.
         assert runner.num_kv_heads == 1 and runner.kv_caches[0][0].shape[1] == 1
-        if kv_cache_dtype == "fp8":
-            assert runner.kv_caches[0][0].dtype == torch.uint8
+        if kv_cache_dtype == "fp8":  # layers kept in 16 bits (the workers' configs travel as JSON) hold floats
+            assert [k.dtype == torch.uint8 for k, _ in runner.kv_caches] == [i not in skip_layers for i in range(2)]
         got = greedy_tokens(llm, PROMPTS)
     # Closing sent the stop message: the worker left its loop and exited cleanly.
     assert all(w.proc.returncode == 0 and gone(w.proc.pid) for w in workers)

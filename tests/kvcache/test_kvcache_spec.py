@@ -39,10 +39,10 @@ def spec_of(kv_cache_dtype: str, scales: KVScales | None = None, backend: str = 
 
 def check_caches_follow_spec(runner: ModelRunner) -> None:
     spec = runner.kv_spec
-    key_shape, value_shape = spec.cache_shapes(runner.num_blocks)
     assert len(runner.kv_caches) == spec.num_layers
-    for key_cache, value_cache in runner.kv_caches:
-        assert key_cache.dtype == value_cache.dtype == spec.storage_dtype
+    for layer, (key_cache, value_cache) in enumerate(runner.kv_caches):
+        key_shape, value_shape = spec.cache_shapes(runner.num_blocks, layer)
+        assert key_cache.dtype == value_cache.dtype == spec.storage_dtype(layer)
         assert tuple(key_cache.shape) == key_shape and tuple(value_cache.shape) == value_shape
     assert runner.bytes_per_token == sizing.spec_bytes_per_token(spec)
     if spec.window_size:
@@ -58,9 +58,9 @@ def check_caches_follow_spec(runner: ModelRunner) -> None:
 def test_auto_spec(tiny_loaded):
     runner = make_runner(tiny_loaded, kv_recent_window=32)  # ignored: an auto cache is full precision
     spec = runner.kv_spec
-    assert (spec.kv_cache_dtype, spec.name, spec.format) == ("auto", "auto", CacheFormat.AUTO)
+    assert (spec.kv_cache_dtype, spec.cache_dtype_name, spec.format) == ("auto", "auto", CacheFormat.AUTO)
     assert not spec.is_fp8 and spec.fp8_format is None and not spec.scales_pending
-    assert spec.model_dtype == spec.storage_dtype == torch.float32
+    assert spec.model_dtype == spec.storage_dtype(0) == torch.float32
     assert (spec.block_size, spec.num_layers, spec.num_kv_heads, spec.head_size) == (BLOCK, LAYERS, KV_HEADS, HEAD)
     assert spec.window_size == 0 and spec.rotation == "none" and spec.backend == "cpu"
     assert spec.scales_source == "unused (auto cache)"
@@ -71,8 +71,8 @@ def test_auto_spec(tiny_loaded):
 def test_fp8_e4m3_spec(tiny_loaded):
     runner = make_runner(tiny_loaded, "fp8_e4m3")
     spec = runner.kv_spec
-    assert (spec.kv_cache_dtype, spec.name, spec.format) == ("fp8_e4m3", "fp8_e4m3", CacheFormat.E4M3FN)
-    assert spec.storage_dtype == torch.uint8 and spec.model_dtype == torch.float32
+    assert (spec.kv_cache_dtype, spec.cache_dtype_name, spec.format) == ("fp8_e4m3", "fp8_e4m3", CacheFormat.E4M3FN)
+    assert spec.storage_dtype(0) == torch.uint8 and spec.model_dtype == torch.float32
     assert spec.fp8_format is formats.FP8_FORMATS["fp8_e4m3"]
     assert spec.scales_source == "default 1.0" and spec.scales is not None
     assert isinstance(spec.k_scales, tuple) and len(spec.k_scales) == len(spec.v_scales) == LAYERS
@@ -83,11 +83,11 @@ def test_fp8_e4m3_spec(tiny_loaded):
 def test_fp8_resolves_per_backend(tiny_loaded):
     runner = make_runner(tiny_loaded, "fp8")
     assert runner.kv_spec.kv_cache_dtype == "fp8"  # as the user gave it
-    assert (runner.kv_spec.name, runner.kv_spec.format) == ("fp8_e4m3", CacheFormat.E4M3FN)
+    assert (runner.kv_spec.cache_dtype_name, runner.kv_spec.format) == ("fp8_e4m3", CacheFormat.E4M3FN)
     check_caches_follow_spec(runner)
     assert spec_of("fp8", backend="cuda").format == CacheFormat.E4M3FN
     rocm = spec_of("fp8", backend="rocm")
-    assert (rocm.name, rocm.format, rocm.backend) == ("fp8_e4m3fnuz", CacheFormat.E4M3FNUZ, "rocm")
+    assert (rocm.cache_dtype_name, rocm.format, rocm.backend) == ("fp8_e4m3fnuz", CacheFormat.E4M3FNUZ, "rocm")
 
 
 def test_per_head_scales_from_a_file(tiny_loaded, per_head_scales):
@@ -116,13 +116,13 @@ def test_spec_is_frozen(tiny_loaded):
     with pytest.raises(dataclasses.FrozenInstanceError):
         runner.kv_spec.window_size = 8
     with pytest.raises(AttributeError):  # the runner's old attributes are views of the spec
-        runner.kv_cache_dtype = "auto"
+        runner.cache_dtype_name = "auto"
 
 
 def test_runner_attributes_read_the_spec(tiny_loaded):
     runner = make_runner(tiny_loaded, "fp8", kv_recent_window=32)
     spec = runner.kv_spec
-    assert runner.kv_cache_dtype == spec.name == "fp8_e4m3"
+    assert runner.cache_dtype_name == spec.cache_dtype_name == "fp8_e4m3"
     assert runner.kv_recent_window == spec.window_size == 32 and runner.window_dtype == spec.window_dtype
     assert runner.scales is spec.scales and runner.scales_source == spec.scales_source
     assert runner.kv_rotation == spec.rotation == "none"

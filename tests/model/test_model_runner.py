@@ -246,7 +246,7 @@ def test_fp8_cache_stays_close_to_auto(loaded, text_ids, kv_cache_dtype, floor):
 
 def test_runner_attributes(loaded):
     runner = make_runner(loaded, "fp8", max_model_len=512)
-    assert runner.kv_cache_dtype == "fp8_e4m3"  # "fp8" on CPU
+    assert runner.cache_dtype_name == "fp8_e4m3"  # "fp8" on CPU
     assert (runner.num_layers, runner.num_kv_heads, runner.head_size) == (30, 3, 64)
     assert runner.bytes_per_token == 2 * 30 * 3 * 64
     assert runner.capacity_tokens == runner.num_blocks * BLOCK
@@ -314,7 +314,7 @@ def check_layer0_codes(runner: ModelRunner, tiny_loaded, n: int = 24) -> None:
     seq = Seq(tiny_ids(tiny_loaded)[:n], [0, 1])
     k, v = layer0_auto_kv(tiny_loaded, seq, n)
     runner.execute(step([(seq, 0, n)]))
-    fmt = formats.FP8_FORMATS[runner.kv_cache_dtype]
+    fmt = formats.FP8_FORMATS[runner.cache_dtype_name]
     k_codes, v_codes = raw_cache(runner, 0, seq, n)
     assert torch.equal(k_codes, reference.quantize(k, runner.scales.k[0], fmt))
     assert torch.equal(v_codes, reference.quantize(v, runner.scales.v[0], fmt))

@@ -205,7 +205,7 @@ def dense_window_logits(runner: ModelRunner, ids: list[int], floor: int = 0) -> 
     def dense(ctx: ForwardContext, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
               features: attention.LayerFeatures = attention.PLAIN) -> torch.Tensor:
         assert ctx.rotation == "none" and ctx.calculate_scales is None and features.plain
-        fmt = formats.get_format(ctx.cache_format, "cpu")
+        fmt = formats.get_format(ctx.layer_formats[layer], "cpu")
 
         def as_cached(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:  # [T, kv_heads, d] as read back
             if fmt is None:

@@ -11,7 +11,7 @@ from fp8cache.config import EngineConfig
 from fp8cache.quality.eval import evaluate, locate_eval_text, read_text
 
 KEYS = {"kv_cache_dtype", "device", "ppl", "baseline_ppl", "kl", "top1_agreement", "tokens", "windows", "scales_source",
-        "kv_recent_window", "kv_recent_window_dtype", "saturation"}
+        "kv_recent_window", "kv_recent_window_dtype", "kv_cache_dtype_skip_layers", "saturation"}
 
 
 def transformers_ppl(model_path: str, windows: int, window_len: int) -> float:

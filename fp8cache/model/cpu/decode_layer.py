@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from fp8cache import ops
+from fp8cache.kvcache.formats import CacheFormat
 from fp8cache.kvcache.rotation import NONE
 from fp8cache.model.cpu.packed_linear import PackedLinear, merged_siblings
 from fp8cache.model.forward_context import ForwardContext
@@ -57,14 +58,17 @@ class WholeLayer:
 def step_args(ctx: ForwardContext, layer: int) -> tuple | None:
     """decode_layer's attention arguments for `layer` (key_cache .. window_size) when the step is decode tokens
     only, on the CPU, with no kv rotation, no scale calculation and no saturation count (the op writes the
-    cache inside); None otherwise."""
-    if (not ctx.all_decode or ctx.rotation != NONE or ctx.calculate_scales is not None or ctx.saturation is not None
-            or ctx.slot_mapping.device.type != "cpu"):
+    cache inside) for this layer; None otherwise."""
+    # A layer kept in the model dtype is never rotated or counted (attention.attend), so it runs whole regardless.
+    fp8 = ctx.layer_formats[layer] != CacheFormat.AUTO
+    if (not ctx.all_decode or (fp8 and (ctx.rotation != NONE or ctx.saturation is not None))
+            or ctx.calculate_scales is not None or ctx.slot_mapping.device.type != "cpu"):
         return None
     key_cache, value_cache = ctx.kv_caches[layer]
     window = ctx.window_caches[layer] if ctx.window_size else ()
-    scale_caches = ctx.scale_caches[layer] if ctx.scale_caches is not None else ()  # dynamic scales
-    return (key_cache, value_cache, ctx.slot_mapping, ctx.cache_format, ctx.k_scales[layer], ctx.v_scales[layer],
+    # Dynamic scales; () for a layer kept in the model dtype, whose format is AUTO in a mixed cache.
+    scale_caches = ctx.scale_caches[layer] if ctx.scale_caches is not None else ()
+    return (key_cache, value_cache, ctx.slot_mapping, ctx.layer_formats[layer], ctx.k_scales[layer], ctx.v_scales[layer],
             ctx.decode_block_tables, ctx.decode_context_lens, ctx.max_decode_len, list(window),
             ctx.window_slot_mapping if window else None, ctx.decode_window_block_tables if window else None,
             ctx.decode_window_starts if window else None, ctx.window_size, *scale_caches)
