@@ -18,7 +18,7 @@ from fp8cache.engine.sampling_params import SamplingParams
 from fp8cache.engine.scheduler import Scheduler
 from fp8cache.engine.sequence import Sequence
 from fp8cache.engine.window_pool import WindowPool
-from fp8cache.kvcache import formats, sizing
+from fp8cache.kvcache import formats, rotation, sizing
 from fp8cache.kvcache.sizing import WINDOW_BUDGET_SHARE, plan_cache
 from fp8cache.model import attention
 from fp8cache.model.batch import SeqChunk, StepBatch, window_slot
@@ -162,7 +162,8 @@ def loaded(tiny_llama_path):
 
 def make_runner(loaded, kv_cache_dtype: str, window: int | None, **overrides) -> ModelRunner:
     log = overrides.pop("log_to", lambda msg: None)
-    config = EngineConfig(model=loaded.model_path, kv_cache_dtype=kv_cache_dtype, block_size=BLOCK,
+    config = EngineConfig(model=loaded.model_path, kv_cache_dtype=kv_cache_dtype,
+                          block_size=overrides.pop("block_size", BLOCK),
                           kv_cache_memory=overrides.pop("kv_cache_memory", "16MiB"), kv_recent_window=window,
                           max_num_seqs=overrides.pop("max_num_seqs", 4), **overrides)
     return ModelRunner(config, log=log, loaded=loaded)
@@ -199,17 +200,26 @@ def dense_window_logits(runner: ModelRunner, ids: list[int], floor: int = 0) -> 
     attention one dense softmax per row over [FP8 keys ; full-precision keys] of the step's own K/V, read
     neither from the cache nor through the decode ops. Row i reads position j < full_from(i) as the FP8 cache
     holds it and full_from(i) <= j <= i in the window's dtype, full_from(i) = max(i - window + 1, floor);
-    without a window every position as the cache holds it."""
+    without a window every position as the cache holds it. Static scales quantize with the layer's scale,
+    dynamic ones with each token and head's own (reference.quantize_dynamic); with a rotation, Q, K and V meet
+    in the rotated basis (the matrix product of kvcache.rotation, not the compiled transform) and the output
+    rotates back."""
     window = runner.kv_recent_window
 
     def dense(ctx: ForwardContext, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
               features: attention.LayerFeatures = attention.PLAIN) -> torch.Tensor:
-        assert ctx.rotation == "none" and ctx.calculate_scales is None and features.plain
+        assert ctx.calculate_scales is None and features.plain
         fmt = formats.get_format(ctx.layer_formats[layer], "cpu")
+        if ctx.rotation != "none":
+            h = rotation.rotation_matrix(ctx.rotation, q.shape[-1])
+            q, k, v = (rotation.rotate(t, h) for t in (q, k, v))
 
         def as_cached(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:  # [T, kv_heads, d] as read back
             if fmt is None:
                 return x.float()
+            if ctx.scale_caches is not None:
+                codes, token_scales = reference.quantize_dynamic(x, fmt)
+                return codes.view(fmt.torch_dtype).float() * token_scales.float()[..., None]
             return reference.dequantize(reference.quantize(x, scale, fmt), scale, fmt, head_dim=1)
 
         rows = torch.arange(q.shape[0])[:, None]
@@ -224,7 +234,10 @@ def dense_window_logits(runner: ModelRunner, ids: list[int], floor: int = 0) -> 
         out = torch.nn.functional.scaled_dot_product_attention(
             q.float().transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask,
             scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
-        return out.transpose(0, 1).to(q.dtype).contiguous()  # the fused layer views attend's output
+        out = out.transpose(0, 1).to(q.dtype)
+        if ctx.rotation != "none":
+            out = rotation.rotate(out, h)
+        return out.contiguous()  # the fused layer views attend's output
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(attention, "attend", dense)
@@ -282,6 +295,43 @@ def test_cpu_window_prefills_equal_one_dense_softmax(one_layer, window):
     shared.blocks[:32 // BLOCK] = first.blocks[:32 // BLOCK]  # a prefix-cache hit: FP8 only
     logits += [runner.execute(shared.chunk(a, b, floor=32), all_logits=True) for a, b in ((32, 45), (45, 60))]
     torch.testing.assert_close(torch.cat(logits), want, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv_scales,kv_rotation,window,block", [
+    ("static", "none", 8, 16),  # a ring block longer than the window: ring slots p % 8 of one 16-slot block
+    ("dynamic", "none", 8, 16), ("dynamic", "hadamard", 32, 16), ("static", "hadamard", 32, 8),
+    ("dynamic", "none", 13, 8)])
+def test_decode_prefill_chunks_and_prefix_hits_read_what_the_design_says(one_layer, kv_scales, kv_rotation, window,
+                                                                         block):
+    """Row i reads positions [max(i - W + 1, floor), i] in full precision and older ones from FP8, whichever way
+    the sequence reaches the cache (docs/design.md "Recent-token window"): one prefill, chunks ending on and off
+    block edges then decode, token by token from the first token, and a prefix-cache hit (floor = the shared
+    blocks' end: their K/V exist only as FP8) followed by chunks and decode. Each equals the dense oracle of
+    the same semantics, with static and dynamic scales, with and without the rotation."""
+    n, shared = 70, 2 * block
+    ids, other = prompt_ids(n, seed=7), prompt_ids(n, seed=7)[:shared] + prompt_ids(n - shared, seed=8)
+    runner = make_runner(one_layer, "fp8_e4m3", window, block_size=block, kv_scales=kv_scales,
+                         kv_rotation=kv_rotation)
+    want = dense_window_logits(runner, ids)
+    want_shared = dense_window_logits(runner, other, floor=shared)[shared:]
+    paths = {"one prefill": [(0, n)], "chunks": [(0, block), (block, block + 5), (block + 5, 3 * block + 1)]
+             + [(p, p + 1) for p in range(3 * block + 1, n)], "decode": [(p, p + 1) for p in range(n)]}
+    first_block = 0
+    for seat, (name, chunks) in enumerate(paths.items()):
+        seq = RingSeq(runner, ids, first_block=first_block, seat=seat)
+        first_block += len(seq.blocks)
+        got = torch.cat([runner.execute(seq.chunk(a, b), all_logits=True) for a, b in chunks])
+        torch.testing.assert_close(got, want, atol=3e-5, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+    hit = RingSeq(runner, other, first_block=first_block, seat=len(paths))
+    hit.blocks[:shared // block] = seq.blocks[:shared // block]  # the decode path's blocks, as the prefix cache
+    chunks = [(shared, shared + 13), (shared + 13, n - 4)] + [(p, p + 1) for p in range(n - 4, n)]
+    got = torch.cat([runner.execute(hit.chunk(a, b, floor=shared), all_logits=True) for a, b in chunks])
+    torch.testing.assert_close(got, want_shared, atol=3e-5, rtol=1e-5)
+    # The floor is a documented difference, not noise: the rows just after it read the shared positions from
+    # FP8 where a fresh prefill of the same tokens reads them in full precision.
+    fresh = dense_window_logits(runner, other)[shared:]
+    assert (want_shared[:window - 1] - fresh[:window - 1]).abs().amax() > 1e-3
+    torch.testing.assert_close(want_shared[window:], fresh[window:], atol=3e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2", "auto"])
