@@ -28,7 +28,7 @@ from fp8cache.model import attention
 from fp8cache.model.loader import load_model
 from fp8cache.model.runner import ModelRunner
 from fp8cache.ops import reference
-from fp8cache.quality.eval import window_config, locate_eval_text, read_text, runner_batch
+from fp8cache.quality.eval import locate_eval_text, read_text, runner_batch, window_config
 
 
 def dense_attention(fmt: formats.Fp8Format, window: int, sinks: int, quantized: str):
