@@ -87,7 +87,7 @@ void pv_all_heads(const PartitionWork& w, const View<cache_t>& view, const float
 // The FP8 half of run_partition. The first subgroup's Q.K pass takes the prefetched heads' K to L2 and
 // their V too, except the V of a head after this one, which its P.V pass takes: so memory stays busy
 // during both passes. q is the unscaled query (qk_fp8 scales the logits).
-template <typename Dot, KVFormat kFormat>
+template <typename Dot, KVFormat kFormat, bool kDynamic>
 void run_fp8_partition(const PartitionWork& w, const View<uint8_t>& view, const float* q, float* logits,
                        int stride, float* norm, float* ops, int skip) {
   const int G = w.group, D = w.head_size, P = w.end - w.start;
@@ -108,10 +108,10 @@ void run_fp8_partition(const PartitionWork& w, const View<uint8_t>& view, const 
     for (int d = 0; d < D; d += 16) {  // [D / 16][g][kOps] (see qk_fp8)
       for (int h = 0; h < g; ++h) Dot::operands(q + (h0 + h) * D + d, ops + (d / 16 * g + h) * kOps);
     }
-    qk_fp8<Dot, kFormat, g>(w, view, ops, w.alibi ? w.alibi + h0 : nullptr, logits + h0 * stride, stride,
+    qk_fp8<Dot, kFormat, g, kDynamic>(w, view, ops, w.alibi ? w.alibi + h0 : nullptr, logits + h0 * stride, stride,
                             h0 == 0 ? k_ahead : idle, h0 == 0 ? v_ahead_qk : idle, next_scales);  // key scales folded in
   });
-  next_scales.fetch_all();  // a short partition's leftovers
+  if constexpr (kDynamic) next_scales.fetch_all();  // a short partition's leftovers
   for (int h = 0; h < G; ++h) {
     soft_cap(logits + h * stride, skip, P, w.softcap);
     softmax_numerators(logits + h * stride, P, stride, w.max_logit + h, w.exp_sum + h, skip);
@@ -122,9 +122,9 @@ void run_fp8_partition(const PartitionWork& w, const View<uint8_t>& view, const 
     const float* p = logits + h0 * stride;
     SlabPrefetcher& pf = h0 == 0 ? v_ahead_pv : idle;
     switch (w.block_size) {
-      case 8: pv_fp8<Dot, kFormat, g, 8>(w, view, p, stride, norm + h0, w.out + h0 * D, ops, pf); break;
-      case 16: pv_fp8<Dot, kFormat, g, 16>(w, view, p, stride, norm + h0, w.out + h0 * D, ops, pf); break;
-      default: pv_fp8<Dot, kFormat, g, 32>(w, view, p, stride, norm + h0, w.out + h0 * D, ops, pf); break;
+      case 8: pv_fp8<Dot, kFormat, g, 8, kDynamic>(w, view, p, stride, norm + h0, w.out + h0 * D, ops, pf); break;
+      case 16: pv_fp8<Dot, kFormat, g, 16, kDynamic>(w, view, p, stride, norm + h0, w.out + h0 * D, ops, pf); break;
+      default: pv_fp8<Dot, kFormat, g, 32, kDynamic>(w, view, p, stride, norm + h0, w.out + h0 * D, ops, pf); break;
     }
   });
 }
@@ -144,7 +144,8 @@ void run_partition(const PartitionWork& unaligned) {
   if constexpr (kFormat != KVFormat::AUTO) {
     float* ops = norm + (G + 15) / 16 * 16;  // FP8 operands (64-byte aligned)
     using Dot = std::conditional_t<kBf16Query, Bf16Dot<kFormat>, FloatDot<kFormat>>;
-    run_fp8_partition<Dot, kFormat>(w, view, w.query, logits, stride, norm, ops, skip);
+    if (w.k_scales) run_fp8_partition<Dot, kFormat, true>(w, view, w.query, logits, stride, norm, ops, skip);
+    else run_fp8_partition<Dot, kFormat, false>(w, view, w.query, logits, stride, norm, ops, skip);
   } else {
     NextScales(w.next_scales).fetch_all();  // dynamic scales of an FP8 pass after this window ring's, at once
     const __m512 qs = _mm512_set1_ps(w.qk_scale);

@@ -139,7 +139,8 @@ struct SlabPrefetcher {
 
   // Lines that reach the end of the current block's run: finish it, then go on in the next blocks. Kept out
   // of line: inlined into the Q.K and P.V loops (gcc 12 did), its loop cost the FP8 kernel 10-15% of its time.
-  __attribute__((noinline)) void lines_across(int n) {
+  // Hidden: called directly, not through the library's PLT (1% of the kernel's time at head size 64).
+  __attribute__((noinline, visibility("hidden"))) void lines_across(int n) {
     while (n > 0 && next != nullptr) {
       const int m = static_cast<int>(std::min<int64_t>(n, (run_end - next) >> 6));
       for (int i = 0; i < m; ++i) _mm_prefetch(next + 64 * i, _MM_HINT_T1);
@@ -271,8 +272,11 @@ struct QuadAccumulators {
 // q[h][16g .. 16g + 15]), at constant offsets from group g's row. Logits are the sums times qk_scale.
 // Dot::kQuads quads (4 tokens each) run through all their head dims together, each with kG * kSets
 // accumulators, few enough to stay in registers; four quads' sums then finish together in reduce4.
-template <typename Dot, KVFormat kFormat, int kG>
-void qk_fp8(const PartitionWork& w, const View<uint8_t>& view, const float* qb, const float* alibi,
+// kDynamic: dynamic scales (w.k_scales and w.v_scales set); a template parameter, so the static kernel is compiled
+// as if they did not exist. Never inlined: inlined into run_fp8_partition (gcc 12 did, once the static kernel
+// lost its scale code) it ran 6% slower at head size 64.
+template <typename Dot, KVFormat kFormat, int kG, bool kDynamic>
+__attribute__((noinline)) void qk_fp8(const PartitionWork& w, const View<uint8_t>& view, const float* qb, const float* alibi,
             float* logits, int logit_stride, SlabPrefetcher k_ahead, SlabPrefetcher v_ahead, NextScales& next_scales) {
   const Fp8Lanes<kFormat> codec;
   constexpr int kAhead = 32;  // tokens between a K prefetch and its use
@@ -291,7 +295,7 @@ void qk_fp8(const PartitionWork& w, const View<uint8_t>& view, const float* qb, 
   const int tile_blocks = bs < 16 ? 16 / bs : 1;  // the next pass's scale lines: a tile's worth of blocks per tile
   alignas(64) float quad_sums[kG][4][16] = {};  // [head][quad of the tile]: 4-lane partial sums
   for (int ts = w.start; ts < w.end; ts += 16) {
-    next_scales.fetch(tile_blocks);
+    if constexpr (kDynamic) next_scales.fetch(tile_blocks);
     for (int qi = 0; qi < 4 && ts + 4 * qi < w.end; qi += kQuads) {
       const int t = ts + 4 * qi;
       const uint8_t* p[kQuads];
@@ -326,7 +330,8 @@ void qk_fp8(const PartitionWork& w, const View<uint8_t>& view, const float* qb, 
     }
     const int n = std::min(16, w.end - ts);
     // Dynamic scales: each token's key scale joins the softmax scale, before ALiBi
-    const __m512 tile_scale = w.k_scales ? _mm512_mul_ps(qk_scale, scales.load(w.k_scales, ts)) : qk_scale;
+    __m512 tile_scale = qk_scale;
+    if constexpr (kDynamic) tile_scale = _mm512_mul_ps(qk_scale, scales.load(w.k_scales, ts));
     for (int h = 0; h < kG; ++h) {
       const __m512* a = reinterpret_cast<const __m512*>(quad_sums[h]);
       __m512 out = _mm512_mul_ps(runs_in_order(reduce4(a[0], a[1], a[2], a[3])), tile_scale);  // tokens ts + 0..15
@@ -344,7 +349,7 @@ void qk_fp8(const PartitionWork& w, const View<uint8_t>& view, const float* qb, 
 // with kG * kSets accumulators, and four row quads (16 rows) finish together in reduce4. With Bf16Dot all four
 // go at once, so each probability operand is loaded once per four products (one row quad a pass: 2.06 us
 // on the Q.K note's case, four: 1.30 us).
-template <typename Dot, KVFormat kFormat, int kG, int kBs>
+template <typename Dot, KVFormat kFormat, int kG, int kBs, bool kDynamic>
 void pv_fp8(const PartitionWork& w, const View<uint8_t>& view, const float* probs, int prob_stride,
             const float* norm, float* out, float* prob_ops, SlabPrefetcher v_ahead) {
   const Fp8Lanes<kFormat> codec;
@@ -374,7 +379,7 @@ void pv_fp8(const PartitionWork& w, const View<uint8_t>& view, const float* prob
       return _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 4, 1, 5, 2, 6, 3, 7), ab);
     }
   };
-  if (w.v_scales) {  // dynamic scales: each token's probability times its value scale (zeros past the end stay 0)
+  if constexpr (kDynamic) {  // dynamic scales: each token's probability times its value scale (zeros past the end stay 0)
     const TileScales scales(w);
     for (int i = 0; i < tiles; ++i) {
       const __m512 s = _mm512_maskz_mov_ps(first_lanes(P - 16 * i), scales.load(w.v_scales, w.start + 16 * i));
