@@ -20,7 +20,7 @@ constexpr int kPartitionSize = 512;
 // block table). The AVX-512 FP8 kernel fetches them a block per Q.K tile of the pass before; the others at once.
 // Block ids are random, so no hardware prefetcher finds these lines, and prefetches issued all at once (two per
 // block of a 512-token partition) mostly went unserved on the AMD EPYC machine: at head size 64, 8 x 8192, the
-// dynamic kernel took 1.5x the static one's time with them, and <= 1.1x with them spread over the pass.
+// dynamic kernel took 1.5x the static one's time with them, and 1.02-1.07x with them spread over the pass.
 struct NextScales {
   const uint16_t* k = nullptr;  // already offset to the KV head, as PartitionWork's
   const uint16_t* v = nullptr;
@@ -60,8 +60,9 @@ struct PartitionWork {
   float* exp_sum;      // [group]: sum of exp(logit - max_logit) over the partition
   // Dynamic scales (common/dynamic_scale.h): this KV head's bfloat16 bits in the scale caches [num_blocks,
   // num_kv_heads, block_size] (already offset by kv_head * block_size), or nullptr for static scales. The kernels fold a
-  // token's key scale into its logit (before ALiBi, which they then leave to apply_key_scales) and its value
-  // scale into its probability after the softmax's sums: a few operations per token, not per element.
+  // token's key scale into its logit (before ALiBi: the AVX-512 FP8 kernel a tile at a time, the others through
+  // apply_key_scales) and its value scale into its probability after the softmax's sums: a few operations per
+  // token, not per element.
   const uint16_t* k_scales = nullptr;
   const uint16_t* v_scales = nullptr;
   NextScales next_scales;  // the thread's next pass's, whatever its cache (none: nothing to fetch)
