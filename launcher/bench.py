@@ -334,6 +334,9 @@ def throughput(model, num_prompts, input_len, output_len, kv_cache_dtypes, compa
 @_MODEL_DTYPE_OPT
 @_WINDOW_OPT
 @_WINDOW_DTYPE_OPT
+@click.option("--kv-scales", type=click.Choice(["static", "dynamic", "both"]), default="static", show_default=True,
+              help="The FP8 caches' scales: dynamic stores a scale per token and KV head beside the codes (out of "
+                   "the same budget); both runs each FP8 dtype with either, side by side.")
 @_LOAD_FORMAT_OPT
 @_THREADS_OPT
 @_TEXT_OPT
@@ -342,7 +345,7 @@ def throughput(model, num_prompts, input_len, output_len, kv_cache_dtypes, compa
 @_PLOT_OPT
 def capacity(model, kv_cache_memory, contexts, output_len, kv_cache_dtypes, max_num_seqs,
              max_num_batched_tokens, block_size, repeats, dtype, kv_recent_window, kv_recent_window_dtype,
-             load_format, threads, text_path, device, as_json, plot_path) -> None:
+             kv_scales, load_format, threads, text_path, device, as_json, plot_path) -> None:
     """Tokens that fit a KV-cache budget per dtype, the largest batch per context, and its throughput."""
     from fp8cache.bench import capacity as bench
     from fp8cache.bench import machine, plot
@@ -357,16 +360,18 @@ def capacity(model, kv_cache_memory, contexts, output_len, kv_cache_dtypes, max_
         model, tuple(dtypes), kv_cache_memory, tuple(context_list), output_len, max_num_seqs,
         max_num_batched_tokens, int(block_size), dtype, repeats, progress=bar, log=_log,
         kv_recent_window=kv_recent_window, kv_recent_window_dtype=kv_recent_window_dtype, text_path=text_path,
-        device=device, load_format=load_format))
+        device=device, load_format=load_format, kv_scales=kv_scales))
     bench.add_ratios(rows)
     table = Table(title=f"capacity at a {kv_cache_memory} KV cache, {output_len} output tokens per sequence\n"
                         f"{_machine_line(rows)}")
-    for col in ("kv cache", "bytes/token", "tokens that fit", "context", "max batch", "batch run",
-                "preemptions", "req/s", "output tok/s", "total tok/s", "vs auto") + _STEP_COLUMNS:
+    for col in ("kv cache", "bytes/token", "tokens/GiB", "scales' share", "tokens that fit", "context", "max batch",
+                "batch run", "preemptions", "req/s", "output tok/s", "total tok/s", "vs auto") + _STEP_COLUMNS:
         table.add_column(col, justify="right")
     for r in rows:
         preempt = r.get("num_preemptions")
-        table.add_row(r["kv_cache_dtype"], str(r["bytes_per_token"]), str(r["capacity_tokens"]), str(r["context"]),
+        table.add_row(r["variant"], str(r["bytes_per_token"]), f"{r['tokens_per_gib']:,.0f}",
+                      _fmt(r["scales_share"], ".1%") if r["kv_scales"] == "dynamic" else "-",
+                      str(r["capacity_tokens"]), str(r["context"]),
                       str(r["max_batch"]), str(r["batch"]),
                       "-" if preempt is None else ("[green]0[/]" if preempt == 0 else f"[red]{preempt}[/]"),
                       _fmt(r.get("requests_per_s"), ".3f"), _fmt(r.get("output_tokens_per_s")),

@@ -175,8 +175,12 @@ void run_spans(const Problem& p) {
       w.scratch = aligned;
       return w;
     };
+    // The scale lines of a unit's pass, when its cache has dynamic scales (work_of only then: it costs a pass 1-2%)
+    auto scales_of = [&](const Unit& u, int kvh) {
+      return p.sources[p.spans[u.span].source].dynamic.dynamic() ? scale_lines(work_of(u, kvh)) : NextScales{};
+    };
     bool fetched = false;  // the current unit's first head was prefetched by the unit before
-    bool scales_fetched = false;  // and its dynamic scales
+    bool scales_fetched = false;  // the current pass's dynamic scales were fetched by the pass before
     for (int64_t i = next_unit.fetch_add(1); i < n_units;) {
       const int64_t j = claim_ahead ? next_unit.fetch_add(1) : n_units;
       const Unit& u = units[i];
@@ -194,12 +198,12 @@ void run_spans(const Problem& p) {
         w.prefetch_heads = std::min(first ? 2 : 1, u.kv_head + u.heads - kvh - (first ? 0 : 1));
         const bool last = kvh == u.kv_head + u.heads - 1;
         if (last && chain && w.prefetch_heads == 0) w.then = &next_first;
-        if (w.k_scales) {  // dynamic scales: this pass's own (unless fetched already) and the next pass's
-          if (kvh == u.kv_head && !scales_fetched) prefetch_token_scales(w);
-          if (!last) prefetch_token_scales(work_of(u, kvh + 1));
-          else if (j < n_units) prefetch_token_scales(work_of(units[j], units[j].kv_head));
-          scales_fetched = last && j < n_units;
-        }
+        // Dynamic scales: the pass fetches the next pass's (NextScales); its own were fetched by the pass before
+        // (unless it is the thread's first, or the unit before could not know it)
+        if (w.k_scales && kvh == u.kv_head && !scales_fetched) scale_lines(w).fetch_all();
+        if (!last) w.next_scales = scales_of(u, kvh + 1);
+        else if (j < n_units) w.next_scales = scales_of(units[j], units[j].kv_head);
+        scales_fetched = !last || j < n_units;
         if (last) fetched = w.then != nullptr;
         src.run(w);
       }

@@ -204,6 +204,7 @@ void pv_all_heads(const PartitionWork& w, const cache_t* vcache, int64_t block_e
 
 template <typename cache_t, KVFormat kFormat>
 void run_partition(const PartitionWork& w) {
+  NextScales(w.next_scales).fetch_all();  // dynamic scales: the next pass's lines, at once
   constexpr float kRescale = Values<cache_t, kFormat>::kRescale;
   constexpr int x = 16 / static_cast<int>(sizeof(cache_t));
   const int G = w.group, D = w.head_size, bs = w.block_size, kTile = tile_tokens(bs);

@@ -87,7 +87,7 @@ void pv_all_heads(const PartitionWork& w, const View<cache_t>& view, const float
 // The FP8 half of run_partition. The first subgroup's Q.K pass takes the prefetched heads' K to L2 and
 // their V too, except the V of a head after this one, which its P.V pass takes: so memory stays busy
 // during both passes. q is the unscaled query (qk_fp8 scales the logits).
-template <typename Dot, KVFormat kFormat>
+template <typename Dot, KVFormat kFormat, bool kDynamic>
 void run_fp8_partition(const PartitionWork& w, const View<uint8_t>& view, const float* q, float* logits,
                        int stride, float* norm, float* ops, int skip) {
   const int G = w.group, D = w.head_size, P = w.end - w.start;
@@ -101,32 +101,30 @@ void run_fp8_partition(const PartitionWork& w, const View<uint8_t>& view, const 
   SlabPrefetcher v_ahead_pv = w.then ? SlabPrefetcher(*w.then, then_view, true, 0, 1)
                                      : SlabPrefetcher(w, view, true, pf_from + pf_heads - 1, last_is_next ? 1 : 0);
   SlabPrefetcher idle(w, view, false, 0, 0);
+  NextScales next_scales = w.next_scales;
   constexpr int kOps = Dot::kParts * 16;
   for_head_quads(G, [&](auto kG, int h0) {
     constexpr int g = decltype(kG)::value;
     for (int d = 0; d < D; d += 16) {  // [D / 16][g][kOps] (see qk_fp8)
       for (int h = 0; h < g; ++h) Dot::operands(q + (h0 + h) * D + d, ops + (d / 16 * g + h) * kOps);
     }
-    // Dynamic scales: ALiBi after them (apply_key_scales)
-    const float* alibi = w.alibi && !w.k_scales ? w.alibi + h0 : nullptr;
-    qk_fp8<Dot, kFormat, g>(w, view, ops, alibi, logits + h0 * stride, stride,
-                            h0 == 0 ? k_ahead : idle, h0 == 0 ? v_ahead_qk : idle);
+    qk_fp8<Dot, kFormat, g, kDynamic>(w, view, ops, w.alibi ? w.alibi + h0 : nullptr, logits + h0 * stride, stride,
+                            h0 == 0 ? k_ahead : idle, h0 == 0 ? v_ahead_qk : idle, next_scales);  // key scales folded in
   });
-  if (w.k_scales) apply_key_scales(w, logits, stride, w.start, P);
+  if constexpr (kDynamic) next_scales.fetch_all();  // a short partition's leftovers
   for (int h = 0; h < G; ++h) {
     soft_cap(logits + h * stride, skip, P, w.softcap);
     softmax_numerators(logits + h * stride, P, stride, w.max_logit + h, w.exp_sum + h, skip);
     norm[h] = w.v_scale / w.exp_sum[h];
   }
-  if (w.v_scales) apply_value_scales(w, logits, stride, w.start, P);
   for_head_quads(G, [&](auto kG, int h0) {
     constexpr int g = decltype(kG)::value;
     const float* p = logits + h0 * stride;
     SlabPrefetcher& pf = h0 == 0 ? v_ahead_pv : idle;
     switch (w.block_size) {
-      case 8: pv_fp8<Dot, kFormat, g, 8>(w, view, p, stride, norm + h0, w.out + h0 * D, ops, pf); break;
-      case 16: pv_fp8<Dot, kFormat, g, 16>(w, view, p, stride, norm + h0, w.out + h0 * D, ops, pf); break;
-      default: pv_fp8<Dot, kFormat, g, 32>(w, view, p, stride, norm + h0, w.out + h0 * D, ops, pf); break;
+      case 8: pv_fp8<Dot, kFormat, g, 8, kDynamic>(w, view, p, stride, norm + h0, w.out + h0 * D, ops, pf); break;
+      case 16: pv_fp8<Dot, kFormat, g, 16, kDynamic>(w, view, p, stride, norm + h0, w.out + h0 * D, ops, pf); break;
+      default: pv_fp8<Dot, kFormat, g, 32, kDynamic>(w, view, p, stride, norm + h0, w.out + h0 * D, ops, pf); break;
     }
   });
 }
@@ -146,8 +144,10 @@ void run_partition(const PartitionWork& unaligned) {
   if constexpr (kFormat != KVFormat::AUTO) {
     float* ops = norm + (G + 15) / 16 * 16;  // FP8 operands (64-byte aligned)
     using Dot = std::conditional_t<kBf16Query, Bf16Dot<kFormat>, FloatDot<kFormat>>;
-    run_fp8_partition<Dot, kFormat>(w, view, w.query, logits, stride, norm, ops, skip);
+    if (w.k_scales) run_fp8_partition<Dot, kFormat, true>(w, view, w.query, logits, stride, norm, ops, skip);
+    else run_fp8_partition<Dot, kFormat, false>(w, view, w.query, logits, stride, norm, ops, skip);
   } else {
+    NextScales(w.next_scales).fetch_all();  // dynamic scales of an FP8 pass after this window ring's, at once
     const __m512 qs = _mm512_set1_ps(w.qk_scale);
     for (int i = 0; i < G * D; i += 16) _mm512_storeu_ps(q + i, _mm512_mul_ps(_mm512_loadu_ps(w.query + i), qs));
     for_head_subgroups(G, [&](auto kG, int h0) {  // K/V go to L2 during the first subgroup's pass

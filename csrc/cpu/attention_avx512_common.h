@@ -47,4 +47,34 @@ struct View {
   const cache_t* v_block(int b) const { return vcache + table[b] * block_elems; }
 };
 
+// Dynamic scales (attention_kernel.h) of one partition, read a tile at a time: the 16 scales of tokens ts .. ts + 15
+// (ts at a block boundary, as the FP8 kernel's tiles are; block size 8: two blocks) are one 32-byte load widened to
+// floats, so a tile's logits or probabilities take them in one multiply. Lanes past the partition's end hold
+// whatever those slots hold: callers never store them (logits) or zero them first (probabilities).
+struct TileScales {
+  const int32_t* table;
+  int64_t block_stride;  // scales per block of a scale cache: num_kv_heads * block_size
+  int bs_shift, end;
+
+  explicit TileScales(const PartitionWork& w)
+      : table(w.block_table), block_stride(w.num_kv_heads * w.block_size), bs_shift(__builtin_ctz(w.block_size)),
+        end(w.end) {}
+
+  // The first of tile ts's scales in `scales` (block size 8: of its first block).
+  FP8KV_INLINE const uint16_t* at(const uint16_t* scales, int ts) const {
+    return scales + table[ts >> bs_shift] * block_stride + (ts & ((1 << bs_shift) - 1));
+  }
+
+  FP8KV_INLINE __m512 load(const uint16_t* scales, int ts) const {
+    __m256i bits;
+    if (bs_shift == 3) {  // two blocks of 8; past the end the first one's again (the next may not exist)
+      const __m128i lo = load128(at(scales, ts));
+      bits = join128(lo, ts + 8 < end ? load128(at(scales, ts + 8)) : lo);
+    } else {
+      bits = load256(at(scales, ts));
+    }
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));  // bfloat16 -> float32
+  }
+};
+
 }  // namespace fp8kv::cpu::avx512

@@ -139,7 +139,8 @@ struct SlabPrefetcher {
 
   // Lines that reach the end of the current block's run: finish it, then go on in the next blocks. Kept out
   // of line: inlined into the Q.K and P.V loops (gcc 12 did), its loop cost the FP8 kernel 10-15% of its time.
-  __attribute__((noinline)) void lines_across(int n) {
+  // Hidden: called directly, not through the library's PLT (1% of the kernel's time at head size 64).
+  __attribute__((noinline, visibility("hidden"))) void lines_across(int n) {
     while (n > 0 && next != nullptr) {
       const int m = static_cast<int>(std::min<int64_t>(n, (run_end - next) >> 6));
       for (int i = 0; i < m; ++i) _mm_prefetch(next + 64 * i, _MM_HINT_T1);
@@ -168,6 +169,12 @@ struct FloatDot {
     return _mm512_fmadd_ps(z, _mm512_load_ps(operand), acc);
   }
   static FP8KV_INLINE void operands(const float* src, float* dst) { lanes4(src, dst, 4); }
+  static FP8KV_INLINE void operands(__m512 v, float* dst) {  // lanes4 of a register
+    _mm512_store_ps(dst, _mm512_shuffle_f32x4(v, v, 0x00));
+    _mm512_store_ps(dst + 16, _mm512_shuffle_f32x4(v, v, 0x55));
+    _mm512_store_ps(dst + 32, _mm512_shuffle_f32x4(v, v, 0xAA));
+    _mm512_store_ps(dst + 48, _mm512_shuffle_f32x4(v, v, 0xFF));
+  }
   // Zeroes the codes of tokens >= valid in z[j] of a V tile (lane (k, e) holds token 4j + e).
   static FP8KV_INLINE Part keep_tokens(Part z, int j, int valid) {
     const int n = std::clamp(valid - 4 * j, 0, 4);
@@ -187,8 +194,9 @@ struct Bf16Dot {
   static FP8KV_INLINE __m512 madd(Part z, const float* operand, __m512 acc) {
     return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(z), reinterpret_cast<__m512bh>(_mm512_load_si512(operand)));
   }
-  static FP8KV_INLINE void operands(const float* src, float* dst) {
-    const __m256i words = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(src)));  // round to nearest even
+  static FP8KV_INLINE void operands(const float* src, float* dst) { operands(_mm512_loadu_ps(src), dst); }
+  static FP8KV_INLINE void operands(__m512 v, float* dst) {
+    const __m256i words = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));  // round to nearest even
     _mm512_store_si512(dst, _mm512_broadcast_i32x4(_mm256_castsi256_si128(words)));
     _mm512_store_si512(dst + 16, _mm512_broadcast_i32x4(_mm256_extracti128_si256(words, 1)));
   }
@@ -264,9 +272,12 @@ struct QuadAccumulators {
 // q[h][16g .. 16g + 15]), at constant offsets from group g's row. Logits are the sums times qk_scale.
 // Dot::kQuads quads (4 tokens each) run through all their head dims together, each with kG * kSets
 // accumulators, few enough to stay in registers; four quads' sums then finish together in reduce4.
-template <typename Dot, KVFormat kFormat, int kG>
-void qk_fp8(const PartitionWork& w, const View<uint8_t>& view, const float* qb, const float* alibi,
-            float* logits, int logit_stride, SlabPrefetcher k_ahead, SlabPrefetcher v_ahead) {
+// kDynamic: dynamic scales (w.k_scales and w.v_scales set); a template parameter, so the static kernel is compiled
+// as if they did not exist. Never inlined: inlined into run_fp8_partition (gcc 12 did, once the static kernel
+// lost its scale code) it ran 6% slower at head size 64.
+template <typename Dot, KVFormat kFormat, int kG, bool kDynamic>
+__attribute__((noinline)) void qk_fp8(const PartitionWork& w, const View<uint8_t>& view, const float* qb, const float* alibi,
+            float* logits, int logit_stride, SlabPrefetcher k_ahead, SlabPrefetcher v_ahead, NextScales& next_scales) {
   const Fp8Lanes<kFormat> codec;
   constexpr int kAhead = 32;  // tokens between a K prefetch and its use
   constexpr int kOps = Dot::kParts * 16;  // floats of one head's operands per group
@@ -280,8 +291,11 @@ void qk_fp8(const PartitionWork& w, const View<uint8_t>& view, const float* qb, 
   auto token_ptr = [&](int t) { return view.k_block(t >> bs_shift) + (t & (bs - 1)) * 16; };
   const __m512 lane = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512 qk_scale = _mm512_set1_ps(w.qk_scale);
+  const TileScales scales(w);
+  const int tile_blocks = bs < 16 ? 16 / bs : 1;  // the next pass's scale lines: a tile's worth of blocks per tile
   alignas(64) float quad_sums[kG][4][16] = {};  // [head][quad of the tile]: 4-lane partial sums
   for (int ts = w.start; ts < w.end; ts += 16) {
+    if constexpr (kDynamic) next_scales.fetch(tile_blocks);
     for (int qi = 0; qi < 4 && ts + 4 * qi < w.end; qi += kQuads) {
       const int t = ts + 4 * qi;
       const uint8_t* p[kQuads];
@@ -315,9 +329,12 @@ void qk_fp8(const PartitionWork& w, const View<uint8_t>& view, const float* qb, 
       }
     }
     const int n = std::min(16, w.end - ts);
+    // Dynamic scales: each token's key scale joins the softmax scale, before ALiBi
+    __m512 tile_scale = qk_scale;
+    if constexpr (kDynamic) tile_scale = _mm512_mul_ps(qk_scale, scales.load(w.k_scales, ts));
     for (int h = 0; h < kG; ++h) {
       const __m512* a = reinterpret_cast<const __m512*>(quad_sums[h]);
-      __m512 out = _mm512_mul_ps(runs_in_order(reduce4(a[0], a[1], a[2], a[3])), qk_scale);  // tokens ts + 0..15
+      __m512 out = _mm512_mul_ps(runs_in_order(reduce4(a[0], a[1], a[2], a[3])), tile_scale);  // tokens ts + 0..15
       if (alibi) {
         const __m512 pos = _mm512_add_ps(lane, _mm512_set1_ps(static_cast<float>(ts - w.last_pos)));
         out = _mm512_fmadd_ps(_mm512_set1_ps(alibi[h]), pos, out);
@@ -332,7 +349,7 @@ void qk_fp8(const PartitionWork& w, const View<uint8_t>& view, const float* qb, 
 // with kG * kSets accumulators, and four row quads (16 rows) finish together in reduce4. With Bf16Dot all four
 // go at once, so each probability operand is loaded once per four products (one row quad a pass: 2.06 us
 // on the Q.K note's case, four: 1.30 us).
-template <typename Dot, KVFormat kFormat, int kG, int kBs>
+template <typename Dot, KVFormat kFormat, int kG, int kBs, bool kDynamic>
 void pv_fp8(const PartitionWork& w, const View<uint8_t>& view, const float* probs, int prob_stride,
             const float* norm, float* out, float* prob_ops, SlabPrefetcher v_ahead) {
   const Fp8Lanes<kFormat> codec;
@@ -362,8 +379,19 @@ void pv_fp8(const PartitionWork& w, const View<uint8_t>& view, const float* prob
       return _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 4, 1, 5, 2, 6, 3, 7), ab);
     }
   };
-  for (int i = 0; i < tiles; ++i) {  // [tile][kG][kOps]: each tile's probs as operands
-    for (int h = 0; h < kG; ++h) Dot::operands(probs + h * prob_stride + 16 * i, prob_ops + (i * kG + h) * kOps);
+  if constexpr (kDynamic) {  // dynamic scales: each token's probability times its value scale (zeros past the end stay 0)
+    const TileScales scales(w);
+    for (int i = 0; i < tiles; ++i) {
+      const __m512 s = _mm512_maskz_mov_ps(first_lanes(P - 16 * i), scales.load(w.v_scales, w.start + 16 * i));
+      for (int h = 0; h < kG; ++h) {
+        Dot::operands(_mm512_mul_ps(_mm512_loadu_ps(probs + h * prob_stride + 16 * i), s),
+                      prob_ops + (i * kG + h) * kOps);
+      }
+    }
+  } else {
+    for (int i = 0; i < tiles; ++i) {  // [tile][kG][kOps]: each tile's probs as operands
+      for (int h = 0; h < kG; ++h) Dot::operands(probs + h * prob_stride + 16 * i, prob_ops + (i * kG + h) * kOps);
+    }
   }
   alignas(64) float row_sums[kG][4][16];  // [head][row quad]: 4-lane partial sums
   constexpr int kQuads = Dot::kQuads;

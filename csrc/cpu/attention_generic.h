@@ -156,6 +156,7 @@ inline void softmax_numerators(float* logits, int n, float* max_logit, float* ex
 
 template <typename cache_t, KVFormat kFormat>
 void run_partition(const PartitionWork& w) {
+  NextScales(w.next_scales).fetch_all();  // dynamic scales: the next pass's lines, at once
   const int G = w.group, D = w.head_size, bs = w.block_size, P = w.end - w.start;
   const int x = 16 / static_cast<int>(sizeof(cache_t));
   const int64_t block_elems = w.num_kv_heads * D * bs;

@@ -16,6 +16,29 @@ namespace fp8kv::cpu {
 
 constexpr int kPartitionSize = 512;
 
+// Dynamic scales: the scale lines of the pass a thread runs next, still to be fetched (blocks [block, end) of its
+// block table). The AVX-512 FP8 kernel fetches them a block per Q.K tile of the pass before; the others at once.
+// Block ids are random, so no hardware prefetcher finds these lines, and prefetches issued all at once (two per
+// block of a 512-token partition) mostly went unserved on the AMD EPYC machine: at head size 64, 8 x 8192, the
+// dynamic kernel took 1.5x the static one's time with them, and 1.02-1.07x with them spread over the pass.
+struct NextScales {
+  const uint16_t* k = nullptr;  // already offset to the KV head, as PartitionWork's
+  const uint16_t* v = nullptr;
+  const int32_t* table = nullptr;
+  int64_t block_stride = 0;  // num_kv_heads * block_size
+  int block = 0, end = 0;
+
+  // The next n blocks' K and V scale lines into L1.
+  FP8KV_INLINE void fetch(int n) {
+    for (const int stop = std::min(end, block + n); block < stop; ++block) {
+      const int64_t at = table[block] * block_stride;
+      __builtin_prefetch(k + at);
+      __builtin_prefetch(v + at);
+    }
+  }
+  void fetch_all() { fetch(end - block); }
+};
+
 struct PartitionWork {
   const void* key_cache;       // [num_blocks, num_kv_heads, head_size / x, block_size, x]
   const void* value_cache;     // [num_blocks, num_kv_heads, head_size, block_size]
@@ -37,10 +60,12 @@ struct PartitionWork {
   float* exp_sum;      // [group]: sum of exp(logit - max_logit) over the partition
   // Dynamic scales (common/dynamic_scale.h): this KV head's bfloat16 bits in the scale caches [num_blocks,
   // num_kv_heads, block_size] (already offset by kv_head * block_size), or nullptr for static scales. The kernels fold a
-  // token's key scale into its logit (before ALiBi, which they then leave to apply_key_scales) and its value
-  // scale into its probability after the softmax's sums: a few operations per token, not per element.
+  // token's key scale into its logit (before ALiBi: the AVX-512 FP8 kernel a tile at a time, the others through
+  // apply_key_scales) and its value scale into its probability after the softmax's sums: a few operations per
+  // token, not per element.
   const uint16_t* k_scales = nullptr;
   const uint16_t* v_scales = nullptr;
+  NextScales next_scales;  // the thread's next pass's, whatever its cache (none: nothing to fetch)
   float* scratch;      // scratch_floats(...) floats, 64-byte aligned, owned by the calling thread
   // KV heads kv_head + prefetch_from .. + prefetch_heads - 1 are read by this thread now or next:
   // prefetch their K and V (contiguous within a block) into L2 during this pass, so memory keeps busy
@@ -74,18 +99,11 @@ inline float* token_scale_buffer(const PartitionWork& w) {
   return w.scratch + scratch_floats(w.group, w.head_size, w.block_size) - (kPartitionSize + 32);
 }
 
-// A partition's dynamic scales into the cache, issued by the driver one pass ahead (attention.cpp run_spans): a
-// block's scales of one head are lines apart from its codes, where no hardware prefetcher looks (block ids are
-// random), so reading them unfetched cost a miss per block and head.
-inline void prefetch_token_scales(const PartitionWork& w) {
-  if (w.k_scales == nullptr) return;  // static scales, or a window ring's partition
+// The scale lines of a pass (none for static scales or a window ring's partition).
+inline NextScales scale_lines(const PartitionWork& w) {
+  if (w.k_scales == nullptr) return {};
   const int bs = w.block_size;
-  const int64_t block_stride = w.num_kv_heads * bs;
-  for (int b = w.start / bs; b * bs < w.end; ++b) {
-    const int64_t at = w.block_table[b] * block_stride;
-    __builtin_prefetch(w.k_scales + at);
-    __builtin_prefetch(w.v_scales + at);
-  }
+  return {w.k_scales, w.v_scales, w.block_table, w.num_kv_heads * bs, w.start / bs, (w.end + bs - 1) / bs};
 }
 
 // dst[i] = the scale of token begin + i, i < n, from one of the partition's scale caches.

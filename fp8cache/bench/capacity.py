@@ -12,6 +12,7 @@ The whole batch is submitted at once; peak_running says how many the scheduler h
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 
 from fp8cache.bench import machine
@@ -20,15 +21,55 @@ from fp8cache.bench.throughput import (
     WARMUP_OUTPUT_LEN,
     BatchResult,
     Progress,
-    build_engines,
     cache_figures,
     check_kv_cache_dtypes,
     median_result,
     run_batch,
     step_figures,
 )
+from fp8cache.kvcache import formats, sizing
 
 WARMUP_INPUT_LEN = 64
+KV_SCALES_CHOICES = ("static", "dynamic", "both")
+
+
+def cache_variants(kv_cache_dtypes: list[str], kv_scales: str = "static") -> dict[str, dict]:
+    """Engine label -> config overrides: each FP8 dtype with static scales, dynamic ones (label + " dynamic") or
+    both; an auto cache (no scales) once."""
+    if kv_scales not in KV_SCALES_CHOICES:
+        raise ValueError(f"kv_scales={kv_scales!r}; valid: {', '.join(KV_SCALES_CHOICES)}")
+    kinds = ("static", "dynamic") if kv_scales == "both" else (kv_scales,)
+    variants = {}
+    for dtype in kv_cache_dtypes:
+        for kind in kinds if formats.get_format(dtype) is not None else ("static",):
+            variants[dtype if kind == "static" else f"{dtype} dynamic"] = {"kv_cache_dtype": dtype, "kv_scales": kind}
+    return variants
+
+
+def token_figures(spec) -> dict:
+    """Tokens per GiB of a cache spec's memory, and the share of each token's bytes its dynamic scales take (0 with
+    static scales), by the engine's own sizing arithmetic (kvcache/sizing.py; no recent-token window)."""
+    total = sizing.spec_bytes_per_token(spec)
+    codes = sizing.spec_bytes_per_token(dataclasses.replace(spec, dynamic_scales=False))
+    scales = "dynamic" if spec.dynamic_scales else "static" if spec.is_fp8 else "none"
+    return {"kv_scales": scales, "tokens_per_gib": 2**30 / total, "scales_share": (total - codes) / total}
+
+
+def build_engines(model: str | None, variants: dict[str, dict], log: Callable[[str], None] = print,
+                  **config) -> dict[str, object]:
+    """One LLMEngine per cache variant, all on one loaded copy of the weights."""
+    from fp8cache.config import EngineConfig
+    from fp8cache.engine.llm_engine import LLMEngine
+    from fp8cache.model.loader import load_model
+    from fp8cache.model.runner import ModelRunner
+
+    base = EngineConfig(model=model, **config)
+    loaded = load_model(base)
+    engines = {}
+    for label, overrides in variants.items():
+        cfg = dataclasses.replace(base, **overrides)
+        engines[label] = LLMEngine(cfg, log=log, runner=ModelRunner(cfg, log=log, loaded=loaded))
+    return engines
 
 
 def max_batch(num_blocks: int, block_size: int, context: int) -> int:
@@ -49,16 +90,18 @@ def iter_capacity(model: str | None = None, kv_cache_dtypes: tuple[str, ...] = (
                   block_size: int = 16, dtype: str = "auto", repeats: int = 1, text_path: str | None = None,
                   progress: Progress | None = None, log: Callable[[str], None] = print,
                   kv_recent_window: int | None = None, kv_recent_window_dtype: str = "auto",
-                  device: str = "auto", load_format: str = "auto") -> Iterator[dict]:
-    """Yield one row per (context, dtype). The dtypes of one context take turns, `repeats` rounds of
+                  device: str = "auto", load_format: str = "auto", kv_scales: str = "static") -> Iterator[dict]:
+    """Yield one row per (context, cache variant). The variants of one context take turns, `repeats` rounds of
     fresh prompts, so drift on a shared machine hits them alike; a row reports the median round.
     load_format "dummy": random weights from the model's config.json alone, or a shape shipped with fp8kv
-    by name (e.g. llama-3.1-8b: capacity at a real model's size without its checkpoint)."""
+    by name (e.g. llama-3.1-8b: capacity at a real model's size without its checkpoint).
+    kv_scales: the FP8 caches' scales, static, dynamic (a scale per token and KV head, in the budget too) or both."""
     dtypes = check_kv_cache_dtypes(list(kv_cache_dtypes), device)
+    variants = cache_variants(dtypes, kv_scales)
     contexts = _check_contexts(contexts, output_len)
     if max_num_seqs < 1 or repeats < 1:
         raise ValueError(f"max_num_seqs={max_num_seqs} and repeats={repeats} must both be >= 1")
-    engines = build_engines(model, dtypes, log, dtype=dtype, device=device, kv_cache_memory=kv_cache_memory,
+    engines = build_engines(model, variants, log, dtype=dtype, device=device, kv_cache_memory=kv_cache_memory,
                             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                             block_size=block_size, max_model_len=max(contexts), kv_recent_window=kv_recent_window,
                             kv_recent_window_dtype=kv_recent_window_dtype, load_format=load_format)
@@ -70,17 +113,17 @@ def iter_capacity(model: str | None = None, kv_cache_dtypes: tuple[str, ...] = (
     for context in contexts:
         results: dict[str, list[BatchResult]] = {dt: [] for dt in engines}
         for r in range(repeats):
-            for kv_dtype, engine in engines.items():
+            for variant, engine in engines.items():
                 batch = min(fitting_batch(engine.runner, context), max_num_seqs)
                 if batch:
-                    label = f"{kv_dtype} context {context} batch {batch}"
+                    label = f"{variant} context {context} batch {batch}"
                     done, total = r * batch * output_len, repeats * batch * output_len
                     on_tokens = (lambda n, lb=label, d=done, t=total: progress(lb, d + n, t)) if progress else None
                     prompts = source.take(batch, context - output_len)
-                    results[kv_dtype].append(run_batch(engine, prompts, output_len, on_tokens))
+                    results[variant].append(run_batch(engine, prompts, output_len, on_tokens))
                 if r == repeats - 1:
-                    yield _row(engine, kv_dtype, context, output_len, max_num_seqs, kv_cache_memory,
-                               results[kv_dtype], info)
+                    yield _row(engine, variant, context, output_len, max_num_seqs, kv_cache_memory,
+                               results[variant], info)
 
 
 def warmup_batches(runner, contexts: list[int], max_num_seqs: int) -> list[int]:
@@ -103,12 +146,12 @@ def _warm_up(engine, source: PromptSource, input_len: int, batches: list[int]) -
             run_batch(engine, source.take(count, length), WARMUP_OUTPUT_LEN)
 
 
-def _row(engine, kv_dtype: str, context: int, output_len: int, max_num_seqs: int, kv_cache_memory: int | str,
+def _row(engine, label: str, context: int, output_len: int, max_num_seqs: int, kv_cache_memory: int | str,
          results: list[BatchResult], info: dict) -> dict:
     runner = engine.runner
     fits = fitting_batch(runner, context)
-    row = {"engine": "fp8kv", "kv_cache_dtype": kv_dtype, "kv_cache_memory": kv_cache_memory,
-           **cache_figures(runner), "num_blocks": runner.num_blocks, "block_size": runner.block_size, "context": context,
+    row = {"engine": "fp8kv", "kv_cache_dtype": runner.config.kv_cache_dtype, "variant": label,
+           "kv_cache_memory": kv_cache_memory, **cache_figures(runner), **token_figures(runner.kv_spec), "num_blocks": runner.num_blocks, "block_size": runner.block_size, "context": context,
            "input_len": context - output_len, "output_len": output_len, "max_batch": fits,
            "batch": min(fits, max_num_seqs), "limited_by": "memory" if fits <= max_num_seqs else "max_num_seqs",
            "machine": info}

@@ -60,16 +60,16 @@ def plot_capacity(rows: list[dict], path: str) -> str:
     plt = _pyplot()
     measured = [r for r in rows if "output_tokens_per_s" in r]
     contexts = sorted({r["context"] for r in rows})
-    dtypes = list(dict.fromkeys(r["kv_cache_dtype"] for r in rows))
+    dtypes = list(dict.fromkeys(r.get("variant", r["kv_cache_dtype"]) for r in rows))  # "fp8_e4m3 dynamic" apart
     fig, (ax_tps, ax_batch) = plt.subplots(1, 2, figsize=(11, 4))
     width = 0.8 / len(dtypes)
     for k, dtype in enumerate(dtypes):
-        by_context = {r["context"]: r for r in measured if r["kv_cache_dtype"] == dtype}
+        by_context = {r["context"]: r for r in measured if r.get("variant", r["kv_cache_dtype"]) == dtype}
         xs = [i + k * width for i, c in enumerate(contexts) if c in by_context]
         picked = [by_context[c] for c in contexts if c in by_context]
         bars = ax_tps.bar(xs, [r["output_tokens_per_s"] for r in picked], width, label=dtype)
         _bar_labels(ax_tps, bars, [f"b{r['batch']}" for r in picked])
-        fits = {r["context"]: r["max_batch"] for r in rows if r["kv_cache_dtype"] == dtype}
+        fits = {r["context"]: r["max_batch"] for r in rows if r.get("variant", r["kv_cache_dtype"]) == dtype}
         ax_batch.plot(contexts, [fits.get(c, math.nan) for c in contexts], marker="o", label=dtype)
     ax_tps.set_xticks([i + width * (len(dtypes) - 1) / 2 for i in range(len(contexts))],
                       [str(c) for c in contexts])

@@ -155,6 +155,21 @@ def test_model_features_with_dynamic_scales(ops, features):
     assert attention_error(got, want) <= tolerance(case.dtype)
 
 
+@pytest.mark.parametrize("block_size", [8, 32])
+@pytest.mark.parametrize("query_dtype", [torch.bfloat16, torch.float32])
+def test_partitions_that_start_inside_a_block(ops, block_size, query_dtype):
+    """A sliding window starts sequences' partitions inside a block, so the AVX-512 kernel's tiles of 16 scales
+    begin before the first token it attends to (block size 8: a tile spans two blocks, the second past the end of
+    a short partition); passes of very different lengths follow each other (each fetches the next one's scales)."""
+    case = Case("fp8_e5m2", 64, block_size, 6, 2, query_dtype, seq_lens=(1, 8, 9, 24, 600, 1100, 47))
+    b = build(case)
+    caches, scale_caches = write(ref, case, b)
+    for window in (5, 300):
+        want = attention(ref, case, b, caches, scale_caches, sliding_window=window)
+        got = attention(ops, case, b, caches, scale_caches, sliding_window=window)
+        assert attention_error(got, want) <= tolerance(case.dtype)
+
+
 def test_largest_element_never_clips_and_outliers_keep_their_precision(ops):
     """A token three thousand times larger than its neighbours: a static scale fit to the neighbours saturates it;
     its own scale stores every token to FP8's relative precision, its largest element within 2^-7."""
