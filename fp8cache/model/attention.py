@@ -177,9 +177,9 @@ def _prefill(ctx: ForwardContext, group: PrefillGroup, q: torch.Tensor, k: torch
              earlier: tuple[torch.Tensor, torch.Tensor] | None, features: LayerFeatures = PLAIN,
              scale_caches: tuple = ()) -> None:
     """The group's rows through the decode op (see RowQueries); the chunk's K/V are in the cache already.
-    earlier: float32 full-precision K/V [n * earlier, kv_heads, d] of the positions before each chunk that its
-    rows read (recent-token window; the chunk's own K/V follow them); None without a window."""
-    rows, kv_heads = group.rows, key_cache.shape[1]
+    earlier: float32 full-precision K/V [positions, kv_heads, d] of the positions before each chunk that its
+    rows read, chunk after chunk (recent-token window); None without a window."""
+    rows = group.rows
 
     def take(t: torch.Tensor) -> torch.Tensor:  # the group's rows of a [tokens, ...] tensor
         return t[slice(*group.token_range)] if group.token_range else t.index_select(0, group.tokens)
@@ -192,15 +192,9 @@ def _prefill(ctx: ForwardContext, group: PrefillGroup, q: torch.Tensor, k: torch
             rows.scratch = tuple(torch.zeros((rows.window_blocks, *ring.shape[1:]), dtype=ring.dtype, device=ring.device)
                                  for ring in ctx.window_caches[0])
         scratch_k, scratch_v = rows.scratch
-        n, d = len(group.seqs), k.shape[2]
-        full = []
-        for old, new in ((earlier[0], k), (earlier[1], v)):
-            if old.shape[0] == 0:  # a first chunk: no earlier positions, the chunk's own K/V as they are
-                full.append(take(new))
-                continue
-            chunk = take(new).view(n, group.query_len, kv_heads, d)
-            old = old.to(chunk.dtype).view(n, old.shape[0] // n, kv_heads, d)
-            full.append(torch.cat([old, chunk], 1).flatten(0, 1))
+        # every chunk's earlier positions, then every chunk's own rows: the order of rows.window_slots
+        full = [take(new) if old.shape[0] == 0 else torch.cat([old.to(new.dtype), take(new)])
+                for old, new in ((earlier[0], k), (earlier[1], v))]
         ctx.ops.reshape_and_cache(full[0], full[1], scratch_k, scratch_v, rows.window_slots, CacheFormat.AUTO, k_scale,
                                   v_scale)
         ring = (scratch_k, scratch_v, rows.window_tables, rows.window_starts, rows.window_span)
