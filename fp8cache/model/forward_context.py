@@ -44,6 +44,10 @@ class PrefillGroup:
     # The chunks' rows as one slice [start, stop) of the packed stream when they are consecutive (a step of
     # equal prompts): the row path then reads and writes views instead of gathered copies.
     token_range: tuple[int, int] | None = None
+    # Recent-token window, chunks no longer than it (a verify step's): each sequence's ring blocks twice
+    # (int64 [n * 2 * blocks per ring]), copied before the step's writes as the rows' scratch ring instead of
+    # earlier_index's positions (_ring_copy_arrays).
+    ring_blocks: torch.Tensor | None = None
 
 
 @dataclass
@@ -264,7 +268,8 @@ def _group_arrays(n: int, plan: _PrefillPlan, batch: StepBatch, block_size: int,
               f"g{n}.seqs": np.asarray(plan.seqs, dtype=np.int64),
               f"g{n}.seq_lens": (rows + 1).reshape(-1).astype(np.int32)}
     if window_size:
-        arrays.update(_group_window_arrays(n, plan, batch, block_size, window_size, window_caches))
+        arrays.update((_ring_copy_arrays if _copies_ring(plan, block_size, window_size) else _group_window_arrays)(
+            n, plan, batch, block_size, window_size, window_caches))
     return arrays
 
 
@@ -302,6 +307,32 @@ def _group_window_arrays(n: int, plan: _PrefillPlan, batch: StepBatch, block_siz
             f"g{n}.window_starts": window_starts.reshape(-1).astype(np.int32)}
 
 
+def _copies_ring(plan: _PrefillPlan, block_size: int, window_size: int) -> bool:
+    return plan.q_len <= window_size and window_size % block_size == 0
+
+
+def _ring_copy_arrays(n: int, plan: _PrefillPlan, batch: StepBatch, block_size: int, window_size: int,
+                      window_caches) -> dict[str, np.ndarray]:
+    """Chunks no longer than the window (a verify step's 1 + K tokens), whose ring is whole blocks: each
+    sequence's ring blocks are copied twice, as a ring of 2 * window_size slots where position p sits at slot
+    p % (2 * window_size). The copies hold the ring's positions before the step at both of their slots
+    (p % window_size and window_size later), and the chunk's own K/V, written at theirs, never land on a slot
+    of a position any of its rows reads: every row reads [max(P - window_size + 1, floor), P], and a chunk
+    position lies less than 2 * window_size past each of those. No gather of single positions, one copy of
+    whole blocks per layer."""
+    ring = np.asarray([batch.seqs[i].window_block_table for i in plan.seqs], dtype=np.int64)
+    if ring.size and (int(ring.min()) < 0 or int(ring.max()) >= window_caches[0][0].shape[0]):
+        raise IndexError(f"window block table holds a block id outside [0, {window_caches[0][0].shape[0]})")
+    count, width = len(plan.seqs), 2 * ring.shape[1]
+    rows = plan.row_positions
+    slots = np.arange(count)[:, None] * 2 * window_size + rows % (2 * window_size)
+    tables = np.arange(count * width, dtype=np.int32).reshape(count, width)
+    window_starts = np.maximum(rows - window_size + 1, plan.floors[:, None])
+    return {f"g{n}.ring_blocks": np.concatenate([ring, ring], axis=1).reshape(-1),
+            f"g{n}.window_slots": slots.reshape(-1), f"g{n}.window_tables": np.repeat(tables, plan.q_len, axis=0),
+            f"g{n}.window_starts": window_starts.reshape(-1).astype(np.int32)}
+
+
 def _scratch_layout(plan: _PrefillPlan, block_size: int, window_size: int) -> tuple[np.ndarray, np.ndarray, int]:
     """(each sequence's first scratch-table column, its scratch blocks from there, the table's columns)."""
     first_blocks = plan.first_recent(window_size) // block_size
@@ -314,18 +345,21 @@ def _prefill_group(ctx: ForwardContext, n: int, plan: _PrefillPlan,
     q_len, seq_index = plan.q_len, views[f"g{n}.seqs"]
     rows = RowQueries(ctx.block_tables.index_select(0, seq_index).repeat_interleave(q_len, 0),
                       views[f"g{n}.seq_lens"], int(plan.context_lens.max()))
-    earlier = None
+    earlier = ring_blocks = None
     if ctx.window_size:
         # Each row reads one key per position: from the window if within its last window_size positions (and
         # computed by this sequence), else from the cache. Both sets go into one softmax.
-        earlier = (views[f"g{n}.earlier_blocks"], views[f"g{n}.earlier_offsets"])
         rows.window_slots, rows.window_tables = views[f"g{n}.window_slots"], views[f"g{n}.window_tables"]
         rows.window_starts = views[f"g{n}.window_starts"]
-        _, per_seq, span_blocks = _scratch_layout(plan, ctx.block_size, ctx.window_size)
-        rows.window_blocks, rows.window_span = int(per_seq.sum()), span_blocks * ctx.block_size
+        if _copies_ring(plan, ctx.block_size, ctx.window_size):
+            ring_blocks, rows.window_span = views[f"g{n}.ring_blocks"], 2 * ctx.window_size
+        else:
+            earlier = (views[f"g{n}.earlier_blocks"], views[f"g{n}.earlier_offsets"])
+            _, per_seq, span_blocks = _scratch_layout(plan, ctx.block_size, ctx.window_size)
+            rows.window_blocks, rows.window_span = int(per_seq.sum()), span_blocks * ctx.block_size
     first = int(plan.starts[0])
     return PrefillGroup(plan.seqs, views[f"g{n}.tokens"], q_len, rows, earlier,
-                        (first, first + len(plan.seqs) * q_len) if plan.consecutive else None)
+                        (first, first + len(plan.seqs) * q_len) if plan.consecutive else None, ring_blocks)
 
 
 def from_kwargs(kwargs: dict) -> ForwardContext:
