@@ -183,8 +183,8 @@ _ENGINE_OPTIONS = [
                   help='Speculative decoding, vLLM\'s shape: \'{"method": "ngram", "num_speculative_tokens": 4, '
                        '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' proposes the tokens that followed the '
                        "last n-gram's previous occurrence and verifies them in one step (same output; faster on text "
-                       'that repeats its context); "disable_by_batch_size": N (default 4) decodes plainly while more '
-                       "sequences run. Default: off."),
+                       'that repeats its context); "disable_by_batch_size": N (default 8) decodes plainly while more '
+                       "sequences run (on a CPU fewer drafts a sequence as more run, none from 16). Default: off."),
     engine_option("--trust-remote-code", section="Model", is_flag=True,
                   help="Allow Python code shipped in the model folder to run (off: transformers' own "
                        "architectures only)."),

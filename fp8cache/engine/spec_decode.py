@@ -2,9 +2,14 @@
 
 Before each step every decoding sequence that may speculate gets up to K proposed tokens (ngram_proposer.py).
 The scheduler feeds them after its last token: a chunk of 1 + K tokens attending to the cached context
-through the same paged path as a chunked prefill, mixed with plain decodes and prefill chunks. The step
-returns logits at all 1 + K positions; spec_accept.py picks the emitted tokens (the accepted drafts and one
-more).
+through the same paged path as a chunked prefill, mixed with plain decodes and prefill chunks; the chunks of
+all sequences are one attention call per layer (forward_context.PrefillGroup). The step returns logits at all
+1 + K positions; spec_accept.py picks the emitted tokens (the accepted drafts and one more).
+
+How many drafts a step verifies: on a CPU a step's linear layers cost about the same up to VERIFY_ROWS_CPU rows
+(they stream the weights once) and then grow with the rows (compute-bound), so drafts pay only while the
+verify step stays within that many rows: K per sequence is cut to VERIFY_ROWS_CPU // running - 1 (none at 16
+running sequences). Above disable_by_batch_size running sequences nothing is proposed (vLLM's meaning).
 
 Rejected tokens leave no trace: they are never counted as computed (so attention never reads their slots,
 which the next steps overwrite, and the prefix cache never registers them), the blocks allocated only for
@@ -28,10 +33,18 @@ from fp8cache.engine.scheduler import SchedulerOutput
 from fp8cache.engine.sequence import Sequence
 from fp8cache.engine.speculative_config import SpeculativeConfig
 
+# Rows a CPU step's linears take for about the cost of one (default model, bfloat16, one thread, 16 sequences at
+# ~300 tokens, recent window 32; ms per step for 1 + k rows each): 1 seq: 13.0 (k=0), 19.3 (k=4), 16.9 (k=8);
+# 4 seqs: 16.8, 19.6 (k=2, 12 rows), 32.7 (k=4, 20 rows); 8 seqs: 21.0, 23.6 (k=1, 16 rows), 51.2 (k=4);
+# 16 seqs: 21.4, 44.1 (k=1), 80.6 (k=4). The panel kernels take up to 16 rows in one pass over the weights.
+VERIFY_ROWS_CPU = 16
+
 
 class Speculation:
     def __init__(self, config: SpeculativeConfig, block_manager, runner, length_limit: int) -> None:
         self.config = config
+        on_cpu = torch.device(getattr(runner, "device", "cpu")).type == "cpu"
+        self.verify_rows = VERIFY_ROWS_CPU if on_cpu else None  # None: no cap (a GPU's step is memory-bound)
         self.proposer = NgramProposer(config)
         self.block_manager = block_manager
         self.runner = runner
@@ -48,9 +61,16 @@ class Speculation:
             seq.draft_token_ids = []
         if len(running) > self.config.disable_by_batch_size:
             return  # a verify step of many sequences costs more than it gains (SpeculativeConfig)
+        room = self.drafts_per_sequence(len(running))
         for seq in running:
             if _may_speculate(seq):
-                seq.draft_token_ids = self.proposer.propose(seq, self._limit(seq, eos_token_ids))
+                seq.draft_token_ids = self.proposer.propose(seq, min(room, self._limit(seq, eos_token_ids)))
+
+    def drafts_per_sequence(self, running: int) -> int:
+        """K, cut so that a step of `running` sequences verifying as many drafts each stays within
+        verify_rows rows."""
+        k = self.config.num_speculative_tokens
+        return k if self.verify_rows is None else max(0, min(k, self.verify_rows // max(running, 1) - 1))
 
     def _limit(self, seq: Sequence, eos_token_ids: set[int]) -> int:
         """The most drafts seq may verify now: the emitted tokens (drafts + 1) stay within max_tokens and the

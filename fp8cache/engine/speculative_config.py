@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 METHODS = ("ngram",)
 _KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size")
-# Each sequence's verify chunk is its own group in the attention ops (chunks group by shape), so on a CPU a verify
-# step of many sequences costs more than it gains (16 sequences: 0.78x of plain decoding, bench throughput):
-# above this many running sequences the step decodes plainly, and speculation speeds up small batches.
-DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+# Above this many running sequences a step decodes plainly. A verify step's linears cost in proportion to its rows
+# once they are compute-bound, so speculation gains in small batches: on a CPU up to 8 sequences verify a draft
+# or more within the rows a step costs anyway (spec_decode.VERIFY_ROWS_CPU), 9 or more would verify none.
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 _DEFAULT_MIN, _DEFAULT_MAX = 2, 4
 
 

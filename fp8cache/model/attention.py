@@ -116,7 +116,7 @@ def attend(ctx: ForwardContext, layer: int, q: torch.Tensor, k: torch.Tensor, v:
     window = ctx.window_caches[layer] if ctx.window_size else None
     # A prefill chunk's rows see their predecessors' full-precision K/V, which this step's window writes
     # may overwrite in the ring: read them first.
-    earlier = [gather_window_at(window[0], window[1], g.earlier_index) for g in ctx.prefill_groups] if window else []
+    earlier = [_ring_before_writes(window, g) for g in ctx.prefill_groups] if window else []
     ctx.ops.reshape_and_cache(k, v, key_cache, value_cache, ctx.slot_mapping, fmt, k_scale, v_scale, *scale_caches)
     if ctx.saturation is not None and fmt != CacheFormat.AUTO:
         ctx.saturation.count(layer, k, v, k_scale, v_scale)
@@ -175,15 +175,23 @@ def _decode_op(ctx: ForwardContext, result: torch.Tensor, query: torch.Tensor, k
             k_scale, v_scale, *extra)
 
 
+def _ring_before_writes(window: tuple[torch.Tensor, torch.Tensor], group: PrefillGroup
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the group's rows read from the ring: copies of its sequences' ring blocks (group.ring_blocks), or
+    its earlier positions' K/V in float32."""
+    if group.ring_blocks is not None:
+        return window[0].index_select(0, group.ring_blocks), window[1].index_select(0, group.ring_blocks)
+    return gather_window_at(window[0], window[1], group.earlier_index)
+
+
 def _prefill(ctx: ForwardContext, group: PrefillGroup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              out: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, k_scale: torch.Tensor,
              v_scale: torch.Tensor, scaling: float,
              earlier: tuple[torch.Tensor, torch.Tensor] | None, features: LayerFeatures = PLAIN,
              scale_caches: tuple = (), *, fmt: CacheFormat) -> None:
     """The group's rows through the decode op (see RowQueries); the chunk's K/V are in the cache already.
-    earlier: float32 full-precision K/V [n * earlier, kv_heads, d] of the positions before each chunk that its
-    rows read (recent-token window; the chunk's own K/V follow them); None without a window."""
-    rows, kv_heads = group.rows, key_cache.shape[1]
+    earlier: _ring_before_writes' copies (recent-token window); None without a window."""
+    rows = group.rows
 
     def take(t: torch.Tensor) -> torch.Tensor:  # the group's rows of a [tokens, ...] tensor
         return t[slice(*group.token_range)] if group.token_range else t.index_select(0, group.tokens)
@@ -191,20 +199,19 @@ def _prefill(ctx: ForwardContext, group: PrefillGroup, q: torch.Tensor, k: torch
     query = take(q)
     result = take(out) if group.token_range else torch.empty_like(query)  # a slice of out: written in place
     ring = None
-    if rows.window_starts is not None:
+    if group.ring_blocks is not None:  # the copied ring blocks take the chunks' own K/V
+        scratch_k, scratch_v = earlier
+        ctx.ops.reshape_and_cache(take(k), take(v), scratch_k, scratch_v, rows.window_slots, CacheFormat.AUTO,
+                                  k_scale, v_scale)
+        ring = (scratch_k, scratch_v, rows.window_tables, rows.window_starts, rows.window_span)
+    elif rows.window_starts is not None:
         if rows.scratch is None:
             rows.scratch = tuple(torch.zeros((rows.window_blocks, *ring.shape[1:]), dtype=ring.dtype, device=ring.device)
                                  for ring in ctx.window_caches[0])
         scratch_k, scratch_v = rows.scratch
-        n, d = len(group.seqs), k.shape[2]
-        full = []
-        for old, new in ((earlier[0], k), (earlier[1], v)):
-            if old.shape[0] == 0:  # a first chunk: no earlier positions, the chunk's own K/V as they are
-                full.append(take(new))
-                continue
-            chunk = take(new).view(n, group.query_len, kv_heads, d)
-            old = old.to(chunk.dtype).view(n, old.shape[0] // n, kv_heads, d)
-            full.append(torch.cat([old, chunk], 1).flatten(0, 1))
+        # every chunk's earlier positions, then every chunk's own rows: the order of rows.window_slots
+        full = [take(new) if old.shape[0] == 0 else torch.cat([old.to(new.dtype), take(new)])
+                for old, new in ((earlier[0], k), (earlier[1], v))]
         ctx.ops.reshape_and_cache(full[0], full[1], scratch_k, scratch_v, rows.window_slots, CacheFormat.AUTO, k_scale,
                                   v_scale)
         ring = (scratch_k, scratch_v, rows.window_tables, rows.window_starts, rows.window_span)

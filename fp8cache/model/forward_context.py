@@ -30,19 +30,24 @@ ScaleCalculator = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor
 
 @dataclass
 class PrefillGroup:
-    """Prefill chunks of one shape (query_len, context_len, window floor): per layer one decode-op call over
-    all their rows. Built once per step; every layer uses it."""
+    """Prefill chunks of one query_len, of any context lengths and window floors (a speculative verify step's
+    1 + K token chunks among them): per layer one decode-op call over all their rows. Built once per step;
+    every layer uses it."""
 
     seqs: list[int]  # indices into the step's seqs
     tokens: torch.Tensor  # int64 [n * query_len]: the chunks' rows in the packed stream, chunk after chunk
     query_len: int
     rows: RowQueries
-    # Recent-token window: ring (blocks, offsets) [n * earlier] of the positions before each chunk whose
-    # full-precision K/V its rows read; each chunk's own full-precision K/V follow them.
+    # Recent-token window: ring (blocks, offsets) of the positions before each chunk whose full-precision K/V
+    # its rows read, chunk after chunk (RowQueries.window_slots places them, then the chunks' own K/V).
     earlier_index: tuple[torch.Tensor, torch.Tensor] | None = None
     # The chunks' rows as one slice [start, stop) of the packed stream when they are consecutive (a step of
     # equal prompts): the row path then reads and writes views instead of gathered copies.
     token_range: tuple[int, int] | None = None
+    # Recent-token window, chunks no longer than it (a verify step's): each sequence's ring blocks twice
+    # (int64 [n * 2 * blocks per ring]), copied before the step's writes as the rows' scratch ring instead of
+    # earlier_index's positions (_ring_copy_arrays).
+    ring_blocks: torch.Tensor | None = None
 
 
 @dataclass
@@ -51,14 +56,16 @@ class RowQueries:
     sequence, [0, window_start) from the paged cache and, with a recent-token window, [window_start, P] in
     full precision. Those full-precision K/V (positions [first_recent, context_len) of each chunk's sequence:
     the ring's earlier ones, then the chunk's own) are written to a scratch window cache per layer, where
-    position p sits at ring slot p: the op's ring size (window_span) covers the whole context."""
+    position p sits at ring slot p of its sequence's blocks: the op's ring size (window_span) covers the
+    longest context."""
 
     block_tables: torch.Tensor  # int32 [rows, blocks]: each row's sequence's table
     seq_lens: torch.Tensor  # int32 [rows]: P + 1
     max_len: int
     window_starts: torch.Tensor | None = None  # int32 [rows]
     window_tables: torch.Tensor | None = None  # int32 [rows, window_span / block_size] into the scratch cache
-    window_slots: torch.Tensor | None = None  # int64 [n * (context_len - first_recent)]: where the K/V go
+    # int64: where the full-precision K/V go, every chunk's earlier positions, then every chunk's own rows
+    window_slots: torch.Tensor | None = None
     window_blocks: int = 0  # scratch blocks
     window_span: int = 0
     # The scratch window cache (K, V), made on the first layer and reused by the others. Zeroed once: a row
@@ -215,21 +222,28 @@ def _window_arrays(batch: StepBatch, decode: list[int], all_decode: bool, window
 
 @dataclass
 class _PrefillPlan:
-    """A prefill group's host-side shape: which sequences, their chunk, and where its keys come from."""
+    """A prefill group's host-side shape: which sequences, their chunk, and where its keys come from. Chunks
+    of one length share a group whatever their context lengths (a verify step's 1 + K token chunks, one per
+    sequence, are one group: one decode-op call per layer instead of one per sequence)."""
 
     seqs: list[int]
     q_len: int
-    ctx_len: int
-    floor: int
+    prefixes: np.ndarray  # int64 [n]: each chunk's positions before it (cached prefix or earlier chunks)
+    floors: np.ndarray  # int64 [n]: each sequence's window floor (0 without a window)
     starts: np.ndarray  # int64 [n]: each chunk's first token in the packed stream
 
     @property
-    def prefix(self) -> int:
-        return self.ctx_len - self.q_len
+    def context_lens(self) -> np.ndarray:
+        return self.prefixes + self.q_len
 
-    def first_recent(self, window_size: int) -> int:
-        """The chunk's first row's first full-precision position."""
-        return max(self.prefix - window_size + 1, self.floor)
+    def first_recent(self, window_size: int) -> np.ndarray:
+        """Each chunk's first row's first full-precision position."""
+        return np.maximum(self.prefixes - window_size + 1, self.floors)
+
+    @property
+    def row_positions(self) -> np.ndarray:
+        """int64 [n, q_len]: the position each row of each chunk queries at."""
+        return self.prefixes[:, None] + np.arange(self.q_len)
 
     @property
     def consecutive(self) -> bool:
@@ -237,69 +251,117 @@ class _PrefillPlan:
 
 
 def _prefill_plans(seqs, starts: np.ndarray, window_size: int) -> list[_PrefillPlan]:
-    by_shape: dict[tuple[int, int, int], list[int]] = {}
+    by_len: dict[int, list[int]] = {}
     for i, s in enumerate(seqs):
         if s.query_len > 1:
-            floor = max(s.window_floor, 0) if window_size else 0
-            by_shape.setdefault((s.query_len, s.context_len, floor), []).append(i)
-    return [_PrefillPlan(group, q, c, f, starts[group]) for (q, c, f), group in by_shape.items()]
+            by_len.setdefault(s.query_len, []).append(i)
+    plans = []
+    for q_len, group in by_len.items():
+        prefixes = np.asarray([seqs[i].context_len - q_len for i in group], dtype=np.int64)
+        floors = np.asarray([max(seqs[i].window_floor, 0) if window_size else 0 for i in group], dtype=np.int64)
+        plans.append(_PrefillPlan(group, q_len, prefixes, floors, starts[group]))
+    return plans
 
 
 def _group_arrays(n: int, plan: _PrefillPlan, batch: StepBatch, block_size: int, window_size: int,
                   window_caches) -> dict[str, np.ndarray]:
+    rows = plan.row_positions
     arrays = {f"g{n}.tokens": (plan.starts[:, None] + np.arange(plan.q_len)).reshape(-1),
-              f"g{n}.seqs": np.asarray(plan.seqs, dtype=np.int64)}
+              f"g{n}.seqs": np.asarray(plan.seqs, dtype=np.int64),
+              f"g{n}.seq_lens": (rows + 1).reshape(-1).astype(np.int32)}
     if window_size:
-        window_cache = window_caches[0][0]
-        slots = [window_slot(batch.seqs[i].window_block_table, p, window_size, block_size)
-                 for i in plan.seqs for p in range(plan.first_recent(window_size), plan.prefix)]
-        slots = np.asarray(slots, dtype=np.int64)
-        limit = window_cache.shape[0] * window_cache.shape[3]
-        if slots.size and (int(slots.min()) < 0 or int(slots.max()) >= limit):
-            raise IndexError(f"window block table holds a block id outside [0, {window_cache.shape[0]})")
-        arrays[f"g{n}.earlier_blocks"], arrays[f"g{n}.earlier_offsets"] = slots // block_size, slots % block_size
+        arrays.update((_ring_copy_arrays if _copies_ring(plan, block_size, window_size) else _group_window_arrays)(
+            n, plan, batch, block_size, window_size, window_caches))
     return arrays
+
+
+def _group_window_arrays(n: int, plan: _PrefillPlan, batch: StepBatch, block_size: int, window_size: int,
+                         window_caches) -> dict[str, np.ndarray]:
+    """A group's rows read positions [first_recent, context_len) of their sequence in full precision: the ring's
+    earlier ones (gathered before the step's writes overwrite them) and the chunk's own. Both go to a scratch
+    window cache where sequence s's position p sits at slot p of its own blocks, so one ring size (window_span,
+    the longest context) serves every row. Each row reads from max(P - window_size + 1, floor)."""
+    bs = block_size
+    first_recent = plan.first_recent(window_size)
+    earlier = [window_slot(batch.seqs[i].window_block_table, p, window_size, bs)
+               for i, first, prefix in zip(plan.seqs, first_recent, plan.prefixes) for p in range(first, prefix)]
+    earlier = np.asarray(earlier, dtype=np.int64)
+    window_cache = window_caches[0][0]
+    limit = window_cache.shape[0] * window_cache.shape[3]
+    if earlier.size and (int(earlier.min()) < 0 or int(earlier.max()) >= limit):
+        raise IndexError(f"window block table holds a block id outside [0, {window_cache.shape[0]})")
+    first_blocks, per_seq, span_blocks = _scratch_layout(plan, bs, window_size)
+    bases = np.concatenate(([0], np.cumsum(per_seq)[:-1]))
+    tables = np.zeros((len(plan.seqs), span_blocks), dtype=np.int32)  # columns below first_block: never read
+    for s, (first, count, base) in enumerate(zip(first_blocks, per_seq, bases)):
+        tables[s, first:first + count] = base + np.arange(count)
+
+    def scratch_slots(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:  # positions [lo, hi) of each sequence
+        return np.concatenate([(base + np.arange(a, b) // bs - first) * bs + np.arange(a, b) % bs
+                               for a, b, first, base in zip(lo, hi, first_blocks, bases)]).astype(np.int64)
+
+    window_starts = np.maximum(plan.row_positions - window_size + 1, plan.floors[:, None])
+    return {f"g{n}.earlier_blocks": earlier // bs, f"g{n}.earlier_offsets": earlier % bs,
+            # where the full-precision K/V go: every sequence's earlier positions, then every chunk's own
+            f"g{n}.window_slots": np.concatenate([scratch_slots(first_recent, plan.prefixes),
+                                                  scratch_slots(plan.prefixes, plan.context_lens)]),
+            f"g{n}.window_tables": np.repeat(tables, plan.q_len, axis=0),
+            f"g{n}.window_starts": window_starts.reshape(-1).astype(np.int32)}
+
+
+def _copies_ring(plan: _PrefillPlan, block_size: int, window_size: int) -> bool:
+    return plan.q_len <= window_size and window_size % block_size == 0
+
+
+def _ring_copy_arrays(n: int, plan: _PrefillPlan, batch: StepBatch, block_size: int, window_size: int,
+                      window_caches) -> dict[str, np.ndarray]:
+    """Chunks no longer than the window (a verify step's 1 + K tokens), whose ring is whole blocks: each
+    sequence's ring blocks are copied twice, as a ring of 2 * window_size slots where position p sits at slot
+    p % (2 * window_size). The copies hold the ring's positions before the step at both of their slots
+    (p % window_size and window_size later), and the chunk's own K/V, written at theirs, never land on a slot
+    of a position any of its rows reads: every row reads [max(P - window_size + 1, floor), P], and a chunk
+    position lies less than 2 * window_size past each of those. No gather of single positions, one copy of
+    whole blocks per layer."""
+    ring = np.asarray([batch.seqs[i].window_block_table for i in plan.seqs], dtype=np.int64)
+    if ring.size and (int(ring.min()) < 0 or int(ring.max()) >= window_caches[0][0].shape[0]):
+        raise IndexError(f"window block table holds a block id outside [0, {window_caches[0][0].shape[0]})")
+    count, width = len(plan.seqs), 2 * ring.shape[1]
+    rows = plan.row_positions
+    slots = np.arange(count)[:, None] * 2 * window_size + rows % (2 * window_size)
+    tables = np.arange(count * width, dtype=np.int32).reshape(count, width)
+    window_starts = np.maximum(rows - window_size + 1, plan.floors[:, None])
+    return {f"g{n}.ring_blocks": np.concatenate([ring, ring], axis=1).reshape(-1),
+            f"g{n}.window_slots": slots.reshape(-1), f"g{n}.window_tables": np.repeat(tables, plan.q_len, axis=0),
+            f"g{n}.window_starts": window_starts.reshape(-1).astype(np.int32)}
+
+
+def _scratch_layout(plan: _PrefillPlan, block_size: int, window_size: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """(each sequence's first scratch-table column, its scratch blocks from there, the table's columns)."""
+    first_blocks = plan.first_recent(window_size) // block_size
+    per_seq = -(-plan.context_lens // block_size) - first_blocks
+    return first_blocks, per_seq, -(-int(plan.context_lens.max()) // block_size)
 
 
 def _prefill_group(ctx: ForwardContext, n: int, plan: _PrefillPlan,
                    views: dict[str, torch.Tensor]) -> PrefillGroup:
-    q_len, ctx_len = plan.q_len, plan.ctx_len
-    earlier = None
-    seq_index = views[f"g{n}.seqs"]
+    q_len, seq_index = plan.q_len, views[f"g{n}.seqs"]
+    rows = RowQueries(ctx.block_tables.index_select(0, seq_index).repeat_interleave(q_len, 0),
+                      views[f"g{n}.seq_lens"], int(plan.context_lens.max()))
+    earlier = ring_blocks = None
     if ctx.window_size:
         # Each row reads one key per position: from the window if within its last window_size positions (and
         # computed by this sequence), else from the cache. Both sets go into one softmax.
-        rows = torch.arange(q_len, device=ctx.block_tables.device)[:, None] + plan.prefix  # r at prefix + r
-        earlier = (views[f"g{n}.earlier_blocks"], views[f"g{n}.earlier_offsets"])
-        full_from = torch.clamp(rows - ctx.window_size + 1, min=plan.floor)
-        row_queries = _row_queries(ctx, seq_index, len(plan.seqs), q_len, ctx_len,
-                                   plan.first_recent(ctx.window_size), full_from)
-    else:
-        row_queries = _row_queries(ctx, seq_index, len(plan.seqs), q_len, ctx_len)
+        rows.window_slots, rows.window_tables = views[f"g{n}.window_slots"], views[f"g{n}.window_tables"]
+        rows.window_starts = views[f"g{n}.window_starts"]
+        if _copies_ring(plan, ctx.block_size, ctx.window_size):
+            ring_blocks, rows.window_span = views[f"g{n}.ring_blocks"], 2 * ctx.window_size
+        else:
+            earlier = (views[f"g{n}.earlier_blocks"], views[f"g{n}.earlier_offsets"])
+            _, per_seq, span_blocks = _scratch_layout(plan, ctx.block_size, ctx.window_size)
+            rows.window_blocks, rows.window_span = int(per_seq.sum()), span_blocks * ctx.block_size
     first = int(plan.starts[0])
-    return PrefillGroup(plan.seqs, views[f"g{n}.tokens"], q_len, row_queries, earlier,
-                        (first, first + len(plan.seqs) * q_len) if plan.consecutive else None)
-
-
-def _row_queries(ctx: ForwardContext, seq_index: torch.Tensor, n: int, q_len: int, ctx_len: int,
-                 first_recent: int = 0, full_from: torch.Tensor | None = None) -> RowQueries:
-    prefix, bs = ctx_len - q_len, ctx.block_size
-    device = ctx.block_tables.device
-    rows = RowQueries(ctx.block_tables.index_select(0, seq_index).repeat_interleave(q_len, 0),
-                      torch.arange(prefix + 1, ctx_len + 1, dtype=torch.int32, device=device).repeat(n), ctx_len)
-    if full_from is None:
-        return rows
-    span_blocks, first_block = -(-ctx_len // bs), first_recent // bs
-    per_seq = span_blocks - first_block  # scratch blocks of one sequence: its positions from first_block * bs
-    tables = torch.zeros(n, span_blocks, dtype=torch.int32, device=device)  # columns below first_block: unread
-    tables[:, first_block:] = torch.arange(n * per_seq, dtype=torch.int32, device=device).view(n, per_seq)
-    positions = torch.arange(first_recent, ctx_len, device=device)
-    seq_base = torch.arange(n, device=device)[:, None] * per_seq
-    rows.window_slots = ((seq_base + positions // bs - first_block) * bs + positions % bs).reshape(-1)
-    rows.window_tables = tables.repeat_interleave(q_len, 0)
-    rows.window_starts = full_from.view(-1).to(torch.int32).repeat(n)
-    rows.window_blocks, rows.window_span = n * per_seq, span_blocks * bs
-    return rows
+    return PrefillGroup(plan.seqs, views[f"g{n}.tokens"], q_len, rows, earlier,
+                        (first, first + len(plan.seqs) * q_len) if plan.consecutive else None, ring_blocks)
 
 
 def from_kwargs(kwargs: dict) -> ForwardContext:

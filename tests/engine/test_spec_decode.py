@@ -16,6 +16,7 @@ from fp8cache.engine.llm_engine import LLMEngine
 from fp8cache.engine.ngram_proposer import MAX_SKIP, NgramProposer, lookup
 from fp8cache.engine.sampling_params import SamplingParams
 from fp8cache.engine.sequence import Sequence
+from fp8cache.engine.spec_decode import VERIFY_ROWS_CPU
 from fp8cache.engine.speculative_config import SpeculativeConfig
 from fp8cache.engine.structured_output import StructuredOutputsParams
 from fp8cache.model.loader import load_model
@@ -35,7 +36,7 @@ def test_config_takes_vllms_shape_and_fills_the_lookup_bounds():
     c = SpeculativeConfig.parse({"num_speculative_tokens": 2, "prompt_lookup_min": 6})
     assert (c.method, c.prompt_lookup_min, c.prompt_lookup_max) == ("ngram", 6, 6)
     assert SpeculativeConfig.parse(None) is None and SpeculativeConfig.parse({}) is None
-    assert c.disable_by_batch_size == 4
+    assert c.disable_by_batch_size == 8
     assert SpeculativeConfig.parse({"num_speculative_tokens": 2, "disable_by_batch_size": 64}).disable_by_batch_size == 64
 
 
@@ -129,8 +130,8 @@ def loaded_bf16(default_model_path):
 
 
 def make_engine(loaded, spec=None, **overrides) -> LLMEngine:
-    config = EngineConfig(model=loaded.model_path, max_model_len=256, max_num_seqs=8, kv_cache_memory="24MiB",
-                          speculative_config=spec, **overrides)
+    config = EngineConfig(model=loaded.model_path, speculative_config=spec,
+                          **{"max_model_len": 256, "max_num_seqs": 8, "kv_cache_memory": "24MiB", **overrides})
     return LLMEngine(config, log=lambda _: None, runner=ModelRunner(config, log=lambda _: None, loaded=loaded))
 
 
@@ -186,6 +187,67 @@ def test_no_proposals_while_more_sequences_run_than_disable_by_batch_size(defaul
         engine.step()
     assert all(count == 0 for running, count in drafted if running > 2)
     assert any(count for running, count in drafted if running <= 2)
+
+
+def test_a_cpu_verify_step_stays_within_the_rows_a_step_costs_anyway(default_loaded):
+    """On a CPU each sequence's drafts are cut so that a step of verify chunks stays within VERIFY_ROWS_CPU rows
+    (none at 16 sequences), so speculation never makes a batch's steps compute-bound."""
+    engine = make_engine(default_loaded, {**NGRAM, "disable_by_batch_size": 64}, max_num_seqs=16)
+    engine.speculation.proposer.propose = lambda seq, limit: [seq.token_ids[-1]] * limit  # as many as allowed
+    verify_steps = []
+    execute = engine.runner.execute
+
+    def watching(batch, **kw):
+        if batch.num_draft_tokens:
+            verify_steps.append((len(batch.seqs), [s.query_len for s in batch.seqs]))
+        return execute(batch, **kw)
+
+    engine.runner.execute = watching
+    for n in (3, 6, 12):
+        verify_steps.clear()
+        generate(engine, [f"{STORY} {i}" for i in range(n)], SamplingParams(temperature=0, max_tokens=4))
+        decoding = [(count, lens) for count, lens in verify_steps if max(lens) <= 1 + NGRAM["num_speculative_tokens"]]
+        if n == 12:
+            assert not verify_steps  # 12 sequences fill the 16 rows with their own tokens
+            continue
+        assert decoding and all(sum(lens) <= VERIFY_ROWS_CPU for _, lens in decoding)
+        assert any(sum(lens) > n for _, lens in decoding)  # drafts were verified
+
+
+MIXED = [f"{REPEAT[:30 + 5 * i]} {STORY[:8 + 3 * i]} {REPEAT[:30 + 5 * i]}" for i in range(16)]
+
+
+@pytest.mark.parametrize("kv_cache_dtype,kv_scales,window", [
+    ("fp8_e4m3", "static", 16),  # whole-block ring: verify rows read a copy of their ring blocks
+    pytest.param("fp8_e5m2", "dynamic", 8, marks=pytest.mark.slow),  # rows fill a scratch ring position by position
+    pytest.param("fp8_e4m3", "dynamic", 32, marks=pytest.mark.slow),
+    pytest.param("fp8_e5m2", "static", 0, marks=pytest.mark.slow)])
+def test_sixteen_sequences_verify_together_token_identical(default_loaded, kv_cache_dtype, kv_scales, window):
+    """16 prompts of different lengths, prefill chunks (a small token budget) mixed with verify chunks and plain
+    decodes in one step: every sequence verifies its drafts in the same attention call, and the greedy output
+    is token-identical to plain decoding."""
+    settings = {"kv_cache_dtype": kv_cache_dtype, "kv_scales": kv_scales, "kv_recent_window": window,
+                "max_num_seqs": 16, "max_num_batched_tokens": 64, "kv_cache_memory": "48MiB"}
+    params = SamplingParams(temperature=0, max_tokens=8)
+    plain = generate(make_engine(default_loaded, **settings), MIXED, params)
+    engine = make_engine(default_loaded, {**NGRAM, "disable_by_batch_size": 64}, **settings)
+    engine.speculation.verify_rows = None  # every running sequence proposes, however many rows the step takes
+    mixed_steps = []
+    execute = engine.runner.execute
+
+    def watching(batch, **kw):
+        lens = [s.query_len for s in batch.seqs]
+        verify = sum(1 for s in batch.seqs if s.num_draft_tokens)
+        if verify > 1 and any(n == 1 for n in lens) and any(s.query_len > 1 and not s.num_draft_tokens
+                                                            for s in batch.seqs):
+            mixed_steps.append(verify)
+        return execute(batch, **kw)
+
+    engine.runner.execute = watching
+    same_outputs(generate(engine, MIXED, params), plain)
+    assert mixed_steps  # a step held verify chunks, plain decodes and a prefill chunk
+    assert engine.stats.spec_decode_num_accepted_tokens > 0
+    assert engine.block_manager.num_used_blocks == 0
 
 
 @pytest.mark.slow
@@ -357,6 +419,7 @@ def test_sampled_tokens_follow_the_same_distribution_with_speculation(tiny_llama
             continue
         if spec:
             engine.speculation.proposer.propose = lambda seq, limit, g=greedy: g[len(seq.token_ids):][:limit]
+            engine.speculation.verify_rows = None  # all 600 sequences verify drafts, however many rows that is
         params = SamplingParams(temperature=0.05, max_tokens=4, n=600, seed=7, ignore_eos=True)  # a random model is flat
         out = generate(engine, [prompt], params, whole=True)[0]
         tokens = np.array([o.token_ids for o in out.outputs])
