@@ -84,3 +84,7 @@ def fake_gpu():
             yield work
     finally:
         torch.__future__.set_overwrite_module_params_on_conversion(previous)
+        # Tensors cached while the mode was on are fake ones; a later test on the real CPU must not be handed them.
+        from fp8cache.kvcache import rotation
+
+        rotation._hadamard.cache_clear()
