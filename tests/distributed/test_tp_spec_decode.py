@@ -4,6 +4,8 @@ with speculation give one process's greedy tokens without it."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -39,8 +41,8 @@ def greedy(llm: LLM) -> tuple[list[list[int]], list[list[float]]]:
 
 @pytest.mark.slow
 def test_two_ranks_with_speculation_give_the_greedy_tokens_of_one_without(tiny_llama_path):
-    engine = dict(model=tiny_llama_path, kv_cache_dtype="fp8_e4m3", kv_recent_window=WINDOW,
-                  kv_cache_memory="16MiB", log=lambda msg: None)
+    engine = {"model": tiny_llama_path, "kv_cache_dtype": "fp8_e4m3", "kv_recent_window": WINDOW,
+              "kv_cache_memory": "16MiB", "log": lambda msg: None}
     with LLM(tensor_parallel_size=2, speculative_config=NGRAM, **engine) as llm:
         assert llm.engine.runner.kv_recent_window == WINDOW and llm.engine.runner.window_caches
         tokens, logprobs = greedy(llm)
@@ -56,3 +58,25 @@ def test_two_ranks_with_speculation_give_the_greedy_tokens_of_one_without(tiny_l
     assert plain_tokens == tokens
     for got, want in zip(logprobs, plain_logprobs):
         assert got == pytest.approx(want, abs=1e-3)
+
+
+@pytest.mark.slow
+def test_bench_throughput_over_two_shards_with_speculation(tiny_llama_path):
+    """Four runners on each rank (auto and fp8, each without and with speculation): a window repair reaches the
+    runner of the step just verified, or the worker would fail its check and the bench with it."""
+    from click.testing import CliRunner
+
+    from launcher import bench as bench_commands
+
+    result = CliRunner().invoke(bench_commands.throughput, [
+        tiny_llama_path, "--num-prompts", "2", "--input-len", "24", "--output-len", "24", "--workload", "repeat",
+        "--kv-cache-dtype", "auto,fp8_e4m3", "--kv-recent-window", str(WINDOW), "--speculative-config",
+        json.dumps(NGRAM), "--num-shard", "2", "--threads", "1", "--kv-cache-memory", "16MiB", "--json"],
+        catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    rows = {r["variant"]: r for r in json.loads(result.stdout)}
+    assert list(rows) == ["auto", "auto ngram", "fp8_e4m3", "fp8_e4m3 ngram"]
+    assert all(r["output_tokens"] == 2 * 24 for r in rows.values())
+    spec = rows["fp8_e4m3 ngram"]
+    assert 0 < spec["spec_accepted_tokens"] < spec["spec_draft_tokens"]  # so windows were repaired
+    assert "[rank 1] rank 1: stopped by rank 0 after" in result.stderr
