@@ -5,10 +5,12 @@ with speculation give one process's greedy tokens without it."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 import torch.distributed as dist
+from server_process import ServerProcess
 
 from fp8cache import LLM, SamplingParams
 
@@ -80,3 +82,29 @@ def test_bench_throughput_over_two_shards_with_speculation(tiny_llama_path):
     spec = rows["fp8_e4m3 ngram"]
     assert 0 < spec["spec_accepted_tokens"] < spec["spec_draft_tokens"]  # so windows were repaired
     assert "[rank 1] rank 1: stopped by rank 0 after" in result.stderr
+
+
+@pytest.mark.slow
+def test_served_over_two_ranks_with_speculation(tiny_llama_path, tmp_path):
+    """`fp8kv run --num-shard 2 --speculative-config`: the worker rank is run_worker's, not the offline group's."""
+    prompt = "the city of the river was a house by the water " * 3 + "the city of the"
+    args = [tiny_llama_path, "--num-shard", "2", "--kv-cache-dtype", "fp8_e4m3", "--kv-recent-window", str(WINDOW),
+            "--speculative-config", json.dumps(NGRAM), "--kv-cache-memory", "16MiB", "--no-access-log"]
+    server = ServerProcess(args, str(tmp_path / "server.log"), env={"OMP_NUM_THREADS": "1"})
+    try:
+        with server.client() as c:
+            r = c.post("/generate", json={"inputs": prompt, "parameters": {
+                "max_new_tokens": 40, "do_sample": False, "details": True}})
+            r.raise_for_status()
+            got = [t["id"] for t in r.json()["details"]["tokens"]]
+            metrics = c.get("/metrics").text
+    finally:
+        code = server.stop()
+    assert code == 0, server.output()[-3000:]
+    proposed, accepted = (float(re.search(rf"^fp8kv_spec_decode_num_{name}_tokens_total\{{.*\}} (\S+)$", metrics,
+                                          re.MULTILINE).group(1)) for name in ("draft", "accepted"))
+    assert 0 < accepted < proposed
+    engine = {"model": tiny_llama_path, "kv_cache_dtype": "fp8_e4m3", "kv_recent_window": WINDOW,
+              "kv_cache_memory": "16MiB", "log": lambda msg: None}
+    expected = LLM(**engine).generate(prompt, SamplingParams(temperature=0.0, max_tokens=40))[0]
+    assert got == expected.outputs[0].token_ids
