@@ -13,6 +13,10 @@ import torch.distributed as dist
 from server_process import ServerProcess
 
 from fp8cache import LLM, SamplingParams
+from fp8cache.engine import window_rollback
+from fp8cache.model import window_slots
+from fp8cache.model.batch import SeqChunk, StepBatch
+from fp8cache.model.tp_ranks import WorkerRunner
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 # Token ids that repeat their context: the tiny model's greedy output falls into loops the proposer finds, and
@@ -108,3 +112,81 @@ def test_served_over_two_ranks_with_speculation(tiny_llama_path, tmp_path):
               "kv_cache_memory": "16MiB", "log": lambda msg: None}
     expected = LLM(**engine).generate(prompt, SamplingParams(temperature=0.0, max_tokens=40))[0]
     assert got == expected.outputs[0].token_ids
+
+
+# ---- a worker rank's window repair, without processes ------------------------------------------------------
+
+BLOCK = 4
+
+
+def ring_caches(num_blocks: int = 3, heads: int = 2, head_size: int = 8, layers: int = 2):
+    """Window caches in the paged layouts (K [blocks, heads, head/x, block, x], V [blocks, heads, head, block])."""
+    x = 4
+    return [(torch.randn(num_blocks, heads, head_size // x, BLOCK, x),
+             torch.randn(num_blocks, heads, head_size, BLOCK)) for _ in range(layers)]
+
+
+def slot_values(caches, slot: int) -> list[torch.Tensor]:
+    block, offset = divmod(slot, BLOCK)
+    return [t for k, v in caches for t in (k[block, :, :, offset, :].clone(), v[block, :, :, offset].clone())]
+
+
+class FakeRunner:
+    """Writes fresh K/V at every fed token's ring slot, as a forward pass does."""
+
+    block_size = BLOCK
+
+    def __init__(self) -> None:
+        self.window_caches = ring_caches()
+
+    def execute(self, batch: StepBatch, all_logits: bool = False) -> str:
+        for slot in batch.window_slot_mapping:
+            block, offset = divmod(slot, BLOCK)
+            for k, v in self.window_caches:
+                k[block, :, :, offset, :] = torch.randn_like(k[block, :, :, offset, :])
+                v[block, :, :, offset] = torch.randn_like(v[block, :, :, offset])
+        return "logits"
+
+
+def verify_batch() -> StepBatch:
+    """A decode (ring slot 2) and a verify chunk of 1 + 3 drafts (slots 5, then drafts at 6, 7, 8)."""
+    chunks = [SeqChunk(query_len=1, context_len=20, block_table=[]),
+              SeqChunk(query_len=4, context_len=30, block_table=[], num_draft_tokens=3)]
+    return StepBatch(token_ids=[1] * 5, positions=list(range(5)), slot_mapping=list(range(5)), seqs=chunks,
+                     window_slot_mapping=[2, 5, 6, 7, 8])
+
+
+def test_a_worker_puts_back_the_ring_slots_of_the_drafts_rank_0_rejected():
+    runner = WorkerRunner(FakeRunner())
+    batch = verify_batch()
+    assert window_slots.draft_slots(batch) == [6, 7, 8]
+    before = {s: slot_values(runner.window_caches, s) for s in range(3 * BLOCK)}
+    assert runner.execute(batch) == "logits"
+    after = {s: slot_values(runner.window_caches, s) for s in range(3 * BLOCK)}
+    runner.execute(window_slots.WindowRestore([6, 7, 8], [True, False, False]))
+    for slot in range(3 * BLOCK):
+        # Rejected drafts' slots hold what they held before the step; every other slot what the step left.
+        want = before[slot] if slot in (7, 8) else after[slot]
+        assert all(torch.equal(a, b) for a, b in zip(slot_values(runner.window_caches, slot), want)), slot
+
+
+def test_a_worker_refuses_a_restore_it_did_not_save_for():
+    runner = WorkerRunner(FakeRunner())
+    runner.execute(verify_batch())
+    with pytest.raises(RuntimeError, match=r"restores window slots \[6, 7\] but this rank saved \[6, 7, 8\]"):
+        runner.execute(window_slots.WindowRestore([6, 7], [False, False]))
+    runner.execute(StepBatch(token_ids=[1], positions=[0], slot_mapping=[0], window_slot_mapping=[3],
+                             seqs=[SeqChunk(query_len=1, context_len=9, block_table=[])]))
+    with pytest.raises(RuntimeError, match="saved none before the step: the ranks are out of step"):
+        runner.execute(window_slots.WindowRestore([6, 7, 8], [True, True, False]))
+
+
+def test_rank_0_sends_the_restore_only_when_a_draft_was_rejected(monkeypatch):
+    sent = []
+    monkeypatch.setattr(window_rollback.step_channel, "send_follow_up", sent.append)
+    caches = ring_caches()
+    saved = window_rollback.save_slots(caches, [6, 7], BLOCK)
+    window_rollback.restore_slots(caches, [6, 7], saved, [True, True], BLOCK)
+    assert sent == []
+    window_rollback.restore_slots(caches, [6, 7], saved, [True, False], BLOCK)
+    assert sent == [window_slots.WindowRestore([6, 7], [True, False])]
