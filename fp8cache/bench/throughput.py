@@ -151,15 +151,12 @@ def open_engines(model: str | None, kv_cache_dtypes: list[str], log: Callable[[s
     if num_shard == 1:
         yield build_engines(model, kv_cache_dtypes, log, windows, speculative_config, **config)
         return
-    if speculative_config:
-        raise ValueError("speculative decoding does not run tensor-parallel yet; drop --speculative-config or "
-                         "--num-shard")
     from fp8cache.config import EngineConfig
     from fp8cache.engine.llm_engine import LLMEngine
     from fp8cache.model.tp_ranks import start_group
 
     base = EngineConfig(model=model, tensor_parallel_size=num_shard, **config)
-    variants = cache_variants(kv_cache_dtypes, windows or [base.kv_recent_window])
+    variants = cache_variants(kv_cache_dtypes, windows or [base.kv_recent_window], speculative_config)
     configs = [dataclasses.replace(base, **overrides) for overrides in variants.values()]
     with start_group(configs, log, threads_per_rank) as group:
         yield {label: LLMEngine(cfg, log=log, runner=runner)

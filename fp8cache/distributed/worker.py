@@ -6,7 +6,10 @@ A rank may hold several runners on one copy of the weights (the bench's cache dt
 rank builds them in the same order, and each step names its runner by that index.
 
 What a step is and what runs it is the model side's (fp8cache/model/tp_ranks.py builds the runners and runs
-a worker rank's loop): a batch is an opaque picklable object here, and a runner one callable.
+a worker rank's loop): a batch is an opaque picklable object here, and a runner one callable. After a step
+rank 0 may send a follow-up for the same runner, another opaque object that runner's callable gets in the
+same way: what rank 0 changed in its own cache after the step, which every rank must change alike (the
+recent window's repair after a speculative verify step).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class StepTicket:
 
 
 _ticket = StepTicket()  # the step now being run on rank 0 (selected_runner replaces it for its block)
+_last_runner_index = 0  # the runner of the step rank 0 sent last: a follow-up is for it
 
 
 def _broadcast(message: object) -> object:
@@ -66,6 +70,7 @@ def selected_runner(ticket: StepTicket) -> Iterator[StepTicket]:
 @contextmanager
 def driver_step(batch: object, all_logits: bool) -> Iterator[None]:
     """Rank 0: send the step to the workers, then compute it (inside the block) while no stop can cut in."""
+    global _last_runner_index
     state = parallel_state.get()
     if not (state.is_parallel and state.is_driver):
         yield
@@ -74,8 +79,21 @@ def driver_step(batch: object, all_logits: bool) -> Iterator[None]:
         if _stopped:
             raise RuntimeError("the tensor-parallel workers were stopped; this engine can run no more steps")
         _ticket.sent = True
+        _last_runner_index = _ticket.runner_index
         _broadcast((_ticket.runner_index, batch, all_logits))
         yield
+
+
+def send_follow_up(message: object) -> None:
+    """Rank 0: send the workers a message for the runner of the step just sent (each gets it as that runner's
+    next "batch"); nothing without tensor parallelism."""
+    state = parallel_state.get()
+    if not (state.is_parallel and state.is_driver):
+        return
+    with _step_lock:
+        if _stopped:
+            raise RuntimeError("the tensor-parallel workers were stopped; this engine can run no more steps")
+        _broadcast((_last_runner_index, message, False))
 
 
 def stop_workers() -> None:
@@ -114,14 +132,15 @@ def register_driver() -> None:
 
 def reset() -> None:
     """After the process group is destroyed: a later group starts with workers not yet stopped."""
-    global _stopped, _ticket
+    global _stopped, _ticket, _last_runner_index
     with _step_lock:
-        _stopped, _ticket = False, StepTicket()
+        _stopped, _ticket, _last_runner_index = False, StepTicket(), 0
 
 
 def serve_steps(execute: Execute | Sequence[Execute]) -> int:
-    """Ranks > 0: run every step rank 0 sends, each on the runner it names, until the stop message; the number
-    of steps run. execute: one runner's execute, or every runner's in the order rank 0 built them."""
+    """Ranks > 0: run every step (and follow-up) rank 0 sends, each on the runner it names, until the stop
+        message; the number of messages run. execute: one runner's execute, or every runner's in the order rank 0
+    built them."""
     executes = list(execute) if isinstance(execute, Sequence) else [execute]
     steps = 0
     while True:

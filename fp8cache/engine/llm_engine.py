@@ -15,7 +15,9 @@ synchronous step, as do all steps with overlap off and with tensor parallelism.
 
 With a speculative_config (spec_decode.py) each step first gives decoding sequences proposed tokens; a step
 that verifies some runs synchronously and hands each sequence its accepted tokens and one more, appended and
-stop-checked one at a time. The overlapped loop is off then.
+stop-checked one at a time. The overlapped loop is off then. With tensor parallelism only rank 0 proposes and
+accepts; the other ranks run the verify step as any batch and repair their recent window as rank 0 tells them
+(window_rollback.py).
 
 Length limits: a prompt longer than max_model_len, or longer than the whole KV cache holds, is refused
 by add_request with ValueError. A sequence that reaches either limit while generating finishes with
@@ -177,9 +179,6 @@ class LLMEngine:
     def _speculation(self, config: SpeculativeConfig | None) -> Speculation | None:
         if config is None:
             return None
-        tp = getattr(self.runner, "tp", None)
-        if tp is not None and tp.is_parallel:
-            raise ValueError("speculative_config is not supported with tensor parallelism yet; drop one of them")
         self.log(config.describe())
         return Speculation(config, self.block_manager, self.runner, self.length_limit)
 

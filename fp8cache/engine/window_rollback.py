@@ -4,35 +4,25 @@ A verify step writes every fed position p to its sequence's ring slot p % window
 p - window, which later steps still read until position p is really computed. So before such a step the
 slots its draft positions will overwrite are copied aside, and after acceptance the slots of rejected drafts
 get their old K/V back. Drafts are capped below the window size, so no two fed positions share a slot.
+
+With tensor parallelism each rank's ring holds its own heads: the worker ranks save the same slots before
+the step themselves, and the restore is sent to them right after rank 0 applies it (model/window_slots.py).
 """
 
 from __future__ import annotations
 
-import torch
+from fp8cache.distributed import worker as step_channel
+from fp8cache.model import window_slots
+from fp8cache.model.window_slots import Saved, WindowCaches, save_slots
 
-Saved = list[tuple[torch.Tensor, torch.Tensor]]
-
-
-def save_slots(window_caches: list[tuple[torch.Tensor, torch.Tensor]], slots: list[int], block_size: int) -> Saved:
-    """Copies of K and V at ring slots (block * block_size + offset) of every layer."""
-    index = _index(slots, block_size, window_caches[0][0].device)
-    return [(k[index[0], :, :, index[1], :].clone(), v[index[0], :, :, index[1]].clone()) for k, v in window_caches]
+__all__ = ["Saved", "restore_slots", "save_slots"]
 
 
-def restore_slots(window_caches: list[tuple[torch.Tensor, torch.Tensor]], slots: list[int], saved: Saved,
-                  keep: list[bool], block_size: int) -> None:
-    """Put saved K/V back at the slots whose keep flag is False (the rejected drafts' positions)."""
-    picked = [i for i, kept in enumerate(keep) if not kept]
-    if not picked:
+def restore_slots(window_caches: WindowCaches, slots: list[int], saved: Saved, keep: list[bool],
+                  block_size: int) -> None:
+    """Put saved K/V back at the slots whose keep flag is False (the rejected drafts' positions), on this rank
+    and, with tensor parallelism, on every other rank (which saved the same slots before the step)."""
+    if all(keep):
         return
-    device = window_caches[0][0].device
-    index = _index([slots[i] for i in picked], block_size, device)
-    rows = torch.tensor(picked, dtype=torch.long, device=device)
-    for (k, v), (k_saved, v_saved) in zip(window_caches, saved):
-        k[index[0], :, :, index[1], :] = k_saved.index_select(0, rows)
-        v[index[0], :, :, index[1]] = v_saved.index_select(0, rows)
-
-
-def _index(slots: list[int], block_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    t = torch.tensor(slots, dtype=torch.long, device=device)
-    return t // block_size, t % block_size
+    window_slots.restore_slots(window_caches, slots, saved, keep, block_size)
+    step_channel.send_follow_up(window_slots.WindowRestore(list(slots), list(keep)))

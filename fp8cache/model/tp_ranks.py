@@ -3,7 +3,8 @@
 fp8cache.distributed starts the rank processes, joins the process groups and carries each step from rank 0
 to the others, but knows nothing of models; this module hands it ModelRunners. Rank 0 runs the engine (and,
 with `fp8kv run`, the HTTP server); every other rank runs run_worker, or the offline group's worker
-(fp8cache/distributed/group.py), which calls build_runners by name in the new process.
+(fp8cache/distributed/group.py), which calls build_runners by name in the new process. A worker rank's
+runners are WorkerRunners: besides the steps they apply what rank 0 sends after a step to repair its cache.
 """
 
 from __future__ import annotations
@@ -16,17 +17,54 @@ from fp8cache.config import EngineConfig
 from fp8cache.distributed import parallel_state
 from fp8cache.distributed import worker as step_channel
 from fp8cache.distributed.group import TensorParallelGroup
+from fp8cache.model import window_slots
+from fp8cache.model.batch import StepBatch
 from fp8cache.model.loader import load_model, resolve_dtype
 from fp8cache.model.runner import ModelRunner
 from fp8cache.platform.device import resolve_device
 
 
-def build_runners(configs: Sequence[EngineConfig], log: Callable[[str], None] = print) -> list[ModelRunner]:
-    """This rank's ModelRunners, one per config, in order; several share one loaded copy of the weights."""
+class WorkerRunner:
+    """A rank > 0's ModelRunner as rank 0's messages reach it: each step runs on it, and the WindowRestore rank 0
+    sends after a verify step puts back this rank's heads of the ring slots that step's rejected drafts
+    overwrote (saved here before the step, as rank 0 saves its own). Anything else is the runner's."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self._saved: tuple[list[int], window_slots.Saved] | None = None  # the last verify step's draft slots
+
+    def execute(self, message: StepBatch | window_slots.WindowRestore, all_logits: bool = False):
+        if isinstance(message, window_slots.WindowRestore):
+            return self._restore(message)
+        self._save_draft_slots(message)
+        return self.runner.execute(message, all_logits)
+
+    def _save_draft_slots(self, batch: StepBatch) -> None:
+        caches = self.runner.window_caches
+        slots = window_slots.draft_slots(batch) if caches else []
+        self._saved = (slots, window_slots.save_slots(caches, slots, self.runner.block_size)) if slots else None
+
+    def _restore(self, message: window_slots.WindowRestore) -> None:
+        saved, self._saved = self._saved, None
+        if saved is None or saved[0] != message.slots:
+            raise RuntimeError(f"rank 0 restores window slots {message.slots} but this rank saved "
+                               f"{saved[0] if saved else 'none'} before the step: the ranks are out of step")
+        window_slots.restore_slots(self.runner.window_caches, message.slots, saved[1], message.keep,
+                                   self.runner.block_size)
+
+    def __getattr__(self, name: str):
+        return getattr(self.__dict__["runner"], name)
+
+
+def build_runners(configs: Sequence[EngineConfig],
+                  log: Callable[[str], None] = print) -> list[ModelRunner] | list[WorkerRunner]:
+    """This rank's runners, one per config, in order (ModelRunners on rank 0, WorkerRunners on the others);
+    several share one loaded copy of the weights."""
     configs = [parallel_state.initialize(c)[0] for c in configs]  # this rank's device in each
     # Random weights stay shapes only (meta) here: the first runner fills just this rank's share on its device.
     loaded = load_model(configs[0], on_device=configs[0].load_format != "dummy") if len(configs) > 1 else None
-    return [ModelRunner(c, log=log, loaded=loaded) for c in configs]
+    runners = [ModelRunner(c, log=log, loaded=loaded) for c in configs]
+    return runners if parallel_state.get().is_driver else [WorkerRunner(r) for r in runners]
 
 
 def start_group(configs: Sequence[EngineConfig], log: Callable[[str], None] = print,
