@@ -32,6 +32,7 @@ from fp8cache.engine.sampler import Sampler, has_penalties
 from fp8cache.engine.scheduler import SchedulerOutput
 from fp8cache.engine.sequence import Sequence
 from fp8cache.engine.speculative_config import SpeculativeConfig
+from fp8cache.model import window_slots
 
 # Rows a CPU step's linears take for about the cost of one (default model, bfloat16, one thread, 16 sequences at
 # ~300 tokens, recent window 32; ms per step for 1 + k rows each): 1 seq: 13.0 (k=0), 19.3 (k=4), 16.9 (k=8);
@@ -92,7 +93,7 @@ class Speculation:
         """Copies of the ring slots the step's drafts will overwrite (None without a recent window)."""
         if not self.window:
             return None
-        slots = [plan.batch.window_slot_mapping[r] for r in _draft_rows(plan)]
+        slots = window_slots.draft_slots(plan.batch)  # the same slots every worker rank saves
         caches = self.runner.window_caches
         return slots, window_rollback.save_slots(caches, slots, self.block_manager.block_size)
 
@@ -156,16 +157,6 @@ class Speculation:
 def _may_speculate(seq: Sequence) -> bool:
     return (seq.guide is None and not has_penalties(seq.params) and not seq.num_pending_tokens
             and seq.num_uncomputed_tokens == 1 and not seq.needs_prompt_logits)
-
-
-def _draft_rows(plan: SchedulerOutput) -> list[int]:
-    """Rows of the packed stream that hold drafts."""
-    rows, offset = [], 0
-    for chunk in plan.batch.seqs:
-        end = offset + chunk.query_len
-        rows.extend(range(end - chunk.num_draft_tokens, end))
-        offset = end
-    return rows
 
 
 def _logprobs(seq: Sequence, logits: torch.Tensor, tokens: list[int], tokenizer) -> list[dict | None]:
