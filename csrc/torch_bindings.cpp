@@ -58,7 +58,8 @@ TORCH_LIBRARY(fp8kv, m) {
       "Tensor sin, float scale, Tensor(b!) key_cache, Tensor(c!) value_cache, Tensor slot_mapping, "
       "int kv_cache_format, Tensor k_scale, Tensor v_scale, Tensor block_tables, Tensor seq_lens, int max_seq_len, "
       "Tensor(d!)[] window, Tensor? window_slot_mapping, Tensor? window_block_tables, Tensor? window_starts, "
-      "int window_size, Tensor(e!)? k_scale_cache=None, Tensor(f!)? v_scale_cache=None) -> ()");
+      "int window_size, Tensor(e!)? k_scale_cache=None, Tensor(f!)? v_scale_cache=None, bool hadamard=False) "
+      "-> ()");
   m.def("cpu_isa() -> str", &cpu_isa);
   m.def("cpu_bf16_dot() -> bool", &cpu_bf16_dot);
 }

@@ -257,6 +257,11 @@ def _check_text(text_path: str | None) -> str:
                    "default: the engine's, 32). A comma list, e.g. 0,32, runs each FP8 dtype once per window "
                    "side by side and reports the windowed rows over window 0.")
 @_WINDOW_DTYPE_OPT
+@click.option("--kv-scales", type=click.Choice(["static", "dynamic"]), default="static", show_default=True,
+              help="The FP8 caches' scales: static (1.0 or the checkpoint's) or dynamic (a scale per token and KV "
+                   "head, computed as the cache is written).")
+@click.option("--kv-rotation", type=click.Choice(["auto", "none", "hadamard"]), default="auto", show_default=True,
+              help="With --kv-scales dynamic: Hadamard-rotate K/V first (auto: where the head size allows).")
 @click.option("--speculative-config", metavar="JSON", default=None, callback=speculative_arg,
               help='Also run every fp8kv engine with this speculative decoding, e.g. \'{"method": "ngram", '
                    '"num_speculative_tokens": 4}\': rows "<cache> ngram" with the acceptance rate and "vs no spec".')
@@ -272,8 +277,8 @@ def _check_text(text_path: str | None) -> str:
 @_PLOT_OPT
 def throughput(model, num_prompts, input_len, output_len, kv_cache_dtypes, compare, repeats, dtype, peer_dtype,
                kv_cache_memory, max_num_seqs, max_num_batched_tokens, max_model_len, load_format, num_shard,
-               kv_recent_window, kv_recent_window_dtype, speculative_config, workload, threads, text_path, device,
-               cpu_isa, as_json, plot_path) -> None:
+               kv_recent_window, kv_recent_window_dtype, kv_scales, kv_rotation, speculative_config, workload, threads,
+               text_path, device, cpu_isa, as_json, plot_path) -> None:
     """Offline throughput per kv-cache dtype (and transformers with --compare hf), measured in one run."""
     from fp8cache.bench import machine, plot
     from fp8cache.bench import throughput as bench
@@ -293,15 +298,17 @@ def throughput(model, num_prompts, input_len, output_len, kv_cache_dtypes, compa
         kv_cache_memory, max_num_seqs, max_num_batched_tokens, progress=bar, log=_log, num_shard=num_shard,
         threads_per_rank=threads, kv_recent_window=windows, kv_recent_window_dtype=kv_recent_window_dtype,
         peer_dtype=peer_dtype, device=device, text_path=text_path, load_format=load_format,
-        max_model_len=max_model_len, speculative_config=speculative_config, workload=workload))
+        max_model_len=max_model_len, speculative_config=speculative_config, workload=workload, kv_scales=kv_scales,
+        kv_rotation=kv_rotation))
     bench.add_ratios(rows)
     path = machine.cpu_path(device)
     for r in rows:
         if path and r["engine"] == "fp8kv":
             r["cpu_path"] = path
     shards = f", fp8kv over {num_shard} tensor-parallel ranks" if num_shard > 1 else ""
+    scales = f", dynamic FP8 scales, rotation {kv_rotation}" if kv_scales == "dynamic" else ""
     table = Table(title=f"offline throughput, {num_prompts} prompts, {input_len} in / {output_len} out"
-                        f"{shards}\n{_machine_line(rows)}" + (f", fp8kv's CPU path {path}" if path else ""))
+                        f"{shards}{scales}\n{_machine_line(rows)}" + (f", fp8kv's CPU path {path}" if path else ""))
     by_window = any("vs_window0" in r for r in rows)
     spec_cols = ("accepted", "vs no spec") if speculative_config else ()
     for col in ("engine", "dtype", "kv cache", "req/s", "output tok/s", "total tok/s", "elapsed s", "vs auto",

@@ -39,6 +39,9 @@ at::Tensor linear_bf16_pack(const at::Tensor& weight);
 at::Tensor linear_bf16(const at::Tensor& input, const at::Tensor& packed_weight, int64_t out_features,
                        const std::optional<at::Tensor>& bias, bool float32_out);
 
+// x [..., d] times kvcache/rotation.py's (block) Hadamard matrix, in x's dtype, contiguous (hadamard.cpp).
+at::Tensor hadamard_transform(const at::Tensor& x);
+
 // One decoder layer of a decode step (decode_layer.cpp): the fused-layer sequence of the ops above in one call.
 void decode_layer(at::Tensor& hidden, at::TensorList weights, const c10::List<std::optional<at::Tensor>>& biases,
                   at::IntArrayRef shape, c10::ArrayRef<double> eps, const at::Tensor& cos, const at::Tensor& sin,
@@ -48,6 +51,7 @@ void decode_layer(at::Tensor& hidden, at::TensorList weights, const c10::List<st
                   at::TensorList window, const std::optional<at::Tensor>& window_slot_mapping,
                   const std::optional<at::Tensor>& window_block_tables,
                   const std::optional<at::Tensor>& window_starts, int64_t window_size,
-                  const std::optional<at::Tensor>& k_scale_cache, const std::optional<at::Tensor>& v_scale_cache);
+                  const std::optional<at::Tensor>& k_scale_cache, const std::optional<at::Tensor>& v_scale_cache,
+                  bool hadamard);
 
 }  // namespace fp8kv::cpu

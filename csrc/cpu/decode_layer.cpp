@@ -52,7 +52,8 @@ void decode_layer(at::Tensor& hidden, at::TensorList weights, const c10::List<st
                   at::TensorList window, const std::optional<at::Tensor>& window_slot_mapping,
                   const std::optional<at::Tensor>& window_block_tables,
                   const std::optional<at::Tensor>& window_starts, int64_t window_size,
-                  const std::optional<at::Tensor>& k_scale_cache, const std::optional<at::Tensor>& v_scale_cache) {
+                  const std::optional<at::Tensor>& k_scale_cache, const std::optional<at::Tensor>& v_scale_cache,
+                  bool hadamard) {
   TORCH_CHECK(weights.size() == kNumWeights, "weights must be [input_norm, qkv, o, post_norm, gate_up, down], got ",
               weights.size(), " tensors");
   TORCH_CHECK(biases.size() == kNumBiases, "biases must hold one entry (or None) per projection: qkv, o, gate_up, "
@@ -81,8 +82,15 @@ void decode_layer(at::Tensor& hidden, at::TensorList weights, const c10::List<st
   const at::Tensor qkv = packed_linear(h, weights[kQkv], q_size + 2 * kv_size, biases.get(kQkvBias), packing);
   at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, heads, d});
   at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, kv_heads, d});
-  const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, d});
+  at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, d});
   rotary_embedding_cos_sin(q, k, cos, sin);
+  if (hadamard) {
+    // kv rotation, as attention.attend does it: K/V are cached rotated and Q meets them in the same basis, so
+    // q.k is unchanged; the output rotates back below (H is its own inverse).
+    q = hadamard_transform(q);
+    k = hadamard_transform(k);
+    v = hadamard_transform(v);
+  }
 
   reshape_and_cache(k, v, key_cache, value_cache, slot_mapping, kv_cache_format, k_scale, v_scale, k_scale_cache,
                     v_scale_cache);
@@ -102,6 +110,7 @@ void decode_layer(at::Tensor& hidden, at::TensorList weights, const c10::List<st
                     v_scale_cache);
   }
 
+  if (hadamard) attn = hadamard_transform(attn);
   at::Tensor o = packed_linear(attn.view({tokens, q_size}), weights[kOut], hidden_size, biases.get(kOutBias), packing);
   fused_add_rms_norm(o, hidden, weights[kPostNorm], eps[1]);  // hidden += o; o = norm(hidden)
   const at::Tensor gate_up = packed_linear(o, weights[kGateUp], 2 * intermediate, biases.get(kGateUpBias), packing);

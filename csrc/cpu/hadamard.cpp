@@ -230,6 +230,8 @@ void transform_rows(const scalar_t* in, scalar_t* out, const HadamardRows& rows,
   });
 }
 
+}  // namespace
+
 at::Tensor hadamard_transform(const at::Tensor& x) {
   const int64_t d = check_hadamard_input(x);
   const auto dtype = x.scalar_type();
@@ -255,7 +257,6 @@ at::Tensor hadamard_transform(const at::Tensor& x) {
   return out;
 }
 
-}  // namespace
 }  // namespace fp8kv::cpu
 
 // A fragment, so the schema lives beside its kernel and ../torch_bindings.cpp stays as it is.

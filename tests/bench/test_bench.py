@@ -180,6 +180,29 @@ def test_throughput_compares_recent_windows_side_by_side(default_model_path):
     assert rows[2]["vs_window0"] == pytest.approx(rows[2]["output_tokens_per_s"] / rows[1]["output_tokens_per_s"])
 
 
+@pytest.mark.parametrize("rotation,resolved", [("auto", "hadamard"), ("none", "none")])
+def test_throughput_runs_the_kv_scales_and_rotation_asked_for(tiny_llama_path, monkeypatch, rotation, resolved):
+    """--kv-scales / --kv-rotation reach the engines' config: their caches hold dynamic scales, rotated as asked
+    (auto: the Hadamard rotation, which head size 64 allows)."""
+    from fp8cache.bench import throughput
+
+    built = []
+
+    def recording_build_engines(*args, **kwargs):
+        built.append(real(*args, **kwargs))
+        return built[-1]
+
+    real = throughput.build_engines
+    monkeypatch.setattr(throughput, "build_engines", recording_build_engines)
+    args = [tiny_llama_path, "--num-prompts", "1", "--input-len", "8", "--output-len", "2", *THREADS,
+            "--kv-cache-dtype", "fp8_e4m3", "--kv-cache-memory", "8MiB", "--device", "cpu", "--json",
+            "--kv-scales", "dynamic", "--kv-rotation", rotation]
+    rows = _rows(_invoke(bench_commands.throughput, args))
+    assert [r["kv_cache_dtype"] for r in rows] == ["fp8_e4m3"]
+    spec = built[0]["fp8_e4m3"].runner.kv_spec
+    assert (spec.dynamic_scales, spec.rotation) == (True, resolved)
+
+
 @pytest.mark.slow
 def test_throughput_runs_a_lower_cpu_path_on_request(default_model_path):
     """--cpu-isa avx2: the engines run the op library built for AVX2 CPUs (Zen 2/3, Haswell to Cascade Lake),

@@ -43,12 +43,13 @@ def use_layout(monkeypatch, layout: str) -> str:
 
 
 def make_runner(path: str, monkeypatch, native: bool, kv_cache_dtype: str, window: int,
-                dtype: str = "float32") -> ModelRunner:
-    """native=False: the fused layers' Python sequence of ops instead of the one decode_layer call."""
+                dtype: str = "float32", **options) -> ModelRunner:
+    """native=False: the fused layers' Python sequence of ops instead of the one decode_layer call. options: more
+    EngineConfig fields (kv_scales, kv_rotation)."""
     # Its own layers: runners do not share them.
     loaded = load_model(EngineConfig(model=path, dtype=dtype), progress=False)
     config = EngineConfig(model=path, dtype=dtype, kv_cache_dtype=kv_cache_dtype, block_size=BLOCK,
-                          kv_cache_memory="16MiB", kv_recent_window=window, max_num_seqs=4)
+                          kv_cache_memory="16MiB", kv_recent_window=window, max_num_seqs=4, **options)
     with monkeypatch.context() as patch:
         if not native:
             patch.setattr(decode_layer, "_weight_args", lambda layer: None)
@@ -113,6 +114,36 @@ def test_decode_layer_is_bitwise_the_python_layer(make_tiny_model, monkeypatch, 
         hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
         for i, n in enumerate((21, 40, 17)):
             assert_logits_close(logits[True][-1][i], hf_logits(hf, prompt_ids(n, seed=i))[-1])
+
+
+@pytest.mark.parametrize("kv_scales", ["static", "dynamic"])
+@pytest.mark.parametrize("kv_cache_dtype,window", [("fp8_e4m3", 8), ("fp8_e5m2", 0)])
+@pytest.mark.parametrize("head_dim", [64, 80], ids=["head64", "head80-blocks16"])
+@pytest.mark.parametrize("layout", ["panels-float32", "panels-bfloat16"])
+def test_decode_layer_rotates_kv_as_the_python_layer(make_tiny_model, monkeypatch, kv_scales, kv_cache_dtype, window,
+                                                     head_dim, layout):
+    """With the Hadamard kv rotation the compiled layer runs every decode step (it used to fall back) and its
+    logits equal the Python layers' (which rotate in attention.attend) bit for bit: the cache the prefill wrote
+    rotated is read in the same basis, and the decode tokens are cached rotated as the Python layer caches them."""
+    dtype = use_layout(monkeypatch, layout)
+    path = make_tiny_model("llama", head_dim=head_dim)
+    options = {"kv_scales": kv_scales, "kv_rotation": "hadamard"}
+    runners = {native: make_runner(path, monkeypatch, native, kv_cache_dtype, window, dtype, **options)
+               for native in (False, True)}
+    calls = {native: count_native_calls(r) for native, r in runners.items()}
+    logits, caches = {}, {}
+    for native, runner in runners.items():
+        seqs = sequences(runner, (21, 40))
+        steps = [runner.execute(merged([s.chunk(0, len(s.ids) - 6) for s in seqs]))]
+        for back in range(6, 0, -1):
+            steps.append(runner.execute(merged([s.chunk(len(s.ids) - back, len(s.ids) - back + 1) for s in seqs])))
+        logits[native], caches[native] = steps, [c.clone() for c in runner.kv_caches[0]]
+    assert calls[False][0] == 0
+    assert calls[True][0] == 6 * runners[True].num_layers
+    for got, want in zip(logits[True], logits[False]):
+        assert torch.equal(got, want), f"max difference {(got - want).abs().max().item()}"
+    for got, want in zip(caches[True], caches[False]):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
 def test_steps_with_a_prefill_keep_the_python_layer(tiny_llama_path, monkeypatch, panels):

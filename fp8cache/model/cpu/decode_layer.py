@@ -2,10 +2,11 @@
 projections are all packed one way (fp8kv's panels or oneDNN's layout, packed_linear.py) runs as one compiled
 call, torch.ops.fp8kv.decode_layer: the same kernels in the same order as the lean layer (model/fused_layer.py),
 so bitwise the same result, without ~25 Python-level calls per layer (default model, 16 sequences, float32:
-26.4 -> 23.4 ms per step's layers, median).
+26.4 -> 23.4 ms per step's layers, median). With kv rotation the op rotates q/k/v and the attention output with
+the same compiled Hadamard transform that attention.attend calls, at the same points.
 
-Steps it cannot take whole (a prefill row, kv rotation, scale calculation, a GPU step) fall back to the lean
-layer: run() says which happened."""
+Steps it cannot take whole (a prefill row, scale calculation, a saturation count, a GPU step) fall back to the
+lean layer: run() says which happened."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from torch import nn
 
 from fp8cache import ops
 from fp8cache.kvcache.formats import CacheFormat
-from fp8cache.kvcache.rotation import NONE
+from fp8cache.kvcache.rotation import HADAMARD
 from fp8cache.model.cpu.packed_linear import PackedLinear, merged_siblings
 from fp8cache.model.forward_context import ForwardContext
 
@@ -56,22 +57,24 @@ class WholeLayer:
 
 
 def step_args(ctx: ForwardContext, layer: int) -> tuple | None:
-    """decode_layer's attention arguments for `layer` (key_cache .. window_size) when the step is decode tokens
-    only, on the CPU, with no kv rotation, no scale calculation and no saturation count (the op writes the
-    cache inside) for this layer; None otherwise."""
+    """decode_layer's attention arguments for `layer` (key_cache .. hadamard) when the step is decode tokens
+    only, on the CPU, with no scale calculation and no saturation count (the op writes the cache inside) for this
+    layer; None otherwise."""
     # A layer kept in the model dtype is never rotated or counted (attention.attend), so it runs whole regardless.
     fp8 = ctx.layer_formats[layer] != CacheFormat.AUTO
-    if (not ctx.all_decode or (fp8 and (ctx.rotation != NONE or ctx.saturation is not None))
+    if (not ctx.all_decode or (fp8 and ctx.saturation is not None)
             or ctx.calculate_scales is not None or ctx.slot_mapping.device.type != "cpu"):
         return None
     key_cache, value_cache = ctx.kv_caches[layer]
     window = ctx.window_caches[layer] if ctx.window_size else ()
-    # Dynamic scales; () for a layer kept in the model dtype, whose format is AUTO in a mixed cache.
+    # Dynamic scales; () for a layer kept in the model dtype, whose format is AUTO in a mixed cache. Passed as
+    # (None, None) then, so that the rotation flag after them stays in its place.
     scale_caches = ctx.scale_caches[layer] if ctx.scale_caches is not None else ()
     return (key_cache, value_cache, ctx.slot_mapping, ctx.layer_formats[layer], ctx.k_scales[layer], ctx.v_scales[layer],
             ctx.decode_block_tables, ctx.decode_context_lens, ctx.max_decode_len, list(window),
             ctx.window_slot_mapping if window else None, ctx.decode_window_block_tables if window else None,
-            ctx.decode_window_starts if window else None, ctx.window_size, *scale_caches)
+            ctx.decode_window_starts if window else None, ctx.window_size, *(scale_caches or (None, None)),
+            fp8 and ctx.rotation == HADAMARD)
 
 
 def _weight_args(layer: nn.Module) -> tuple | None:
