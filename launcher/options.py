@@ -3,9 +3,9 @@
 Every flag also reads an FP8KV_* environment variable (shown in --help), so a systemd EnvironmentFile or a
 container's environment can configure the server without a command line.
 
-A new engine setting is a field of EngineConfig (fp8cache/config.py: its type, default and check) and one
-engine_option here, named as the field and given its --help words and section: its default and choices are
-the field's, and engine_config() passes it on by name (tests/launcher/test_engine_flags.py checks both).
+The engine flags are made here from EngineConfig's fields (fp8cache/config.py: each field's type, default, check
+and --help words, declared with setting()), in field order; engine_config() passes them back by name. A new engine
+setting is one field there (tests/launcher/test_engine_flags.py checks every field has its flag, or a reason not).
 """
 
 from __future__ import annotations
@@ -14,13 +14,14 @@ import dataclasses
 import functools
 import os
 import sys
+import typing
 from collections.abc import Callable
 from typing import NoReturn
 
 import click
 from rich.console import Console
 
-from fp8cache.config import EngineConfig, field_choices
+from fp8cache.config import EngineConfig, literal_choices
 from fp8cache.engine.generation_defaults import DEFAULT_MAX_TOKENS
 from fp8cache.model.shapes import shape_names
 from fp8cache.platform import envs
@@ -104,104 +105,62 @@ def num_shard_option(help: str) -> Callable:
 
 
 ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
-# EngineConfig fields without a flag of their own name, and why (tests/launcher/test_engine_flags.py).
-CLI_LESS = {"model": "the MODEL argument, or --model (model_option)",
-            "tensor_parallel_size": "--num-shard, which each command reads itself",
-            "kv_cache_memory_fraction": "Python API only: --kv-cache-memory gives the budget itself"}
-# How a flag's value becomes its field's (the rest are taken as they are).
-_TO_FIELD = {"kv_cache_memory": memory_arg}
+# EngineConfig fields without a flag of their own name, and why (setting(no_flag=); tests/launcher/test_engine_flags.py).
+CLI_LESS = {f.name: f.metadata["no_flag"] for f in dataclasses.fields(EngineConfig) if f.metadata["no_flag"]}
+# Flags checked as they are parsed, beyond their type: a bad value is a usage error, not a failure after loading.
+_CALLBACKS = {"speculative_config": speculative_arg}
+# What setting(path=) means on the command line.
+_PATHS = {"dir": click.Path(file_okay=False), "existing file": click.Path(exists=True, dir_okay=False)}
 
 
-def engine_option(*decls: str, help: str, **kwargs) -> Callable:
-    """option() for the EngineConfig field the flag names (--max-num-seqs: max_num_seqs): its default, and for a
-    Literal field its choices, are the field's, written once in fp8cache/config.py."""
-    name = decls[0].split("/")[0].removeprefix("--").replace("-", "_")
-    if name in field_choices():
-        kwargs.setdefault("type", click.Choice(field_choices()[name]))
-    return option(*decls, help=help, default=ENGINE_DEFAULTS[name], **kwargs)
+def _flag_type(field: dataclasses.Field, hint: object) -> click.ParamType | type | None:
+    """The click type of a field's flag, from its setting() and its type (None: text)."""
+    meta = field.metadata
+    if meta["choices"] is not None:
+        return click.Choice(meta["choices"])
+    if literal_choices(hint):
+        return click.Choice(literal_choices(hint))
+    if meta["path"] is not None:
+        return _PATHS[meta["path"]]
+    if hint == tuple[int, ...]:
+        return LayerIds()
+    if meta["share"]:
+        return click.FloatRange(0, 1, min_open=True)
+    if meta["flag_type"] is not None:
+        return meta["flag_type"]
+    if meta["at_least"] is not None:
+        return click.IntRange(min=meta["at_least"])
+    return None
+
+
+def engine_flag(field: dataclasses.Field, hint: object) -> Callable:
+    """option() for an EngineConfig field, named as it (max_num_seqs: --max-num-seqs), with its setting()'s help,
+    section and metavar, its default, and its type's choices or range; a bool is a flag (--x/--no-x when on by
+    default)."""
+    meta, name = field.metadata, "--" + field.name.replace("_", "-")
+    kwargs = {"default": field.default, "callback": _CALLBACKS.get(field.name)}
+    if hint is bool:
+        if field.default:
+            name = f"{name}/--no-{name[2:]}"
+        else:
+            kwargs["is_flag"] = True
+    else:
+        kwargs["type"] = _flag_type(field, hint)
+    if meta["metavar"] is not None:
+        kwargs["metavar"] = meta["metavar"]
+    return option(name, section=meta["section"], help=meta["help"].replace("{shapes}", SHAPES), **kwargs)
+
+
+def _engine_flags() -> list[Callable]:
+    hints = typing.get_type_hints(EngineConfig)
+    return [engine_flag(f, hints[f.name]) for f in dataclasses.fields(EngineConfig) if f.name not in CLI_LESS]
 
 
 _ENGINE_OPTIONS = [
     option("--model", "model_option", section="Model", metavar="PATH", envvar=envs.flag_env("model"),
            help="Model folder (safetensors) or Hugging Face hub id (org/name: the hub cache first, else a "
                 "download); same as the MODEL argument. Default: the embedded SmolLM2-135M-Instruct."),
-    engine_option("--revision", section="Model", metavar="REV",
-                  help="Hub ids: the branch, tag or commit to use (default: main)."),
-    engine_option("--download-dir", section="Model", metavar="DIR", type=click.Path(file_okay=False),
-                  help="Hub ids: the Hugging Face cache folder to read and download into (default: $HF_HOME/hub)."),
-    engine_option("--tokenizer", section="Model", metavar="PATH", help="Tokenizer folder, if not the model's."),
-    engine_option("--kv-cache-dtype", section="KV cache",
-                  help="KV cache storage: auto (the model dtype) or an FP8 format; fp8 is E4M3FN on CPU and CUDA, "
-                       "E4M3FNUZ on ROCm."),
-    engine_option("--quantization-param-path", section="KV cache", type=click.Path(exists=True, dir_okay=False),
-                  help="JSON file of KV cache scales (vLLM/aphrodite schema)."),
-    engine_option("--calculate-kv-scales", section="KV cache", is_flag=True,
-                  help="Compute KV scales from the first batch when no scales file or checkpoint scales exist."),
-    engine_option("--kv-scales-granularity", section="KV cache", help="Granularity of calculated scales."),
-    engine_option("--kv-scales", section="KV cache",
-                  help="static: per-tensor or per-head scales (scales file, checkpoint, --calculate-kv-scales or "
-                       "1.0). dynamic: a scale per token and KV head computed as the cache is written, no "
-                       "calibration (the GPU kernels have not yet run on a GPU)."),
-    engine_option("--kv-rotation", section="KV cache",
-                  help="With --kv-scales dynamic: rotate K/V by a Hadamard matrix before quantizing (auto: where the "
-                       "head size allows). Static scales use the rotation their scales file records."),
-    engine_option("--kv-cache-dtype-skip-layers", section="KV cache", type=LayerIds(), metavar="0,1,...",
-                  help="Layers whose KV cache is kept in the model dtype (2 or 4 bytes a value instead of 1) while "
-                       "the others are FP8, where FP8 hurts most (`fp8kv calibrate --skip-layers-kl-budget` names "
-                       "them). No effect with kv-cache-dtype auto. Default: none."),
-    engine_option("--kv-recent-window", section="KV cache", type=click.IntRange(min=0),
-                  help="Keep each sequence's newest N tokens' K/V in full precision too (0: plain FP8 cache; "
-                       "default 32 with an FP8 cache)."),
-    engine_option("--kv-recent-window-dtype", section="KV cache",
-                  help="dtype of that window (auto: the model dtype; bfloat16 halves a float32 model's window "
-                       "memory)."),
-    engine_option("--dtype", section="Model",
-                  help="Weights and activations dtype (auto: on a CPU the faster of float32 and bfloat16 there, "
-                       "bfloat16 where it multiplies bfloat16 natively; on a GPU the checkpoint's 16-bit dtype)."),
-    engine_option("--block-size", section="KV cache", type=click.Choice([8, 16, 32]),
-                  help="Tokens per KV cache block."),
-    engine_option("--max-model-len", section="Scheduling", type=click.IntRange(min=1),
-                  help="Longest prompt plus completion in tokens (default: the model's own limit)."),
-    engine_option("--max-num-seqs", section="Scheduling", type=click.IntRange(min=1),
-                  help="Most sequences in one batch."),
-    engine_option("--max-num-batched-tokens", section="Scheduling", type=click.IntRange(min=1),
-                  help="Most tokens in one engine step (longer prompts are prefilled in chunks)."),
-    engine_option("--kv-cache-memory", section="KV cache", metavar="SIZE",
-                  help="Memory for the KV cache: 2GiB, 512MiB or bytes (default: what max-num-seqs x max-model-len "
-                       "need, capped at 0.3 of free host memory or, on a GPU, by --gpu-memory-utilization)."),
-    engine_option("--enable-prefix-caching/--no-enable-prefix-caching", section="KV cache",
-                  help="Reuse the cached blocks of shared prompt prefixes."),
-    engine_option("--seed", section="Scheduling", type=int, help="Engine random seed."),
-    engine_option("--device", section="Device",
-                  help="auto (the first GPU if torch sees one, else the CPU), cpu, cuda or cuda:N."),
-    engine_option("--gpu-memory-utilization", section="Device", type=click.FloatRange(0, 1, min_open=True),
-                  help="On a GPU: the share of its memory fp8kv may use in all; the KV cache gets what the weights "
-                       "and activations leave of it (capped at what max-num-seqs x max-model-len need)."),
-    engine_option("--enforce-eager", section="Device", is_flag=True,
-                  help="On a GPU: run decode steps op by op instead of replaying CUDA graphs."),
-    engine_option("--speculative-config", section="Scheduling", metavar="JSON", callback=speculative_arg,
-                  help='Speculative decoding, vLLM\'s shape: \'{"method": "ngram", "num_speculative_tokens": 4, '
-                       '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' proposes the tokens that followed the '
-                       "last n-gram's previous occurrence and verifies them in one step (same output; faster on text "
-                       'that repeats its context); "disable_by_batch_size": N (default 8) decodes plainly while more '
-                       "sequences run (on a CPU fewer drafts a sequence as more run, none from 16). Default: off."),
-    engine_option("--trust-remote-code", section="Model", is_flag=True,
-                  help="Allow Python code shipped in the model folder to run (off: transformers' own "
-                       "architectures only)."),
-    engine_option("--load-format", section="Model",
-                  help="auto: the model folder's safetensors weights. dummy: random weights made on the device "
-                       "from config.json alone, for benchmarks at a model's real size without its checkpoint; "
-                       f"MODEL may then be a folder with only a config (and a tokenizer) or a shape fp8kv ships: "
-                       f"{SHAPES}."),
-    engine_option("--generation-config", section="Sampling", metavar="auto|vllm|FOLDER",
-                  help="Request defaults, as vLLM's flag: auto = the model folder's generation_config.json (its "
-                       "temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens fill what a request "
-                       "leaves out); vllm or none = fp8kv's neutral defaults (temperature 1, no top-p/top-k); or a "
-                       "folder holding a generation_config.json. A request's own field always wins; TGI's routes "
-                       "sample as TGI does (greedy unless asked)."),
-    engine_option("--override-generation-config", section="Sampling", metavar="JSON",
-                  help="JSON object replacing single fields of those defaults, e.g. '{\"temperature\": 0}' for "
-                       "reproducible answers to requests without sampling fields."),
+    *_engine_flags(),
 ]
 
 _SERVER_OPTIONS = [
@@ -272,8 +231,8 @@ def engine_config(model: str | None, kw: dict) -> EngineConfig:
     from fp8cache.engine.generation_defaults import check_generation_flags
 
     check_generation_flags(kw["generation_config"], kw["override_generation_config"])  # ValueError: one clear line
-    values = {f.name: _TO_FIELD.get(f.name, lambda v: v)(kw[f.name]) for f in dataclasses.fields(EngineConfig)
-              if f.name in kw and f.name not in CLI_LESS}
+    values = {f.name: memory_arg(kw[f.name]) if f.metadata["size"] else kw[f.name]
+              for f in dataclasses.fields(EngineConfig) if f.name in kw and f.name not in CLI_LESS}
     return EngineConfig(model=model, **values)
 
 
