@@ -1,6 +1,6 @@
 """--help in sections: each option says its section where it is declared (launcher/options.py; an engine flag's in
-its EngineConfig field, fp8cache/config.py), and a command
-made with cls=SectionedCommand lists its options section by section, the most used first.
+its EngineConfig field, fp8cache/config.py), and a command made with cls=SectionedCommand lists its options
+section by section, the most used first.
 
 A command's own options join the shared ones' sections by naming one of SECTIONS; an option that names none is
 listed under "Other options" (tests/launcher/test_help.py keeps `run`, `generate` and `systemd-unit` free of
