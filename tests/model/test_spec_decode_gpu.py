@@ -53,36 +53,44 @@ def test_speculation_keeps_to_the_gpu(tiny_path, kv_scales, window):
     assert stats.blocks_used == 0
 
 
+def _step_syncs(engine, work, verifying: bool) -> list[int]:
+    """Run the engine's requests to the end after their prefill; the host syncs of each step that verified drafts
+    (verifying) or of every step (not verifying), checking that every host-to-device copy is non-blocking."""
+    engine.step()  # the prefill
+    syncs = []
+    while engine.has_unfinished_requests():
+        verifies = engine.speculation.num_verify_steps
+        work.reset()
+        engine.step()
+        if engine.speculation.num_verify_steps > verifies or not verifying:
+            syncs.append(work.syncs)
+        assert all(work.h2d)
+    return syncs
+
+
 @pytest.mark.parametrize("kv_scales", ["static", "dynamic"])
 def test_a_verify_step_waits_once(tiny_path, kv_scales):
     """A verify step waits for the device once (the drawn tokens for acceptance; a plain decode step's readback
     is a wait too, which the stand-in does not count), and every host-to-device copy it makes (its metadata, the
-    window slots it saves and restores) is non-blocking: the same as a plain decode step's plus the readback."""
+    window slots it saves and restores) is non-blocking: the same as a plain decode step's plus the readback.
+    Sampled drafts' target probabilities and logprobs add one wait each, for all sequences of the step together."""
     with fake_gpu() as work:
         engine = _engine(tiny_path, kv_scales=kv_scales, kv_recent_window=8, speculative_config=NGRAM,
                          max_num_seqs=4, kv_cache_memory="2MiB")
         engine.add_request("plain", NO_REPEATS, _greedy(max_tokens=4))
-        engine.step()  # the prefill
-        plain_syncs = []
-        while engine.has_unfinished_requests():
-            work.reset()
-            engine.step()
-            plain_syncs.append(work.syncs)
-            assert all(work.h2d)
+        plain = _step_syncs(engine, work, verifying=False)
         assert engine.speculation.num_verify_steps == 0
         engine.add_request("accepted", ACCEPTED, _greedy())
         engine.add_request("rejected", REJECTED, _greedy())
-        engine.step()  # the prefill
-        verify_syncs = []
-        while engine.has_unfinished_requests():
-            verifies = engine.speculation.num_verify_steps
-            work.reset()
-            engine.step()
-            if engine.speculation.num_verify_steps > verifies:
-                verify_syncs.append(work.syncs)
-            assert all(work.h2d)
-    assert len(verify_syncs) >= 2
-    assert max(verify_syncs) <= max(plain_syncs) + 1
+        greedy = _step_syncs(engine, work, verifying=True)
+        for n in range(2):
+            engine.add_request(f"sampled-{n}", ACCEPTED, SamplingParams(max_tokens=8, ignore_eos=True, temperature=1,
+                                                                        logprobs=1))
+        engine.add_request("logprobs", ACCEPTED, _greedy(logprobs=2))
+        sampled = _step_syncs(engine, work, verifying=True)
+    assert len(greedy) >= 2 and len(sampled) >= 2
+    assert max(greedy) <= max(plain) + 1
+    assert max(sampled) <= max(plain) + 3
 
 
 def test_verify_steps_do_not_replay_decode_graphs(tiny_path):
