@@ -15,6 +15,8 @@ Rejected tokens leave no trace: they are never counted as computed (so attention
 which the next steps overwrite, and the prefix cache never registers them), the blocks allocated only for
 them are given back, and the recent-window ring slots they overwrote get their old K/V back
 (window_rollback.py). A step with proposals runs synchronously: acceptance needs the logits on the host side.
+On a GPU it waits for the device once (the drawn tokens; sampled drafts' probabilities and logprobs add one copy
+each, for all sequences together) and runs eagerly, not from the decode CUDA graphs (model/runner.py).
 
 Not speculated: sequences with a structured output grammar or penalties (their next row depends on the
 previous token's value on the host), sequences still scoring their prompt, and proposals past max_tokens, the
