@@ -15,6 +15,8 @@ Rejected tokens leave no trace: they are never counted as computed (so attention
 which the next steps overwrite, and the prefix cache never registers them), the blocks allocated only for
 them are given back, and the recent-window ring slots they overwrote get their old K/V back
 (window_rollback.py). A step with proposals runs synchronously: acceptance needs the logits on the host side.
+On a GPU it waits for the device once (the drawn tokens; sampled drafts' probabilities and logprobs add one copy
+each, for all sequences together) and runs eagerly, not from the decode CUDA graphs (model/runner.py).
 
 Not speculated: sequences with a structured output grammar or penalties (their next row depends on the
 previous token's value on the host), sequences still scoring their prompt, and proposals past max_tokens, the
@@ -28,7 +30,7 @@ import torch
 from fp8cache.engine import spec_accept, window_rollback
 from fp8cache.engine.logprobs import logprob_entries, score_prompt
 from fp8cache.engine.ngram_proposer import NgramProposer
-from fp8cache.engine.sampler import Sampler, has_penalties
+from fp8cache.engine.sampler import Sampler, has_penalties, to_device
 from fp8cache.engine.scheduler import SchedulerOutput
 from fp8cache.engine.sequence import Sequence
 from fp8cache.engine.speculative_config import SpeculativeConfig
@@ -114,18 +116,21 @@ class Speculation:
                 row += 1 + chunk.num_draft_tokens
         rows = [first + j for _, first, drafts in spans for j in range(drafts + 1)]
         row_seqs = [seq for seq, _, drafts in spans for _ in range(drafts + 1)]
-        logits = logits[rows]
-        drawn = sampler.sample(logits, row_seqs, eos_token_ids).tolist()
-        emitted, entries, keep, r = [], [], [], 0
+        logits = _pick_rows(logits, rows)
+        # One wait for the device a step: the drawn tokens (and the target probabilities of sampled drafts) come
+        # to the host in one copy each, not one per sequence.
+        drawn = sampler.sample(logits, row_seqs, eos_token_ids).cpu().tolist()
+        probs = self._sampled_probs(spans, logits, sampler, eos_token_ids)
+        emitted, keep, r = [], [], 0
         for seq, _, num_drafts in spans:
             rows_of_seq = slice(r, r + num_drafts + 1)
-            tokens = self._accept(seq, num_drafts, drawn[rows_of_seq], logits[rows_of_seq], sampler, eos_token_ids)
+            tokens = self._accept(seq, num_drafts, drawn[rows_of_seq], probs.get(r), sampler)
             if num_drafts:
                 self._roll_back(seq, num_drafts, len(tokens) - 1)
                 keep += [j < len(tokens) - 1 for j in range(num_drafts)]
             emitted.append(tokens)
-            entries.append(_logprobs(seq, logits[r:r + len(tokens)], tokens, tokenizer))
             r += num_drafts + 1
+        entries = _logprobs(spans, logits, emitted, tokenizer)
         if saved is not None:
             slots, copies = saved
             window_rollback.restore_slots(self.runner.window_caches, slots, copies, keep,
@@ -133,14 +138,31 @@ class Speculation:
         self.num_verify_steps += 1
         return [seq for seq, _, _ in spans], emitted, entries
 
-    def _accept(self, seq: Sequence, num_drafts: int, drawn: list[int], logits: torch.Tensor, sampler: Sampler,
-                eos_token_ids: set[int]) -> list[int]:
+    @staticmethod
+    def _sampled_probs(spans: list[tuple[Sequence, int, int]], logits: torch.Tensor, sampler: Sampler,
+                       eos_token_ids: set[int]) -> dict[int, torch.Tensor]:
+        """The target probabilities of the sampled (not greedy) sequences with drafts, on the host, by their first
+        row in logits: computed on the device for all of them and copied to the host once."""
+        rows, firsts, r = [], [], 0
+        for seq, _, num_drafts in spans:
+            if num_drafts and not seq.params.greedy:
+                firsts.append((r, len(rows), num_drafts + 1))
+                rows += [(seq, r + j) for j in range(num_drafts + 1)]
+            r += num_drafts + 1
+        if not rows:
+            return {}
+        picked = _pick_rows(logits, [row for _, row in rows])
+        probs = sampler.target_probs(picked, [seq for seq, _ in rows], eos_token_ids).cpu()
+        return {first: probs[at:at + n] for first, at, n in firsts}
+
+    @staticmethod
+    def _accept(seq: Sequence, num_drafts: int, drawn: list[int], probs: torch.Tensor | None,
+                sampler: Sampler) -> list[int]:
         if not num_drafts:
             return drawn
         drafts = seq.draft_token_ids[:num_drafts]
         if seq.params.greedy:
             return spec_accept.accept_greedy(drafts, drawn)
-        probs = sampler.target_probs(logits, [seq] * (num_drafts + 1), eos_token_ids).cpu()
         generator = seq.generator if seq.generator is not None else sampler.generator
         return spec_accept.accept_sampled(drafts, probs, generator)
 
@@ -159,7 +181,25 @@ def _may_speculate(seq: Sequence) -> bool:
             and seq.num_uncomputed_tokens == 1 and not seq.needs_prompt_logits)
 
 
-def _logprobs(seq: Sequence, logits: torch.Tensor, tokens: list[int], tokenizer) -> list[dict | None]:
-    if seq.params.logprobs is None:
-        return [None] * len(tokens)
-    return logprob_entries(logits, tokens, [seq.params.logprobs] * len(tokens), tokenizer)
+def _pick_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """logits' rows (all of them when rows names each once in order: a step of decodes and verify chunks)."""
+    if rows == list(range(logits.shape[0])):
+        return logits
+    return logits.index_select(0, to_device(rows, torch.long, logits.device))
+
+
+def _logprobs(spans: list[tuple[Sequence, int, int]], logits: torch.Tensor, emitted: list[list[int]],
+              tokenizer) -> list[list[dict | None]]:
+    """Per sequence, its emitted tokens' logprob entries (None each without logprobs), from one pass over the
+    rows of every sequence that asks for them (a sequence's row j predicts its emitted token j)."""
+    rows, tokens, tops, r = [], [], [], 0
+    for (seq, _, num_drafts), emitted_of_seq in zip(spans, emitted):
+        if seq.params.logprobs is not None:
+            rows += range(r, r + len(emitted_of_seq))
+            tokens += emitted_of_seq
+            tops += [seq.params.logprobs] * len(emitted_of_seq)
+        r += num_drafts + 1
+    # On the host: a few rows, copied in one wait, instead of a wait for each of logprob_entries' reads.
+    found = iter(logprob_entries(_pick_rows(logits, rows).cpu(), tokens, tops, tokenizer) if rows else [])
+    return [[next(found) for _ in tokens_of_seq] if seq.params.logprobs is not None else [None] * len(tokens_of_seq)
+            for (seq, _, _), tokens_of_seq in zip(spans, emitted)]

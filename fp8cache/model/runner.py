@@ -405,7 +405,11 @@ class ModelRunner:
         rows = None if all_logits else self._logits_rows(batch)
         calculating = self.kv_spec.scales_pending
         counting = self.saturation is not None and self.saturation.start_step()
-        if self._graphs is not None and rows is None and not calculating and not counting and not all_logits:
+        # A verify step (speculative decoding) runs eagerly: the graphs are captured for one-token decode rows, and
+        # a verify chunk of 1 + K tokens attends through the paged prefill path. Graphs for its shapes would pay
+        # little: the step waits for its logits on the host anyway (acceptance), and its launches serve K + 1 tokens.
+        if self._graphs is not None and rows is None and not calculating and not counting and not all_logits \
+                and not batch.num_draft_tokens:
             logits = self._graphs.run(batch, prev_tokens)
             if logits is not None:
                 if self._kernel_errors is not None:

@@ -51,12 +51,19 @@ def restore_slots(window_caches: WindowCaches, slots: list[int], saved: Saved, k
         return
     device = window_caches[0][0].device
     index = _index([slots[i] for i in picked], block_size, device)
-    rows = torch.tensor(picked, dtype=torch.long, device=device)
+    rows = _on_device(picked, device)
     for (k, v), (k_saved, v_saved) in zip(window_caches, saved):
         k[index[0], :, :, index[1], :] = k_saved.index_select(0, rows)
         v[index[0], :, :, index[1]] = v_saved.index_select(0, rows)
 
 
 def _index(slots: list[int], block_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    t = torch.tensor(slots, dtype=torch.long, device=device)
+    t = _on_device(slots, device)
     return t // block_size, t % block_size
+
+
+def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """A long tensor on `device`, copied from pinned memory without waiting: a verify step saves and restores
+    slots around its forward pass, and torch.tensor(..., device=cuda) would wait for the whole stream."""
+    host = torch.tensor(values, dtype=torch.long, pin_memory=device.type == "cuda")
+    return host if device.type == "cpu" else host.to(device, non_blocking=True)
