@@ -5,12 +5,9 @@ models are too chaotic for greedy tokens to compare."""
 
 from __future__ import annotations
 
-import os
-import random
-
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from outlier_models import add_kv_outliers, random_words_file
 
 from fp8cache.config import EngineConfig
 from fp8cache.quality.eval import evaluate
@@ -21,24 +18,13 @@ WINDOW = 96
 @pytest.fixture(scope="module")
 def outlier_model(make_tiny_model) -> str:
     path = make_tiny_model("llama", seed=5)
-    weights_file = os.path.join(path, "model.safetensors")
-    weights = load_file(weights_file)
-    for layer in range(2):
-        for name, rows in (("k_proj", [3, 35, 70]), ("v_proj", [5, 100])):
-            w = weights[f"model.layers.{layer}.self_attn.{name}.weight"]
-            w[rows] *= 3000.0
-    save_file(weights, weights_file, metadata={"format": "pt"})
+    add_kv_outliers(path, [0, 1])
     return path
 
 
 @pytest.fixture(scope="module")
 def text_file(tmp_path_factory) -> str:
-    from conftest import TINY_WORDS
-
-    rng = random.Random(0)
-    path = tmp_path_factory.mktemp("text") / "words.txt"
-    path.write_text(" ".join(rng.choice(TINY_WORDS) for _ in range(4 * WINDOW)))
-    return str(path)
+    return random_words_file(tmp_path_factory.mktemp("text"), 4 * WINDOW)
 
 
 def kl(model: str, text: str, **config) -> float:

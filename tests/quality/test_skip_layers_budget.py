@@ -5,13 +5,11 @@ is layer 1; the KL it reports is what `fp8kv eval` measures with that layer skip
 from __future__ import annotations
 
 import json
-import os
-import random
 import re
 
 import pytest
 from click.testing import CliRunner
-from safetensors.torch import load_file, save_file
+from outlier_models import add_kv_outliers, random_words_file
 
 from fp8cache.config import EngineConfig
 from fp8cache.quality.eval import evaluate
@@ -25,22 +23,13 @@ OUTLIER_LAYER = 1
 @pytest.fixture(scope="module")
 def outlier_model(make_tiny_model) -> str:
     path = make_tiny_model("llama", seed=5, num_hidden_layers=3)
-    weights_file = os.path.join(path, "model.safetensors")
-    weights = load_file(weights_file)
-    for name, rows in (("k_proj", [3, 35, 70]), ("v_proj", [5, 100])):
-        weights[f"model.layers.{OUTLIER_LAYER}.self_attn.{name}.weight"][rows] *= 3000.0
-    save_file(weights, weights_file, metadata={"format": "pt"})
+    add_kv_outliers(path, [OUTLIER_LAYER])
     return path
 
 
 @pytest.fixture(scope="module")
 def text_file(tmp_path_factory) -> str:
-    from conftest import TINY_WORDS
-
-    rng = random.Random(0)
-    path = tmp_path_factory.mktemp("text") / "words.txt"
-    path.write_text(" ".join(rng.choice(TINY_WORDS) for _ in range(4 * WINDOW)))
-    return str(path)
+    return random_words_file(tmp_path_factory.mktemp("text"), 4 * WINDOW)
 
 
 def config(model: str, **fields) -> EngineConfig:
