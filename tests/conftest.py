@@ -184,3 +184,18 @@ def per_head_scales(tmp_path) -> tuple[list[list[float]], str]:
     path = tmp_path / "scales.json"
     path.write_text(json.dumps(doc))
     return k_heads, str(path)
+
+
+@pytest.fixture
+def one_thread_per_rank(monkeypatch):
+    """For tensor-parallel tests: ranks started from the test get one torch thread each (two cores here) and no
+    inherited rank variables; the test's own thread count is restored and it must leave no process group behind."""
+    import torch.distributed as dist
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+    assert not dist.is_initialized(), "a test left this process in a tensor-parallel group"

@@ -4,20 +4,11 @@ the cache, and two ranks give the greedy tokens of one."""
 from __future__ import annotations
 
 import pytest
-import torch
 from test_tp_offline import PROMPTS, greedy_tokens, quiet
 
 from fp8cache import LLM
 
-
-@pytest.fixture(autouse=True)
-def _one_thread_per_rank(monkeypatch):
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread_per_rank")
 
 
 @pytest.mark.slow

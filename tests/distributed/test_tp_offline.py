@@ -32,16 +32,7 @@ CONFIG_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
 PLAIN_FP8 = {"kv_recent_window": 0} if "kv_recent_window" in CONFIG_FIELDS else {}
 
 
-@pytest.fixture(autouse=True)
-def _one_process_per_core(monkeypatch):
-    # Two cores here: one torch thread per rank avoids oversubscription.
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-    assert not dist.is_initialized(), "a test left this process in a tensor-parallel group"
+pytestmark = pytest.mark.usefixtures("one_thread_per_rank")
 
 
 def gone(pid: int) -> bool:

@@ -9,7 +9,6 @@ import re
 
 import pytest
 import torch
-import torch.distributed as dist
 from server_process import ServerProcess
 
 from fp8cache import LLM, SamplingParams
@@ -26,15 +25,7 @@ PROMPTS = [[5 + i % 7 for i in range(30)], [20 + i % 5 * 3 for i in range(24)] +
 WINDOW = 8
 
 
-@pytest.fixture(autouse=True)
-def _one_process_per_core(monkeypatch):
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # two cores here: one torch thread per rank
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-    assert not dist.is_initialized(), "a test left this process in a tensor-parallel group"
+pytestmark = pytest.mark.usefixtures("one_thread_per_rank")
 
 
 def greedy(llm: LLM) -> tuple[list[list[int]], list[list[float]]]:
