@@ -28,8 +28,10 @@
       double logit_softcap, const std::optional<at::Tensor> &sinks,                                           \
       const std::optional<at::Tensor> &k_scale_cache, const std::optional<at::Tensor> &v_scale_cache
 
-// paged_attention whose newest positions [window_starts[i], seq_lens[i]) come from a model-dtype ring
-// (window_key_cache / window_value_cache, ring slot = position % window_size) instead of the paged cache.
+// paged_attention whose newest positions [window_starts[i], seq_lens[i]) and, with window_sinks S > 0, its first
+// positions [0, min(S, window_starts[i])) (the attention sinks) come from a model-dtype ring (window_key_cache /
+// window_value_cache) instead of the paged cache. Ring slot = position < S ? position : S + position % window_size:
+// S + window_size slots per sequence (docs/design.md section 10).
 #define FP8KV_PAGED_ATTENTION_WINDOW_PARAMS                                                                   \
   at::Tensor &out, const at::Tensor &query, const at::Tensor &key_cache, const at::Tensor &value_cache,       \
       const at::Tensor &window_key_cache, const at::Tensor &window_value_cache, int64_t num_kv_heads,         \
@@ -38,7 +40,7 @@
       int64_t max_seq_len, const std::optional<at::Tensor> &alibi_slopes, int64_t kv_cache_format,           \
       const at::Tensor &k_scale, const at::Tensor &v_scale, int64_t sliding_window, double logit_softcap,     \
       const std::optional<at::Tensor> &sinks, const std::optional<at::Tensor> &k_scale_cache,                 \
-      const std::optional<at::Tensor> &v_scale_cache
+      const std::optional<at::Tensor> &v_scale_cache, int64_t window_sinks
 
 // The ops every backend registers a kernel of (cpu/register.cpp, cuda/torch_bindings_cuda.cu): X(name) each.
 #define FP8KV_FOR_EACH_BACKEND_OP(X)                                                                          \

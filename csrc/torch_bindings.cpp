@@ -38,7 +38,7 @@ TORCH_LIBRARY(fp8kv, m) {
       "Tensor block_tables, Tensor window_block_tables, Tensor seq_lens, Tensor window_starts, "
       "int window_size, int block_size, int max_seq_len, Tensor? alibi_slopes, int kv_cache_format, "
       "Tensor k_scale, Tensor v_scale, int sliding_window=0, float logit_softcap=0.0, Tensor? sinks=None, "
-      "Tensor? k_scale_cache=None, Tensor? v_scale_cache=None) -> ()");
+      "Tensor? k_scale_cache=None, Tensor? v_scale_cache=None, int window_sinks=0) -> ()");
   m.def("quantize_fp8(Tensor x, int kv_cache_format, Tensor scale) -> Tensor");
   m.def("dequantize_fp8(Tensor codes, int kv_cache_format, Tensor scale, ScalarType out_dtype) -> Tensor");
   // Decoder-layer elementwise ops of the CPU fast path (fp8cache/backends/cpu/fused_layer.py); CPU kernels only.
@@ -58,8 +58,8 @@ TORCH_LIBRARY(fp8kv, m) {
       "Tensor sin, float scale, Tensor(b!) key_cache, Tensor(c!) value_cache, Tensor slot_mapping, "
       "int kv_cache_format, Tensor k_scale, Tensor v_scale, Tensor block_tables, Tensor seq_lens, int max_seq_len, "
       "Tensor(d!)[] window, Tensor? window_slot_mapping, Tensor? window_block_tables, Tensor? window_starts, "
-      "int window_size, Tensor(e!)? k_scale_cache=None, Tensor(f!)? v_scale_cache=None, bool hadamard=False) "
-      "-> ()");
+      "int window_size, Tensor(e!)? k_scale_cache=None, Tensor(f!)? v_scale_cache=None, bool hadamard=False, "
+      "int window_sinks=0) -> ()");
   m.def("cpu_isa() -> str", &cpu_isa);
   m.def("cpu_bf16_dot() -> bool", &cpu_bf16_dot);
 }

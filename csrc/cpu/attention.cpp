@@ -473,6 +473,8 @@ void paged_attention(FP8KV_PAGED_ATTENTION_PARAMS) {
 
 void paged_attention_window(FP8KV_PAGED_ATTENTION_WINDOW_PARAMS) {
   (void)max_seq_len;
+  TORCH_CHECK(window_sinks == 0, "paged_attention_window: window_sinks = ", window_sinks,
+              " is not built on this backend yet");
   TORCH_CHECK(window_size >= 1, "window_size = ", window_size,
               " must be >= 1; call paged_attention when there is no window");
   Launch launch(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens, block_size,

@@ -52,6 +52,6 @@ void decode_layer(at::Tensor& hidden, at::TensorList weights, const c10::List<st
                   const std::optional<at::Tensor>& window_block_tables,
                   const std::optional<at::Tensor>& window_starts, int64_t window_size,
                   const std::optional<at::Tensor>& k_scale_cache, const std::optional<at::Tensor>& v_scale_cache,
-                  bool hadamard);
+                  bool hadamard, int64_t window_sinks);
 
 }  // namespace fp8kv::cpu

@@ -53,7 +53,8 @@ void decode_layer(at::Tensor& hidden, at::TensorList weights, const c10::List<st
                   const std::optional<at::Tensor>& window_block_tables,
                   const std::optional<at::Tensor>& window_starts, int64_t window_size,
                   const std::optional<at::Tensor>& k_scale_cache, const std::optional<at::Tensor>& v_scale_cache,
-                  bool hadamard) {
+                  bool hadamard, int64_t window_sinks) {
+  TORCH_CHECK(window_sinks == 0, "decode_layer: window_sinks = ", window_sinks, " is not built on this backend yet");
   TORCH_CHECK(weights.size() == kNumWeights, "weights must be [input_norm, qkv, o, post_norm, gate_up, down], got ",
               weights.size(), " tensors");
   TORCH_CHECK(biases.size() == kNumBiases, "biases must hold one entry (or None) per projection: qkv, o, gate_up, "
@@ -103,7 +104,7 @@ void decode_layer(at::Tensor& hidden, at::TensorList weights, const c10::List<st
     paged_attention_window(attn, query, key_cache, value_cache, window_key, window_value, kv_heads, scale,
                            block_tables, *window_block_tables, seq_lens, *window_starts, window_size,
                            key_cache.size(3), max_seq_len, std::nullopt, kv_cache_format, k_scale, v_scale, 0, 0.0,
-                           std::nullopt, k_scale_cache, v_scale_cache);
+                           std::nullopt, k_scale_cache, v_scale_cache, window_sinks);
   } else {
     paged_attention(attn, query, key_cache, value_cache, kv_heads, scale, block_tables, seq_lens, key_cache.size(3),
                     max_seq_len, std::nullopt, kv_cache_format, k_scale, v_scale, 0, 0.0, std::nullopt, k_scale_cache,

@@ -587,6 +587,8 @@ void raise_reported_window_errors(int bits, const AttentionCall& call) {
 }
 
 void paged_attention_window(FP8KV_PAGED_ATTENTION_WINDOW_PARAMS) {
+  TORCH_CHECK(window_sinks == 0, "paged_attention_window: window_sinks = ", window_sinks,
+              " is not built on this backend yet");
   TORCH_CHECK(window_size >= 1, "window_size = ", window_size,
               " must be >= 1; call paged_attention when there is no window");
   TORCH_CHECK(window_size <= INT32_MAX - kMaxSplitTokens, "window_size = ", window_size, " is too large");

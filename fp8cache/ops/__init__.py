@@ -102,14 +102,15 @@ def paged_attention_window(out: torch.Tensor, query: torch.Tensor, key_cache: to
                            kv_cache_dtype: str | int, k_scale: torch.Tensor, v_scale: torch.Tensor,
                            sliding_window: int = 0, logit_softcap: float = 0.0,
                            sinks: torch.Tensor | None = None, k_scale_cache: torch.Tensor | None = None,
-                           v_scale_cache: torch.Tensor | None = None) -> None:
-    """paged_attention reading positions [window_starts[i], seq_lens[i]) from the model-dtype window ring
-    (ring slot = position % window_size) instead of the paged cache; one softmax over all positions."""
+                           v_scale_cache: torch.Tensor | None = None, window_sinks: int = 0) -> None:
+    """paged_attention reading positions [window_starts[i], seq_lens[i]) and the attention sinks [0,
+    min(window_sinks, window_starts[i])) from the model-dtype window ring (ring slot = position < window_sinks ?
+    position : window_sinks + position % window_size) instead of the paged cache; one softmax over all positions."""
     load().paged_attention_window(out, query, key_cache, value_cache, window_key_cache, window_value_cache,
                                   num_kv_heads, scale, block_tables, window_block_tables, seq_lens,
                                   window_starts, window_size, block_size, max_seq_len, alibi_slopes,
                                   format_code(kv_cache_dtype, key_cache.device), k_scale, v_scale, sliding_window,
-                                  logit_softcap, sinks, k_scale_cache, v_scale_cache)
+                                  logit_softcap, sinks, k_scale_cache, v_scale_cache, window_sinks)
 
 
 # Decoder-layer elementwise ops (CPU kernels only; fp8cache.model.fused_layer binds them with overload()).

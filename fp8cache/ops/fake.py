@@ -125,7 +125,8 @@ def paged_attention(out, query, key_cache, value_cache, num_kv_heads, scale, blo
 def paged_attention_window(out, query, key_cache, value_cache, window_key_cache, window_value_cache, num_kv_heads,
                            scale, block_tables, window_block_tables, seq_lens, window_starts, window_size,
                            block_size, max_seq_len, alibi_slopes, kv_cache_format, k_scale, v_scale, sliding_window=0,
-                           logit_softcap=0.0, sinks=None, k_scale_cache=None, v_scale_cache=None) -> None:
+                           logit_softcap=0.0, sinks=None, k_scale_cache=None, v_scale_cache=None,
+                           window_sinks=0) -> None:
     _check_attention(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens, kv_cache_format,
                      k_scale, v_scale, alibi_slopes)
     _check_scale_caches(key_cache, kv_cache_format, k_scale_cache, v_scale_cache)
@@ -134,6 +135,7 @@ def paged_attention_window(out, query, key_cache, value_cache, window_key_cache,
     _same_device(key_cache.device, window_key_cache=window_key_cache, window_block_tables=window_block_tables,
                  window_starts=window_starts)
     _check(window_size >= 1, "window_size must be >= 1")
+    _check(window_sinks >= 0, "window_sinks must be >= 0")
     _check(window_block_tables.dtype == torch.int32 and window_starts.dtype == torch.int32,
            "window_block_tables and window_starts must be int32")
 

@@ -184,28 +184,31 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
 
 
 def window_slots(window_block_table: torch.Tensor | list[int], positions: torch.Tensor, window_size: int,
-                 block_size: int) -> torch.Tensor:
-    """Window-cache slots (int64) of `positions` for one sequence's window block table."""
+                 block_size: int, window_sinks: int = 0) -> torch.Tensor:
+    """Window-cache slots (int64) of `positions` for one sequence's window block table: the attention sinks
+    (positions below window_sinks) have seats of their own, then the ring of window_size seats."""
     table = torch.as_tensor(window_block_table, dtype=torch.long)
-    ring = positions.long() % window_size
+    positions = positions.long()
+    ring = torch.where(positions < window_sinks, positions, window_sinks + positions % window_size)
     return table[ring // block_size] * block_size + ring % block_size
 
 
 def gather_window_kv(window_key_cache: torch.Tensor, window_value_cache: torch.Tensor,
                      window_block_table: torch.Tensor, start: int, end: int,
-                     window_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+                     window_size: int, window_sinks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of positions [start, end) of one sequence from its window ring, float32 [n, heads, d]."""
     index = window_index(window_block_table, start, end, window_size, window_key_cache.shape[0],
-                         window_key_cache.shape[3])
+                         window_key_cache.shape[3], window_sinks)
     return gather_window_at(window_key_cache, window_value_cache, index)
 
 
 def window_index(window_block_table: torch.Tensor | list[int], start: int, end: int, window_size: int,
-                 num_blocks: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(blocks, offsets), int64, of positions [start, end) in a window cache of num_blocks blocks; checked."""
-    if end - start > window_size:
+                 num_blocks: int, block_size: int, window_sinks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(blocks, offsets), int64, of positions [start, end) in a window cache of num_blocks blocks; checked.
+    A span either lies within the sinks [0, window_sinks) or is at most window_size of recent positions."""
+    if end - start > window_size and not end <= window_sinks:
         raise ValueError(f"positions [{start}, {end}) span more than window_size {window_size}")
-    slots = window_slots(window_block_table, torch.arange(start, end), window_size, block_size)
+    slots = window_slots(window_block_table, torch.arange(start, end), window_size, block_size, window_sinks)
     if slots.numel() and (bool((slots < 0).any()) or bool((slots >= num_blocks * block_size).any())):
         raise IndexError(f"window block table holds a block id outside [0, {num_blocks})")
     return slots // block_size, slots % block_size
@@ -220,8 +223,12 @@ def paged_attention_window(out: torch.Tensor, query: torch.Tensor, key_cache: to
                            kv_cache_dtype: str | int, k_scale: torch.Tensor, v_scale: torch.Tensor,
                            sliding_window: int = 0, logit_softcap: float = 0.0,
                            sinks: torch.Tensor | None = None, k_scale_cache: torch.Tensor | None = None,
-                           v_scale_cache: torch.Tensor | None = None) -> None:
-    """Decode attention over FP8 positions [0, window_start) and window positions [window_start, seq_len)."""
+                           v_scale_cache: torch.Tensor | None = None, window_sinks: int = 0) -> None:
+    """Decode attention over FP8 positions [sink_end, window_start) and window positions [0, sink_end) and
+    [window_start, seq_len), sink_end = min(window_sinks, window_start); all from the sliding window's first
+    position on."""
+    if window_sinks < 0:
+        raise ValueError(f"window_sinks {window_sinks} must be >= 0")
     if window_size < 1:
         raise ValueError(f"window_size {window_size} must be >= 1 (use paged_attention without a window)")
     num_seqs, num_heads, _ = query.shape
@@ -234,13 +241,15 @@ def paged_attention_window(out: torch.Tensor, query: torch.Tensor, key_cache: to
         if seq_len == 0:
             out[i] = 0
             continue
-        first = window_first(seq_len, sliding_window)
+        first, sink_end = window_first(seq_len, sliding_window), min(window_sinks, start)
+        k_sink, v_sink = gather_window_kv(window_key_cache, window_value_cache, window_block_tables[i],
+                                          min(first, sink_end), sink_end, window_size, window_sinks)
         k_old, v_old = gather_kv(key_cache, value_cache, block_tables[i], start, kv_cache_dtype, k_scale,
-                                 v_scale, min(first, start), k_scale_cache, v_scale_cache)
+                                 v_scale, min(max(first, sink_end), start), k_scale_cache, v_scale_cache)
         k_new, v_new = gather_window_kv(window_key_cache, window_value_cache, window_block_tables[i],
-                                        max(first, start), seq_len, window_size)
-        k = torch.cat([k_old, k_new]).repeat_interleave(group, dim=1)  # [T, heads, d]
-        v = torch.cat([v_old, v_new]).repeat_interleave(group, dim=1)
+                                        max(first, start), seq_len, window_size, window_sinks)
+        k = torch.cat([k_sink, k_old, k_new]).repeat_interleave(group, dim=1)  # [T, heads, d]
+        v = torch.cat([v_sink, v_old, v_new]).repeat_interleave(group, dim=1)
         out[i] = attend(query[i].to(torch.float32), k, v, scale, alibi_slopes, first, logit_softcap,
                         sinks).to(out.dtype)
 

@@ -153,7 +153,7 @@ def test_a_drifted_python_face_is_found() -> None:
     def other_default(out, query, key_cache, value_cache, window_key_cache, window_value_cache, num_kv_heads, scale,
                       block_tables, window_block_tables, seq_lens, window_starts, window_size, block_size,
                       max_seq_len, alibi_slopes, kv_cache_format, k_scale, v_scale, sliding_window=0,
-                      logit_softcap=0, sinks=None, k_scale_cache=None, v_scale_cache=None):
+                      logit_softcap=0, sinks=None, k_scale_cache=None, v_scale_cache=None, window_sinks=0):
         pass
 
     assert "takes" in python_mismatch(reordered, schema, python_names=False)
