@@ -770,9 +770,18 @@ def _compile(name: str, root: Path, build_dir: Path, cflags: list[str], cuda: li
         _kill_group(child)
         raise
     if child.returncode != 0:
-        tail = (output or "").strip()[-3000:]
+        tail = _compiler_message(output or "")
         raise RuntimeError(f"compiling the fp8kv op library with {cxx} failed (exit {child.returncode})"
                            + (f":\n{tail}" if tail else "; run `fp8kv build --verbose` for the compiler output"))
+
+
+def _compiler_message(output: str, limit: int = 3000) -> str:
+    """The compiler output worth showing: its error lines first (a warning-heavy tail can bury them), then the
+    tail of the output, within limit characters."""
+    errors = [line for line in output.splitlines() if ": error:" in line or line.startswith("error:")]
+    head = "\n".join(errors)[:limit // 2]
+    tail = output.strip()[-(limit - len(head)):]
+    return f"{head}\n...\n{tail}" if head else tail
 
 
 # The CPU sources compiled as translation units of their own; every other one is #included by one shared unit.

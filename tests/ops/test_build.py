@@ -418,3 +418,14 @@ def test_leftover_work_folders_are_removed_by_the_next_builder(monkeypatch, tmp_
     _build.load_library(device="cpu")
     assert not stale.exists()
     assert [p.name for p in (tmp_path / "ops").iterdir() if ".tmp-" in p.name] == []
+
+
+def test_a_failed_compile_shows_its_error_lines_above_a_tail_of_warnings():
+    """g++ prints an error once and warnings by the page: the message must keep the error line even when the
+    output's tail is all warnings (the error was cut off before)."""
+    error = "csrc/cpu/decode_layer.cpp:104:27: error: too few arguments to function 'paged_attention_window'"
+    output = "\n".join(["[1/3] c++ attention.cpp", error] + [f"attention.h:{i}: warning: may be used uninitialized"
+                                                               for i in range(400)])
+    message = _build._compiler_message(output)
+    assert error in message and "warning" in message and len(message) <= 3100
+    assert _build._compiler_message("ninja: build stopped") == "ninja: build stopped"
