@@ -62,6 +62,9 @@ console = Console(stderr=True, soft_wrap=True)
               help="Order in which --skip-layers-kl-budget tries layers: error = each layer's K/V quantization error "
                    "(eval --per-layer; no extra run), kl = each layer's own KL with only it in FP8 (one run per "
                    "layer; slower, often fewer layers).")
+@click.option("--skip-layers-kv-scales", type=click.Choice(["static", "dynamic"]), default="static",
+              help="Scales --skip-layers-kl-budget measures the layers with: static = the scales written here, "
+                   "dynamic = a scale per token and head (fp8kv run --kv-scales dynamic), which needs no file.")
 @click.option("--skip-layers-windows", type=click.IntRange(min=1), default=2,
               help="Windows of the evaluation text (512 tokens, or the model's limit) each KL of "
                    "--skip-layers-kl-budget is measured on.")
@@ -74,7 +77,7 @@ def calibrate(model: str | None, dataset: str | None, num_samples: int, max_seq_
               granularity: str, kv_rotation: str, kv_cache_dtype: str, statistic: str, output: str, force: bool,
               write_checkpoint: str | None, dtype: str, device: str, tokenizer: str | None,
               kv_recent_window: int | None, skip_layers_kl_budget: float | None, skip_layers_rank: str,
-              skip_layers_windows: int,
+              skip_layers_kv_scales: str, skip_layers_windows: int,
               trust_remote_code: bool, revision: str | None, download_dir: str | None) -> None:
     """Measure KV cache scales of MODEL (default: the embedded model) on a calibration dataset.
 
@@ -104,16 +107,19 @@ def calibrate(model: str | None, dataset: str | None, num_samples: int, max_seq_
                       f"{fmt}, {result.granularity}, rotation {kv_rotation}", highlight=False)
         suggestion = None
         if skip_layers_kl_budget is not None:
+            dynamic = skip_layers_kv_scales == "dynamic"
             engine = EngineConfig(model=model, kv_cache_dtype=fmt, dtype=dtype, device=device, tokenizer=tokenizer,
-                                  quantization_param_path=output, kv_recent_window=kv_recent_window,
+                                  quantization_param_path=None if dynamic else output,
+                                  kv_scales=skip_layers_kv_scales, kv_recent_window=kv_recent_window,
                                   trust_remote_code=trust_remote_code, revision=revision, download_dir=download_dir)
             suggestion = _suggest_skip_layers(engine, skip_layers_kl_budget, skip_layers_windows, skip_layers_rank)
     except (ValueError, OSError, DefaultModelError) as exc:
         console.print(f"[bold red]error:[/] {exc}", highlight=False)
         sys.exit(2)
-    run = " ".join(["fp8kv run", *([model] if model else []), f"--kv-cache-dtype {fmt}",
-                    f"--quantization-param-path {output}", *([suggestion.flag] if suggestion and suggestion.flag
-                                                             else [])])
+    scales = "--kv-scales dynamic" if suggestion and skip_layers_kv_scales == "dynamic" \
+        else f"--quantization-param-path {output}"
+    run = " ".join(["fp8kv run", *([model] if model else []), f"--kv-cache-dtype {fmt}", scales,
+                    *([suggestion.flag] if suggestion and suggestion.flag else [])])
     console.print(f"use it: {run}", highlight=False)
     if checkpoint:
         copied = [n for n in checkpoint.copied if n.endswith(".safetensors")]
@@ -134,7 +140,7 @@ def _suggest_skip_layers(engine: EngineConfig, kl_budget: float, windows: int, r
         console.print(f"layers in 16 bits: {which:<20} KL {trial.kl:.5f}", highlight=False)
 
     console.print(f"choosing layers to keep in 16 bits for KL <= {kl_budget:g} ({windows} windows of the evaluation "
-                  f"text, ranked by {rank_by})", highlight=False)
+                  f"text, {engine.kv_scales} scales, ranked by {rank_by})", highlight=False)
     suggestion = suggest_skip_layers(engine, kl_budget, windows=windows, on_trial=show, rank_by=rank_by)
     measure = "K+V relative MSE" if rank_by == "error" else "KL with only that layer in FP8"
     worst = ", ".join(f"{layer} ({value:.2e})" for layer, value in suggestion.ranking[:5])

@@ -109,8 +109,7 @@ def eval_command(model: str | None, kv_cache_dtype: str, quantization_param_path
 def _print_per_layer(rows: list[dict], kv_cache_dtype: str, skip_layers: list[int]) -> None:
     """Every layer's K and V: relative MSE of the dequantized values, clipped and flushed-to-zero shares."""
     if not rows:
-        Console().print(f"per-layer error: only measured for an FP8 cache with static scales ({kv_cache_dtype} "
-                        "has none to measure: auto stores the values, dynamic scales cannot clip)")
+        Console().print(f"per-layer error: only measured for an FP8 cache ({kv_cache_dtype} stores the values)")
         return
     table = Table(title="Per layer: K/V quantization error and saturation")
     for col in ("layer", "kind", "relative MSE", "clipped %", "flushed %"):

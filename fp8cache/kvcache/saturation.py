@@ -1,9 +1,12 @@
-"""Saturation counted: how many K/V values a static-scale FP8 cache write clips or flushes to zero, per layer.
+"""Saturation counted: how many K/V values an FP8 cache write clips or flushes to zero, per layer.
 
 With a static scale (per tensor or per head) a value whose |x / scale| exceeds the format's largest magnitude is
 clipped to it, and a nonzero value too small for the format's smallest subnormal becomes a zero code: both are
 silent losses, and the common cause of wrong output on a model whose K or V outgrow their scales (none, 1.0,
-or a calibration that missed an outlier). Dynamic scales cannot clip, so only static ones are counted.
+or a calibration that missed an outlier). Dynamic scales (one per token and KV head, from the head vector's own
+maximum) cannot clip, but a value far below its vector's maximum still flushes to zero: they are counted the
+same way, with the scales the write computes (dynamic_scales.scales_of), so that `fp8kv eval --per-layer` and
+the choice of layers to keep in 16 bits work for them too.
 
 Counting happens on the engine side, with torch ops on the step's own K/V beside the cache write, on one step
 in `sample_every` (every step for `fp8kv eval`): it needs no change to any backend's write kernel (CPU, CUDA,
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fp8cache.kvcache.dynamic_scales import scales_of, token_head_amax
 from fp8cache.kvcache.formats import Fp8Format
 
 KINDS = ("k", "v")
@@ -44,12 +48,23 @@ class LayerSaturation:
         return self.saturated / self.written if self.written else 0.0
 
 
+def _broadcast(scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """float32 scale shaped to multiply x [T, kv_heads, d]: [1] or [kv_heads] (static), [T, kv_heads] (dynamic)."""
+    scale = scale.float()
+    return scale.unsqueeze(-1) if scale.dim() == 2 and x.dim() == 3 else scale.view(-1, 1)
+
+
+def dynamic_scales(x: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+    """float32 [T, kv_heads]: the per-token scales the dynamic cache write gives x [T, kv_heads, d]."""
+    return scales_of(token_head_amax(x), fmt.max).float()
+
+
 def count_lost(x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
     """int64 [3]: (values, clipped, flushed to zero) when x [T, kv_heads, d] is written with `scale` ([1] or one
-    per KV head) in `fmt`, as the cache write scales it (times 1 / scale). Flushed: nonzero, yet at most half the
-    smallest subnormal, which rounds (to nearest even) to a zero code; found by comparison, not by a float8 cast,
-    which torch does several times slower on the CPU."""
-    magnitude = (x.float() * scale.float().reciprocal().view(-1, 1)).abs_()
+    per KV head, or [T, kv_heads] dynamic scales) in `fmt`, as the cache write scales it (times 1 / scale).
+    Flushed: nonzero, yet at most half the smallest subnormal, which rounds (to nearest even) to a zero code; found
+    by comparison, not by a float8 cast, which torch does several times slower on the CPU."""
+    magnitude = (x.float() * _broadcast(scale, x).reciprocal()).abs_()
     clipped = (magnitude > fmt.max).sum()
     flushed = (magnitude <= smallest_subnormal(fmt) / 2).sum() - (x == 0).sum()
     # torch.full, not torch.tensor: no host-to-device copy of the count (and the stand-in GPU's fake tensors)
@@ -59,10 +74,9 @@ def count_lost(x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format) -> torch.Te
 def squared_error(x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
     """float64 [2]: (sum of squared errors of x's dequantized FP8 codes, sum of x squared), x [T, kv_heads, d]
     written with `scale` as the cache write does: codes of clamp(x / scale, +-max), read back times scale."""
-    exact = x.double()
-    per_head = scale.double().view(-1, 1)
-    scaled = (x.float() * scale.float().reciprocal().view(-1, 1)).clamp_(-fmt.max, fmt.max)
-    back = scaled.to(fmt.torch_dtype).double() * per_head
+    exact, scale = x.double(), _broadcast(scale, x)
+    scaled = (x.float() * scale.reciprocal()).clamp_(-fmt.max, fmt.max)
+    back = scaled.to(fmt.torch_dtype).double() * scale.double()
     return torch.stack([(back - exact).square().sum(), exact.square().sum()])
 
 
@@ -71,14 +85,16 @@ def smallest_subnormal(fmt: Fp8Format) -> float:
 
 
 class SaturationCounter:
-    """Per-layer running counts of a runner's cache writes (static scales only), kept on the device between
-    counted steps and read back once after each one."""
+    """Per-layer running counts of a runner's cache writes, kept on the device between counted steps and read
+    back once after each one. dynamic: the cache computes a scale per token and KV head (the scales passed to
+    count are then not used)."""
 
     def __init__(self, num_layers: int, fmt: Fp8Format, device: torch.device | str,
-                 sample_every: int = SAMPLE_EVERY, warn: Callable[[str], None] | None = None) -> None:
+                 sample_every: int = SAMPLE_EVERY, warn: Callable[[str], None] | None = None,
+                 dynamic: bool = False) -> None:
         if sample_every < 1:
             raise ValueError(f"sample_every must be >= 1, got {sample_every}")
-        self.fmt, self.sample_every, self.warn = fmt, sample_every, warn
+        self.fmt, self.sample_every, self.warn, self.dynamic = fmt, sample_every, warn, dynamic
         self.measure_error = False  # also the relative MSE per layer (fp8kv eval --per-layer)
         self._device_counts = torch.zeros(num_layers, len(KINDS), 3, dtype=torch.int64, device=device)
         self._device_errors = torch.zeros(num_layers, len(KINDS), 2, dtype=torch.float64, device=device)
@@ -96,6 +112,8 @@ class SaturationCounter:
     def count(self, layer: int, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor,
               v_scale: torch.Tensor) -> None:
         """Add what writing k and v ([T, kv_heads, d]) with these scales loses to `layer`'s counts."""
+        if self.dynamic:
+            k_scale, v_scale = dynamic_scales(k, self.fmt), dynamic_scales(v, self.fmt)
         self._device_counts[layer, 0] += count_lost(k, k_scale, self.fmt)
         self._device_counts[layer, 1] += count_lost(v, v_scale, self.fmt)
         if self.measure_error:

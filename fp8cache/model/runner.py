@@ -280,13 +280,13 @@ class ModelRunner:
                      f"({100 * scale_bytes / self.bytes_per_token:.1f}%), rotation {spec.rotation}")
 
     def _saturation_counter(self) -> saturation.SaturationCounter | None:
-        """Counts of clipped and flushed K/V values for an FP8 cache with static scales (dynamic ones never clip)."""
+        """Counts of clipped and flushed K/V values for an FP8 cache (dynamic scales never clip, but flush)."""
         spec = self.kv_spec
         fmt = formats.get_format(spec.format)
-        if fmt is None or spec.dynamic_scales:
+        if fmt is None:
             return None
         return saturation.SaturationCounter(self.num_layers, fmt, self.device,
-                                            warn=lambda msg: self.log(f"warning: {msg}"))
+                                            warn=lambda msg: self.log(f"warning: {msg}"), dynamic=spec.dynamic_scales)
 
     def saturation_counts(self) -> list[saturation.LayerSaturation]:
         """Per layer and for K and V: values counted, clipped, flushed to zero (empty: nothing is counted)."""

@@ -103,7 +103,7 @@ def evaluate(config: EngineConfig, text_path: str | None = None, windows: int = 
         "kv_cache_dtype_skip_layers": list(spec.skip_layers),
         "kv_recent_window_dtype": str(spec.window_dtype).removeprefix("torch."),
         "device": str(tested.device),
-        # per layer and K/V: values written, clipped at the format's max, flushed to zero (static scales only)
+        # per layer and K/V: values written, clipped at the format's max, flushed to zero (none with auto)
         "saturation": [dataclasses.asdict(row) for row in tested.saturation_counts()],
     }
 

@@ -67,7 +67,7 @@ def suggest_skip_layers(config: EngineConfig, kl_budget: float, text_path: str |
                         log: Callable[[str], None] = lambda msg: None, loaded: LoadedModel | None = None,
                         on_trial: Callable[[Trial], None] | None = None,
                         rank_by: str = "error") -> SkipLayersSuggestion:
-    """The layers of config's FP8 cache (static scales) to keep in the model dtype for a mean per-token KL against
+    """The layers of config's FP8 cache (static or dynamic scales) to keep in the model dtype for a mean per-token KL against
     the auto cache of at most kl_budget, over `windows` windows of window_len tokens (default: 512 or the model's
     limit) of the evaluation text (eval.locate_eval_text), taken in the order `rank_by` (RANKINGS) gives."""
     if rank_by not in RANKINGS:
@@ -77,9 +77,6 @@ def suggest_skip_layers(config: EngineConfig, kl_budget: float, text_path: str |
         raise ValueError(f"KL budget {kl_budget!r} must be a number > 0, e.g. 0.005")
     if windows < 1:
         raise ValueError(f"windows={windows} must be >= 1")
-    if config.kv_scales != "static":
-        raise ValueError("the layers to skip are chosen by their static-scale quantization error; dynamic scales "
-                         "have none to measure (use --kv-scales static with a scales file)")
     config = replace(config, device=str(resolve_device(config.device)), kv_cache_dtype_skip_layers=(),
                      enable_prefix_caching=False)
     if formats.resolve_kv_cache_dtype(config.kv_cache_dtype, formats.backend_of(config.device)) == formats.AUTO:

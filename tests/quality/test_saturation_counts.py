@@ -16,6 +16,7 @@ from fp8cache.kvcache.formats import FP8_FORMATS
 from fp8cache.kvcache.saturation import SaturationCounter, count_lost
 from fp8cache.model.batch import SeqChunk, StepBatch
 from fp8cache.model.runner import ModelRunner
+from fp8cache.ops import reference as reference_ops
 from fp8cache.quality.eval import evaluate, window_batch
 
 PROMPT = [1, 5, 9, 12, 30, 4, 7, 19, 23, 2, 16, 8]  # ids within the tiny vocabulary
@@ -124,8 +125,35 @@ def test_a_model_within_its_scales_counts_no_clipping_and_no_warning(tiny_llama_
     assert not [m for m in log if m.startswith("warning: KV cache layer")]
 
 
-def test_dynamic_scales_and_the_auto_cache_count_nothing(outlier_model):  # noqa: F811
-    assert _runner(outlier_model, [], kv_scales="dynamic").saturation_counts() == []
+def test_dynamic_scales_count_no_clipping_and_the_flushes_of_their_own_cache(outlier_model):  # noqa: F811
+    """With a scale per token and head nothing clips, but values far below their vector's maximum flush to zero:
+    the counts and the error match what the cache itself holds (its codes read back with its own scales)."""
+    log: list[str] = []
+    runner = _runner(outlier_model, log, kv_scales="dynamic", kv_rotation="none")
+    runner.saturation.sample_every, runner.saturation.measure_error = 1, True
+    reference = _reference_kv(outlier_model, PROMPT)
+    runner.execute(window_batch(PROMPT, runner.kv_spec.block_size))
+    rows = {(r.layer, r.kind): r for r in runner.saturation_counts()}
+    n = len(PROMPT)
+    for layer in range(runner.num_layers):
+        key_cache, value_cache = runner.kv_caches[layer]
+        k_scales, v_scales = runner.scale_caches[layer]
+        k, v = reference_ops.gather_kv(key_cache, value_cache, torch.tensor([0]), n, "fp8_e4m3", torch.ones(1),
+                                       torch.ones(1), 0, k_scales, v_scales)  # [T, heads, d], dequantized
+        for kind, stored in (("k", k), ("v", v)):
+            row = rows[layer, kind]
+            assert row.written == stored.numel() and row.saturated == 0, (layer, kind, row)
+            exact = reference[layer][0 if kind == "k" else 1].transpose(0, 1)  # [T, heads, d], transformers'
+            assert exact.shape == stored.shape
+            if layer == 0:  # later layers' inputs went through transformers' own scale-1.0 round trip
+                flushed = int(((exact != 0) & (stored == 0)).sum())
+                assert flushed > 0 and _close(row.underflow, flushed), (kind, row, flushed)
+                error = float((stored.double() - exact.double()).square().sum() / exact.double().square().sum())
+                assert row.relative_mse == pytest.approx(error, rel=2e-2), kind
+    assert not [m for m in log if m.startswith("warning: KV cache layer")]
+
+
+def test_the_auto_cache_counts_nothing(outlier_model):  # noqa: F811
     assert _runner(outlier_model, [], kv_cache_dtype="auto").saturation_counts() == []
 
 
@@ -175,7 +203,7 @@ def test_eval_reports_saturation_per_layer(outlier_model, text_file, caplog):  #
     dynamic = evaluate(EngineConfig(model=outlier_model, kv_cache_dtype="fp8_e4m3", dtype="float32",
                                     kv_recent_window=0, kv_scales="dynamic", enable_prefix_caching=False,
                                     device="cpu"), text_path=text_file, windows=1, window_len=48, progress=False)
-    assert dynamic["saturation"] == []  # dynamic scales cannot clip: nothing to count
+    assert dynamic["saturation"] and all(r["saturated"] == 0 for r in dynamic["saturation"])  # they cannot clip
 
 
 def test_eval_command_prints_the_layers_that_lose_values(outlier_model, text_file):  # noqa: F811

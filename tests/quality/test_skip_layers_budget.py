@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
 import pytest
 from click.testing import CliRunner
@@ -72,9 +73,24 @@ def test_a_budget_already_met_skips_nothing_and_a_tight_one_skips_more(outlier_m
     assert tight.within_budget  # every layer skipped at worst: the auto cache itself
 
 
+def test_dynamic_scales_are_ranked_by_their_own_error_and_each_kl_is_measured(outlier_model, text_file):
+    """Dynamic scales do not clip the outliers, so their KL and ranking are their own: every trial is still what
+    eval measures with those layers in 16 bits, and a budget below the first trial keeps adding layers."""
+    dynamic = config(outlier_model, kv_scales="dynamic")
+    suggestion = suggest_skip_layers(dynamic, 1e-12, text_path=text_file, windows=1, window_len=WINDOW)
+    assert sorted(layer for layer, _ in suggestion.ranking) == [0, 1, 2]
+    assert all(error > 0 for _, error in suggestion.ranking)
+    assert len(suggestion.trials) >= 2 and suggestion.trials[1].skip_layers == (suggestion.ranking[0][0],)
+    for trial in suggestion.trials[:2]:
+        measured = evaluate(replace(dynamic, kv_cache_dtype_skip_layers=trial.skip_layers), text_path=text_file,
+                            windows=1, window_len=WINDOW, progress=False)
+        assert trial.kl == pytest.approx(measured["kl"], rel=1e-4, abs=1e-9)
+    static = suggest_skip_layers(config(outlier_model), 10.0, text_path=text_file, windows=1, window_len=WINDOW)
+    assert suggestion.trials[0].kl < static.trials[0].kl  # scale 1.0 clips the outlier layer; dynamic scales do not
+
+
 @pytest.mark.parametrize(("budget", "fields", "says"), [
     (0, {}, "must be a number > 0"),
-    (0.01, {"kv_scales": "dynamic"}, "dynamic scales have none to measure"),
     (0.01, {"kv_cache_dtype": "auto"}, "is not an FP8 cache"),
 ])
 def test_what_cannot_be_suggested_is_refused(outlier_model, text_file, budget, fields, says):
@@ -96,6 +112,23 @@ def test_the_command_prints_each_measured_set_and_the_flag(outlier_model, text_f
     last = measured[-1][0]
     assert f"--kv-cache-dtype-skip-layers {last}" in result.output
     assert re.search(rf"use it: fp8kv run .* --kv-cache-dtype-skip-layers {last}", result.output)
+
+
+def test_the_command_measures_dynamic_scales_when_asked(outlier_model, text_file, tmp_path, monkeypatch):
+    monkeypatch.setenv("FP8KV_EVAL_TEXT", text_file)
+    args = [outlier_model, "--dataset", text_file, "--num-samples", "2", "--max-seq-len", str(WINDOW), "--dtype",
+            "float32", "--device", "cpu", "--kv-recent-window", "0", "--skip-layers-kl-budget", "10",
+            "--skip-layers-windows", "1"]
+    kls = {}
+    for scales in ("static", "dynamic"):
+        result = CliRunner().invoke(calibrate_command, [*args, "-o", str(tmp_path / f"{scales}.json"),
+                                                        "--skip-layers-kv-scales", scales])
+        assert result.exit_code == 0, result.output
+        assert f"{scales} scales, ranked by error" in result.output
+        kls[scales] = float(re.search(r"layers in 16 bits: none\s+KL ([0-9.]+)", result.output).group(1))
+    assert "use it: fp8kv run" in result.output and "--kv-scales dynamic" in result.output
+    assert "--quantization-param-path" not in result.output.split("use it:")[1]
+    assert kls["dynamic"] != kls["static"]  # measured with other scales, not the file's
 
 
 @pytest.mark.slow
