@@ -218,7 +218,8 @@ def reference_attention(case: WindowCase, b: dict) -> torch.Tensor:
         expected, b["query"], *b["caches"], *b["window_caches"], case.num_kv_heads, case.head_size**-0.5,
         b["table"], b["window_table"], b["seq_lens"], b["window_starts"], case.window_size, case.block_size,
         max(case.lens()), b["alibi"], case.kv_cache_dtype, b["k_scale"], b["v_scale"],
-        sliding_window=b.get("sliding_window", 0), k_scale_cache=b["k_scale_cache"],
+        sliding_window=b.get("sliding_window", 0), logit_softcap=b.get("logit_softcap", 0.0), sinks=b.get("sinks"),
+        k_scale_cache=b["k_scale_cache"],
         v_scale_cache=b["v_scale_cache"], window_sinks=case.window_sinks)
     return expected
 
@@ -328,6 +329,17 @@ def test_sliding_window_before_inside_and_past_the_sinks(emu, paged_kernel, slid
                       window_sinks=3)
     b = build(case)
     b["sliding_window"] = sliding_window
+    assert_matches_reference(emu, case, b)
+
+
+def test_window_sinks_with_soft_capping_and_sink_logits(emu, paged_kernel):
+    """The model's own features beside the ring's sinks: soft-capped logits, gpt-oss sink logits (one more logit
+    per head in the denominator, merged by the reduce), a sliding window beginning inside the ring's sinks."""
+    case = WindowCase("fp8_e5m2", bf16, 16, 64, 16, 6, 2, f32, seq_lens=(300, 40, 20, 2), alibi=True,
+                      dynamic=True, window_sinks=3)
+    b = build(case)
+    b["sliding_window"], b["logit_softcap"] = 299, 2.0
+    b["sinks"] = torch.randn(case.num_heads, generator=torch.Generator().manual_seed(1))
     assert_matches_reference(emu, case, b)
 
 
