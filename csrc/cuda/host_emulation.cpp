@@ -471,8 +471,8 @@ int fp8kv_emu_paged_attention(int dtype, int format, void* out, const void* quer
                          v_scale_cache);
 }
 
-// window_dtype: the window cache's, coded as dtype; window_sinks as the op takes it (checked here as the binding
-// checks it: -1 when negative).
+// window_dtype: the window cache's, coded as dtype; window_sinks: the ring's seats for positions [0, S), as the op
+// takes it (-1 when negative, which the binding refuses).
 int fp8kv_emu_paged_attention_window(int dtype, int format, int window_dtype, void* out, const void* query,
                                      const void* key_cache, const void* value_cache,
                                      const void* window_key_cache, const void* window_value_cache,

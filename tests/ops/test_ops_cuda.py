@@ -1,9 +1,9 @@
 """The CUDA ops (csrc/cuda/) on a GPU against the same pure-torch reference as the CPU tests.
 
-Each case is built on the CPU exactly as in test_ops_cpu.py / test_window_ops.py / test_hadamard_op.py, the
-reference runs there, and the op runs on copies of the inputs on the GPU with the same strides (so strided
-inputs stay strided). Skipped where torch sees no GPU, which is every CI machine: these tests are for a
-machine with one (`scripts/gpu_check.sh`).
+Each case is built on the CPU exactly as in test_ops_cpu.py / test_window_ops.py / test_hadamard_op.py (window
+sinks: test_cuda_window_emulation.py), the reference runs there, and the op runs on copies of the inputs on the
+GPU with the same strides (so strided inputs stay strided). Skipped where torch sees no GPU, which is every CI
+machine: these tests are for a machine with one (`scripts/gpu_check.sh`).
 """
 
 from __future__ import annotations
