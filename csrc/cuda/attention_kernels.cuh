@@ -1,5 +1,6 @@
 // Paged decode attention over an FP8 (or auto) cache, dequantizing in registers, and its window variant (the
-// newest tokens read from a full-precision ring instead). Flash-decoding: one softmax per warp, kept online.
+// newest tokens, and the first window_sinks ones, read from a full-precision ring instead). Flash-decoding: one
+// softmax per warp, kept online.
 //
 // A thread block takes the query heads of one KV head (up to 8, in kHeads register slots), one sequence and
 // one split of its positions (grid x: KV heads x head blocks, y: sequences, z: splits). Its 4 warps take
@@ -78,6 +79,9 @@ struct Task {
   int seq, kv_head, seq_len;
   int start, end;  // positions of this source: [start, end)
   int lo;          // the oldest position attended to (a sliding window's first); start <= lo, earlier masked
+  // The ring's sinks: its positions [start, recent) stand for [start - gap, recent - gap), the attention sinks
+  // that precede the paged span, so that one run of tiles covers both (gap 0 elsewhere: positions as they are).
+  int recent, gap;
 };
 
 // ---- the sources a split reads --------------------------------------------------------------------------
@@ -176,7 +180,8 @@ struct PagedSource {
   }
 };
 
-// The window ring (a model dtype, no scales): position p at ring slot p % window_size.
+// The window ring (a model dtype, no scales): position p at seat p < window_sinks ? p : window_sinks +
+// p % window_size.
 template <typename window_t>
 struct RingSource {
   using Cache = window_t;
@@ -199,32 +204,38 @@ struct RingSource {
 // The sequence's length and this source's positions, checked (report: one thread per sequence reports).
 template <class Src>
 FP8KV_DEVICE Task make_task(const AttentionParams& p, int seq, int kv_head, bool report) {
-  Task t{seq, kv_head, 0, 0, 0, 0};
+  Task t{seq, kv_head, 0, 0, 0, 0, 0, 0};
   const int64_t table_capacity = int64_t(p.paged.table_width) * p.paged.block_size;
-  // A paged cache's tiles start on a kWindowAlign boundary at or before the window's first position.
-  const auto from_window = [&](Task& task) {
+  // A paged cache's tiles start on a kWindowAlign boundary at or before its first attended position: the
+  // window's first, and not before `floor` (the ring holds the sinks below it).
+  const auto from_window = [&](Task& task, int floor) {
     const int first = p.sliding_window > 0 && task.seq_len > p.sliding_window ? task.seq_len - p.sliding_window : 0;
-    task.lo = min_int(first, task.end);
+    task.lo = min_int(first > floor ? first : floor, task.end);
     task.start = task.lo / kWindowAlign * kWindowAlign;
   };
   if (p.window_starts == nullptr) {
     const int capacity = static_cast<int>(table_capacity < p.max_seq_len ? table_capacity : p.max_seq_len);
     t.seq_len = checked_in(p.seq_lens[seq], 0, capacity, p.error_flag, kErrorSeqLenOutOfRange, report);
     t.end = t.seq_len;
-    from_window(t);
+    from_window(t, 0);
     return t;
   }
   t.seq_len = checked_in(p.seq_lens[seq], 0, p.max_seq_len, p.error_flag, kErrorSeqLenOutOfRange, report);
   const int oldest = t.seq_len > p.window_size ? t.seq_len - p.window_size : 0;
   const int window_start = checked_in(p.window_starts[seq], oldest, t.seq_len, p.error_flag,
                                       kErrorWindowStartOutOfRange, report);
+  const int sink_end = min_int(p.window_sinks, window_start);  // the sinks [0, sink_end) are the ring's
   if constexpr (Src::kBlockIds) {
     const int capacity = static_cast<int>(table_capacity < window_start ? table_capacity : window_start);
     t.end = checked_in(window_start, 0, capacity, p.error_flag, kErrorSeqLenOutOfRange, report);
-    from_window(t);
+    from_window(t, sink_end);
   } else {
+    // Recent positions [max(first, window_start), seq_len), preceded by the sinks from the window's first on.
     const int first = p.sliding_window > 0 && t.seq_len > p.sliding_window ? t.seq_len - p.sliding_window : 0;
-    t.start = window_start > first ? window_start : first;
+    const int sinks = first < sink_end ? sink_end - first : 0;
+    t.recent = window_start > first ? window_start : first;
+    t.gap = sinks > 0 ? t.recent - sink_end : 0;
+    t.start = t.recent - sinks;
     t.lo = t.start;
     t.end = t.seq_len;
   }
@@ -275,13 +286,23 @@ struct Attention {
     return int64_t(block) * c.value_block_stride + int64_t(task.kv_head) * c.value_head_stride;
   }
 
-  // Block id and offset of position `pos` (-1: out of range, reported).
+  // The sequence position of a task position (the ring's sinks stand next to its recent positions, Task).
+  FP8KV_DEVICE int position(int pos) const {
+    if constexpr (Src::kBlockIds) {
+      return pos;
+    } else {
+      return pos < task.recent ? pos - task.gap : pos;
+    }
+  }
+
+  // Block id and offset of sequence position `pos` (-1: out of range, reported).
   FP8KV_DEVICE int block_of(int pos, int& offset) const {
     if constexpr (Src::kBlockIds) {
       offset = pos & (c.block_size - 1);
       return sm.block_ids[(pos >> c.block_shift) - first_entry];
     } else {
-      const int slot = pos % p.window_size;
+      const int sinks = p.window_sinks;
+      const int slot = pos < sinks ? pos : sinks + pos % p.window_size;
       offset = slot & (c.block_size - 1);
       const int block = c.block_tables[int64_t(task.seq) * c.table_stride + (slot >> c.block_shift)];
       if (block < 0 || block >= c.num_blocks) {
@@ -295,7 +316,7 @@ struct Attention {
   FP8KV_DEVICE Token locate(int tile) const {
     const int pos = task.start + tile * kTile + lane % kTile;
     Token t{0, 0, false, 1.0f, 1.0f};
-    const int block = pos < task.end && pos >= task.lo ? block_of(pos, t.offset) : -1;
+    const int block = pos < task.end && pos >= task.lo ? block_of(position(pos), t.offset) : -1;
     t.ok = block >= 0;
     t.key_base = key_base(t.ok ? block : 0);
     if (t.ok) Src::token_scales(p, block, task.kv_head, t.offset, t.k_scale, t.v_scale);
@@ -539,7 +560,7 @@ FP8KV_DEVICE void attention_body(const AttentionParams& p, AttentionSmem<kHeads,
     // Online softmax over the tile's 16 tokens (lanes t and t + 16 hold the same values).
     FP8KV_UNROLL
     for (int h = 0; h < kHeads; ++h) {
-      float logit = cur.token.ok ? dot[h] + slope[h] * static_cast<float>(pos - newest) : -INFINITY;
+      float logit = cur.token.ok ? dot[h] + slope[h] * static_cast<float>(a.position(pos) - newest) : -INFINITY;
       if (p.softcap > 0.0f && cur.token.ok) logit = p.softcap * tanhf(logit / p.softcap);
       float tile_max = logit;
       for (int mask = kTile / 2; mask > 0; mask /= 2) tile_max = fmaxf(tile_max, th.shfl_xor(tile_max, mask));
@@ -557,7 +578,7 @@ FP8KV_DEVICE void attention_body(const AttentionParams& p, AttentionSmem<kHeads,
     if constexpr (!Src::kBlockIds) {
       if (group == 0) {
         int offset = 0;
-        const int block = cur.token.ok ? a.block_of(pos, offset) : -1;
+        const int block = cur.token.ok ? a.block_of(a.position(pos), offset) : -1;
         sm.ring_value[warp][token] = block >= 0 ? a.value_base(block) + offset : -1;
       }
     }

@@ -372,7 +372,8 @@ int paged_attention_window(DType dtype, DType cache, DType window, void* out, co
                            int num_blocks, int num_window_blocks, int block_size, int max_blocks_per_seq,
                            int max_window_blocks_per_seq, int window_size, int max_seq_len, float scale,
                            bool k_per_head, bool v_per_head, int sliding_window, float softcap,
-                           const float* sinks, const uint16_t* k_scale_cache, const uint16_t* v_scale_cache) {
+                           const float* sinks, const uint16_t* k_scale_cache, const uint16_t* v_scale_cache,
+                           int window_sinks) {
   AttentionCall call(dtype, cache, out, query, key_cache, value_cache, block_tables, seq_lens, alibi, k_scale,
                      v_scale, num_seqs, num_heads, num_kv_heads, head_size, num_blocks, block_size,
                      max_blocks_per_seq, max_seq_len, scale, k_per_head, v_per_head, sliding_window, softcap, sinks,
@@ -380,11 +381,13 @@ int paged_attention_window(DType dtype, DType cache, DType window, void* out, co
   AttentionParams& p = call.params;
   p.window_starts = window_starts;
   p.window_size = window_size;
+  p.window_sinks = window_sinks;
   p.ring = AttentionCall::cache_ref(window_key_cache, window_value_cache, window, window_block_tables,
                                     max_window_blocks_per_seq, num_window_blocks, block_size, num_kv_heads,
                                     head_size);
-  p.ring_splits = attention_splits(num_seqs, call.kv_blocks(), std::max(1, std::min(window_size, max_seq_len)),
-                                   emulated_sm_count);
+  // As the binding plans: the ring's splits cover its sinks and recent positions.
+  p.ring_splits = attention_splits(num_seqs, call.kv_blocks(),
+                                   std::max(1, std::min(window_sinks + window_size, max_seq_len)), emulated_sm_count);
   call.allocate_partials(p.paged_splits + p.ring_splits);
   with_paged(cache, [&](auto src) { run_paged<decltype(src)>(p, p.paged_splits); });
   with_ring(window, [&](auto src) { run_source<decltype(src)>(p, p.ring_splits); });
@@ -468,7 +471,8 @@ int fp8kv_emu_paged_attention(int dtype, int format, void* out, const void* quer
                          v_scale_cache);
 }
 
-// window_dtype: the window cache's, coded as dtype.
+// window_dtype: the window cache's, coded as dtype; window_sinks: the ring's seats for positions [0, S), as the op
+// takes it (-1 when negative, which the binding refuses).
 int fp8kv_emu_paged_attention_window(int dtype, int format, int window_dtype, void* out, const void* query,
                                      const void* key_cache, const void* value_cache,
                                      const void* window_key_cache, const void* window_value_cache,
@@ -479,16 +483,19 @@ int fp8kv_emu_paged_attention_window(int dtype, int format, int window_dtype, vo
                                      int block_size, int max_blocks_per_seq, int max_window_blocks_per_seq,
                                      int window_size, int max_seq_len, float scale, int k_per_head,
                                      int v_per_head, int sliding_window, float softcap, const float* sinks,
-                                     const uint16_t* k_scale_cache, const uint16_t* v_scale_cache) {
+                                     const uint16_t* k_scale_cache, const uint16_t* v_scale_cache,
+                                     int window_sinks) {
   using namespace fp8kv::gpu;
   if (dtype < 0 || dtype > 2 || !fp8kv::is_kv_format_code(format) || window_dtype < 0 || window_dtype > 2) return -1;
+  if (window_sinks < 0) return -1;
   return paged_attention_window(model_dtype_code(dtype), cache_dtype_code(dtype, format),
                                 model_dtype_code(window_dtype), out, query, key_cache, value_cache,
                                 window_key_cache, window_value_cache, block_tables, window_block_tables, seq_lens,
                                 window_starts, alibi, k_scale, v_scale, num_seqs, num_heads, num_kv_heads,
                                 head_size, num_blocks, num_window_blocks, block_size, max_blocks_per_seq,
                                 max_window_blocks_per_seq, window_size, max_seq_len, scale, k_per_head != 0,
-                                v_per_head != 0, sliding_window, softcap, sinks, k_scale_cache, v_scale_cache);
+                                v_per_head != 0, sliding_window, softcap, sinks, k_scale_cache, v_scale_cache,
+                                window_sinks);
 }
 
 // Whether the emulated calls run paged FP8 and 16-bit caches on the tensor-core kernel (1, the default) or the

@@ -114,10 +114,12 @@ struct AttentionParams {
   float scale;
   CacheRef paged;
   int paged_splits;  // grid z of the paged kernel
-  // paged_attention_window: positions [window_starts[s], seq_len) are read from `ring` (slot p % window_size)
-  // instead of the paged cache, in ring_splits more splits (partials paged_splits ..).
+  // paged_attention_window: positions [window_starts[s], seq_len) and the attention sinks [0, min(window_sinks,
+  // window_starts[s])) are read from `ring` (seat p < window_sinks ? p : window_sinks + p % window_size) instead
+  // of the paged cache, in ring_splits more splits (partials paged_splits ..).
   const int* window_starts;  // nullptr: no window
   int window_size;
+  int window_sinks;  // S >= 0, a launch constant: the ring's first S seats hold positions [0, S)
   CacheRef ring;
   int ring_splits;
   // The paged cache on tensor cores (attention_tc_kernels.cuh; the binding's plan, tc_plan, decides): its

@@ -518,7 +518,8 @@ void paged_attention(FP8KV_PAGED_ATTENTION_PARAMS) {
 // ---- paged_attention_window -------------------------------------------------------------------------------
 
 void add_window(AttentionCall& call, const at::Tensor& window_key_cache, const at::Tensor& window_value_cache,
-                const at::Tensor& window_block_tables, const at::Tensor& window_starts, int64_t window_size) {
+                const at::Tensor& window_block_tables, const at::Tensor& window_starts, int64_t window_size,
+                int64_t window_sinks) {
   const at::Device device = window_key_cache.device();
   AttentionParams& p = call.params;
   const int64_t num_seqs = p.num_seqs;
@@ -542,16 +543,20 @@ void add_window(AttentionCall& call, const at::Tensor& window_key_cache, const a
               window_starts.scalar_type());
   check_on(window_block_tables, device, "window_block_tables");
   check_on(window_starts, device, "window_starts");
-  const int64_t ring_blocks = (window_size + w.block_size - 1) / w.block_size;
+  // The ring's seats: the sinks' window_sinks, then window_size for the recent positions.
+  const int64_t seats = window_sinks + window_size;
+  const int64_t ring_blocks = (seats + w.block_size - 1) / w.block_size;
   TORCH_CHECK(window_block_tables.size(1) >= ring_blocks, "window_block_tables has ",
-              window_block_tables.size(1), " columns but a ring of window_size = ", window_size, " needs ",
-              ring_blocks);
+              window_block_tables.size(1), " columns but a ring of window_sinks + window_size = ", window_sinks,
+              " + ", window_size, " seats needs ", ring_blocks, " blocks of ", w.block_size);
   call.window_tables = window_block_tables.stride(1) == 1 ? window_block_tables : window_block_tables.contiguous();
   call.window_starts = window_starts.contiguous();
   p.window_starts = call.window_starts.data_ptr<int>();
   p.window_size = static_cast<int>(window_size);
+  p.window_sinks = static_cast<int>(window_sinks);
   p.ring = cache_ref(window_key_cache, window_value_cache, w, model_dtype(window_key_cache), call.window_tables);
-  const int longest = static_cast<int>(std::min<int64_t>(window_size, p.max_seq_len));
+  // The ring's splits cover its sinks and recent positions, at most window_sinks + window_size of them.
+  const int longest = static_cast<int>(std::min<int64_t>(seats, p.max_seq_len));
   const int kv_blocks = p.num_kv_heads * head_blocks_for(p.num_heads / p.num_kv_heads, p.head_size);
   p.ring_splits = attention_splits(p.num_seqs, kv_blocks, std::max(longest, 1), sm_count(device));
   TORCH_CHECK(int64_t(p.paged_splits) + p.ring_splits <= kMaxSplits, "max_seq_len ", p.max_seq_len,
@@ -582,21 +587,24 @@ void raise_reported_window_errors(int bits, const AttentionCall& call) {
               call.g.num_blocks, ") below window_starts; those blocks were not read.");
   TORCH_CHECK(!(bits & kErrorWindowBlockOutOfRange),
               "paged_attention_window: window_block_tables holds a block id outside the window cache's "
-              "blocks [0, ", call.params.ring.num_blocks, ") for a ring slot of [window_starts, seq_lens); those "
+              "blocks [0, ", call.params.ring.num_blocks, ") for a ring seat of [window_starts, seq_lens) or of the sinks; those "
               "blocks were not read.");
 }
 
 void paged_attention_window(FP8KV_PAGED_ATTENTION_WINDOW_PARAMS) {
-  TORCH_CHECK(window_sinks == 0, "paged_attention_window: window_sinks = ", window_sinks,
-              " is not built on this backend yet");
   TORCH_CHECK(window_size >= 1, "window_size = ", window_size,
               " must be >= 1; call paged_attention when there is no window");
   TORCH_CHECK(window_size <= INT32_MAX - kMaxSplitTokens, "window_size = ", window_size, " is too large");
+  TORCH_CHECK(window_sinks >= 0, "window_sinks = ", window_sinks,
+              " must be >= 0 (the first positions the window ring keeps; 0: none)");
+  TORCH_CHECK(window_sinks <= INT32_MAX - kMaxSplitTokens - window_size, "window_sinks = ", window_sinks,
+              " is too large");
   const c10::cuda::OptionalCUDAGuard guard(key_cache.device());
   AttentionCall call = attention_call(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
                                       block_size, max_seq_len, alibi_slopes, kv_cache_format, k_scale, v_scale,
                                       sliding_window, logit_softcap, sinks, k_scale_cache, v_scale_cache);
-  add_window(call, window_key_cache, window_value_cache, window_block_tables, window_starts, window_size);
+  add_window(call, window_key_cache, window_value_cache, window_block_tables, window_starts, window_size,
+             window_sinks);
   allocate_partials(call, call.params.paged_splits + call.params.ring_splits);
   C10_CUDA_CHECK(launch_paged_attention_window(call.params, c10::cuda::getCurrentCUDAStream()));
   raise_reported_window_errors(finish_attention(call), call);

@@ -6,12 +6,16 @@ sequences are shorter than, as long as and longer than the window, with window s
 allowed range and in between, so ring runs wrap and start off block boundaries. The ring holds K/V drawn
 independently of the paged cache's, so reading a position from the wrong cache shows; every slot the
 kernel must not read (ring slots outside the window, paged slots past the sequence) holds NaN, and ring
-blocks that hold no position of the window are -1 in the window block table.
+blocks that hold no position of the window are -1 in the window block table. With window_sinks S > 0 the ring's
+first S seats hold positions [0, S) (the attention sinks), which the kernel reads from there instead of the paged
+cache: the cases cover S beside every window start, sequences shorter than S, sliding windows that begin
+before, inside and past the sinks, and both paged kernels (tensor-core and CUDA-core).
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -57,6 +61,7 @@ class WindowCase:
     per_head_scale: bool = False
     alibi: bool = False
     dynamic: bool = False  # dynamic scales for the paged cache, its K and V of varied magnitudes across tokens
+    window_sinks: int = 0  # the ring's first seats: positions [0, window_sinks)
 
     def lens(self) -> tuple[int, ...]:
         w = self.window_size
@@ -70,7 +75,8 @@ class WindowCase:
                          f"d{self.head_size}", f"bs{self.block_size}", f"h{self.num_heads}/{self.num_kv_heads}",
                          f"q-{name(self.dtype)}", "x".join(map(str, self.lens()))]
                         + [flag for flag, on in (("perhead", self.per_head_scale), ("alibi", self.alibi),
-                                                 ("dynamic", self.dynamic)) if on])
+                                                 ("dynamic", self.dynamic)) if on]
+                        + ([f"sinks{self.window_sinks}"] if self.window_sinks else []))
 
 
 def window_start(kind: str, seq_len: int, window_size: int) -> int:
@@ -102,6 +108,31 @@ CASES = [
 ]
 
 
+# window_sinks S > 0: the default lengths (1, w - 1, w, w + 1, 3w + 5) put sequences shorter than S, window
+# starts at or below S and far past it in each case.
+SINK_CASES = [
+    WindowCase("fp8_e4m3", bf16, 32, 128, 16, 8, 2, bf16, window_sinks=1),  # GQA
+    WindowCase("fp8_e5m2", f32, 7, 64, 8, 4, 4, f32, per_head_scale=True, window_sinks=3),  # seats 8, 9: block 2
+    WindowCase("fp8_e4m3fnuz", f16, 33, 80, 32, 6, 1, f16, alibi=True, window_sinks=3),  # ALiBi by true position
+    WindowCase("auto", bf16, 24, 64, 16, 4, 4, bf16, starts=("high-1", "mid", "low"), window_sinks=1),
+    WindowCase("auto", f32, 13, 96, 8, 4, 2, f32, alibi=True, window_sinks=3),  # 16 seats: two whole blocks
+    # more sinks than a tile and a block: the ring's run of sinks and recent positions spans tiles
+    WindowCase("fp8_e4m3", f16, 16, 64, 8, 4, 2, f16, seq_lens=(5, 19, 40, 90), starts=("low", "mid", "low+1"),
+               window_sinks=19),
+    # long sequences: several paged splits merged with the ring's
+    WindowCase("fp8_e4m3", bf16, 64, 128, 16, 4, 2, f32, seq_lens=(1300, 513, 64, 0, 2), per_head_scale=True,
+               window_sinks=3),
+    # a window longer than a split: the sinks join the ring's first of several splits
+    WindowCase("fp8_e5m2", f32, 300, 64, 32, 2, 1, bf16, seq_lens=(701, 302, 3), starts=("low", "low+1", "mid"),
+               alibi=True, window_sinks=3),
+    # dynamic scales (the paged cache's own; the ring, sinks included, has none)
+    WindowCase("fp8_e4m3", bf16, 32, 128, 16, 8, 2, bf16, dynamic=True, window_sinks=3),
+    WindowCase("fp8_e5m2", f16, 16, 64, 32, 4, 1, f32, seq_lens=(700, 40, 16, 2), alibi=True, dynamic=True,
+               window_sinks=1),
+    WindowCase("fp8_e4m3fnuz", f32, 24, 64, 16, 4, 2, f32, seq_lens=(300, 24, 26), dynamic=True, window_sinks=3),
+]
+
+
 def _nan_filled(cache: torch.Tensor, kv_cache_dtype: str) -> torch.Tensor:
     if cache.dtype == torch.uint8:
         return cache.fill_(0x80 if kv_cache_dtype == "fp8_e4m3fnuz" else 0x7F)  # the format's NaN code
@@ -109,12 +140,13 @@ def _nan_filled(cache: torch.Tensor, kv_cache_dtype: str) -> torch.Tensor:
 
 
 def build(case: WindowCase, seed: int = 0) -> dict:
-    """Caches, tables and queries of a batch: paged positions [0, seq_len), ring [seq_len - window, seq_len)."""
+    """Caches, tables and queries of a batch: paged positions [0, seq_len), ring [seq_len - window, seq_len) and
+    the sinks [0, window_sinks)."""
     gen = torch.Generator().manual_seed(seed)
-    bs, hk, d, w = case.block_size, case.num_kv_heads, case.head_size, case.window_size
+    bs, hk, d, w, sinks = case.block_size, case.num_kv_heads, case.head_size, case.window_size, case.window_sinks
     lens = case.lens()
     blocks_per_seq = [(n + bs - 1) // bs for n in lens]
-    ring_blocks = (w + bs - 1) // bs
+    ring_blocks = (sinks + w + bs - 1) // bs
     num_blocks, num_window_blocks = sum(blocks_per_seq) + 3, len(lens) * ring_blocks + 2
     ids = torch.randperm(num_blocks, generator=gen).to(torch.int32)
     window_ids = torch.randperm(num_window_blocks, generator=gen).to(torch.int32)
@@ -143,14 +175,16 @@ def build(case: WindowCase, seed: int = 0) -> dict:
             value *= torch.logspace(-3, 3, length)[torch.randperm(length, generator=gen), None, None]
         reference.reshape_and_cache(key.to(case.dtype), value.to(case.dtype), *caches, slots, case.kv_cache_dtype,
                                     k_scale, v_scale, *scale_caches)
-        # The ring: only blocks holding a position of the newest window get an id.
-        ring = torch.arange(max(0, length - w), length)
-        held = torch.unique(ring % w // bs)
+        # The ring: the sinks and the newest window; only blocks holding one of their positions get an id.
+        ring = torch.cat([torch.arange(min(sinks, max(0, length - w))), torch.arange(max(0, length - w), length)])
+        seats = torch.where(ring < sinks, ring, sinks + ring % w)
+        held = torch.unique(seats // bs)
         window_table[s, held] = window_ids[s * ring_blocks + held]
         key = (torch.randn(ring.numel(), hk, d, generator=gen) * 0.5).to(case.window_dtype)
         value = torch.randn(ring.numel(), hk, d, generator=gen).to(case.window_dtype)
         reference.reshape_and_cache(key, value, *window_caches,
-                                    reference.window_slots(window_table[s], ring, w, bs), "auto", k_scale, v_scale)
+                                    reference.window_slots(window_table[s], ring, w, bs, sinks), "auto", k_scale,
+                                    v_scale)
     starts = [window_start(case.starts[s % len(case.starts)], n, w) for s, n in enumerate(lens)]
     return {"query": torch.randn(len(lens), case.num_heads, d, generator=gen).to(case.dtype),
             "caches": caches, "window_caches": window_caches, "table": table, "window_table": window_table,
@@ -174,7 +208,7 @@ def emu_attention(emu: ctypes.CDLL, case: WindowCase, b: dict, max_seq_len: int 
         case.window_size, max(case.lens()) if max_seq_len is None else max_seq_len,
         ctypes.c_float(case.head_size**-0.5), int(b["k_scale"].numel() > 1), int(b["v_scale"].numel() > 1),
         b.get("sliding_window", 0), ctypes.c_float(b.get("logit_softcap", 0.0)), _p(b.get("sinks")),
-        _p(b.get("k_scale_cache")), _p(b.get("v_scale_cache")))
+        _p(b.get("k_scale_cache")), _p(b.get("v_scale_cache")), case.window_sinks)
     return error, out
 
 
@@ -184,13 +218,21 @@ def reference_attention(case: WindowCase, b: dict) -> torch.Tensor:
         expected, b["query"], *b["caches"], *b["window_caches"], case.num_kv_heads, case.head_size**-0.5,
         b["table"], b["window_table"], b["seq_lens"], b["window_starts"], case.window_size, case.block_size,
         max(case.lens()), b["alibi"], case.kv_cache_dtype, b["k_scale"], b["v_scale"],
-        k_scale_cache=b["k_scale_cache"], v_scale_cache=b["v_scale_cache"])
+        sliding_window=b.get("sliding_window", 0), logit_softcap=b.get("logit_softcap", 0.0), sinks=b.get("sinks"),
+        k_scale_cache=b["k_scale_cache"],
+        v_scale_cache=b["v_scale_cache"], window_sinks=case.window_sinks)
     return expected
 
 
-@pytest.mark.parametrize("case", CASES, ids=WindowCase.id)
-def test_window_attention_matches_reference(emu, case):
-    b = build(case)
+@pytest.fixture(params=[1, 0], ids=["tensor-cores", "cuda-cores"])
+def paged_kernel(emu, request):
+    """The paged cache's kernel: the tensor-core one (FP8 and 16-bit caches on sm_80+) or the CUDA-core one."""
+    previous = emu.fp8kv_emu_set_tensor_cores(request.param)
+    yield request.param
+    emu.fp8kv_emu_set_tensor_cores(previous)
+
+
+def assert_matches_reference(emu, case: WindowCase, b: dict) -> None:
     expected = reference_attention(case, b)
 
     error, out = emu_attention(emu, case, b)
@@ -201,6 +243,11 @@ def test_window_attention_matches_reference(emu, case):
     # dynamic cases' outputs span their values' 1e-3 .. 1e3: each row relative to its size
     size = expected.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30) if case.dynamic else 1.0
     torch.testing.assert_close(out.float() / size, expected / size, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("case", CASES, ids=WindowCase.id)
+def test_window_attention_matches_reference(emu, case):
+    assert_matches_reference(emu, case, build(case))
 
 
 def test_every_window_start_of_one_sequence(emu):
@@ -266,3 +313,59 @@ def test_paged_block_ids_are_checked_below_the_window_start_only(emu):
 def test_length_past_max_seq_len_is_reported(emu):
     b = build(SMALL)
     assert emu_attention(emu, SMALL, b, max_seq_len=39)[0] == ERROR_SEQ_LEN
+
+
+@pytest.mark.parametrize("case", SINK_CASES, ids=WindowCase.id)
+def test_window_sinks_match_reference(emu, paged_kernel, case):
+    assert_matches_reference(emu, case, build(case))
+
+
+# Lengths 40 (window starts 24, 40, 32), 20 (start 4) and 3 (shorter than the sinks), window 16, S = 3: a sliding
+# window of 38 begins inside the sinks (position 2), of 30 between the sinks and the window start, of 12 past the
+# window start of the first sequence; of 2 past everything but the newest positions.
+@pytest.mark.parametrize("sliding_window", [38, 30, 12, 2])
+def test_sliding_window_before_inside_and_past_the_sinks(emu, paged_kernel, sliding_window):
+    case = WindowCase("fp8_e4m3", bf16, 16, 64, 8, 4, 2, f32, seq_lens=(40, 40, 40, 20, 3), alibi=True,
+                      window_sinks=3)
+    b = build(case)
+    b["sliding_window"] = sliding_window
+    assert_matches_reference(emu, case, b)
+
+
+def test_window_sinks_with_soft_capping_and_sink_logits(emu, paged_kernel):
+    """The model's own features beside the ring's sinks: soft-capped logits, gpt-oss sink logits (one more logit
+    per head in the denominator, merged by the reduce), a sliding window beginning inside the ring's sinks."""
+    case = WindowCase("fp8_e5m2", bf16, 16, 64, 16, 6, 2, f32, seq_lens=(300, 40, 20, 2), alibi=True,
+                      dynamic=True, window_sinks=3)
+    b = build(case)
+    b["sliding_window"], b["logit_softcap"] = 299, 2.0
+    b["sinks"] = torch.randn(case.num_heads, generator=torch.Generator().manual_seed(1))
+    assert_matches_reference(emu, case, b)
+
+
+def test_every_window_start_beside_the_sinks(emu):
+    """All window starts a 45-token sequence allows with a ring of 3 sinks and 20 recent seats (ring runs of every
+    phase after the sinks), and starts of shorter sequences at, below and just past the sinks' end."""
+    case = WindowCase("fp8_e4m3", bf16, 20, 64, 8, 2, 1, f32, seq_lens=(45,) * 21 + (21, 22, 23, 22),
+                      window_sinks=3)
+    b = build(case)
+    b["window_starts"] = torch.cat([torch.arange(25, 46), torch.tensor([1, 2, 3, 5])]).to(torch.int32)
+    assert_matches_reference(emu, case, b)
+
+
+def test_sink_seats_are_read_and_their_block_ids_checked(emu):
+    """With no recent positions (window start = length) the ring still gives the sinks, from its first block, whose
+    id is checked; its second block (recent seats 16-18 only) is then not read."""
+    case = WindowCase("fp8_e4m3", bf16, 16, 64, 16, 4, 2, f32, seq_lens=(40, 10), window_sinks=3)
+    b = build(case)
+    b["window_starts"][0] = 40
+    b["window_table"][0, 1] = 10_000
+    assert_matches_reference(emu, case, b)
+
+    b["window_table"][0, 0] = 10_000
+    assert emu_attention(emu, case, b)[0] == ERROR_WINDOW_BLOCK
+
+
+def test_negative_window_sinks_are_refused(emu):
+    b = build(SMALL)
+    assert emu_attention(emu, dataclasses.replace(SMALL, window_sinks=-1), b)[0] == -1

@@ -1,15 +1,16 @@
 """The CUDA ops (csrc/cuda/) on a GPU against the same pure-torch reference as the CPU tests.
 
-Each case is built on the CPU exactly as in test_ops_cpu.py / test_window_ops.py / test_hadamard_op.py, the
-reference runs there, and the op runs on copies of the inputs on the GPU with the same strides (so strided
-inputs stay strided). Skipped where torch sees no GPU, which is every CI machine: these tests are for a
-machine with one (`scripts/gpu_check.sh`).
+Each case is built on the CPU exactly as in test_ops_cpu.py / test_window_ops.py / test_hadamard_op.py (window
+sinks: test_cuda_window_emulation.py), the reference runs there, and the op runs on copies of the inputs on the
+GPU with the same strides (so strided inputs stay strided). Skipped where torch sees no GPU, which is every CI
+machine: these tests are for a machine with one (`scripts/gpu_check.sh`).
 """
 
 from __future__ import annotations
 
 import pytest
 import test_attention_features as feature_tests
+import test_cuda_window_emulation as sink_tests
 import test_dynamic_scales as dynamic_tests
 import test_hadamard_op as hadamard_tests
 import test_ops_cpu as paged_tests
@@ -193,6 +194,67 @@ def test_features_with_the_recent_window_ring(ops, features):
     want, got = run(ref, b), run(ops, gpu_inputs(b)).cpu()
     err = attention_error(got, want)
     assert err <= paged_tests.tolerance(case.dtype), f"max error {err:.2e} of the output scale"
+
+
+# ---- window sinks: the ring's first seats hold positions [0, window_sinks) (issue 54) -------------------------
+# The host emulation's cases (test_cuda_window_emulation.py): sinks beside every window start, sequences shorter
+# than the sinks, long sequences (several paged splits), a window of several ring splits, dynamic scales.
+
+def sinks_attention(impl, case, b: dict, window_sinks: int | None = None) -> torch.Tensor:
+    out = torch.full(b["query"].shape, 7.0, dtype=case.dtype, device=b["query"].device)
+    (kc, vc), (wk, wv) = b["caches"], b["window_caches"]
+    impl.paged_attention_window(out, b["query"], kc, vc, wk, wv, case.num_kv_heads, case.head_size ** -0.5,
+                                b["table"], b["window_table"], b["seq_lens"], b["window_starts"], case.window_size,
+                                case.block_size, max(case.lens()), b["alibi"],
+                                format_code(case.kv_cache_dtype, b["query"].device), b["k_scale"], b["v_scale"],
+                                b.get("sliding_window", 0), b.get("logit_softcap", 0.0), b.get("sinks"),
+                                b["k_scale_cache"], b["v_scale_cache"],
+                                case.window_sinks if window_sinks is None else window_sinks)
+    return out
+
+
+def assert_sinks_match_reference(ops, case, b: dict) -> None:
+    want, got = sinks_attention(ref, case, b), sinks_attention(ops, case, gpu_inputs(b)).cpu()
+    assert not torch.isnan(want).any() and not torch.isnan(got).any()
+    # dynamic cases' outputs span their values' 1e-3 .. 1e3: each row on its own scale
+    size = want.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-30) if case.dynamic else 1.0
+    err = float(((got.float() - want.float()).abs() / size).max())
+    assert err <= paged_tests.tolerance(case.dtype), f"max error {err:.2e} of the output scale"
+
+
+@pytest.mark.parametrize("case", sink_tests.SINK_CASES, ids=sink_tests.WindowCase.id)
+def test_window_sinks_match_reference(ops, case):
+    assert_sinks_match_reference(ops, case, sink_tests.build(case))
+
+
+@pytest.mark.parametrize("sliding_window", [38, 30, 12, 2])
+def test_window_sinks_with_a_sliding_window(ops, sliding_window):
+    """A sliding window that begins inside the sinks, between them and the window start, past the window start."""
+    case = sink_tests.WindowCase("fp8_e4m3", torch.bfloat16, 16, 64, 8, 4, 2, torch.float32,
+                                 seq_lens=(40, 40, 40, 20, 3), alibi=True, window_sinks=3)
+    b = sink_tests.build(case)
+    b["sliding_window"] = sliding_window
+    assert_sinks_match_reference(ops, case, b)
+
+
+def test_window_sinks_with_soft_capping_and_sink_logits(ops):
+    case = sink_tests.WindowCase("fp8_e5m2", torch.bfloat16, 16, 64, 16, 6, 2, torch.float32,
+                                 seq_lens=(300, 40, 20, 2), alibi=True, dynamic=True, window_sinks=3)
+    b = sink_tests.build(case)
+    b["sliding_window"], b["logit_softcap"] = 299, 2.0
+    b["sinks"] = torch.randn(case.num_heads, generator=torch.Generator().manual_seed(1))
+    assert_sinks_match_reference(ops, case, b)
+
+
+def test_window_sinks_are_checked(ops):
+    case = sink_tests.WindowCase("fp8_e4m3", torch.bfloat16, 16, 64, 16, 4, 2, torch.float32, seq_lens=(40, 10),
+                                 window_sinks=3)
+    g = gpu_inputs(sink_tests.build(case))
+    with pytest.raises(RuntimeError, match="window_sinks = -1 must be >= 0"):
+        sinks_attention(ops, case, g, window_sinks=-1)
+    g["window_table"] = g["window_table"][:, :1].contiguous()  # room for 16 seats, not 3 + 16
+    with pytest.raises(RuntimeError, match="window_sinks \\+ window_size = 3 \\+ 16 seats needs 2 blocks"):
+        sinks_attention(ops, case, g)
 
 
 # ---- hadamard_transform ---------------------------------------------------------------------------------
