@@ -18,6 +18,7 @@ from test_dynamic_scales import write_dynamic
 from test_ops_cpu import tolerance
 from test_window_ops import WindowCase, attention, build
 
+from fp8cache.ops import format_code
 from fp8cache.ops import reference as ref
 
 
@@ -141,3 +142,85 @@ def test_out_of_range_sink_seat_block_raises(ops):
     b["window_table"][0, 1] = 10_000
     with pytest.raises(RuntimeError, match=r"window_block_tables\[0, 1\] = 10000 is outside the window cache's"):
         attention(ops, case, b)
+
+
+def layer_weights(hidden_size: int, heads: int, kv_heads: int, d: int, intermediate: int, g: torch.Generator):
+    """decode_layer's weights (fp8kv float32 panels) and the plain float32 matrices behind them."""
+    def matrix(rows, cols):
+        return torch.randn(rows, cols, generator=g) * cols ** -0.5
+
+    plain = [torch.rand(hidden_size, generator=g) + 0.5, matrix((heads + 2 * kv_heads) * d, hidden_size),
+             matrix(hidden_size, heads * d), torch.rand(hidden_size, generator=g) + 0.5,
+             matrix(2 * intermediate, hidden_size), matrix(hidden_size, intermediate)]
+    pack = torch.ops.fp8kv.linear_f32_pack
+    return [plain[0], pack(plain[1]), pack(plain[2]), plain[3], pack(plain[4]), pack(plain[5])]
+
+
+def layer_from_ops(ops, hidden, weights, dims, eps, cos, sin, scale, attention_args, window_sinks):
+    """decode_layer.cpp's steps, one op call each (hidden updated in place): its reference."""
+    heads, kv_heads, d, intermediate = dims
+    (key_cache, value_cache, slots, fmt, k_scale, v_scale, table, seq_lens, max_len, window, window_slots,
+     window_table, window_starts, window_size, k_scale_cache, v_scale_cache) = attention_args
+    tokens, hidden_size = hidden.shape
+    q_size, kv_size = heads * d, kv_heads * d
+    h = torch.empty_like(hidden)
+    ops.rms_norm(h, hidden, weights[0], eps[0])
+    qkv = ops.linear_f32(h, weights[1], q_size + 2 * kv_size, None)
+    q = qkv[:, :q_size].view(tokens, heads, d)
+    k = qkv[:, q_size:q_size + kv_size].view(tokens, kv_heads, d)
+    v = qkv[:, q_size + kv_size:].view(tokens, kv_heads, d)
+    ops.rotary_embedding_cos_sin(q, k, cos, sin)
+    ops.reshape_and_cache(k, v, key_cache, value_cache, slots, fmt, k_scale, v_scale, k_scale_cache, v_scale_cache)
+    ops.reshape_and_cache(k, v, *window, window_slots, format_code("auto", "cpu"), k_scale, v_scale, None, None)
+    attn = torch.empty(tokens, heads, d)
+    ops.paged_attention_window(attn, q.contiguous(), key_cache, value_cache, *window, kv_heads, scale, table,
+                               window_table, seq_lens, window_starts, window_size, key_cache.shape[3], max_len, None,
+                               fmt, k_scale, v_scale, 0, 0.0, None, k_scale_cache, v_scale_cache, window_sinks)
+    o = ops.linear_f32(attn.view(tokens, q_size), weights[2], hidden_size, None)
+    ops.fused_add_rms_norm(o, hidden, weights[3], eps[1])
+    gate_up = ops.linear_f32(o, weights[4], 2 * intermediate, None)
+    act = torch.empty(tokens, intermediate)
+    ops.silu_and_mul(act, gate_up[:, :intermediate], gate_up[:, intermediate:])
+    hidden.add_(ops.linear_f32(act, weights[5], hidden_size, None))
+
+
+@pytest.mark.parametrize("kv,dynamic", [("fp8_e4m3", False), ("fp8_e5m2", True)], ids=["e4m3", "e5m2-dynamic"])
+def test_decode_layer_reads_the_sinks(ops, kv, dynamic):
+    """decode_layer with S > 0 is bitwise its steps run one op at a time (paged_attention_window with the same S,
+    held to the reference above), on a decode step of sequences whose window starts lie below, at and past S; and
+    not what the same steps give with S = 0 (so the layer really passes S on)."""
+    case = WindowCase(kv, f32, 8, 64, 16, 4, 2, f32, seq_lens=(2, 3, 9, 19, 40), starts=("low", "mid", "low+1"),
+                      window_sinks=3)
+    b = build(case)
+    scale_caches = write_dynamic(case, b) if dynamic else (None, None)
+    g = torch.Generator().manual_seed(5)
+    hidden_size, intermediate, lens = 96, 160, case.lens()
+    dims = (case.heads, case.kv_heads, case.head_size, intermediate)
+    weights = layer_weights(hidden_size, *dims[:3], intermediate, g)
+    hidden = torch.randn(len(lens), hidden_size, generator=g)
+    angles = torch.rand(len(lens), case.head_size // 2, generator=g) * 6.3
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    newest = torch.tensor(lens) - 1  # each sequence's token of this step
+    bs, w, s = case.block_size, case.window_size, case.window_sinks
+    slots = torch.stack([b["table"][i, p // bs].long() * bs + p % bs for i, p in enumerate(newest.tolist())])
+    window_slots = torch.cat([ref.window_slots(b["window_table"][i], newest[i:i + 1], w, bs, s)
+                              for i in range(len(lens))])
+    eps, scale = [1e-5, 1e-6], case.head_size ** -0.5
+
+    def state():
+        caches = [c.clone() for c in (*b["caches"], *b["window_caches"])]
+        scales = [c.clone() if c is not None else None for c in scale_caches]
+        args = (caches[0], caches[1], slots, format_code(kv, "cpu"), b["k_scale"], b["v_scale"], b["table"],
+                b["seq_lens"], max(lens), caches[2:], window_slots, b["window_table"], b["window_starts"], w, *scales)
+        return hidden.clone(), caches, args
+
+    got, got_caches, args = state()
+    ops.decode_layer(got, weights, [None] * 4, [*dims, 0], eps, cos, sin, scale, *args, False, s)
+    want, want_caches, args = state()
+    layer_from_ops(ops, want, weights, dims, eps, cos, sin, scale, args, s)
+    assert torch.equal(got, want), f"max difference {(got - want).abs().max().item()}"
+    for mine, theirs in zip(got_caches, want_caches):
+        assert torch.equal(mine.view(torch.uint8), theirs.view(torch.uint8))
+    plain, _, args = state()
+    layer_from_ops(ops, plain, weights, dims, eps, cos, sin, scale, args, 0)
+    assert not torch.isnan(got).any() and attention_error(got, plain) > 3 * tolerance(f32)
