@@ -3,8 +3,8 @@
 S seats in the model dtype, the rest of the old positions from the paged FP8 cache, the newest from the ring.
 
 Batches come from test_window_ops.build: the ring holds K/V drawn independently of the paged cache's and
-every seat no token was written to holds NaN, so a position read from the wrong cache or seat shows. (A ring
-shorter than window_size + S leaves seats [S, 2S) unwritten right before the first recent one: the kernels, whose
+every seat no token was written to holds NaN, so a position read from the wrong cache or seat shows. (A sequence
+shorter than window_size + S leaves its ring seats [S, 2S) unwritten, before the first recent one: the kernels, whose
 tiles start at block boundaries, must zero those values, not only their weights.)
 """
 
