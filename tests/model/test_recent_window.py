@@ -185,26 +185,28 @@ class RingSeq:
         self.ring = list(range(seat * per_seat, (seat + 1) * per_seat))
 
     def chunk(self, start: int, end: int, floor: int = 0) -> StepBatch:
-        bs, window = self.runner.block_size, self.runner.kv_recent_window
+        bs, window, sinks = self.runner.block_size, self.runner.kv_recent_window, self.runner.kv_recent_window_sinks
         batch = StepBatch(token_ids=self.ids[start:end], positions=list(range(start, end)),
                           slot_mapping=[self.blocks[p // bs] * bs + p % bs for p in range(start, end)])
-        batch.window_slot_mapping = [window_slot(self.ring, p, window, bs) if p >= end - window else -1
-                                     for p in range(start, end)]
+        batch.window_slot_mapping = [window_slot(self.ring, p, window, bs, sinks) if p >= end - window or p < sinks
+                                     else -1 for p in range(start, end)]
         batch.seqs.append(SeqChunk(end - start, end, self.blocks[:-(-end // bs)], window_block_table=self.ring,
                                    window_floor=floor))
         return batch
 
 
-def dense_window_logits(runner: ModelRunner, ids: list[int], floor: int = 0) -> torch.Tensor:
+def dense_window_logits(runner: ModelRunner, ids: list[int], floor: int = 0, sinks: int | None = None) -> torch.Tensor:
     """The oracle of window attention: the runner's model over the whole of `ids` in one step, each layer's
     attention one dense softmax per row over [FP8 keys ; full-precision keys] of the step's own K/V, read
     neither from the cache nor through the decode ops. Row i reads position j < full_from(i) as the FP8 cache
-    holds it and full_from(i) <= j <= i in the window's dtype, full_from(i) = max(i - window + 1, floor);
-    without a window every position as the cache holds it. Static scales quantize with the layer's scale,
+    holds it and full_from(i) <= j <= i in the window's dtype, full_from(i) = max(i - window + 1, floor), and
+    the attention sinks floor <= j < kv_recent_window_sinks in the window's dtype too (below the floor they came
+    from the prefix cache: FP8); without a window every position as the cache holds it. Static scales quantize with the layer's scale,
     dynamic ones with each token and head's own (reference.quantize_dynamic); with a rotation, Q, K and V meet
     in the rotated basis (the matrix product of kvcache.rotation, not the compiled transform) and the output
     rotates back."""
     window = runner.kv_recent_window
+    sinks = runner.kv_recent_window_sinks if sinks is None else sinks  # given: the oracle of another setting
 
     def dense(ctx: ForwardContext, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
               features: attention.LayerFeatures = attention.PLAIN) -> torch.Tensor:
@@ -228,7 +230,8 @@ def dense_window_logits(runner: ModelRunner, ids: list[int], floor: int = 0) -> 
         mask = positions <= rows
         if window:
             full_from = torch.clamp(rows - window + 1, min=floor)
-            mask = torch.cat([positions < full_from, (positions >= full_from) & (positions <= rows)], 1)
+            full = (positions <= rows) & ((positions >= full_from) | ((positions < sinks) & (positions >= floor)))
+            mask = torch.cat([(positions <= rows) & ~full, full], 1)
             dtype = ctx.window_caches[0][0].dtype
             keys, values = torch.cat([keys, k.to(dtype).float()]), torch.cat([values, v.to(dtype).float()])
         out = torch.nn.functional.scaled_dot_product_attention(
@@ -328,10 +331,12 @@ def test_decode_prefill_chunks_and_prefix_hits_read_what_the_design_says(one_lay
     got = torch.cat([runner.execute(hit.chunk(a, b, floor=shared), all_logits=True) for a, b in chunks])
     torch.testing.assert_close(got, want_shared, atol=3e-5, rtol=1e-5)
     # The floor is a documented difference, not noise: the rows just after it read the shared positions from
-    # FP8 where a fresh prefill of the same tokens reads them in full precision.
+    # FP8 where a fresh prefill of the same tokens reads them in full precision, and so do all rows the shared
+    # attention sinks: past the window the rows read what a fresh prefill without sinks reads.
     fresh = dense_window_logits(runner, other)[shared:]
     assert (want_shared[:window - 1] - fresh[:window - 1]).abs().amax() > 1e-3
-    torch.testing.assert_close(want_shared[window:], fresh[window:], atol=3e-5, rtol=1e-5)
+    no_sinks = dense_window_logits(runner, other, sinks=0)[shared:]
+    torch.testing.assert_close(want_shared[window:], no_sinks[window:], atol=3e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2", "auto"])
@@ -384,7 +389,8 @@ def test_bfloat16_window_halves_its_memory_and_rounds_only_the_newest_tokens(loa
     assert ModelInfo.from_runner(bf16).window_dtype == "bfloat16"  # what /info and the startup line show
     lines = []
     make_runner(loaded, "fp8_e4m3", 8, kv_recent_window_dtype="bfloat16", log_to=lines.append)
-    assert any("newest 8 tokens of each sequence also in bfloat16" in line for line in lines)
+    assert any("newest 8 tokens of each sequence, and its first 1 (attention sink), also in bfloat16" in line
+               for line in lines)
     logits = {name: r.execute(runner_batch(ids, r), all_logits=True) for name, r in runners.items()}
     torch.testing.assert_close(logits["f32"], logits["auto"], atol=1e-5, rtol=1e-5)
     err_bf16 = (logits["bf16"] - logits["auto"]).abs().mean()
@@ -459,11 +465,11 @@ def test_preemption_recomputes_the_window_and_gives_the_same_tokens(loaded, shar
     """A cache too small for all sequences preempts and recomputes (refilling the ring); the tokens equal
     those of a cache big enough for all, and nothing leaks."""
     # Seats for all 4 sequences beside only 16 blocks: more seats than the default share of so small a budget.
-    monkeypatch.setattr(sizing, "WINDOW_BUDGET_SHARE", 2)
+    monkeypatch.setattr(sizing, "WINDOW_BUDGET_SHARE", 1)
     kw = {"kv_cache_dtype": "fp8_e4m3", "kv_recent_window": 8, "enable_prefix_caching": False, "max_num_seqs": 4}
     _, roomy = run_engine(loaded, shared_prompts, 10, **kw)
     block = 2 * 2 * 2 * 64 * BLOCK  # layers * K/V * kv heads * head size * tokens, 1 byte each
-    seat = 2 * 2 * 2 * 64 * 4 * 8  # 8 tokens in float32
+    seat = 2 * 2 * 2 * 64 * 4 * 2 * BLOCK  # 8 tokens and 1 attention sink round up to 2 blocks, in float32
     engine, tight = run_engine(loaded, shared_prompts, 10, kv_cache_memory=16 * block + 4 * seat,
                                max_num_batched_tokens=24, **kw)
     assert engine.block_manager.window.num_seats == 4 and engine.block_manager.num_blocks == 16
