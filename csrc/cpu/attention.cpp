@@ -3,7 +3,8 @@
 //
 // paged_attention_window reads positions [0, window_start) from the paged cache and the newest ones
 // [window_start, seq_len) from the model-dtype window ring; both become partitions of the same softmax,
-// so the window costs a few extra units and merge terms, not a second pass.
+// so the window costs a few extra units and merge terms, not a second pass. With window_sinks S > 0 the
+// first S positions (attention sinks) come from the ring's own S seats as one more run of partitions.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -358,14 +359,14 @@ class Launch {
     return w > 0 ? std::max(0, seq_len(seq) - w) : 0;
   }
 
-  // Positions [first_position, n) of sequence `seq` from the paged cache (only their blocks are read and
-  // checked: a sliding window's older blocks may be gone); `what` names where n came from in errors.
-  void add_paged(int seq, int n, const char* what) {
+  // Positions [max(first_position, begin), n) of sequence `seq` from the paged cache (only their blocks are read
+  // and checked: a sliding window's older blocks may be gone); `what` names where n came from in errors.
+  void add_paged(int seq, int begin, int n, const char* what) {
     const CacheSource& src = problem_.sources[kPaged];
     const int64_t blocks = (n + paged_.block_size - 1) / paged_.block_size;
     TORCH_CHECK(blocks <= src.block_table_stride, what, "[", seq, "] = ", n, " needs ", blocks,
                 " blocks but block_tables has only ", src.block_table_stride, " columns");
-    const int first = std::min(first_position(seq), n);
+    const int first = std::min(std::max(first_position(seq), begin), n);
     check_block_ids(src.block_tables + seq * src.block_table_stride, seq, first, n, paged_.block_size,
                     paged_.num_blocks, "block_tables", "cache's");
     add_spans(problem_, seq, kPaged, first, n, seq_len(seq) - 1);
@@ -373,7 +374,7 @@ class Launch {
 
   // The window ring of paged_attention_window: checked, and its kernel picked from its dtype.
   void set_window(const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_tables,
-                  const at::Tensor& window_starts, int64_t window_size) {
+                  const at::Tensor& window_starts, int64_t window_size, int64_t window_sinks) {
     Problem& p = problem_;
     check_model_dtype(key_cache, "window_key_cache");
     window_ = check_caches(key_cache, value_cache, false, "window_");
@@ -383,10 +384,17 @@ class Launch {
                 ", head_size = ", paged_.head_size, " and block_size = ", paged_.block_size);
     check_table(block_tables, p.num_seqs, "window_block_tables");
     check_seq_vector(window_starts, p.num_seqs, "window_starts");
-    const int64_t ring_blocks = (window_size + window_.block_size - 1) / window_.block_size;
+    TORCH_CHECK(window_sinks >= 0, "window_sinks = ", window_sinks, " must be >= 0 (0: no attention sinks kept)");
+    TORCH_CHECK(window_size <= INT32_MAX && window_sinks <= INT32_MAX - window_size, "window_sinks = ", window_sinks,
+                " plus window_size = ", window_size, " seats do not fit in int32");
+    const int64_t seats = window_sinks + window_size;
+    const int64_t ring_blocks = (seats + window_.block_size - 1) / window_.block_size;
     TORCH_CHECK(block_tables.size(1) >= ring_blocks, "window_block_tables has ", block_tables.size(1),
-                " columns but a ring of window_size = ", window_size, " needs ", ring_blocks);
+                " columns but a ring of window_sinks + window_size = ", window_sinks, " + ", window_size, " = ", seats,
+                " seats needs ", ring_blocks, " blocks of ", window_.block_size,
+                ": give each sequence that many window blocks (or lower window_sinks / window_size)");
     window_size_ = window_size;
+    window_sinks_ = window_sinks;
     window_starts_ = window_starts.contiguous();
     window_tables_ = block_tables.contiguous();
     CacheSource& ring = p.sources[kWindow];
@@ -411,22 +419,31 @@ class Launch {
     return static_cast<int>(start);
   }
 
-  // Positions [start, seq_len) of sequence `seq` from the window ring. Position q sits at ring slot
-  // q % window_size, so they are at most two runs of ring slots.
+  // The positions sequence `seq` reads from the window ring: the sinks [first_position, min(S, seq_len)) at
+  // seats equal to their positions (all of them, also those past window_start: a position below S is never in
+  // the ring proper), and the recent ones [max(first_position, start, S), seq_len) at seat S + q % window_size,
+  // at most two runs of seats.
   void add_window(int seq, int start) {
     const CacheSource& ring = problem_.sources[kWindow];
     const int32_t* row = ring.block_tables + seq * ring.block_table_stride;
-    const int64_t len = seq_len(seq);
-    for (int64_t pos = std::max(start, first_position(seq)); pos < len;) {
-      const int64_t lap = pos / window_size_ * window_size_;  // the position ring slot 0 holds in this lap
+    const int64_t len = seq_len(seq), sinks = window_sinks_, first = first_position(seq);
+    const int64_t sink_end = std::min(sinks, len);
+    if (first < sink_end) add_seats(seq, row, first, sink_end, len - 1);
+    for (int64_t pos = std::max({static_cast<int64_t>(start), first, sinks}); pos < len;) {
+      const int64_t lap = pos / window_size_ * window_size_;  // the position seat S holds in this lap
       const int64_t end = std::min(len, lap + window_size_);
-      check_block_ids(row, seq, pos - lap, end - lap, window_.block_size, window_.num_blocks, "window_block_tables",
-                      "window cache's");
-      add_spans(problem_, seq, kWindow, static_cast<int>(pos - lap), static_cast<int>(end - lap),
-                static_cast<int>(len - 1 - lap));
+      add_seats(seq, row, sinks + pos - lap, sinks + end - lap, sinks + len - 1 - lap);
       pos = end;
     }
   }
+
+  // Seats [begin, end) of a sequence's window ring, whose newest position sits at seat last (ALiBi).
+  void add_seats(int seq, const int32_t* row, int64_t begin, int64_t end, int64_t last) {
+    check_block_ids(row, seq, begin, end, window_.block_size, window_.num_blocks, "window_block_tables",
+                    "window cache's");
+    add_spans(problem_, seq, kWindow, static_cast<int>(begin), static_cast<int>(end), static_cast<int>(last));
+  }
+
 
   // Closes the current sequence's list of spans (sequences are added in order).
   void end_sequence() { problem_.first_span.push_back(static_cast<int>(problem_.spans.size())); }
@@ -452,7 +469,7 @@ class Launch {
  private:
   at::Tensor& out_;
   CacheGeometry paged_, window_{};
-  int64_t window_size_ = 0;
+  int64_t window_size_ = 0, window_sinks_ = 0;
   Problem problem_;
   at::Tensor seq_lens_, q_, alibi_, sinks_, tables_, window_starts_, window_tables_;
 };
@@ -465,7 +482,7 @@ void paged_attention(FP8KV_PAGED_ATTENTION_PARAMS) {
                 alibi_slopes, kv_cache_format, k_scale, v_scale, sliding_window, logit_softcap, sinks, k_scale_cache,
                 v_scale_cache);
   for (int s = 0; s < launch.problem().num_seqs; ++s) {
-    launch.add_paged(s, launch.seq_len(s), "seq_lens");
+    launch.add_paged(s, 0, launch.seq_len(s), "seq_lens");
     launch.end_sequence();
   }
   launch.finish();
@@ -473,17 +490,17 @@ void paged_attention(FP8KV_PAGED_ATTENTION_PARAMS) {
 
 void paged_attention_window(FP8KV_PAGED_ATTENTION_WINDOW_PARAMS) {
   (void)max_seq_len;
-  TORCH_CHECK(window_sinks == 0, "paged_attention_window: window_sinks = ", window_sinks,
-              " is not built on this backend yet");
   TORCH_CHECK(window_size >= 1, "window_size = ", window_size,
               " must be >= 1; call paged_attention when there is no window");
   Launch launch(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens, block_size,
                 alibi_slopes, kv_cache_format, k_scale, v_scale, sliding_window, logit_softcap, sinks, k_scale_cache,
                 v_scale_cache);
-  launch.set_window(window_key_cache, window_value_cache, window_block_tables, window_starts, window_size);
+  launch.set_window(window_key_cache, window_value_cache, window_block_tables, window_starts, window_size,
+                    window_sinks);
   for (int s = 0; s < launch.problem().num_seqs; ++s) {
     const int start = launch.window_start(s);
-    launch.add_paged(s, start, "window_starts");
+    // Paged: [max(first, sink_end), start), sink_end = min(S, start); the ring has the rest.
+    launch.add_paged(s, static_cast<int>(std::min<int64_t>(window_sinks, start)), start, "window_starts");
     launch.add_window(s, start);
     launch.end_sequence();
   }

@@ -51,10 +51,12 @@ FP8KV_INLINE __m256 sums8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
-// Lanes >= n of v zeroed (stale slots past the sequence may hold anything, even NaN).
-FP8KV_INLINE __m256 first_lanes(__m256 v, int n) {
+// v with lanes [lo, hi) kept, the others zero.
+FP8KV_INLINE __m256 lanes_between(__m256 v, int lo, int hi) {
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  return _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane)));
+  const __m256i keep = _mm256_andnot_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(lo), lane),
+                                           _mm256_cmpgt_epi32(_mm256_set1_epi32(hi), lane));
+  return _mm256_and_ps(v, _mm256_castsi256_ps(keep));
 }
 
 // Softmax numerators in place over row[0, n): the first `skip` are 0 (tokens before the partition's start),
@@ -139,7 +141,8 @@ FP8KV_INLINE __m256 dots8(const float* kbuf, const float* q, int D) {
 
 // out[h][d] += norm[h] * sum over tokens of probs[h][t] * V[d][t] for kG heads. Rows go kR at a time through
 // all tiles (kR * kG * 2 accumulators, at most 8: with AVX2's 16 registers, the decoded V and constants must
-// fit beside them); probs rows are zero past the partition and before its start.
+// fit beside them); probs rows are zero past the partition and before its start, and so are the values there
+// (stale slots past the sequence, a ring's seats not yet written before the start: anything, even NaN).
 template <typename cache_t, KVFormat kFormat, int kG, int kTile>
 void pv_heads(const PartitionWork& w, const cache_t* vcache, int64_t block_elems, int begin, const float* probs,
               int stride, const float* norm, float* out) {
@@ -148,6 +151,7 @@ void pv_heads(const PartitionWork& w, const cache_t* vcache, int64_t block_elems
   const int D = w.head_size, bs = w.block_size;
   const int tiles = (w.end - begin + kTile - 1) / kTile;
   const int tail = w.end - (begin + (tiles - 1) * kTile);  // valid tokens of the last tile
+  const int skip = w.start - begin;                         // tokens of the first tile before the start
   for (int d0 = 0; d0 < D; d0 += kR) {
     __m256 acc[kG][kR][2];
     for (int h = 0; h < kG; ++h) {
@@ -155,6 +159,7 @@ void pv_heads(const PartitionWork& w, const cache_t* vcache, int64_t block_elems
     }
     // Tile i into accumulator set `set` (8-token tiles alternate sets; 16-token ones use both).
     auto tile = [&](int i, int set, bool last) {
+      const int lo = i == 0 ? skip : 0, hi = last ? tail : kTile;
       const int t0 = begin + i * kTile;
       const cache_t* rows = vcache + w.block_table[t0 / bs] * block_elems + t0 % bs + d0 * bs;
       const float* p = probs + i * kTile;
@@ -163,9 +168,9 @@ void pv_heads(const PartitionWork& w, const cache_t* vcache, int64_t block_elems
         __m256 v0, v1 = _mm256_setzero_ps();
         if constexpr (kTile == 16) V::load16(rows + r * bs, v0, v1);
         else v0 = V::load8(rows + r * bs);
-        if (last) {
-          v0 = first_lanes(v0, tail);
-          if constexpr (kTile == 16) v1 = first_lanes(v1, tail - 8);
+        if (lo > 0 || hi < kTile) {
+          v0 = lanes_between(v0, lo, hi);
+          if constexpr (kTile == 16) v1 = lanes_between(v1, lo - 8, hi - 8);
         }
 #pragma GCC unroll 4
         for (int h = 0; h < kG; ++h) {

@@ -77,10 +77,10 @@ FP8KV_INLINE void for_head_subgroups(int group, Fn&& fn) {
 
 template <typename cache_t, KVFormat kFormat, int kBs>
 void pv_all_heads(const PartitionWork& w, const View<cache_t>& view, const float* probs, int stride,
-                  const float* norm) {
+                  const float* norm, int skip) {
   for_head_subgroups(w.group, [&](auto kG, int h0) {
     pv_heads<cache_t, kFormat, decltype(kG)::value, kBs>(w, view, probs + h0 * stride, stride, norm + h0,
-                                                          w.out + h0 * w.head_size);
+                                                          w.out + h0 * w.head_size, skip);
   });
 }
 
@@ -156,13 +156,13 @@ void run_partition(const PartitionWork& unaligned) {
     });
     for (int h = 0; h < G; ++h) {
       soft_cap(logits + h * stride, skip, P, w.softcap);
-    softmax_numerators(logits + h * stride, P, stride, w.max_logit + h, w.exp_sum + h, skip);
+      softmax_numerators(logits + h * stride, P, stride, w.max_logit + h, w.exp_sum + h, skip);
       norm[h] = w.v_scale / w.exp_sum[h];
     }
     switch (w.block_size) {
-      case 8: pv_all_heads<cache_t, kFormat, 8>(w, view, logits, stride, norm); break;
-      case 16: pv_all_heads<cache_t, kFormat, 16>(w, view, logits, stride, norm); break;
-      default: pv_all_heads<cache_t, kFormat, 32>(w, view, logits, stride, norm); break;
+      case 8: pv_all_heads<cache_t, kFormat, 8>(w, view, logits, stride, norm, skip); break;
+      case 16: pv_all_heads<cache_t, kFormat, 16>(w, view, logits, stride, norm, skip); break;
+      default: pv_all_heads<cache_t, kFormat, 32>(w, view, logits, stride, norm, skip); break;
     }
   }
 }

@@ -214,7 +214,7 @@ void qk_heads(const PartitionWork& w, const View<cache_t>& view, const float* q,
 // Tiles are 16 tokens (block size 8: two blocks; 16: one block) or 32 (block size 32: one block).
 template <typename cache_t, KVFormat kFormat, int kG, int kBs>
 void pv_heads(const PartitionWork& w, const View<cache_t>& view, const float* probs, int prob_stride,
-              const float* norm, float* out) {
+              const float* norm, float* out, int skip) {
   const Codec<cache_t, kFormat> codec{};
   constexpr int kRows = kG == 1 ? 16 : kG == 2 ? 8 : kG <= 4 ? 4 : 2;
   static_assert(kRows * kG <= 16, "16 accumulators at most");
@@ -223,6 +223,9 @@ void pv_heads(const PartitionWork& w, const View<cache_t>& view, const float* pr
   const int tiles = (P + kTile - 1) / kTile;
   const int tail = P - kTile * (tiles - 1);  // valid tokens of the last tile
   const __mmask16 tail_lo = first_lanes(tail), tail_hi = first_lanes(std::max(0, tail - 16));
+  // The first tile's `skip` tokens before the partition's start (block-aligned tiles)
+  const __mmask16 head_lo = static_cast<__mmask16>(~first_lanes(skip));
+  const __mmask16 head_hi = static_cast<__mmask16>(~first_lanes(std::max(0, skip - 16)));
   const cache_t* pa[kPartitionSize / 16];
   const cache_t* pb[kPartitionSize / 16];
   for (int i = 0; i < tiles; ++i) {
@@ -238,18 +241,22 @@ void pv_heads(const PartitionWork& w, const View<cache_t>& view, const float* pr
       acc[slot] = _mm512_fmadd_ps(v, _mm512_loadu_ps(p), acc[slot]);
     };
     for (int i = 0; i < tiles; ++i) {
-      const bool partial = i == tiles - 1 && tail < kTile;
+      // Slots past the sequence, and a ring's seats before the partition's start (not yet written in a young
+      // sequence with sinks), may hold anything, even NaN: their values are zeroed, not only their weights.
+      const bool partial = i == tiles - 1 && tail < kTile, head = i == 0 && skip > 0, masked = partial || head;
+      const __mmask16 keep_lo = (partial ? tail_lo : __mmask16(0xFFFF)) & (head ? head_lo : __mmask16(0xFFFF));
+      const __mmask16 keep_hi = (partial ? tail_hi : __mmask16(0xFFFF)) & (head ? head_hi : __mmask16(0xFFFF));
       const float* pt = probs + kTile * i;
       if constexpr (kBs == 32) {  // 64 codes = rows r, r+1 x 32 tokens
 #pragma GCC unroll 8
         for (int j = 0; j < kRows / 2; ++j) {
           __m512 z[4];
           codec.v_64(pa[i] + (d0 + 2 * j) * kBs, z);
-          if (partial) {  // stale slots past the sequence may hold anything, even NaN: zero them
-            z[0] = _mm512_maskz_mov_ps(tail_lo, z[0]);
-            z[1] = _mm512_maskz_mov_ps(tail_hi, z[1]);
-            z[2] = _mm512_maskz_mov_ps(tail_lo, z[2]);
-            z[3] = _mm512_maskz_mov_ps(tail_hi, z[3]);
+          if (masked) {
+            z[0] = _mm512_maskz_mov_ps(keep_lo, z[0]);
+            z[1] = _mm512_maskz_mov_ps(keep_hi, z[1]);
+            z[2] = _mm512_maskz_mov_ps(keep_lo, z[2]);
+            z[3] = _mm512_maskz_mov_ps(keep_hi, z[3]);
           }
 #pragma GCC unroll 8
           for (int h = 0; h < kG; ++h) {
@@ -265,8 +272,8 @@ void pv_heads(const PartitionWork& w, const View<cache_t>& view, const float* pr
         for (int j = 0; j < kRows / 4; ++j) {
           __m512 z[4];
           codec.v_64(pa[i] + (d0 + 4 * j) * kBs, z);
-          if (partial) {
-            for (int k = 0; k < 4; ++k) z[k] = _mm512_maskz_mov_ps(tail_lo, z[k]);
+          if (masked) {
+            for (int k = 0; k < 4; ++k) z[k] = _mm512_maskz_mov_ps(keep_lo, z[k]);
           }
 #pragma GCC unroll 8
           for (int h = 0; h < kG; ++h) {
@@ -279,9 +286,9 @@ void pv_heads(const PartitionWork& w, const View<cache_t>& view, const float* pr
           __m512 z0, z1;
           const int row = (d0 + 2 * j) * kBs;
           codec.template v_rows<kBs>(pa[i] + row, pb[i] + row, z0, z1);
-          if (partial) {
-            z0 = _mm512_maskz_mov_ps(tail_lo, z0);
-            z1 = _mm512_maskz_mov_ps(tail_lo, z1);
+          if (masked) {
+            z0 = _mm512_maskz_mov_ps(keep_lo, z0);
+            z1 = _mm512_maskz_mov_ps(keep_lo, z1);
           }
 #pragma GCC unroll 8
           for (int h = 0; h < kG; ++h) {

@@ -54,7 +54,6 @@ void decode_layer(at::Tensor& hidden, at::TensorList weights, const c10::List<st
                   const std::optional<at::Tensor>& window_starts, int64_t window_size,
                   const std::optional<at::Tensor>& k_scale_cache, const std::optional<at::Tensor>& v_scale_cache,
                   bool hadamard, int64_t window_sinks) {
-  TORCH_CHECK(window_sinks == 0, "decode_layer: window_sinks = ", window_sinks, " is not built on this backend yet");
   TORCH_CHECK(weights.size() == kNumWeights, "weights must be [input_norm, qkv, o, post_norm, gate_up, down], got ",
               weights.size(), " tensors");
   TORCH_CHECK(biases.size() == kNumBiases, "biases must hold one entry (or None) per projection: qkv, o, gate_up, "

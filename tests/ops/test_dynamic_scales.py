@@ -188,20 +188,27 @@ def test_largest_element_never_clips_and_outliers_keep_their_precision(ops):
     assert bool((static.view(torch.float8_e4m3fn).float().abs() == 448).any())  # what the static scale does
 
 
-@pytest.mark.parametrize("case", [c for c in WINDOW_CASES if c.kv != "auto"][:6] + [WINDOW_CASES[10]],
-                         ids=WindowCase.id)
-def test_window_attention_matches_reference(ops, case):
-    b = build_window(case)
+def write_dynamic(case: WindowCase, b: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rewrites the paged cache of a test_window_ops batch with dynamic scales (tokens of token_magnitudes());
+    returns the scale caches."""
     g = torch.Generator().manual_seed(7)
     bs, lens = case.block_size, case.lens()
     slots = torch.tensor([int(b["table"][s, t // bs]) * bs + t % bs for s, n in enumerate(lens) for t in range(n)],
                          dtype=torch.long)
     key = (torch.randn(len(slots), case.kv_heads, case.head_size, generator=g) * token_magnitudes(len(slots), g))
     value = torch.randn(len(slots), case.kv_heads, case.head_size, generator=g) * token_magnitudes(len(slots), g)
-    caches = b["caches"]
-    scale_caches = dynamic_scales.allocate_scale_caches(caches[0].shape[0], bs, case.kv_heads)
-    ref.reshape_and_cache(key.to(case.dtype), value.to(case.dtype), *caches, slots, case.kv, b["k_scale"],
+    scale_caches = dynamic_scales.allocate_scale_caches(b["caches"][0].shape[0], bs, case.kv_heads)
+    ref.reshape_and_cache(key.to(case.dtype), value.to(case.dtype), *b["caches"], slots, case.kv, b["k_scale"],
                           b["v_scale"], *scale_caches)
+    return scale_caches
+
+
+@pytest.mark.parametrize("case", [c for c in WINDOW_CASES if c.kv != "auto"][:6] + [WINDOW_CASES[10]],
+                         ids=WindowCase.id)
+def test_window_attention_matches_reference(ops, case):
+    b = build_window(case)
+    caches, scale_caches = b["caches"], write_dynamic(case, b)
+    bs, lens = case.block_size, case.lens()
 
     def run(impl) -> torch.Tensor:
         out = torch.full_like(b["query"], 7.0)

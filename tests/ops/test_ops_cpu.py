@@ -301,16 +301,17 @@ def _cpu_has(flag: str) -> bool:
 def test_other_isa_builds(isa):
     """The op library built for a lower CPU path (its own cache key) passes the FP8 conversion tests
     (fp8.h's scalar encoder there, the vector one in an AVX-512 build), every attention case, paged and
-    window (AVX2's own FP8 kernel, attention_avx2.h, and the portable one run them all), the panel linear
-    kernels' (AVX2's tiles, panel_tiles_avx2.h, and the portable loops) and the Hadamard op's. The library is
-    registered per process, so this runs pytest in a child process (one per path: each pays ~8 CPU-s of
-    imports)."""
+    window, with sinks too (AVX2's own FP8 kernel, attention_avx2.h, and the portable one run them all), the
+    panel linear kernels' (AVX2's tiles, panel_tiles_avx2.h, and the portable loops) and the Hadamard op's.
+    The library is registered per process, so this runs pytest in a child process (one per path: each pays
+    ~8 CPU-s of imports)."""
     if isa == "avx2" and not (_cpu_has("avx2") and _cpu_has("avx512f")):
         pytest.skip("avx2 is only a separate path on an AVX-512 machine")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     files = [Path(__file__), Path(__file__).with_name("test_fp8_conversion.py"),
              Path(__file__).with_name("test_window_ops.py"), Path(__file__).with_name("test_dynamic_scales.py"),
+             Path(__file__).with_name("test_window_sinks.py"),
              REPO / "tests" / "model" / "test_packed_linear.py"]
     assert all(f.is_file() for f in files), files
     hadamard = Path(__file__).with_name("test_hadamard_op.py")

@@ -41,6 +41,7 @@ class WindowCase:
     per_head_scale: bool = False
     alibi: bool = False
     strided_query: bool = False
+    window_sinks: int = 0  # the ring's extra seats for positions [0, window_sinks) (tests/ops/test_window_sinks.py)
     seed: int = 0
 
     def lens(self) -> tuple[int, ...]:
@@ -51,7 +52,7 @@ class WindowCase:
         bits = [self.kv, "win-" + str(self.window_dtype).removeprefix("torch."), f"W{self.window_size}",
                 f"d{self.head_size}", f"bs{self.block_size}", f"h{self.heads}/{self.kv_heads}",
                 "q-" + str(self.dtype).removeprefix("torch."), "x".join(map(str, self.lens())),
-                "-".join(self.starts)]
+                "-".join(self.starts)] + ([f"S{self.window_sinks}"] if self.window_sinks else [])
         return "-".join(bits + [flag for flag, on in (("perhead", self.per_head_scale), ("alibi", self.alibi),
                                                         ("strided", self.strided_query)) if on])
 
@@ -101,7 +102,8 @@ def build(case: WindowCase):
     n = len(lens)
     blocks_per_seq = [(length + bs - 1) // bs for length in lens]
     num_blocks = sum(blocks_per_seq) + 3
-    ring_blocks = (w + bs - 1) // bs
+    sinks = case.window_sinks
+    ring_blocks = (sinks + w + bs - 1) // bs
     num_window_blocks = n * ring_blocks + 2
 
     ids = torch.randperm(num_blocks, generator=g).to(torch.int32)
@@ -114,8 +116,9 @@ def build(case: WindowCase):
         used += blocks_per_seq[s]
         window_table[s, :ring_blocks] = window_ids[s * ring_blocks:(s + 1) * ring_blocks]
         slots += [int(table[s, t // bs]) * bs + t % bs for t in range(length)]
-        ring = torch.arange(max(0, length - w), length)  # the positions the ring holds
-        window_slots.append(ref.window_slots(window_table[s], ring, w, bs))
+        # the positions the ring holds: the sinks and the newest window_size
+        ring = torch.cat([torch.arange(min(sinks, max(0, length - w))), torch.arange(max(0, length - w), length)])
+        window_slots.append(ref.window_slots(window_table[s], ring, w, bs, sinks))
         window_tokens.append(ring + (len(slots) - length))  # rows of the sequence's tokens below
     n_tok = len(slots)
     key = torch.randn(n_tok, hk, d, generator=g).to(case.dtype)
@@ -145,12 +148,16 @@ def build(case: WindowCase):
             "alibi": torch.randn(case.heads, generator=g) * 0.05 if case.alibi else None}
 
 
-def attention(impl, case: WindowCase, b, window_size: int | None = None) -> torch.Tensor:
+def attention(impl, case: WindowCase, b, window_size: int | None = None, **features) -> torch.Tensor:
+    """paged_attention_window over build()'s batch; features: its keyword arguments after v_scale
+    (sliding_window, logit_softcap, sinks, k_scale_cache, v_scale_cache); window_sinks is the case's."""
     out = torch.full_like(b["query"], 7.0)  # garbage: every row must be written
+    if case.window_sinks:
+        features["window_sinks"] = case.window_sinks
     impl.paged_attention_window(
         out, b["query"], *b["caches"], *b["window_caches"], case.kv_heads, case.head_size ** -0.5, b["table"],
         b["window_table"], b["seq_lens"], b["window_starts"], case.window_size if window_size is None else window_size, case.block_size,
-        max(case.lens()), b["alibi"], format_code(case.kv, b["query"].device), b["k_scale"], b["v_scale"])
+        max(case.lens()), b["alibi"], format_code(case.kv, b["query"].device), b["k_scale"], b["v_scale"], **features)
     return out
 
 
