@@ -88,9 +88,13 @@ def test_no_free_seat_means_cannot_allocate():
     assert bm.can_allocate(b, 5)
 
 
-def test_scheduler_maps_only_the_newest_tokens_to_the_ring():
+@pytest.mark.parametrize("sinks", [0, 1, 12])
+def test_scheduler_maps_only_the_newest_tokens_and_the_sinks_to_the_ring(sinks):
+    """Each chunk writes its last `window` positions and the sequence's first `sinks` (attention sinks) to the
+    ring, at the seats of the reference's layout."""
     window = 10
-    bm = BlockManager(num_blocks=64, block_size=BLOCK, window=WindowPool(window, 2, 2))
+    bm = BlockManager(num_blocks=64, block_size=BLOCK, window=WindowPool(window, 2, -(-(window + sinks) // BLOCK),
+                                                                       sinks))
     sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=13)
     seq = seq_of(30)
     sched.add(seq)
@@ -99,8 +103,8 @@ def test_scheduler_maps_only_the_newest_tokens_to_the_ring():
         plan = sched.schedule()
         chunk, start = plan.batch.seqs[0], seq.num_computed_tokens
         end = start + chunk.query_len
-        expected = [int(reference.window_slots(seq.window_block_table, torch.tensor([p]), window, BLOCK)[0])
-                    if p >= end - window else -1 for p in range(start, end)]
+        expected = [int(reference.window_slots(seq.window_block_table, torch.tensor([p]), window, BLOCK, sinks)[0])
+                    if p >= end - window or p < sinks else -1 for p in range(start, end)]
         assert plan.batch.window_slot_mapping == expected
         assert chunk.window_block_table == seq.window_block_table
         seen.append(chunk.query_len)
@@ -119,6 +123,13 @@ def test_plan_counts_the_window_in_the_budget():
     assert windowed.num_blocks == ((1 << 23) - windowed.window_bytes) // (16 * 1000) < plain.num_blocks
     with pytest.raises(ValueError, match="kv_recent_window"):
         plan_cache(seat + 100, 0.3, 16, 1000, window_size=20, window_token_bytes=4000)
+    # attention sinks sit in the ring before the recent seats: 12 + 20 tokens still fit 2 blocks, 13 + 20 take 3
+    for sinks, blocks in ((12, 2), (13, 3)):
+        plan = plan_cache(1 << 23, 0.3, 16, 1000, window_size=20, window_token_bytes=4000, max_num_seqs=2,
+                          window_sinks=sinks)
+        assert (plan.window_blocks_per_seat, plan.window_sinks) == (blocks, sinks)
+        assert plan.window_bytes == 2 * blocks * 16 * 4000
+    assert plan_cache(1 << 23, 0.3, 16, 1000, window_sinks=4).window_sinks == 0  # no window, no sinks
 
 
 def _full_length_batch(plan, max_model_len: int) -> int:
@@ -259,17 +270,20 @@ def merged(batches: list[StepBatch]) -> StepBatch:
     return step
 
 
-@pytest.mark.parametrize("kv_cache_dtype,window,window_dtype", [
-    ("fp8_e4m3", 8, "auto"), ("fp8_e5m2", 13, "auto"), ("fp8_e4m3", 1, "auto"), ("fp8_e4m3", 8, "bfloat16"),
-    ("fp8_e5m2", 13, "float16")])
+@pytest.mark.parametrize("kv_cache_dtype,window,window_dtype,sinks", [
+    ("fp8_e4m3", 8, "auto", 1), ("fp8_e5m2", 13, "auto", 0), ("fp8_e4m3", 1, "auto", 1),
+    ("fp8_e4m3", 8, "bfloat16", 1), ("fp8_e5m2", 13, "float16", 3), ("fp8_e4m3", 8, "auto", 20)])
 def test_chunked_prefill_and_decode_read_the_window_like_one_prefill(loaded, kv_cache_dtype, window,
-                                                                     window_dtype):
+                                                                     window_dtype, sinks):
     """Feeding a sequence in chunks and then token by token (ring writes, ring reads, window decode op)
-    gives the logits of one dense-mask prefill of the whole sequence, where row i reads i-N+1..i in full
-    precision (in the window's dtype)."""
+    gives the logits of one dense-mask prefill of the whole sequence, where row i reads i-N+1..i and the
+    sequence's first `sinks` positions in full precision (in the window's dtype)."""
     ids = prompt_ids(60)
-    runner = make_runner(loaded, kv_cache_dtype, window, kv_recent_window_dtype=window_dtype)
+    runner = make_runner(loaded, kv_cache_dtype, window, kv_recent_window_dtype=window_dtype,
+                         kv_recent_window_sinks=sinks)
     want = dense_window_logits(runner, ids)
+    if sinks:  # the sinks are what the rows past the window read differently
+        assert (want - dense_window_logits(runner, ids, sinks=0)).abs().amax() > 1e-4
     seq = RingSeq(runner, ids)
     got = [runner.execute(seq.chunk(0, 11), all_logits=True), runner.execute(seq.chunk(11, 40), all_logits=True)]
     got += [runner.execute(seq.chunk(p, p + 1)) for p in range(40, 60)]
@@ -300,21 +314,23 @@ def test_cpu_window_prefills_equal_one_dense_softmax(one_layer, window):
     torch.testing.assert_close(torch.cat(logits), want, atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kv_scales,kv_rotation,window,block", [
-    ("static", "none", 8, 16),  # a ring block longer than the window: ring slots p % 8 of one 16-slot block
-    ("dynamic", "none", 8, 16), ("dynamic", "hadamard", 32, 16), ("static", "hadamard", 32, 8),
-    ("dynamic", "none", 13, 8)])
+@pytest.mark.parametrize("kv_scales,kv_rotation,window,block,sinks", [
+    ("static", "none", 8, 16, 1),  # a ring block longer than the window: ring slots 1 + p % 8 of one 16-slot block
+    ("dynamic", "none", 8, 16, 0), ("dynamic", "hadamard", 32, 16, 1), ("static", "hadamard", 32, 8, 4),
+    ("dynamic", "none", 13, 8, 1),
+    ("dynamic", "none", 13, 8, 20)])  # sinks past the prefix hit's floor (16): those the sequence computes itself
 def test_decode_prefill_chunks_and_prefix_hits_read_what_the_design_says(one_layer, kv_scales, kv_rotation, window,
-                                                                         block):
-    """Row i reads positions [max(i - W + 1, floor), i] in full precision and older ones from FP8, whichever way
-    the sequence reaches the cache (docs/design.md "Recent-token window"): one prefill, chunks ending on and off
-    block edges then decode, token by token from the first token, and a prefix-cache hit (floor = the shared
-    blocks' end: their K/V exist only as FP8) followed by chunks and decode. Each equals the dense oracle of
-    the same semantics, with static and dynamic scales, with and without the rotation."""
+                                                                         block, sinks):
+    """Row i reads positions [max(i - W + 1, floor), i] and the sinks [floor, S) in full precision and older ones
+    from FP8, whichever way the sequence reaches the cache (docs/design.md "Recent-token window"): one prefill,
+    chunks ending on and off block edges then decode, token by token from the first token, and a prefix-cache
+    hit (floor = the shared blocks' end: their K/V exist only as FP8, and the engine fills the sink seats below
+    it from there) followed by chunks and decode. Each equals the dense oracle of the same semantics, with
+    static and dynamic scales, with and without the rotation."""
     n, shared = 70, 2 * block
     ids, other = prompt_ids(n, seed=7), prompt_ids(n, seed=7)[:shared] + prompt_ids(n - shared, seed=8)
     runner = make_runner(one_layer, "fp8_e4m3", window, block_size=block, kv_scales=kv_scales,
-                         kv_rotation=kv_rotation)
+                         kv_rotation=kv_rotation, kv_recent_window_sinks=sinks)
     want = dense_window_logits(runner, ids)
     want_shared = dense_window_logits(runner, other, floor=shared)[shared:]
     paths = {"one prefill": [(0, n)], "chunks": [(0, block), (block, block + 5), (block + 5, 3 * block + 1)]
@@ -335,8 +351,9 @@ def test_decode_prefill_chunks_and_prefix_hits_read_what_the_design_says(one_lay
     # attention sinks: past the window the rows read what a fresh prefill without sinks reads.
     fresh = dense_window_logits(runner, other)[shared:]
     assert (want_shared[:window - 1] - fresh[:window - 1]).abs().amax() > 1e-3
-    no_sinks = dense_window_logits(runner, other, sinks=0)[shared:]
-    torch.testing.assert_close(want_shared[window:], no_sinks[window:], atol=3e-5, rtol=1e-5)
+    if sinks <= shared:
+        no_sinks = dense_window_logits(runner, other, sinks=0)[shared:]
+        torch.testing.assert_close(want_shared[window:], no_sinks[window:], atol=3e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2", "auto"])
@@ -493,6 +510,29 @@ def test_prefix_caching_on_and_off_agree_and_abort_frees_the_seat(loaded, shared
     assert on[0] == off[0] and outs["late"] == off[1]
     bm = engine.block_manager
     assert bm.window.num_free_seats == bm.window.num_seats and bm.num_free_blocks == bm.num_blocks
+
+
+def test_prefix_hit_reads_its_sinks_as_the_fp8_cache_holds_them(loaded, shared_prompts):
+    """A sequence whose first blocks come from the prefix cache never computed its attention sinks: the engine
+    fills their ring seats from the FP8 cache, so a ring full of garbage (another sequence's, here noise) is never
+    read, and the tokens equal those without prefix caching (which read the sink in full precision: within FP8's
+    error, far inside what noise in a sink seat would do)."""
+    kw = {"kv_cache_dtype": "fp8_e4m3", "kv_recent_window": 8, "kv_recent_window_sinks": 1}
+    _, off = run_engine(loaded, shared_prompts[:2], 8, enable_prefix_caching=False, **kw)
+    config = EngineConfig(model=loaded.model_path, block_size=BLOCK, kv_cache_memory="16MiB", **kw)
+    engine = LLMEngine(config, log=lambda _: None, runner=ModelRunner(config, log=lambda _: None, loaded=loaded))
+    g = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    on = []
+    for i, prompt in enumerate(shared_prompts[:2]):  # one after the other: the second hits the first's blocks
+        for cache in engine.runner.window_caches:
+            for t in cache:
+                t.copy_(torch.randn(t.shape, generator=g) * 30)
+        engine.add_request(str(i), prompt, params)
+        while engine.has_unfinished_requests():
+            on += [out.outputs[0].token_ids for out in engine.step() if out.finished]
+    assert engine.stats.prefix_cache_hits > 0
+    assert on == off
 
 
 def test_window_recorded_in_the_scales_file_is_used_unless_one_is_given(loaded, tmp_path):
