@@ -374,6 +374,16 @@ def test_row_prefill_without_window_equals_sdpa_over_the_cache(one_layer, kv_cac
     torch.testing.assert_close(got, want, **tolerance)
 
 
+@pytest.mark.parametrize("sinks", [0, 1, 3])
+def test_evals_one_prefill_writes_and_reads_the_sinks(loaded, sinks):
+    """fp8kv eval's window as one prefill (quality.eval.runner_batch) writes the sinks' seats as well as the
+    newest positions', and its logits are the dense oracle's."""
+    ids = prompt_ids(40, seed=6)
+    runner = make_runner(loaded, "fp8_e4m3", 8, kv_recent_window_sinks=sinks)
+    torch.testing.assert_close(runner.execute(runner_batch(ids, runner), all_logits=True),
+                               dense_window_logits(runner, ids), atol=2e-4, rtol=1e-4)
+
+
 def test_window_changes_logits_only_through_full_precision(loaded):
     """A window as long as the text equals the auto cache; no window equals plain FP8; one between differs
     from both and lies closer to auto."""

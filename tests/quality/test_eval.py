@@ -11,7 +11,8 @@ from fp8cache.config import EngineConfig
 from fp8cache.quality.eval import evaluate, locate_eval_text, read_text
 
 KEYS = {"kv_cache_dtype", "device", "ppl", "baseline_ppl", "kl", "top1_agreement", "tokens", "windows", "scales_source",
-        "kv_recent_window", "kv_recent_window_dtype", "kv_cache_dtype_skip_layers", "saturation"}
+        "kv_recent_window", "kv_recent_window_sinks", "kv_recent_window_dtype", "kv_cache_dtype_skip_layers",
+        "saturation"}
 
 
 def transformers_ppl(model_path: str, windows: int, window_len: int) -> float:
@@ -55,6 +56,18 @@ def test_recent_window_as_long_as_the_text_has_no_divergence(default_model_path)
                      windows=1, window_len=64, progress=False)
     assert whole["kv_recent_window"] == 64 and abs(whole["kl"]) < 1e-6 and whole["top1_agreement"] == 1
     assert 0 < part["kl"] < plain["kl"]
+
+
+@pytest.mark.slow
+def test_eval_reads_the_sinks_it_reports(default_model_path):
+    """The window's attention sinks (the default 1) change what the rows past the window read, and eval says how
+    many it kept; a window as long as the text leaves none to read (its first positions are in it already)."""
+    config = EngineConfig(model=default_model_path, kv_cache_dtype="fp8_e5m2", kv_recent_window=8)
+    sinks = evaluate(config, windows=1, window_len=48, progress=False)
+    none = evaluate(EngineConfig(**{**config.__dict__, "kv_recent_window_sinks": 0}), windows=1, window_len=48,
+                    progress=False)
+    assert (sinks["kv_recent_window_sinks"], none["kv_recent_window_sinks"]) == (1, 0)
+    assert sinks["kl"] != none["kl"] and 0 < sinks["kl"]
 
 
 def test_eval_sizes_the_window_a_scales_file_records(tmp_path, default_model_path):
