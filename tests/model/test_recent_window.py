@@ -414,6 +414,7 @@ def test_bfloat16_window_halves_its_memory_and_rounds_only_the_newest_tokens(loa
     assert 2 * bf16.cache_plan.window_bytes == f32.cache_plan.window_bytes
     assert bf16.num_blocks > f32.num_blocks  # the bytes saved go to the FP8 cache
     assert ModelInfo.from_runner(bf16).window_dtype == "bfloat16"  # what /info and the startup line show
+    assert ModelInfo.from_runner(bf16).kv_recent_window_sinks == 1
     lines = []
     make_runner(loaded, "fp8_e4m3", 8, kv_recent_window_dtype="bfloat16", log_to=lines.append)
     assert any("newest 8 tokens of each sequence, and its first 1 (attention sink), also in bfloat16" in line
