@@ -96,7 +96,8 @@ def eval_command(model: str | None, kv_cache_dtype: str, quantization_param_path
     table = Table(title=f"{result['kv_cache_dtype']} vs auto {dtype}, {result['tokens']} tokens on {result['device']} "
                         f"({result['windows']} windows), scales: {result['scales_source']}, "
                         f"recent window: {result['kv_recent_window']}"
-                        + (f" + {result['kv_recent_window_sinks']} sinks" if result["kv_recent_window_sinks"] else "")
+                        + (f" + {result['kv_recent_window_sinks']} sink" + ("s" if result["kv_recent_window_sinks"] > 1 else "")
+                           if result["kv_recent_window_sinks"] else "")
                         + (f", layers kept in {dtype}: {','.join(map(str, result['kv_cache_dtype_skip_layers']))}"
                            if result["kv_cache_dtype_skip_layers"] else "")
                         + (f" ({result['kv_recent_window_dtype']})" if result["kv_recent_window"] else ""))
