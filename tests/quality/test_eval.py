@@ -110,3 +110,24 @@ def test_eval_refuses_bad_input(tmp_path, default_model_path):
     with pytest.raises(ValueError, match="fewer than windows"):
         evaluate(EngineConfig(model=default_model_path), text_path=str(short), windows=1, window_len=64,
                  progress=False)
+
+
+def test_eval_command_takes_the_sinks_flag(tiny_llama_path, tmp_path):
+    """`fp8kv eval --kv-recent-window-sinks`: the JSON says how many sinks were kept (the default 1, or none)."""
+    import json
+
+    from click.testing import CliRunner
+
+    from launcher.cli import main
+
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"word{i % 37} and more{i % 11}" for i in range(400)))
+    args = ["eval", tiny_llama_path, "--text", str(text), "--windows", "1", "--window-len", "48", "--device", "cpu",
+            "--kv-recent-window", "8", "--json"]
+    results = {}
+    for extra in ([], ["--kv-recent-window-sinks", "0"], ["--kv-recent-window-sinks", "3"]):
+        run = CliRunner().invoke(main, args + extra)
+        assert run.exit_code == 0, run.output
+        results[tuple(extra)] = json.loads(run.stdout.strip().splitlines()[-1])
+    assert [r["kv_recent_window_sinks"] for r in results.values()] == [1, 0, 3]
+    assert len({r["kl"] for r in results.values()}) == 3  # the sinks change what rows past the window read
