@@ -422,19 +422,26 @@ class Launch {
   // The positions sequence `seq` reads from the window ring: the sinks [first_position, min(S, seq_len)) at
   // seats equal to their positions (all of them, also those past window_start: a position below S is never in
   // the ring proper), and the recent ones [max(first_position, start, S), seq_len) at seat S + q % window_size,
-  // at most two runs of seats.
+  // at most two runs of seats. Without ALiBi a seat's position matters only for which seats are read, so the sink
+  // seats and a recent run that starts at seat S (the ring's first lap seat) are read as one run: in such steps
+  // the sinks cost no partition of their own.
   void add_window(int seq, int start) {
     const CacheSource& ring = problem_.sources[kWindow];
     const int32_t* row = ring.block_tables + seq * ring.block_table_stride;
     const int64_t len = seq_len(seq), sinks = window_sinks_, first = first_position(seq);
-    const int64_t sink_end = std::min(sinks, len);
-    if (first < sink_end) add_seats(seq, row, first, sink_end, len - 1);
+    int64_t sink_begin = first, sink_end = std::min(sinks, len);  // empty once read
     for (int64_t pos = std::max({static_cast<int64_t>(start), first, sinks}); pos < len;) {
       const int64_t lap = pos / window_size_ * window_size_;  // the position seat S holds in this lap
       const int64_t end = std::min(len, lap + window_size_);
-      add_seats(seq, row, sinks + pos - lap, sinks + end - lap, sinks + len - 1 - lap);
+      int64_t begin = sinks + pos - lap;
+      if (problem_.alibi == nullptr && sink_begin < sink_end && sink_end == begin) {
+        begin = sink_begin;
+        sink_begin = sink_end;
+      }
+      add_seats(seq, row, begin, sinks + end - lap, sinks + len - 1 - lap);
       pos = end;
     }
+    if (sink_begin < sink_end) add_seats(seq, row, sink_begin, sink_end, len - 1);
   }
 
   // Seats [begin, end) of a sequence's window ring, whose newest position sits at seat last (ALiBi).
@@ -443,7 +450,6 @@ class Launch {
                     "window cache's");
     add_spans(problem_, seq, kWindow, static_cast<int>(begin), static_cast<int>(end), static_cast<int>(last));
   }
-
 
   // Closes the current sequence's list of spans (sequences are added in order).
   void end_sequence() { problem_.first_span.push_back(static_cast<int>(problem_.spans.size())); }

@@ -157,9 +157,9 @@ void pv_heads(const PartitionWork& w, const cache_t* vcache, int64_t block_elems
     for (int h = 0; h < kG; ++h) {
       for (int r = 0; r < kR; ++r) acc[h][r][0] = acc[h][r][1] = _mm256_setzero_ps();
     }
-    // Tile i into accumulator set `set` (8-token tiles alternate sets; 16-token ones use both).
-    auto tile = [&](int i, int set, bool last) {
-      const int lo = i == 0 ? skip : 0, hi = last ? tail : kTile;
+    // Tile i into accumulator set `set` (8-token tiles alternate sets; 16-token ones use both), reading its
+    // tokens [lo, hi) (constants in the loop over the middle tiles: no masking there).
+    auto tile = [&](int i, int set, int lo, int hi) {
       const int t0 = begin + i * kTile;
       const cache_t* rows = vcache + w.block_table[t0 / bs] * block_elems + t0 % bs + d0 * bs;
       const float* p = probs + i * kTile;
@@ -181,11 +181,12 @@ void pv_heads(const PartitionWork& w, const cache_t* vcache, int64_t block_elems
       }
     };
     int i = 0;
+    if (skip > 0) tile(i++, 0, skip, tiles == 1 ? tail : kTile);
     for (; i + 2 < tiles; i += 2) {
-      tile(i, 0, false);
-      tile(i + 1, kTile == 16 ? 0 : 1, false);
+      tile(i, 0, 0, kTile);
+      tile(i + 1, kTile == 16 ? 0 : 1, 0, kTile);
     }
-    for (; i < tiles; ++i) tile(i, 0, i == tiles - 1);
+    for (; i < tiles; ++i) tile(i, 0, 0, i == tiles - 1 ? tail : kTile);
     for (int h = 0; h < kG; ++h) {
       for (int r = 0; r < kR; ++r) out[h * D + d0 + r] = norm[h] * sum8(_mm256_add_ps(acc[h][r][0], acc[h][r][1]));
     }

@@ -4,6 +4,8 @@
 // scattered, so the hardware prefetchers cannot guess them).
 #pragma once
 
+#include <type_traits>
+
 #include "cpu/attention_avx512_common.h"
 
 namespace fp8kv::cpu::avx512 {
@@ -240,19 +242,16 @@ void pv_heads(const PartitionWork& w, const View<cache_t>& view, const float* pr
       const int slot = kSlot[h * kRows + row];
       acc[slot] = _mm512_fmadd_ps(v, _mm512_loadu_ps(p), acc[slot]);
     };
-    for (int i = 0; i < tiles; ++i) {
-      // Slots past the sequence, and a ring's seats before the partition's start (not yet written in a young
-      // sequence with sinks), may hold anything, even NaN: their values are zeroed, not only their weights.
-      const bool partial = i == tiles - 1 && tail < kTile, head = i == 0 && skip > 0, masked = partial || head;
-      const __mmask16 keep_lo = (partial ? tail_lo : __mmask16(0xFFFF)) & (head ? head_lo : __mmask16(0xFFFF));
-      const __mmask16 keep_hi = (partial ? tail_hi : __mmask16(0xFFFF)) & (head ? head_hi : __mmask16(0xFFFF));
+    // Tile i; kMasked: only the lanes of keep_lo / keep_hi (tokens 0-15 / 16-31 of the tile) are read.
+    auto tile = [&](auto masked, int i, __mmask16 keep_lo, [[maybe_unused]] __mmask16 keep_hi) {
+      constexpr bool kMasked = decltype(masked)::value;
       const float* pt = probs + kTile * i;
       if constexpr (kBs == 32) {  // 64 codes = rows r, r+1 x 32 tokens
 #pragma GCC unroll 8
         for (int j = 0; j < kRows / 2; ++j) {
           __m512 z[4];
           codec.v_64(pa[i] + (d0 + 2 * j) * kBs, z);
-          if (masked) {
+          if constexpr (kMasked) {
             z[0] = _mm512_maskz_mov_ps(keep_lo, z[0]);
             z[1] = _mm512_maskz_mov_ps(keep_hi, z[1]);
             z[2] = _mm512_maskz_mov_ps(keep_lo, z[2]);
@@ -272,7 +271,7 @@ void pv_heads(const PartitionWork& w, const View<cache_t>& view, const float* pr
         for (int j = 0; j < kRows / 4; ++j) {
           __m512 z[4];
           codec.v_64(pa[i] + (d0 + 4 * j) * kBs, z);
-          if (masked) {
+          if constexpr (kMasked) {
             for (int k = 0; k < 4; ++k) z[k] = _mm512_maskz_mov_ps(keep_lo, z[k]);
           }
 #pragma GCC unroll 8
@@ -286,7 +285,7 @@ void pv_heads(const PartitionWork& w, const View<cache_t>& view, const float* pr
           __m512 z0, z1;
           const int row = (d0 + 2 * j) * kBs;
           codec.template v_rows<kBs>(pa[i] + row, pb[i] + row, z0, z1);
-          if (masked) {
+          if constexpr (kMasked) {
             z0 = _mm512_maskz_mov_ps(keep_lo, z0);
             z1 = _mm512_maskz_mov_ps(keep_lo, z1);
           }
@@ -297,7 +296,19 @@ void pv_heads(const PartitionWork& w, const View<cache_t>& view, const float* pr
           }
         }
       }
+    };
+    // Slots past the sequence, and a ring's seats before the partition's start (not yet written in a young
+    // sequence with sinks), may hold anything, even NaN: their values are zeroed, not only their weights. Only
+    // the first and last tiles can have such lanes; the tiles between read all of theirs.
+    const bool head = skip > 0, partial = tail < kTile;
+    const int middle_end = partial ? tiles - 1 : tiles;
+    if (head) {
+      const bool also_tail = partial && tiles == 1;
+      tile(std::true_type{}, 0, head_lo & (also_tail ? tail_lo : __mmask16(0xFFFF)),
+           head_hi & (also_tail ? tail_hi : __mmask16(0xFFFF)));
     }
+    for (int i = head ? 1 : 0; i < middle_end; ++i) tile(std::false_type{}, i, 0, 0);
+    if (partial && !(head && tiles == 1)) tile(std::true_type{}, tiles - 1, tail_lo, tail_hi);
     alignas(64) float sums[16];
     _mm512_store_ps(sums, reduce16(acc));
     for (int h = 0; h < kG; ++h) {

@@ -3,7 +3,9 @@
 S seats in the model dtype, the rest of the old positions from the paged FP8 cache, the newest from the ring.
 
 Batches come from test_window_ops.build: the ring holds K/V drawn independently of the paged cache's and
-every seat no token was written to holds NaN, so a position read from the wrong cache or seat shows.
+every seat no token was written to holds NaN, so a position read from the wrong cache or seat shows. (A sequence
+shorter than window_size + S leaves its ring seats [S, 2S) unwritten, before the first recent one: the kernels, whose
+tiles start at block boundaries, must zero those values, not only their weights.)
 """
 
 from __future__ import annotations
@@ -111,13 +113,6 @@ def test_sink_seats_are_what_the_kernel_reads(ops):
     changed = [s for s in range(len(case.lens())) if attention_error(after[s:s + 1], before[s:s + 1])
                > 3 * tolerance(case.dtype)]
     assert changed == [s for s in range(len(case.lens())) if case.lens()[s] > 0], changed
-
-
-def test_zero_sinks_is_the_plain_window(ops):
-    """window_sinks = 0 passed explicitly is bitwise the call without it."""
-    case = dataclasses.replace(CASES[0], window_sinks=0)
-    b = build(case)
-    assert torch.equal(attention(ops, case, b, window_sinks=0), attention(ops, case, b))
 
 
 SMALL = WindowCase("fp8_e4m3", bf16, 16, 64, 16, 4, 2, f32, seq_lens=(40, 10), window_sinks=1)
