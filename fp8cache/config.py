@@ -94,6 +94,12 @@ class EngineConfig:
         None, section="KV cache", at_least=0,
         help="Keep each sequence's newest N tokens' K/V in full precision too (0: plain FP8 cache; default 32 with an "
              "FP8 cache).")
+    # The first N tokens of each sequence (attention sinks: rows past the window give the first token much of
+    # their weight) also kept in the window's dtype, beside the recent window (docs/design.md section 10).
+    kv_recent_window_sinks: int = setting(
+        1, section="KV cache", at_least=0,
+        help="With kv-recent-window > 0: the first N tokens of each sequence (attention sinks) also kept in the "
+             "window's dtype (0: only the recent window).")
     # dtype of that window: auto = the model dtype (exactly the auto cache for the newest tokens);
     # bfloat16 / float16 halve a float32 model's window memory.
     kv_recent_window_dtype: ModelDtype = setting(

@@ -41,6 +41,9 @@ def _fail(message: str) -> None:
               help="Plain-text file to score (default: the WikiText-2 test text).")
 @click.option("--kv-recent-window", type=click.IntRange(min=0), default=None,
               help="Newest tokens per position read in full precision (0: plain FP8; default 32 for FP8).")
+@click.option("--kv-recent-window-sinks", type=click.IntRange(min=0), default=1, show_default=True,
+              help="With a recent window: each window's first N tokens (attention sinks) also read in full "
+                   "precision (0: only the recent window).")
 @click.option("--kv-recent-window-dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
               default="auto", show_default=True, help="dtype of that window (auto: the model dtype).")
 @click.option("--device", default="auto", show_default=True,
@@ -58,7 +61,7 @@ def _fail(message: str) -> None:
               help="Hub ids: the Hugging Face cache folder to read and download into (default: $HF_HOME/hub).")
 def eval_command(model: str | None, kv_cache_dtype: str, quantization_param_path: str | None,
                  calculate_kv_scales: bool, kv_scales: str, kv_rotation: str, skip_layers: tuple[int, ...],
-                 dtype: str, text_path: str | None, kv_recent_window: int | None,
+                 dtype: str, text_path: str | None, kv_recent_window: int | None, kv_recent_window_sinks: int,
                  kv_recent_window_dtype: str, device: str, windows: int, window_len: int, per_layer: bool,
                  as_json: bool,
                  load_format: str, revision: str | None, download_dir: str | None) -> None:
@@ -79,6 +82,7 @@ def eval_command(model: str | None, kv_cache_dtype: str, quantization_param_path
                           calculate_kv_scales=calculate_kv_scales, kv_scales=kv_scales, kv_rotation=kv_rotation,
                           kv_cache_dtype_skip_layers=skip_layers, enable_prefix_caching=False,
                           kv_recent_window=kv_recent_window, kv_recent_window_dtype=kv_recent_window_dtype,
+                          kv_recent_window_sinks=kv_recent_window_sinks,
                           device=device, revision=revision, download_dir=download_dir)
     try:
         check_engine_scales(config)  # a bad scales file fails now, not after the model loads
@@ -92,6 +96,8 @@ def eval_command(model: str | None, kv_cache_dtype: str, quantization_param_path
     table = Table(title=f"{result['kv_cache_dtype']} vs auto {dtype}, {result['tokens']} tokens on {result['device']} "
                         f"({result['windows']} windows), scales: {result['scales_source']}, "
                         f"recent window: {result['kv_recent_window']}"
+                        + (f" + {result['kv_recent_window_sinks']} sink" + ("s" if result["kv_recent_window_sinks"] > 1 else "")
+                           if result["kv_recent_window_sinks"] else "")
                         + (f", layers kept in {dtype}: {','.join(map(str, result['kv_cache_dtype_skip_layers']))}"
                            if result["kv_cache_dtype_skip_layers"] else "")
                         + (f" ({result['kv_recent_window_dtype']})" if result["kv_recent_window"] else ""))

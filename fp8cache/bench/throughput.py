@@ -353,7 +353,7 @@ def cache_figures(runner) -> dict:
     """What the engine's cache holds, for a bench row (the recent-token window's memory included)."""
     plan, spec = runner.cache_plan, runner.kv_spec
     return {"capacity_tokens": runner.capacity_tokens, "bytes_per_token": runner.bytes_per_token,
-            "kv_recent_window": spec.window_size,
+            "kv_recent_window": spec.window_size, "kv_recent_window_sinks": spec.window_sinks,
             "window_dtype": str(spec.window_dtype).removeprefix("torch."), "window_seats": plan.window_seats,
             "window_bytes": plan.window_bytes}
 

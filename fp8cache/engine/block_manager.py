@@ -78,6 +78,10 @@ class BlockManager:
     def window_size(self) -> int:
         return self.window.window_size if self.window else 0
 
+    @property
+    def window_sinks(self) -> int:
+        return self.window.window_sinks if self.window else 0
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

@@ -420,4 +420,4 @@ def _window_pool(runner) -> WindowPool | None:
     plan = getattr(runner, "cache_plan", None)
     if plan is None or not plan.window_seats:
         return None
-    return WindowPool(plan.window_size, plan.window_seats, plan.window_blocks_per_seat)
+    return WindowPool(plan.window_size, plan.window_seats, plan.window_blocks_per_seat, plan.window_sinks)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from fp8cache.engine.block_manager import BlockManager
 from fp8cache.engine.sequence import Sequence, SequenceStatus
-from fp8cache.model.batch import SeqChunk, StepBatch, window_slot
+from fp8cache.model.batch import SeqChunk, StepBatch, in_window_ring, window_slot
 
 
 @dataclass
@@ -180,7 +180,7 @@ class Scheduler:
 
     def _build_batch(self, scheduled: list[ScheduledSeq]) -> StepBatch:
         batch = StepBatch()
-        bs, window = self.block_manager.block_size, self.block_manager.window_size
+        bs, window, sinks = self.block_manager.block_size, self.block_manager.window_size, self.block_manager.window_sinks
         for item in scheduled:
             seq, n = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens
@@ -201,8 +201,9 @@ class Scheduler:
                 batch.positions.extend(range(start, end))
                 batch.slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             if window:
-                batch.window_slot_mapping.extend(window_slot(seq.window_block_table, p, window, bs)
-                                                 if p >= end - window else -1 for p in range(start, end))
+                batch.window_slot_mapping.extend(window_slot(seq.window_block_table, p, window, bs, sinks)
+                                                 if in_window_ring(p, end, window, sinks) else -1
+                                                 for p in range(start, end))
             # The ring's list is only ever replaced, never changed in place: the chunk may share it.
             batch.seqs.append(SeqChunk(query_len=n, context_len=end, block_table=table[:-(-end // bs)],
                                        want_logits=item.reaches_end, prompt_logits=seq.needs_prompt_logits,

@@ -1,7 +1,8 @@
 """Seats in the recent-token window cache: each running sequence holds one while it runs.
 
-With kv_recent_window N > 0 every sequence keeps its newest N tokens' K/V in the model dtype as well, in a
-ring of ceil(N / block_size) window blocks (see fp8cache.kvcache.layout.window_index). The ring
+With kv_recent_window N > 0 every sequence keeps its newest N tokens' K/V in the model dtype as well, and its first
+S (kv_recent_window_sinks, attention sinks), in a ring of ceil((S + N) / block_size) window blocks (seat of position
+p: p < S ? p : S + p % N; fp8cache.model.batch.window_slot). The ring
 never grows, so a seat is a fixed set of window blocks handed out at admission and returned when the
 sequence finishes, is aborted or is preempted. Prefix caching shares only FP8 blocks; the window is per
 sequence.
@@ -16,11 +17,12 @@ if TYPE_CHECKING:  # the engine package imports the runner; a cache module must 
 
 
 class WindowPool:
-    def __init__(self, window_size: int, num_seats: int, blocks_per_seat: int) -> None:
-        if window_size < 1 or num_seats < 1 or blocks_per_seat < 1:
-            raise ValueError(f"WindowPool needs window_size, num_seats and blocks_per_seat >= 1, got "
-                             f"{window_size}, {num_seats}, {blocks_per_seat}")
+    def __init__(self, window_size: int, num_seats: int, blocks_per_seat: int, window_sinks: int = 0) -> None:
+        if window_size < 1 or num_seats < 1 or blocks_per_seat < 1 or window_sinks < 0:
+            raise ValueError(f"WindowPool needs window_size, num_seats and blocks_per_seat >= 1 and window_sinks >= 0, "
+                             f"got {window_size}, {num_seats}, {blocks_per_seat}, {window_sinks}")
         self.window_size = window_size
+        self.window_sinks = window_sinks
         self.num_seats = num_seats
         self.blocks_per_seat = blocks_per_seat
         self.free_seats = list(range(num_seats - 1, -1, -1))  # pop() hands out seat 0 first

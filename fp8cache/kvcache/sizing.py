@@ -84,6 +84,7 @@ class CachePlan:
     window_seats: int = 0  # running sequences that can hold a window at once
     window_blocks_per_seat: int = 0
     window_bytes: int = 0  # all seats' window blocks, taken from the budget
+    window_sinks: int = 0  # kv_recent_window_sinks: each sequence's first tokens, seats before the recent ones
 
     @property
     def capacity_tokens(self) -> int:
@@ -102,13 +103,17 @@ WINDOW_BUDGET_SHARE = 16
 
 def plan_cache(kv_cache_memory: int | str | None, kv_cache_memory_fraction: float, block_size: int,
                token_bytes: int, window_size: int = 0, window_token_bytes: int = 0,
-               max_num_seqs: int = 1, max_model_len: int = 0, device_limit: DeviceLimit | None = None) -> CachePlan:
-    """Blocks of the FP8 (or auto) cache, and window seats, that fit the budget together.
+               max_num_seqs: int = 1, max_model_len: int = 0, device_limit: DeviceLimit | None = None,
+               window_sinks: int = 0) -> CachePlan:
+    """Blocks of the FP8 (or auto) cache, and window seats, that fit the budget together. A seat's ring holds
+    window_sinks + window_size tokens (the sinks' seats, then the recent ones).
 
     The budget is kv_cache_memory when given; else what max_num_seqs sequences of max_model_len tokens need
     (with their window seats), capped by what the device can give (`device_limit`; by default
     kv_cache_memory_fraction of the host's available memory)."""
-    seat_bytes = -(-window_size // block_size) * block_size * window_token_bytes if window_size > 0 else 0
+    window_sinks = window_sinks if window_size > 0 else 0
+    ring_blocks = -(-(window_sinks + window_size) // block_size)
+    seat_bytes = ring_blocks * block_size * window_token_bytes if window_size > 0 else 0
     if kv_cache_memory is not None:
         budget, source = parse_memory_size(kv_cache_memory), "kv_cache_memory"
     else:
@@ -123,7 +128,7 @@ def plan_cache(kv_cache_memory: int | str | None, kv_cache_memory_fraction: floa
                              "free memory, raise the limit or give kv_cache_memory")
     seats = blocks_per_seat = window_bytes = 0
     if window_size > 0:
-        blocks_per_seat = -(-window_size // block_size)
+        blocks_per_seat = ring_blocks
         seats = max(1, min(max_num_seqs, window_seats(budget, block_size, token_bytes, seat_bytes, max_model_len)))
         window_bytes = seats * seat_bytes
     num_blocks = (budget - window_bytes) // (block_size * token_bytes)
@@ -134,7 +139,7 @@ def plan_cache(kv_cache_memory: int | str | None, kv_cache_memory_fraction: floa
             f"({block_size * token_bytes} bytes){window}; raise kv_cache_memory or kv_cache_memory_fraction"
             + (" or lower kv_recent_window" if window_bytes else ""))
     return CachePlan(num_blocks, block_size, token_bytes, budget, source, window_size, seats, blocks_per_seat,
-                     window_bytes)
+                     window_bytes, window_sinks)
 
 
 def plan_for(spec: KVCacheSpec, kv_cache_memory: int | str | None, kv_cache_memory_fraction: float,
@@ -142,7 +147,7 @@ def plan_for(spec: KVCacheSpec, kv_cache_memory: int | str | None, kv_cache_memo
     """plan_cache for a spec's cache and its recent-token window."""
     return plan_cache(kv_cache_memory, kv_cache_memory_fraction, spec.block_size, spec_bytes_per_token(spec),
                       spec.window_size, spec_bytes_per_token(spec, window=True), max_num_seqs, max_model_len,
-                      device_limit)
+                      device_limit, spec.window_sinks)
 
 
 def _sequence_bytes(max_model_len: int, block_size: int, token_bytes: int) -> int:
@@ -205,7 +210,10 @@ def describe(plan: CachePlan, cache_label: str, max_model_len: int, max_num_seqs
         shown = window_dtype if window_dtype is not None else model_dtype
         dtype = str(shown).replace("torch.", "") if shown is not None else "the model dtype"
         s = "s" if plan.window_seats != 1 else ""
-        lines.append(f"Recent-token window: the newest {plan.window_size} tokens of each sequence also in {dtype},"
+        sinks = (f", and its first {plan.window_sinks} (attention sink{'s' if plan.window_sinks != 1 else ''}),"
+                 if plan.window_sinks else "")
+        lines.append(f"Recent-token window: the newest {plan.window_size} tokens of each sequence{sinks} also in "
+                     f"{dtype},"
                      f" {plan.window_seats} seat{s} ({plan.window_bytes / 2**20:.1f} MiB of the budget)")
         if plan.window_seats < max_num_seqs:
             lines.append(f"note: the recent-token window has seats for {plan.window_seats} sequence{s}, fewer than "

@@ -62,6 +62,9 @@ class KVCacheSpec:
     # Layers whose cache is held in the model dtype (an auto cache) while the others are FP8 (vLLM's
     # --kv-cache-dtype-skip-layers); their scales, scale caches and saturation counts are unused.
     skip_layers: tuple[int, ...] = ()
+    # kv_recent_window_sinks: the first tokens of each sequence (attention sinks) also in the window ring, seats
+    # [0, window_sinks) before the window_size recent ones (0 without a window).
+    window_sinks: int = 0
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience; tuples keep a frozen spec from being changed in place.
@@ -78,6 +81,10 @@ class KVCacheSpec:
         check_gpu_head_size(self.head_size, self.format, self.model_dtype, self.backend)
         if self.window_size < 0:
             raise ValueError(f"window_size={self.window_size} must be a whole number of tokens >= 0")
+        if self.window_sinks < 0:
+            raise ValueError(f"window_sinks={self.window_sinks} must be a whole number of tokens >= 0")
+        if not self.window_size:
+            object.__setattr__(self, "window_sinks", 0)  # sinks sit beside a recent window, never alone
         try:
             rotation_matrix(self.rotation, self.head_size)  # refuses head sizes it cannot rotate
         except ValueError as e:
@@ -96,12 +103,13 @@ class KVCacheSpec:
               num_kv_heads: int, head_size: int, scales: kv_scales.KVScales | None, window_size: int = 0,
               window_dtype: torch.dtype | None = None, backend: str = "cpu",
               device: torch.device | str = "cpu", cache_dtype_name: str | None = None, dynamic: bool = False,
-              rotation: str = NONE, skip_layers: tuple[int, ...] = ()) -> KVCacheSpec:
+              rotation: str = NONE, skip_layers: tuple[int, ...] = (), window_sinks: int = 0) -> KVCacheSpec:
         """The spec for a cache on `device`. scales None: an FP8 cache whose scales the first batch will
         calculate (placeholders of 1.0 until then); an auto cache gets unused ones. cache_dtype_name: kv_cache_dtype
         resolved for `backend` already (the runner resolves it once, before the model loads). dynamic: an FP8
         cache with dynamic scales (`scales` must be None), K/V rotated by `rotation` ("none", "hadamard").
-        skip_layers: layers kept in the model dtype (ignored for an auto cache)."""
+        skip_layers: layers kept in the model dtype (ignored for an auto cache). window_sinks: each sequence's first
+        tokens also kept in the window ring (ignored without a window)."""
         name = cache_dtype_name or formats.resolve_kv_cache_dtype(kv_cache_dtype, backend)
         if dynamic:
             if scales is not None:
@@ -112,7 +120,7 @@ class KVCacheSpec:
         ones = kv_scales.ones(num_layers, name)
         spec = cls(kv_cache_dtype, formats.FORMAT_CODES[name], model_dtype, block_size, num_layers, num_kv_heads,
                    head_size, tuple(ones.k), tuple(ones.v), PENDING_SOURCE, None, NONE, window_size,
-                   window_dtype, backend, dynamic, tuple(skip_layers))
+                   window_dtype, backend, dynamic, tuple(skip_layers), window_sinks)
         return spec if scales is None else spec.with_scales(scales, device)
 
     def with_scales(self, scales: kv_scales.KVScales, device: torch.device | str = "cpu") -> KVCacheSpec:
@@ -121,6 +129,11 @@ class KVCacheSpec:
             self, k_scales=tuple(t.to(device, torch.float32).contiguous() for t in scales.k),
             v_scales=tuple(t.to(device, torch.float32).contiguous() for t in scales.v),
             scales_source=scales.source, scales=scales, rotation=scales.rotation)
+
+    @property
+    def ring_seats(self) -> int:
+        """Seats of one sequence's window ring: the sinks', then the recent window's (0 without a window)."""
+        return self.window_sinks + self.window_size if self.window_size else 0
 
     @property
     def cache_dtype_name(self) -> str:

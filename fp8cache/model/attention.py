@@ -146,7 +146,7 @@ def _decode(ctx: ForwardContext, q: torch.Tensor, out: torch.Tensor, key_cache: 
         query = q.index_select(0, ctx.decode_tokens)
         result = torch.empty_like(query)
     ring = None if window is None else (*window, ctx.decode_window_block_tables, ctx.decode_window_starts,
-                                         ctx.window_size)
+                                         ctx.window_size, ctx.window_sinks)
     _decode_op(ctx, result, query, key_cache, value_cache, k_scale, v_scale, scaling, ctx.decode_block_tables,
                ctx.decode_context_lens, ctx.max_decode_len, ring, features, scale_caches, fmt=fmt)
     if not ctx.all_decode:
@@ -156,11 +156,12 @@ def _decode(ctx: ForwardContext, q: torch.Tensor, out: torch.Tensor, key_cache: 
 def _decode_op(ctx: ForwardContext, result: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
                value_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor, scaling: float,
                block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int,
-               ring: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int] | None,
+               ring: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int] | None,
                features: LayerFeatures = PLAIN, scale_caches: tuple[torch.Tensor, torch.Tensor] | tuple = (),
                *, fmt: CacheFormat) -> None:
     """One query row per entry of seq_lens through the decode op; ring: (window key cache, window value cache,
-    window block tables, window starts, ring size) reads each row's newest positions from there; scale_caches:
+    window block tables, window starts, ring size, sinks) reads each row's newest positions and its attention
+    sinks from there; scale_caches:
     the layer's dynamic scales, () for static ones; fmt: the layer's format (ctx.layer_formats)."""
     extra = (*features.op_args(), *scale_caches) if scale_caches or not features.plain else ()
     if ring is None:
@@ -168,7 +169,9 @@ def _decode_op(ctx: ForwardContext, result: torch.Tensor, query: torch.Tensor, k
                                 block_tables, seq_lens, ctx.block_size, max_len, None, fmt,
                                 k_scale, v_scale, *extra)
     else:
-        ring_k, ring_v, ring_tables, window_starts, ring_size = ring
+        ring_k, ring_v, ring_tables, window_starts, ring_size, sinks = ring
+        if sinks:  # a trailing argument: every optional one before it is passed
+            extra = (*features.op_args(), *(scale_caches or (None, None)), sinks)
         ctx.ops.paged_attention_window(
             result, query, key_cache, value_cache, ring_k, ring_v, key_cache.shape[1], float(scaling), block_tables,
             ring_tables, seq_lens, window_starts, ring_size, ctx.block_size, max_len, None, fmt,
@@ -203,7 +206,7 @@ def _prefill(ctx: ForwardContext, group: PrefillGroup, q: torch.Tensor, k: torch
         scratch_k, scratch_v = earlier
         ctx.ops.reshape_and_cache(take(k), take(v), scratch_k, scratch_v, rows.window_slots, CacheFormat.AUTO,
                                   k_scale, v_scale)
-        ring = (scratch_k, scratch_v, rows.window_tables, rows.window_starts, rows.window_span)
+        ring = (scratch_k, scratch_v, rows.window_tables, rows.window_starts, rows.window_span, ctx.window_sinks)
     elif rows.window_starts is not None:
         if rows.scratch is None:
             rows.scratch = tuple(torch.zeros((rows.window_blocks, *ring.shape[1:]), dtype=ring.dtype, device=ring.device)
@@ -214,7 +217,7 @@ def _prefill(ctx: ForwardContext, group: PrefillGroup, q: torch.Tensor, k: torch
                 for old, new in ((earlier[0], k), (earlier[1], v))]
         ctx.ops.reshape_and_cache(full[0], full[1], scratch_k, scratch_v, rows.window_slots, CacheFormat.AUTO, k_scale,
                                   v_scale)
-        ring = (scratch_k, scratch_v, rows.window_tables, rows.window_starts, rows.window_span)
+        ring = (scratch_k, scratch_v, rows.window_tables, rows.window_starts, rows.window_span, ctx.window_sinks)
     _decode_op(ctx, result, query, key_cache, value_cache, k_scale, v_scale, scaling, rows.block_tables,
                rows.seq_lens, rows.max_len, ring, features, scale_caches, fmt=fmt)
     if not group.token_range:

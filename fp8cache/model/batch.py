@@ -49,7 +49,15 @@ class StepBatch:
         return all(s.query_len == 1 for s in self.seqs)
 
 
-def window_slot(window_block_table: list[int], position: int, window_size: int, block_size: int) -> int:
-    """Where `position` lives in a sequence's recent-token ring (ring slot position % window_size)."""
-    ring = position % window_size
-    return window_block_table[ring // block_size] * block_size + ring % block_size
+def window_slot(window_block_table: list[int], position: int, window_size: int, block_size: int,
+                window_sinks: int = 0) -> int:
+    """Where `position` lives in a sequence's window ring: the attention sinks (positions below window_sinks) at
+    seats of their own, the others at seat window_sinks + position % window_size."""
+    seat = position if position < window_sinks else window_sinks + position % window_size
+    return window_block_table[seat // block_size] * block_size + seat % block_size
+
+
+def in_window_ring(position: int, chunk_end: int, window_size: int, window_sinks: int) -> bool:
+    """Whether a chunk ending before chunk_end writes `position` to the ring: one of its last window_size
+    positions, or an attention sink."""
+    return position >= chunk_end - window_size or position < window_sinks

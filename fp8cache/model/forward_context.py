@@ -54,16 +54,17 @@ class PrefillGroup:
 class RowQueries:
     """A prefill group's rows as decode queries: the row at position P reads positions [0, P] of its
     sequence, [0, window_start) from the paged cache and, with a recent-token window, [window_start, P] in
-    full precision. Those full-precision K/V (positions [first_recent, context_len) of each chunk's sequence:
-    the ring's earlier ones, then the chunk's own) are written to a scratch window cache per layer, where
-    position p sits at ring slot p of its sequence's blocks: the op's ring size (window_span) covers the
-    longest context."""
+    full precision, and its attention sinks [0, min(window_sinks, window_start)) too. Those full-precision K/V
+    (positions [first_recent, context_len) of each chunk's sequence and its sinks: the ring's earlier ones, then
+    the chunk's own) are written to a scratch window cache per layer, where position p sits at ring seat p (a
+    sink) or window_sinks + p of its sequence's blocks: the op's ring size (window_span) covers the longest
+    context, so the op's seat of p (p < sinks ? p : sinks + p % window_span) is that seat."""
 
     block_tables: torch.Tensor  # int32 [rows, blocks]: each row's sequence's table
     seq_lens: torch.Tensor  # int32 [rows]: P + 1
     max_len: int
     window_starts: torch.Tensor | None = None  # int32 [rows]
-    window_tables: torch.Tensor | None = None  # int32 [rows, window_span / block_size] into the scratch cache
+    window_tables: torch.Tensor | None = None  # int32 [rows, (sinks + window_span) / block_size] into the scratch
     # int64: where the full-precision K/V go, every chunk's earlier positions, then every chunk's own rows
     window_slots: torch.Tensor | None = None
     window_blocks: int = 0  # scratch blocks
@@ -103,6 +104,9 @@ class ForwardContext:
     # Recent-token window (kv_recent_window > 0): each sequence's newest window_size tokens also sit, in the
     # model dtype, in a ring of window blocks; attention reads them from there instead of from FP8.
     window_size: int = 0
+    # The first window_sinks positions of each sequence (attention sinks) sit in the ring too, before the recent
+    # seats (ring seat of p: p < window_sinks ? p : window_sinks + p % window_size); attention reads them from there.
+    window_sinks: int = 0
     window_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer, auto layout
     window_slot_mapping: torch.Tensor | None = None  # int64 [num_tokens], -1 for tokens outside the window
     window_block_tables: torch.Tensor | None = None  # int32 [num_seqs, blocks per ring]
@@ -137,7 +141,7 @@ def build_forward_context(batch: StepBatch, ops: object,
     device = torch.device(device)
     seqs = batch.seqs
     arrays, starts, plans = step_arrays(batch, kv_caches, spec.block_size, spec.window_size, window_caches,
-                                        extra, table_width)
+                                        extra, table_width, spec.window_sinks)
     views = step_metadata.to_device(arrays, device, into=metadata_buffer)
     decode = [i for i, s in enumerate(seqs) if s.query_len == 1]
     all_decode = len(decode) == len(seqs)
@@ -155,7 +159,7 @@ def build_forward_context(batch: StepBatch, ops: object,
         prefill_seqs=[i for i, s in enumerate(seqs) if s.query_len > 1], rotation=spec.rotation,
         extra={name: views[name] for name in extra or {}}, scale_caches=scale_caches)
     if spec.window_size:
-        ctx.window_size, ctx.window_caches = spec.window_size, window_caches
+        ctx.window_size, ctx.window_sinks, ctx.window_caches = spec.window_size, spec.window_sinks, window_caches
         ctx.window_slot_mapping, ctx.window_block_tables = views["window_slot_mapping"], views["window_block_tables"]
         ctx.decode_window_block_tables = views["window_block_tables"] if all_decode \
             else views["decode_window_block_tables"]
@@ -167,7 +171,8 @@ def build_forward_context(batch: StepBatch, ops: object,
 
 def step_arrays(batch: StepBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
                 window_size: int, window_caches, extra: dict[str, np.ndarray] | None = None,
-                table_width: int | None = None) -> tuple[dict[str, np.ndarray], np.ndarray, list[_PrefillPlan]]:
+                table_width: int | None = None,
+                window_sinks: int = 0) -> tuple[dict[str, np.ndarray], np.ndarray, list[_PrefillPlan]]:
     """(the step's host arrays by name, each sequence's first token, its prefill groups). Two batches of the
     same shapes give arrays of the same names, shapes and order: the same packed layout."""
     seqs = batch.seqs
@@ -186,7 +191,7 @@ def step_arrays(batch: StepBatch, kv_caches: list[tuple[torch.Tensor, torch.Tens
         arrays.update(_window_arrays(batch, decode, all_decode, window_size, window_caches))
     plans = _prefill_plans(seqs, starts, window_size)
     for n, plan in enumerate(plans):
-        arrays.update(_group_arrays(n, plan, batch, block_size, window_size, window_caches))
+        arrays.update(_group_arrays(n, plan, batch, block_size, window_size, window_caches, window_sinks))
     arrays.update(extra or {})
     return arrays, starts, plans
 
@@ -264,60 +269,77 @@ def _prefill_plans(seqs, starts: np.ndarray, window_size: int) -> list[_PrefillP
 
 
 def _group_arrays(n: int, plan: _PrefillPlan, batch: StepBatch, block_size: int, window_size: int,
-                  window_caches) -> dict[str, np.ndarray]:
+                  window_caches, window_sinks: int = 0) -> dict[str, np.ndarray]:
     rows = plan.row_positions
     arrays = {f"g{n}.tokens": (plan.starts[:, None] + np.arange(plan.q_len)).reshape(-1),
               f"g{n}.seqs": np.asarray(plan.seqs, dtype=np.int64),
               f"g{n}.seq_lens": (rows + 1).reshape(-1).astype(np.int32)}
     if window_size:
-        arrays.update((_ring_copy_arrays if _copies_ring(plan, block_size, window_size) else _group_window_arrays)(
-            n, plan, batch, block_size, window_size, window_caches))
+        if _copies_ring(plan, block_size, window_size, window_sinks):
+            arrays.update(_ring_copy_arrays(n, plan, batch, block_size, window_size, window_caches))
+        else:
+            arrays.update(_group_window_arrays(n, plan, batch, block_size, window_size, window_caches, window_sinks))
     return arrays
 
 
 def _group_window_arrays(n: int, plan: _PrefillPlan, batch: StepBatch, block_size: int, window_size: int,
-                         window_caches) -> dict[str, np.ndarray]:
-    """A group's rows read positions [first_recent, context_len) of their sequence in full precision: the ring's
-    earlier ones (gathered before the step's writes overwrite them) and the chunk's own. Both go to a scratch
-    window cache where sequence s's position p sits at slot p of its own blocks, so one ring size (window_span,
-    the longest context) serves every row. Each row reads from max(P - window_size + 1, floor)."""
+                         window_caches, window_sinks: int = 0) -> dict[str, np.ndarray]:
+    """A group's rows read positions [first_recent, context_len) of their sequence in full precision, and its
+    attention sinks: the ring's earlier ones (gathered before the step's writes overwrite them) and the chunk's
+    own. Both go to a scratch window cache where sequence s's position p sits at seat p (a sink) or
+    window_sinks + p of its own blocks, so one ring size (window_span, the longest context) serves every row.
+    Each row reads from max(P - window_size + 1, floor), and its sinks before that."""
     bs = block_size
     first_recent = plan.first_recent(window_size)
-    earlier = [window_slot(batch.seqs[i].window_block_table, p, window_size, bs)
-               for i, first, prefix in zip(plan.seqs, first_recent, plan.prefixes) for p in range(first, prefix)]
+    earlier_positions = [_earlier_positions(first, prefix, window_sinks)
+                         for first, prefix in zip(first_recent, plan.prefixes)]
+    earlier = [window_slot(batch.seqs[i].window_block_table, p, window_size, bs, window_sinks)
+               for i, positions in zip(plan.seqs, earlier_positions) for p in positions]
     earlier = np.asarray(earlier, dtype=np.int64)
     window_cache = window_caches[0][0]
     limit = window_cache.shape[0] * window_cache.shape[3]
     if earlier.size and (int(earlier.min()) < 0 or int(earlier.max()) >= limit):
         raise IndexError(f"window block table holds a block id outside [0, {window_cache.shape[0]})")
-    first_blocks, per_seq, span_blocks = _scratch_layout(plan, bs, window_size)
-    bases = np.concatenate(([0], np.cumsum(per_seq)[:-1]))
-    tables = np.zeros((len(plan.seqs), span_blocks), dtype=np.int32)  # columns below first_block: never read
-    for s, (first, count, base) in enumerate(zip(first_blocks, per_seq, bases)):
-        tables[s, first:first + count] = base + np.arange(count)
+    columns, span_blocks = _scratch_layout(plan, bs, window_size, window_sinks)
+    tables = np.zeros((len(plan.seqs), _scratch_columns(span_blocks, bs, window_sinks)), dtype=np.int32)
+    base = 0  # columns a sequence does not use are never read
+    for s, cols in enumerate(columns):
+        tables[s, cols] = base + np.arange(len(cols))
+        base += len(cols)
 
-    def scratch_slots(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:  # positions [lo, hi) of each sequence
-        return np.concatenate([(base + np.arange(a, b) // bs - first) * bs + np.arange(a, b) % bs
-                               for a, b, first, base in zip(lo, hi, first_blocks, bases)]).astype(np.int64)
+    def scratch_slots(positions: list[np.ndarray]) -> np.ndarray:  # each sequence's positions, in order
+        slots = []
+        for table, p in zip(tables, positions):
+            seat = np.where(p < window_sinks, p, window_sinks + p)
+            slots.append(table[seat // bs].astype(np.int64) * bs + seat % bs)
+        return np.concatenate(slots).astype(np.int64)
 
     window_starts = np.maximum(plan.row_positions - window_size + 1, plan.floors[:, None])
+    own = [np.arange(a, b) for a, b in zip(plan.prefixes, plan.context_lens)]
     return {f"g{n}.earlier_blocks": earlier // bs, f"g{n}.earlier_offsets": earlier % bs,
             # where the full-precision K/V go: every sequence's earlier positions, then every chunk's own
-            f"g{n}.window_slots": np.concatenate([scratch_slots(first_recent, plan.prefixes),
-                                                  scratch_slots(plan.prefixes, plan.context_lens)]),
+            f"g{n}.window_slots": np.concatenate([scratch_slots(earlier_positions), scratch_slots(own)]),
             f"g{n}.window_tables": np.repeat(tables, plan.q_len, axis=0),
             f"g{n}.window_starts": window_starts.reshape(-1).astype(np.int32)}
 
 
-def _copies_ring(plan: _PrefillPlan, block_size: int, window_size: int) -> bool:
-    return plan.q_len <= window_size and window_size % block_size == 0
+def _earlier_positions(first_recent: int, prefix: int, window_sinks: int) -> np.ndarray:
+    """The positions before a chunk whose ring K/V its rows read: the sinks not among the recent ones, then
+    [first_recent, prefix)."""
+    sinks = np.arange(min(window_sinks, first_recent, prefix))
+    return np.concatenate([sinks, np.arange(first_recent, prefix)]).astype(np.int64)
+
+
+def _copies_ring(plan: _PrefillPlan, block_size: int, window_size: int, window_sinks: int = 0) -> bool:
+    # With sinks the ring's recent seats start mid-block, so two copies of its blocks are no ring of 2 * window.
+    return plan.q_len <= window_size and window_size % block_size == 0 and not window_sinks
 
 
 def _ring_copy_arrays(n: int, plan: _PrefillPlan, batch: StepBatch, block_size: int, window_size: int,
                       window_caches) -> dict[str, np.ndarray]:
-    """Chunks no longer than the window (a verify step's 1 + K tokens), whose ring is whole blocks: each
-    sequence's ring blocks are copied twice, as a ring of 2 * window_size slots where position p sits at slot
-    p % (2 * window_size). The copies hold the ring's positions before the step at both of their slots
+    """Chunks no longer than the window (a verify step's 1 + K tokens), whose ring is whole blocks and has no
+    sinks: each sequence's ring blocks are copied twice, as a ring of 2 * window_size slots where position p sits
+    at slot p % (2 * window_size). The copies hold the ring's positions before the step at both of their slots
     (p % window_size and window_size later), and the chunk's own K/V, written at theirs, never land on a slot
     of a position any of its rows reads: every row reads [max(P - window_size + 1, floor), P], and a chunk
     position lies less than 2 * window_size past each of those. No gather of single positions, one copy of
@@ -335,11 +357,23 @@ def _ring_copy_arrays(n: int, plan: _PrefillPlan, batch: StepBatch, block_size: 
             f"g{n}.window_starts": window_starts.reshape(-1).astype(np.int32)}
 
 
-def _scratch_layout(plan: _PrefillPlan, block_size: int, window_size: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """(each sequence's first scratch-table column, its scratch blocks from there, the table's columns)."""
-    first_blocks = plan.first_recent(window_size) // block_size
-    per_seq = -(-plan.context_lens // block_size) - first_blocks
-    return first_blocks, per_seq, -(-int(plan.context_lens.max()) // block_size)
+def _scratch_layout(plan: _PrefillPlan, block_size: int, window_size: int,
+                    window_sinks: int = 0) -> tuple[list[np.ndarray], int]:
+    """(each sequence's scratch-table columns in use: its sinks' seats [0, min(sinks, context_len)) and its
+    recent positions' seats sinks + [max(first_recent, sinks), context_len); the span in blocks: the longest
+    context)."""
+    bs, columns = block_size, []
+    for first, end in zip(plan.first_recent(window_size), plan.context_lens):
+        sink_cols = np.arange(-(-min(window_sinks, end) // bs))
+        lo = max(first, window_sinks)
+        recent_cols = np.arange((window_sinks + lo) // bs, -(-(window_sinks + end) // bs)) if lo < end else sink_cols[:0]
+        columns.append(np.union1d(sink_cols, recent_cols).astype(np.int64))
+    return columns, -(-int(plan.context_lens.max()) // bs)
+
+
+def _scratch_columns(span_blocks: int, block_size: int, window_sinks: int) -> int:
+    """Columns of a scratch table: the sinks' seats and a span of span_blocks blocks after them."""
+    return -(-(window_sinks + span_blocks * block_size) // block_size)
 
 
 def _prefill_group(ctx: ForwardContext, n: int, plan: _PrefillPlan,
@@ -353,12 +387,12 @@ def _prefill_group(ctx: ForwardContext, n: int, plan: _PrefillPlan,
         # computed by this sequence), else from the cache. Both sets go into one softmax.
         rows.window_slots, rows.window_tables = views[f"g{n}.window_slots"], views[f"g{n}.window_tables"]
         rows.window_starts = views[f"g{n}.window_starts"]
-        if _copies_ring(plan, ctx.block_size, ctx.window_size):
+        if _copies_ring(plan, ctx.block_size, ctx.window_size, ctx.window_sinks):
             ring_blocks, rows.window_span = views[f"g{n}.ring_blocks"], 2 * ctx.window_size
         else:
             earlier = (views[f"g{n}.earlier_blocks"], views[f"g{n}.earlier_offsets"])
-            _, per_seq, span_blocks = _scratch_layout(plan, ctx.block_size, ctx.window_size)
-            rows.window_blocks, rows.window_span = int(per_seq.sum()), span_blocks * ctx.block_size
+            columns, span_blocks = _scratch_layout(plan, ctx.block_size, ctx.window_size, ctx.window_sinks)
+            rows.window_blocks, rows.window_span = sum(map(len, columns)), span_blocks * ctx.block_size
     first = int(plan.starts[0])
     return PrefillGroup(plan.seqs, views[f"g{n}.tokens"], q_len, rows, earlier,
                         (first, first + len(plan.seqs) * q_len) if plan.consecutive else None, ring_blocks)

@@ -19,7 +19,7 @@ from fp8cache.kvcache import scales as kv_scales
 from fp8cache.kvcache.layout import allocate_kv_cache
 from fp8cache.kvcache.rotation import HADAMARD, NONE, rotation_matrix
 from fp8cache.kvcache.spec import PENDING_SOURCE, KVCacheSpec, check_block_size, check_skip_layers
-from fp8cache.model import attention, forward_context, fused_layer, step_metadata
+from fp8cache.model import attention, forward_context, fused_layer, sink_seats, step_metadata
 from fp8cache.model.batch import StepBatch
 from fp8cache.model.cpu import dtype_probe, packed_linear
 from fp8cache.model.cuda import cuda_graph, float32_logits, gpu_errors
@@ -94,7 +94,8 @@ class ModelRunner:
                                          backend, self.device, cache_dtype_name=cache_dtype_name,
                                          dynamic=self.dynamic_scales,
                                          rotation=self._resolve_dynamic_rotation(),
-                                         skip_layers=self._resolve_skip_layers(cache_dtype_name))
+                                         skip_layers=self._resolve_skip_layers(cache_dtype_name),
+                                         window_sinks=self._resolve_window_sinks(window))
         self._init_cache()
         self._graphs = self._decode_graphs()
         self.saturation = self._saturation_counter()
@@ -149,6 +150,15 @@ class ModelRunner:
             self.log(f"recent-token window: {recorded} tokens, as recorded in the KV scales ({scales.source})")
         window = wanted if wanted is not None else recorded if recorded is not None else DEFAULT_KV_RECENT_WINDOW
         return min(window, self.max_model_len)  # a longer ring could never fill
+
+    def _resolve_window_sinks(self, window: int) -> int:
+        """config.kv_recent_window_sinks: each sequence's first tokens kept in the ring beside the recent window
+        (none without a window: the auto cache's note says why)."""
+        sinks = self.config.kv_recent_window_sinks
+        if not isinstance(sinks, int) or isinstance(sinks, bool) or sinks < 0:
+            raise ValueError(f"kv_recent_window_sinks={sinks!r} must be a whole number of tokens >= 0 "
+                             "(0: only the recent window)")
+        return min(sinks, self.max_model_len) if window else 0
 
     def _resolve_window_dtype(self) -> torch.dtype:
         name = self.config.kv_recent_window_dtype
@@ -310,7 +320,8 @@ class ModelRunner:
                        **shape) -> ForwardContext | dict[str, np.ndarray]:
         if arrays_only:
             return forward_context.step_arrays(batch, self.kv_caches, self.kv_spec.block_size, self.kv_spec.window_size,
-                                         self.window_caches, extra, shape.get("table_width"))[0]
+                                               self.window_caches, extra, shape.get("table_width"),
+                                               self.kv_spec.window_sinks)[0]
         return forward_context.build_forward_context(
             batch, ops=ops, kv_caches=self.kv_caches, spec=self.kv_spec,
             device=self.device, window_caches=self.window_caches, extra=extra, scale_caches=self.scale_caches,
@@ -358,6 +369,10 @@ class ModelRunner:
         return self.kv_spec.window_size
 
     @property
+    def kv_recent_window_sinks(self) -> int:
+        return self.kv_spec.window_sinks
+
+    @property
     def window_dtype(self) -> torch.dtype:
         return self.kv_spec.window_dtype
 
@@ -403,6 +418,9 @@ class ModelRunner:
         if self._kernel_errors is not None:
             self._kernel_errors.check()  # what an earlier step's kernels reported, now that it has landed
         rows = None if all_logits else self._logits_rows(batch)
+        if self.kv_spec.window_sinks:  # before any layer reads them, decode steps' graphs too
+            sink_seats.fill_sink_seats(self.kv_spec, self.kv_caches, self.scale_caches, self.window_caches,
+                                       *sink_seats.sink_fills(batch, self.kv_spec))
         calculating = self.kv_spec.scales_pending
         counting = self.saturation is not None and self.saturation.start_step()
         # A verify step (speculative decoding) runs eagerly: the graphs are captured for one-token decode rows, and
@@ -467,7 +485,8 @@ class ModelRunner:
         for i, s in enumerate(batch.seqs):
             if self.kv_recent_window and len(s.window_block_table) != ring_blocks:
                 raise ValueError(f"seq {i}: window_block_table has {len(s.window_block_table)} blocks; the "
-                                 f"recent-token window of {self.kv_recent_window} tokens needs {ring_blocks}")
+                                 f"recent-token window of {self.kv_recent_window} tokens and "
+                                 f"{self.kv_spec.window_sinks} sinks needs {ring_blocks}")
             if s.query_len < 1 or s.context_len < s.query_len:
                 raise ValueError(f"seq {i}: query_len {s.query_len} and context_len {s.context_len} need "
                                  "1 <= query_len <= context_len")

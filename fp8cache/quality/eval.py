@@ -22,7 +22,7 @@ import torch
 
 from fp8cache.config import EngineConfig
 from fp8cache.kvcache import formats, sizing
-from fp8cache.model.batch import SeqChunk, StepBatch, window_slot
+from fp8cache.model.batch import SeqChunk, StepBatch, in_window_ring, window_slot
 from fp8cache.model.loader import load_model
 from fp8cache.model.runner import ModelRunner
 from fp8cache.platform import envs, paths
@@ -100,6 +100,7 @@ def evaluate(config: EngineConfig, text_path: str | None = None, windows: int = 
         "windows": windows,
         "scales_source": spec.scales_source,
         "kv_recent_window": spec.window_size,
+        "kv_recent_window_sinks": spec.window_sinks,
         "kv_cache_dtype_skip_layers": list(spec.skip_layers),
         "kv_recent_window_dtype": str(spec.window_dtype).removeprefix("torch."),
         "device": str(tested.device),
@@ -122,29 +123,33 @@ def window_config(config: EngineConfig, hf_config: object, window_len: int, kv_c
                                                                  skipped)
     if kv_cache_dtype != formats.AUTO and config.kv_recent_window != 0:
         # Room for one seat of the recent-token ring at its largest: the runner caps the window (given, or
-        # recorded in the scales file) at max_model_len = window_len, and its dtype is at most 4 bytes.
-        memory += blocks * config.block_size * sizing.bytes_per_token(*shape, formats.AUTO, torch.float32, backend)
+        # recorded in the scales file) and its sinks at max_model_len = window_len, and its dtype is at most 4 bytes.
+        ring = -(-(window_len + min(config.kv_recent_window_sinks, window_len)) // config.block_size)
+        memory += ring * config.block_size * sizing.bytes_per_token(*shape, formats.AUTO, torch.float32, backend)
     return replace(config, kv_cache_dtype=kv_cache_dtype, max_model_len=window_len, max_num_seqs=1,
                    kv_cache_memory=memory)
 
 
-def window_batch(ids: list[int], block_size: int, recent_window: int = 0, ring_blocks: int = 0) -> StepBatch:
+def window_batch(ids: list[int], block_size: int, recent_window: int = 0, ring_blocks: int = 0,
+                 window_sinks: int = 0) -> StepBatch:
     """One prefill of the whole window as the only sequence, in blocks 0.. (and recent-token ring blocks
-    0..ring_blocks-1 when recent_window > 0)."""
+    0..ring_blocks-1 when recent_window > 0, holding the last recent_window positions and the first
+    window_sinks)."""
     n = len(ids)
     chunk = SeqChunk(query_len=n, context_len=n, block_table=list(range(-(-n // block_size))))
     batch = StepBatch(token_ids=list(ids), positions=list(range(n)), slot_mapping=list(range(n)), seqs=[chunk])
     if recent_window:
         chunk.window_block_table = list(range(ring_blocks))
-        batch.window_slot_mapping = [window_slot(chunk.window_block_table, p, recent_window, block_size)
-                                     if p >= n - recent_window else -1 for p in range(n)]
+        batch.window_slot_mapping = [window_slot(chunk.window_block_table, p, recent_window, block_size, window_sinks)
+                                     if in_window_ring(p, n, recent_window, window_sinks) else -1 for p in range(n)]
     return batch
 
 
 def runner_batch(ids: list[int], runner: ModelRunner) -> StepBatch:
     """window_batch laid out for `runner`'s cache."""
     spec = runner.kv_spec
-    return window_batch(ids, spec.block_size, spec.window_size, runner.cache_plan.window_blocks_per_seat)
+    return window_batch(ids, spec.block_size, spec.window_size, runner.cache_plan.window_blocks_per_seat,
+                        spec.window_sinks)
 
 
 def _score_window(baseline: ModelRunner, tested: ModelRunner, ids: list[int], totals: dict) -> None:

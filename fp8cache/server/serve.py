@@ -265,6 +265,7 @@ def _default_name(model_path: str) -> str:
 def _print_summary(name: str, model_path: str, info: Any, url: str, options: ServeOptions) -> None:
     fields = {"model": name, "model_path": model_path, "kv_cache_dtype": info.kv_cache_dtype,
               "scales_source": info.scales_source, "kv_recent_window": info.kv_recent_window,
+              "kv_recent_window_sinks": getattr(info, "kv_recent_window_sinks", 0),
               "capacity_tokens": info.capacity_tokens,
               "max_model_len": info.max_model_len, "url": url, "api_key_required": bool(options.api_key)}
     if options.log_format == "json":
@@ -273,7 +274,7 @@ def _print_summary(name: str, model_path: str, info: Any, url: str, options: Ser
     lines = [f"fp8kv serving {name} at {url}",
              f"  model:          {model_path}",
              (f"  kv cache:       {info.kv_cache_dtype}, scales: {info.scales_source}, "
-             f"recent window: {info.kv_recent_window} tokens in {info.window_dtype}"),
+             f"recent window: {_window_words(info)}"),
              f"  capacity:       {info.capacity_tokens} tokens ({info.num_blocks} blocks of {info.block_size})",
              f"  max model len:  {info.max_model_len}",
              f"  OpenAI API:     {url}/v1 (completions, chat/completions, models)",
@@ -282,3 +283,11 @@ def _print_summary(name: str, model_path: str, info: Any, url: str, options: Ser
              f"  API key:        {'required (Authorization: Bearer)' if options.api_key else 'not required'}"]
     for line in lines:
         logger.info(line)
+
+
+def _window_words(info: Any) -> str:
+    """"32 tokens + 1 sink in bfloat16": the recent window and the attention sinks kept beside it."""
+    sinks = getattr(info, "kv_recent_window_sinks", 0)
+    plural = "s" if sinks != 1 else ""
+    return (f"{info.kv_recent_window} tokens" + (f" + {sinks} sink{plural}" if sinks else "")
+            + f" in {info.window_dtype}")

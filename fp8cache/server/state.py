@@ -52,6 +52,7 @@ class ModelInfo:
     device: str = "cpu"
     special_ids: frozenset[int] = field(default_factory=frozenset)
     kv_recent_window: int = 0  # newest tokens per sequence also kept in full precision
+    kv_recent_window_sinks: int = 0  # and its first tokens (attention sinks), with the window
     window_dtype: str = "float32"  # the dtype of that window (the model dtype unless chosen)
 
     @classmethod
@@ -68,6 +69,7 @@ class ModelInfo:
             device=str(getattr(runner, "device", "cpu")),
             special_ids=frozenset(getattr(tokenizer, "all_special_ids", ()) or ()),
             kv_recent_window=int(getattr(runner, "kv_recent_window", 0)),
+            kv_recent_window_sinks=int(getattr(runner, "kv_recent_window_sinks", 0)),
             window_dtype=str(getattr(runner, "window_dtype", getattr(runner, "dtype", "float32"))).removeprefix("torch."))
 
 

@@ -44,7 +44,8 @@ async def info(request: Request) -> Response:
         "sha": None, "docker_label": None,
         "kv_cache": {"dtype": i.kv_cache_dtype, "scales_source": i.scales_source, "block_size": i.block_size,
                      "num_blocks": i.num_blocks, "capacity_tokens": i.capacity_tokens,
-                     "recent_window": i.kv_recent_window, "recent_window_dtype": i.window_dtype,
+                     "recent_window": i.kv_recent_window,
+                     "recent_window_sinks": i.kv_recent_window_sinks, "recent_window_dtype": i.window_dtype,
                      "blocks_used": stats.get("blocks_used"), "blocks_free": stats.get("blocks_free")},
         "engine": stats,
     })

@@ -150,8 +150,9 @@ def test_throughput_cache_sizes_follow_the_model_config(throughput_run, default_
     per_element = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
     assert rows[0]["bytes_per_token"] == per_element * torch.finfo(torch.float32).bits // 8
     assert rows[1]["bytes_per_token"] == per_element * torch.finfo(torch.float8_e4m3fn).bits // 8
-    assert rows[0]["window_bytes"] == 0 and rows[1]["kv_recent_window"] == 32
-    assert rows[1]["window_bytes"] == rows[1]["window_seats"] * 32 * rows[0]["bytes_per_token"]  # float32 ring
+    assert rows[0]["window_bytes"] == 0 and (rows[1]["kv_recent_window"], rows[1]["kv_recent_window_sinks"]) == (32, 1)
+    # a float32 ring of 32 tokens and 1 attention sink: 3 blocks of 16
+    assert rows[1]["window_bytes"] == rows[1]["window_seats"] * 48 * rows[0]["bytes_per_token"]
     for r in rows[:2]:  # every dtype gets the same 32MiB (less the window's), in whole blocks of 16 tokens
         assert r["capacity_tokens"] == (32 * 2**20 - r["window_bytes"]) // (16 * r["bytes_per_token"]) * 16
 

@@ -329,27 +329,30 @@ def block_state_is_trimmed(engine: LLMEngine) -> None:
                 assert block.token_ids == tuple(seq.token_ids[i * bm.block_size:(i + 1) * bm.block_size])
 
 
-@pytest.mark.parametrize("kv_cache_dtype,window,wrong_from", [
-    ("fp8", 8, 2),  # drafts cross the ring's edge (window 8), rejected mid-draft: their slots restored
-    pytest.param("fp8", 8, 0, marks=pytest.mark.slow),  # every draft rejected
-    pytest.param("fp8", 32, 1, marks=pytest.mark.slow),
+@pytest.mark.parametrize("kv_cache_dtype,window,wrong_from,sinks", [
+    ("fp8", 8, 2, 1),  # drafts cross the ring's edge (window 8), rejected mid-draft: their slots restored
+    pytest.param("fp8", 8, 0, 1, marks=pytest.mark.slow),  # every draft rejected
+    pytest.param("fp8", 32, 1, 0, marks=pytest.mark.slow),
+    # more attention sinks than the prompt's 37 tokens: drafts at positions below 48 land on sink seats
+    ("fp8", 8, 2, 48),
     # drafts ending mid-block and across block edges (block_size 16), blocks given back
-    pytest.param("auto", 0, 3, marks=pytest.mark.slow),
+    pytest.param("auto", 0, 3, 0, marks=pytest.mark.slow),
 ])
-def test_rejected_drafts_leave_no_trace(default_loaded, kv_cache_dtype, window, wrong_from):
+def test_rejected_drafts_leave_no_trace(default_loaded, kv_cache_dtype, window, wrong_from, sinks):
     """The same continuation computed with all drafts rejected, all accepted, and rejected from `wrong_from` on:
     every position's logits (of verify steps) are bit-identical, so no rejected token's K/V (FP8 slots, ring
     slots) was ever read, and the blocks and prefix cache hold only verified tokens."""
     params = SamplingParams(temperature=0, max_tokens=26)  # positions 37-62: across the block edge at 48
-    garbage = make_engine(default_loaded, NGRAM, kv_cache_dtype=kv_cache_dtype, kv_recent_window=window)
+    cache = {"kv_cache_dtype": kv_cache_dtype, "kv_recent_window": window, "kv_recent_window_sinks": sinks}
+    garbage = make_engine(default_loaded, NGRAM, **cache)
     garbage_rows = forced(garbage)  # every draft rejected, every step
     reference = generate(garbage, [REPEAT], params)[0]
     truth = garbage.tokenizer.encode(REPEAT) + reference.token_ids
-    right = make_engine(default_loaded, NGRAM, kv_cache_dtype=kv_cache_dtype, kv_recent_window=window)
+    right = make_engine(default_loaded, NGRAM, **cache)
     right_rows = forced(right, truth, wrong_from=4)  # every draft accepted
     same_outputs(generate(right, [REPEAT], params), [reference])
     assert right.stats.spec_decode_num_accepted_tokens == right.stats.spec_decode_num_draft_tokens > 0
-    wrong = make_engine(default_loaded, NGRAM, kv_cache_dtype=kv_cache_dtype, kv_recent_window=window)
+    wrong = make_engine(default_loaded, NGRAM, **cache)
     wrong_rows = forced(wrong, truth, wrong_from)
     same_outputs(generate(wrong, [REPEAT], params, check=block_state_is_trimmed), [reference])
     assert 0 < wrong.stats.spec_decode_num_accepted_tokens or wrong_from == 0

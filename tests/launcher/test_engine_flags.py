@@ -105,12 +105,14 @@ def test_no_flags_make_the_default_config(no_flag_variables):
 
 def test_flags_reach_their_fields_by_name(no_flag_variables, monkeypatch):
     monkeypatch.setenv("FP8KV_MAX_NUM_SEQS", "7")
+    monkeypatch.setenv("FP8KV_KV_RECENT_WINDOW_SINKS", "4")
     ctx = run.make_context("run", ["--kv-cache-dtype", "fp8_e5m2", "--block-size", "32", "--kv-cache-memory",
                                    "1048576", "--no-enable-prefix-caching", "--kv-recent-window", "0"])
     config = engine_config("m", ctx.params)
     assert (config.model, config.kv_cache_dtype, config.block_size, config.kv_cache_memory) == \
         ("m", "fp8_e5m2", 32, 2**20)
     assert (config.enable_prefix_caching, config.kv_recent_window, config.max_num_seqs) == (False, 0, 7)
+    assert config.kv_recent_window_sinks == 4
     assert engine_config(None, {**ctx.params, "kv_cache_memory": "2GiB"}).kv_cache_memory == "2GiB"
 
 
@@ -125,6 +127,7 @@ def test_the_kv_cache_dtype_literal_is_the_command_lines_list():
     ({"max_num_seqs": 0}, "max_num_seqs=0 must be an integer >= 1"),
     ({"max_model_len": 2.5}, "max_model_len=2.5 must be an integer >= 1 (or None)"),
     ({"kv_recent_window": -1}, "kv_recent_window=-1 must be an integer >= 0 (or None)"),
+    ({"kv_recent_window_sinks": -1}, "kv_recent_window_sinks=-1 must be an integer >= 0"),
     ({"block_size": True}, "block_size=True must be an integer >= 1"),
     ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization=1.5 must be a share in (0, 1]"),
     ({"kv_cache_memory_fraction": 0}, "kv_cache_memory_fraction=0 must be a share in (0, 1]"),

@@ -88,9 +88,13 @@ def test_no_free_seat_means_cannot_allocate():
     assert bm.can_allocate(b, 5)
 
 
-def test_scheduler_maps_only_the_newest_tokens_to_the_ring():
+@pytest.mark.parametrize("sinks", [0, 1, 12])
+def test_scheduler_maps_only_the_newest_tokens_and_the_sinks_to_the_ring(sinks):
+    """Each chunk writes its last `window` positions and the sequence's first `sinks` (attention sinks) to the
+    ring, at the seats of the reference's layout."""
     window = 10
-    bm = BlockManager(num_blocks=64, block_size=BLOCK, window=WindowPool(window, 2, 2))
+    bm = BlockManager(num_blocks=64, block_size=BLOCK, window=WindowPool(window, 2, -(-(window + sinks) // BLOCK),
+                                                                       sinks))
     sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=13)
     seq = seq_of(30)
     sched.add(seq)
@@ -99,8 +103,8 @@ def test_scheduler_maps_only_the_newest_tokens_to_the_ring():
         plan = sched.schedule()
         chunk, start = plan.batch.seqs[0], seq.num_computed_tokens
         end = start + chunk.query_len
-        expected = [int(reference.window_slots(seq.window_block_table, torch.tensor([p]), window, BLOCK)[0])
-                    if p >= end - window else -1 for p in range(start, end)]
+        expected = [int(reference.window_slots(seq.window_block_table, torch.tensor([p]), window, BLOCK, sinks)[0])
+                    if p >= end - window or p < sinks else -1 for p in range(start, end)]
         assert plan.batch.window_slot_mapping == expected
         assert chunk.window_block_table == seq.window_block_table
         seen.append(chunk.query_len)
@@ -119,6 +123,13 @@ def test_plan_counts_the_window_in_the_budget():
     assert windowed.num_blocks == ((1 << 23) - windowed.window_bytes) // (16 * 1000) < plain.num_blocks
     with pytest.raises(ValueError, match="kv_recent_window"):
         plan_cache(seat + 100, 0.3, 16, 1000, window_size=20, window_token_bytes=4000)
+    # attention sinks sit in the ring before the recent seats: 12 + 20 tokens still fit 2 blocks, 13 + 20 take 3
+    for sinks, blocks in ((12, 2), (13, 3)):
+        plan = plan_cache(1 << 23, 0.3, 16, 1000, window_size=20, window_token_bytes=4000, max_num_seqs=2,
+                          window_sinks=sinks)
+        assert (plan.window_blocks_per_seat, plan.window_sinks) == (blocks, sinks)
+        assert plan.window_bytes == 2 * blocks * 16 * 4000
+    assert plan_cache(1 << 23, 0.3, 16, 1000, window_sinks=4).window_sinks == 0  # no window, no sinks
 
 
 def _full_length_batch(plan, max_model_len: int) -> int:
@@ -185,26 +196,28 @@ class RingSeq:
         self.ring = list(range(seat * per_seat, (seat + 1) * per_seat))
 
     def chunk(self, start: int, end: int, floor: int = 0) -> StepBatch:
-        bs, window = self.runner.block_size, self.runner.kv_recent_window
+        bs, window, sinks = self.runner.block_size, self.runner.kv_recent_window, self.runner.kv_recent_window_sinks
         batch = StepBatch(token_ids=self.ids[start:end], positions=list(range(start, end)),
                           slot_mapping=[self.blocks[p // bs] * bs + p % bs for p in range(start, end)])
-        batch.window_slot_mapping = [window_slot(self.ring, p, window, bs) if p >= end - window else -1
-                                     for p in range(start, end)]
+        batch.window_slot_mapping = [window_slot(self.ring, p, window, bs, sinks) if p >= end - window or p < sinks
+                                     else -1 for p in range(start, end)]
         batch.seqs.append(SeqChunk(end - start, end, self.blocks[:-(-end // bs)], window_block_table=self.ring,
                                    window_floor=floor))
         return batch
 
 
-def dense_window_logits(runner: ModelRunner, ids: list[int], floor: int = 0) -> torch.Tensor:
+def dense_window_logits(runner: ModelRunner, ids: list[int], floor: int = 0, sinks: int | None = None) -> torch.Tensor:
     """The oracle of window attention: the runner's model over the whole of `ids` in one step, each layer's
     attention one dense softmax per row over [FP8 keys ; full-precision keys] of the step's own K/V, read
     neither from the cache nor through the decode ops. Row i reads position j < full_from(i) as the FP8 cache
-    holds it and full_from(i) <= j <= i in the window's dtype, full_from(i) = max(i - window + 1, floor);
-    without a window every position as the cache holds it. Static scales quantize with the layer's scale,
+    holds it and full_from(i) <= j <= i in the window's dtype, full_from(i) = max(i - window + 1, floor), and
+    the attention sinks floor <= j < kv_recent_window_sinks in the window's dtype too (below the floor they came
+    from the prefix cache: FP8); without a window every position as the cache holds it. Static scales quantize with the layer's scale,
     dynamic ones with each token and head's own (reference.quantize_dynamic); with a rotation, Q, K and V meet
     in the rotated basis (the matrix product of kvcache.rotation, not the compiled transform) and the output
     rotates back."""
     window = runner.kv_recent_window
+    sinks = runner.kv_recent_window_sinks if sinks is None else sinks  # given: the oracle of another setting
 
     def dense(ctx: ForwardContext, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
               features: attention.LayerFeatures = attention.PLAIN) -> torch.Tensor:
@@ -228,7 +241,8 @@ def dense_window_logits(runner: ModelRunner, ids: list[int], floor: int = 0) -> 
         mask = positions <= rows
         if window:
             full_from = torch.clamp(rows - window + 1, min=floor)
-            mask = torch.cat([positions < full_from, (positions >= full_from) & (positions <= rows)], 1)
+            full = (positions <= rows) & ((positions >= full_from) | ((positions < sinks) & (positions >= floor)))
+            mask = torch.cat([(positions <= rows) & ~full, full], 1)
             dtype = ctx.window_caches[0][0].dtype
             keys, values = torch.cat([keys, k.to(dtype).float()]), torch.cat([values, v.to(dtype).float()])
         out = torch.nn.functional.scaled_dot_product_attention(
@@ -256,17 +270,20 @@ def merged(batches: list[StepBatch]) -> StepBatch:
     return step
 
 
-@pytest.mark.parametrize("kv_cache_dtype,window,window_dtype", [
-    ("fp8_e4m3", 8, "auto"), ("fp8_e5m2", 13, "auto"), ("fp8_e4m3", 1, "auto"), ("fp8_e4m3", 8, "bfloat16"),
-    ("fp8_e5m2", 13, "float16")])
+@pytest.mark.parametrize("kv_cache_dtype,window,window_dtype,sinks", [
+    ("fp8_e4m3", 8, "auto", 1), ("fp8_e5m2", 13, "auto", 0), ("fp8_e4m3", 1, "auto", 1),
+    ("fp8_e4m3", 8, "bfloat16", 1), ("fp8_e5m2", 13, "float16", 3), ("fp8_e4m3", 8, "auto", 20)])
 def test_chunked_prefill_and_decode_read_the_window_like_one_prefill(loaded, kv_cache_dtype, window,
-                                                                     window_dtype):
+                                                                     window_dtype, sinks):
     """Feeding a sequence in chunks and then token by token (ring writes, ring reads, window decode op)
-    gives the logits of one dense-mask prefill of the whole sequence, where row i reads i-N+1..i in full
-    precision (in the window's dtype)."""
+    gives the logits of one dense-mask prefill of the whole sequence, where row i reads i-N+1..i and the
+    sequence's first `sinks` positions in full precision (in the window's dtype)."""
     ids = prompt_ids(60)
-    runner = make_runner(loaded, kv_cache_dtype, window, kv_recent_window_dtype=window_dtype)
+    runner = make_runner(loaded, kv_cache_dtype, window, kv_recent_window_dtype=window_dtype,
+                         kv_recent_window_sinks=sinks)
     want = dense_window_logits(runner, ids)
+    if sinks:  # the sinks are what the rows past the window read differently
+        assert (want - dense_window_logits(runner, ids, sinks=0)).abs().amax() > 1e-4
     seq = RingSeq(runner, ids)
     got = [runner.execute(seq.chunk(0, 11), all_logits=True), runner.execute(seq.chunk(11, 40), all_logits=True)]
     got += [runner.execute(seq.chunk(p, p + 1)) for p in range(40, 60)]
@@ -297,21 +314,23 @@ def test_cpu_window_prefills_equal_one_dense_softmax(one_layer, window):
     torch.testing.assert_close(torch.cat(logits), want, atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kv_scales,kv_rotation,window,block", [
-    ("static", "none", 8, 16),  # a ring block longer than the window: ring slots p % 8 of one 16-slot block
-    ("dynamic", "none", 8, 16), ("dynamic", "hadamard", 32, 16), ("static", "hadamard", 32, 8),
-    ("dynamic", "none", 13, 8)])
+@pytest.mark.parametrize("kv_scales,kv_rotation,window,block,sinks", [
+    ("static", "none", 8, 16, 1),  # a ring block longer than the window: ring slots 1 + p % 8 of one 16-slot block
+    ("dynamic", "none", 8, 16, 0), ("dynamic", "hadamard", 32, 16, 1), ("static", "hadamard", 32, 8, 4),
+    ("dynamic", "none", 13, 8, 1),
+    ("dynamic", "none", 13, 8, 20)])  # sinks past the prefix hit's floor (16): those the sequence computes itself
 def test_decode_prefill_chunks_and_prefix_hits_read_what_the_design_says(one_layer, kv_scales, kv_rotation, window,
-                                                                         block):
-    """Row i reads positions [max(i - W + 1, floor), i] in full precision and older ones from FP8, whichever way
-    the sequence reaches the cache (docs/design.md "Recent-token window"): one prefill, chunks ending on and off
-    block edges then decode, token by token from the first token, and a prefix-cache hit (floor = the shared
-    blocks' end: their K/V exist only as FP8) followed by chunks and decode. Each equals the dense oracle of
-    the same semantics, with static and dynamic scales, with and without the rotation."""
+                                                                         block, sinks):
+    """Row i reads positions [max(i - W + 1, floor), i] and the sinks [floor, S) in full precision and older ones
+    from FP8, whichever way the sequence reaches the cache (docs/design.md "Recent-token window"): one prefill,
+    chunks ending on and off block edges then decode, token by token from the first token, and a prefix-cache
+    hit (floor = the shared blocks' end: their K/V exist only as FP8, and the engine fills the sink seats below
+    it from there) followed by chunks and decode. Each equals the dense oracle of the same semantics, with
+    static and dynamic scales, with and without the rotation."""
     n, shared = 70, 2 * block
     ids, other = prompt_ids(n, seed=7), prompt_ids(n, seed=7)[:shared] + prompt_ids(n - shared, seed=8)
     runner = make_runner(one_layer, "fp8_e4m3", window, block_size=block, kv_scales=kv_scales,
-                         kv_rotation=kv_rotation)
+                         kv_rotation=kv_rotation, kv_recent_window_sinks=sinks)
     want = dense_window_logits(runner, ids)
     want_shared = dense_window_logits(runner, other, floor=shared)[shared:]
     paths = {"one prefill": [(0, n)], "chunks": [(0, block), (block, block + 5), (block + 5, 3 * block + 1)]
@@ -328,10 +347,13 @@ def test_decode_prefill_chunks_and_prefix_hits_read_what_the_design_says(one_lay
     got = torch.cat([runner.execute(hit.chunk(a, b, floor=shared), all_logits=True) for a, b in chunks])
     torch.testing.assert_close(got, want_shared, atol=3e-5, rtol=1e-5)
     # The floor is a documented difference, not noise: the rows just after it read the shared positions from
-    # FP8 where a fresh prefill of the same tokens reads them in full precision.
+    # FP8 where a fresh prefill of the same tokens reads them in full precision, and so do all rows the shared
+    # attention sinks: past the window the rows read what a fresh prefill without sinks reads.
     fresh = dense_window_logits(runner, other)[shared:]
     assert (want_shared[:window - 1] - fresh[:window - 1]).abs().amax() > 1e-3
-    torch.testing.assert_close(want_shared[window:], fresh[window:], atol=3e-5, rtol=1e-5)
+    if sinks <= shared:
+        no_sinks = dense_window_logits(runner, other, sinks=0)[shared:]
+        torch.testing.assert_close(want_shared[window:], no_sinks[window:], atol=3e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2", "auto"])
@@ -350,6 +372,16 @@ def test_row_prefill_without_window_equals_sdpa_over_the_cache(one_layer, kv_cac
                      for a, b in ((0, 30), (30, 31), (31, 50))])
     tolerance = {"atol": 2e-5, "rtol": 1e-5} if dtype == "float32" else {"atol": 0.1, "rtol": 0.02}
     torch.testing.assert_close(got, want, **tolerance)
+
+
+@pytest.mark.parametrize("sinks", [0, 1, 3])
+def test_evals_one_prefill_writes_and_reads_the_sinks(loaded, sinks):
+    """fp8kv eval's window as one prefill (quality.eval.runner_batch) writes the sinks' seats as well as the
+    newest positions', and its logits are the dense oracle's."""
+    ids = prompt_ids(40, seed=6)
+    runner = make_runner(loaded, "fp8_e4m3", 8, kv_recent_window_sinks=sinks)
+    torch.testing.assert_close(runner.execute(runner_batch(ids, runner), all_logits=True),
+                               dense_window_logits(runner, ids), atol=2e-4, rtol=1e-4)
 
 
 def test_window_changes_logits_only_through_full_precision(loaded):
@@ -382,9 +414,11 @@ def test_bfloat16_window_halves_its_memory_and_rounds_only_the_newest_tokens(loa
     assert 2 * bf16.cache_plan.window_bytes == f32.cache_plan.window_bytes
     assert bf16.num_blocks > f32.num_blocks  # the bytes saved go to the FP8 cache
     assert ModelInfo.from_runner(bf16).window_dtype == "bfloat16"  # what /info and the startup line show
+    assert ModelInfo.from_runner(bf16).kv_recent_window_sinks == 1
     lines = []
     make_runner(loaded, "fp8_e4m3", 8, kv_recent_window_dtype="bfloat16", log_to=lines.append)
-    assert any("newest 8 tokens of each sequence also in bfloat16" in line for line in lines)
+    assert any("newest 8 tokens of each sequence, and its first 1 (attention sink), also in bfloat16" in line
+               for line in lines)
     logits = {name: r.execute(runner_batch(ids, r), all_logits=True) for name, r in runners.items()}
     torch.testing.assert_close(logits["f32"], logits["auto"], atol=1e-5, rtol=1e-5)
     err_bf16 = (logits["bf16"] - logits["auto"]).abs().mean()
@@ -459,11 +493,11 @@ def test_preemption_recomputes_the_window_and_gives_the_same_tokens(loaded, shar
     """A cache too small for all sequences preempts and recomputes (refilling the ring); the tokens equal
     those of a cache big enough for all, and nothing leaks."""
     # Seats for all 4 sequences beside only 16 blocks: more seats than the default share of so small a budget.
-    monkeypatch.setattr(sizing, "WINDOW_BUDGET_SHARE", 2)
+    monkeypatch.setattr(sizing, "WINDOW_BUDGET_SHARE", 1)
     kw = {"kv_cache_dtype": "fp8_e4m3", "kv_recent_window": 8, "enable_prefix_caching": False, "max_num_seqs": 4}
     _, roomy = run_engine(loaded, shared_prompts, 10, **kw)
     block = 2 * 2 * 2 * 64 * BLOCK  # layers * K/V * kv heads * head size * tokens, 1 byte each
-    seat = 2 * 2 * 2 * 64 * 4 * 8  # 8 tokens in float32
+    seat = 2 * 2 * 2 * 64 * 4 * 2 * BLOCK  # 8 tokens and 1 attention sink round up to 2 blocks, in float32
     engine, tight = run_engine(loaded, shared_prompts, 10, kv_cache_memory=16 * block + 4 * seat,
                                max_num_batched_tokens=24, **kw)
     assert engine.block_manager.window.num_seats == 4 and engine.block_manager.num_blocks == 16
@@ -487,6 +521,29 @@ def test_prefix_caching_on_and_off_agree_and_abort_frees_the_seat(loaded, shared
     assert on[0] == off[0] and outs["late"] == off[1]
     bm = engine.block_manager
     assert bm.window.num_free_seats == bm.window.num_seats and bm.num_free_blocks == bm.num_blocks
+
+
+def test_prefix_hit_reads_its_sinks_as_the_fp8_cache_holds_them(loaded, shared_prompts):
+    """A sequence whose first blocks come from the prefix cache never computed its attention sinks: the engine
+    fills their ring seats from the FP8 cache, so a ring full of garbage (another sequence's, here noise) is never
+    read, and the tokens equal those without prefix caching (which read the sink in full precision: within FP8's
+    error, far inside what noise in a sink seat would do)."""
+    kw = {"kv_cache_dtype": "fp8_e4m3", "kv_recent_window": 8, "kv_recent_window_sinks": 1}
+    _, off = run_engine(loaded, shared_prompts[:2], 8, enable_prefix_caching=False, **kw)
+    config = EngineConfig(model=loaded.model_path, block_size=BLOCK, kv_cache_memory="16MiB", **kw)
+    engine = LLMEngine(config, log=lambda _: None, runner=ModelRunner(config, log=lambda _: None, loaded=loaded))
+    g = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    on = []
+    for i, prompt in enumerate(shared_prompts[:2]):  # one after the other: the second hits the first's blocks
+        for cache in engine.runner.window_caches:
+            for t in cache:
+                t.copy_(torch.randn(t.shape, generator=g) * 30)
+        engine.add_request(str(i), prompt, params)
+        while engine.has_unfinished_requests():
+            on += [out.outputs[0].token_ids for out in engine.step() if out.finished]
+    assert engine.stats.prefix_cache_hits > 0
+    assert on == off
 
 
 def test_window_recorded_in_the_scales_file_is_used_unless_one_is_given(loaded, tmp_path):

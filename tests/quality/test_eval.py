@@ -11,7 +11,8 @@ from fp8cache.config import EngineConfig
 from fp8cache.quality.eval import evaluate, locate_eval_text, read_text
 
 KEYS = {"kv_cache_dtype", "device", "ppl", "baseline_ppl", "kl", "top1_agreement", "tokens", "windows", "scales_source",
-        "kv_recent_window", "kv_recent_window_dtype", "kv_cache_dtype_skip_layers", "saturation"}
+        "kv_recent_window", "kv_recent_window_sinks", "kv_recent_window_dtype", "kv_cache_dtype_skip_layers",
+        "saturation"}
 
 
 def transformers_ppl(model_path: str, windows: int, window_len: int) -> float:
@@ -57,6 +58,18 @@ def test_recent_window_as_long_as_the_text_has_no_divergence(default_model_path)
     assert 0 < part["kl"] < plain["kl"]
 
 
+@pytest.mark.slow
+def test_eval_reads_the_sinks_it_reports(default_model_path):
+    """The window's attention sinks (the default 1) change what the rows past the window read, and eval says how
+    many it kept; a window as long as the text leaves none to read (its first positions are in it already)."""
+    config = EngineConfig(model=default_model_path, kv_cache_dtype="fp8_e5m2", kv_recent_window=8)
+    sinks = evaluate(config, windows=1, window_len=48, progress=False)
+    none = evaluate(EngineConfig(**{**config.__dict__, "kv_recent_window_sinks": 0}), windows=1, window_len=48,
+                    progress=False)
+    assert (sinks["kv_recent_window_sinks"], none["kv_recent_window_sinks"]) == (1, 0)
+    assert sinks["kl"] != none["kl"] and 0 < sinks["kl"]
+
+
 def test_eval_sizes_the_window_a_scales_file_records(tmp_path, default_model_path):
     """A scales file made for a window wider than the default: eval uses it, and the cache has room for it."""
     from fp8cache.kvcache.scale_files import write_scales_file
@@ -97,3 +110,24 @@ def test_eval_refuses_bad_input(tmp_path, default_model_path):
     with pytest.raises(ValueError, match="fewer than windows"):
         evaluate(EngineConfig(model=default_model_path), text_path=str(short), windows=1, window_len=64,
                  progress=False)
+
+
+def test_eval_command_takes_the_sinks_flag(tiny_llama_path, tmp_path):
+    """`fp8kv eval --kv-recent-window-sinks`: the JSON says how many sinks were kept (the default 1, or none)."""
+    import json
+
+    from click.testing import CliRunner
+
+    from launcher.cli import main
+
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"word{i % 37} and more{i % 11}" for i in range(400)))
+    args = ["eval", tiny_llama_path, "--text", str(text), "--windows", "1", "--window-len", "48", "--device", "cpu",
+            "--kv-recent-window", "8", "--json"]
+    results = {}
+    for extra in ([], ["--kv-recent-window-sinks", "0"], ["--kv-recent-window-sinks", "3"]):
+        run = CliRunner().invoke(main, args + extra)
+        assert run.exit_code == 0, run.output
+        results[tuple(extra)] = json.loads(run.stdout.strip().splitlines()[-1])
+    assert [r["kv_recent_window_sinks"] for r in results.values()] == [1, 0, 3]
+    assert len({r["kl"] for r in results.values()}) == 3  # the sinks change what rows past the window read

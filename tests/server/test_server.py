@@ -89,6 +89,9 @@ def test_startup_reports_cache_and_env_flags(server):
     assert info["kv_cache"]["dtype"] == "fp8_e4m3"  # from FP8KV_KV_CACHE_DTYPE=fp8
     assert info["max_total_tokens"] == MAX_MODEL_LEN  # from FP8KV_MAX_MODEL_LEN
     assert info["kv_cache"]["capacity_tokens"] == info["kv_cache"]["num_blocks"] * info["kv_cache"]["block_size"]
+    window = info["kv_cache"]
+    assert window["recent_window_sinks"] == 1  # the default attention sink beside the window
+    assert f"recent window: {window['recent_window']} tokens + 1 sink in {window['recent_window_dtype']}" in out
 
 
 @pytest.mark.slow

@@ -57,7 +57,7 @@ class WholeLayer:
 
 
 def step_args(ctx: ForwardContext, layer: int) -> tuple | None:
-    """decode_layer's attention arguments for `layer` (key_cache .. hadamard) when the step is decode tokens
+    """decode_layer's attention arguments for `layer` (key_cache .. window_sinks) when the step is decode tokens
     only, on the CPU, with no scale calculation and no saturation count (the op writes the cache inside) for this
     layer; None otherwise."""
     # A layer kept in the model dtype is never rotated or counted (attention.attend), so it runs whole regardless.
@@ -74,7 +74,7 @@ def step_args(ctx: ForwardContext, layer: int) -> tuple | None:
             ctx.decode_block_tables, ctx.decode_context_lens, ctx.max_decode_len, list(window),
             ctx.window_slot_mapping if window else None, ctx.decode_window_block_tables if window else None,
             ctx.decode_window_starts if window else None, ctx.window_size, *(scale_caches or (None, None)),
-            fp8 and ctx.rotation == HADAMARD)
+            fp8 and ctx.rotation == HADAMARD, ctx.window_sinks if window else 0)
 
 
 def _weight_args(layer: nn.Module) -> tuple | None:
