@@ -1,8 +1,8 @@
-"""Prototype, not product: what keeping each sequence's first tokens (attention sinks) in full precision beside the
-recent window would do to `fp8kv eval`'s KL with dynamic scales (issue 54's window-32 targets).
+"""Prototype, kept as the measurement that chose the product's attention sinks (`--kv-recent-window-sinks`,
+docs/design.md section 10): what keeping each sequence's first tokens in full precision beside the recent window
+does to `fp8kv eval`'s KL with dynamic scales (issue 54's window-32 targets).
 
-The cache and the ops have no sink yet (each backend's window kernel would need it, docs/design.md section 10), so
-this replaces the model's attention with one dense pure-torch softmax per layer over the step's own K/V, as the
+It was written before the cache and the ops had sinks, so it replaces the model's attention with one dense pure-torch softmax per layer over the step's own K/V, as the
 tests' oracle does (tests/model/test_recent_window.py): row i reads positions [0, sinks) and [i - window + 1, i] in
 float32 and the others as dynamic-scale FP8 after the Hadamard rotation (fp8cache.ops.reference.quantize_dynamic,
 the compiled cache write's bits). With --sinks 0 it is `fp8kv eval --kv-scales dynamic` up to float rounding
