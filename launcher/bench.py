@@ -257,6 +257,8 @@ def _check_text(text_path: str | None) -> str:
                    "default: the engine's, 32). A comma list, e.g. 0,32, runs each FP8 dtype once per window "
                    "side by side and reports the windowed rows over window 0.")
 @_WINDOW_DTYPE_OPT
+@click.option("--kv-recent-window-sinks", type=click.IntRange(min=0), default=1, show_default=True,
+              help="With a recent window: each sequence's first N tokens (attention sinks) also kept beside it.")
 @click.option("--kv-scales", type=click.Choice(["static", "dynamic"]), default="static", show_default=True,
               help="The FP8 caches' scales: static (1.0 or the checkpoint's) or dynamic (a scale per token and KV "
                    "head, computed as the cache is written).")
@@ -277,8 +279,8 @@ def _check_text(text_path: str | None) -> str:
 @_PLOT_OPT
 def throughput(model, num_prompts, input_len, output_len, kv_cache_dtypes, compare, repeats, dtype, peer_dtype,
                kv_cache_memory, max_num_seqs, max_num_batched_tokens, max_model_len, load_format, num_shard,
-               kv_recent_window, kv_recent_window_dtype, kv_scales, kv_rotation, speculative_config, workload, threads,
-               text_path, device, cpu_isa, as_json, plot_path) -> None:
+               kv_recent_window, kv_recent_window_dtype, kv_recent_window_sinks, kv_scales, kv_rotation,
+               speculative_config, workload, threads, text_path, device, cpu_isa, as_json, plot_path) -> None:
     """Offline throughput per kv-cache dtype (and transformers with --compare hf), measured in one run."""
     from fp8cache.bench import machine, plot
     from fp8cache.bench import throughput as bench
@@ -299,7 +301,7 @@ def throughput(model, num_prompts, input_len, output_len, kv_cache_dtypes, compa
         threads_per_rank=threads, kv_recent_window=windows, kv_recent_window_dtype=kv_recent_window_dtype,
         peer_dtype=peer_dtype, device=device, text_path=text_path, load_format=load_format,
         max_model_len=max_model_len, speculative_config=speculative_config, workload=workload, kv_scales=kv_scales,
-        kv_rotation=kv_rotation))
+        kv_rotation=kv_rotation, kv_recent_window_sinks=kv_recent_window_sinks))
     bench.add_ratios(rows)
     path = machine.cpu_path(device)
     for r in rows:

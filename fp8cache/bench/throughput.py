@@ -268,7 +268,8 @@ def iter_throughput(model: str | None = None, kv_cache_dtypes: tuple[str, ...] =
                     kv_recent_window_dtype: str = "auto", peer_dtype: str = "same",
                     device: str = "auto", load_format: str = "auto",
                     max_model_len: int | None = None, speculative_config: dict | None = None,
-                    workload: str = "text", kv_scales: str = "static", kv_rotation: str = "auto") -> Iterator[dict]:
+                    workload: str = "text", kv_scales: str = "static", kv_rotation: str = "auto",
+                    kv_recent_window_sinks: int = 1) -> Iterator[dict]:
     """Yield one row per fp8kv kv-cache dtype, then one per peer, each after its last timed run.
     peer_dtype: the transformers peer's model dtype, "same" as the fp8kv engines' or a dtype name.
     load_format: "dummy" runs random weights from the model's config.json alone (or a shape shipped with
@@ -278,7 +279,7 @@ def iter_throughput(model: str | None = None, kv_cache_dtypes: tuple[str, ...] =
     list runs every FP8 dtype once per window, side by side (rows then say e.g. "fp8_e4m3 w32").
     speculative_config: also run every variant with it (see the module docstring); workload: text | repeat.
     kv_scales, kv_rotation: the FP8 caches' scales (static | dynamic) and, with dynamic ones, their rotation
-    (auto | none | hadamard), as EngineConfig takes them."""
+    (auto | none | hadamard), as EngineConfig takes them; kv_recent_window_sinks: the window's attention sinks."""
     _check_lengths(num_prompts, input_len, output_len, repeats)
     windows = check_windows(kv_recent_window)
     if isinstance(num_shard, bool) or not isinstance(num_shard, int) or num_shard < 1:
@@ -299,7 +300,7 @@ def iter_throughput(model: str | None = None, kv_cache_dtypes: tuple[str, ...] =
                       max_num_batched_tokens=max_num_batched_tokens, windows=windows,
                       kv_recent_window_dtype=kv_recent_window_dtype, load_format=load_format,
                       max_model_len=max_model_len, speculative_config=speculative_config, kv_scales=kv_scales,
-                      kv_rotation=kv_rotation) as engines:
+                      kv_rotation=kv_rotation, kv_recent_window_sinks=kv_recent_window_sinks) as engines:
         yield from _race(engines, num_prompts, input_len, output_len, compare, repeats, text_path, progress,
                          num_shard, peer_dtype, workload)
 

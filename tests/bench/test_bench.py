@@ -135,8 +135,10 @@ def test_throughput_rows_add_up(throughput_run):
 def test_throughput_peer_may_run_another_model_dtype(default_model_path):
     rows = _rows(_invoke(bench_commands.throughput, [
         default_model_path, *SMALL, *THREADS, "--kv-cache-dtype", "fp8_e4m3", "--dtype", "bfloat16",
-        "--compare", "hf", "--peer-dtype", "float32", "--kv-cache-memory", "32MiB", "--json"]))
+        "--compare", "hf", "--peer-dtype", "float32", "--kv-cache-memory", "32MiB", "--kv-recent-window-sinks", "0",
+        "--json"]))
     assert [(r["engine"], r["dtype"]) for r in rows] == [("fp8kv", "bfloat16"), ("transformers", "float32")]
+    assert (rows[0]["kv_recent_window"], rows[0]["kv_recent_window_sinks"]) == (32, 0)
     _assert_rates_consistent(rows[1], 4, 32, 8)
     assert rows[0]["vs_transformers"] == pytest.approx(rows[0]["output_tokens_per_s"] / rows[1]["output_tokens_per_s"])
 
