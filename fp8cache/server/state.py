@@ -54,6 +54,9 @@ class ModelInfo:
     kv_recent_window: int = 0  # newest tokens per sequence also kept in full precision
     kv_recent_window_sinks: int = 0  # and its first tokens (attention sinks), with the window
     window_dtype: str = "float32"  # the dtype of that window (the model dtype unless chosen)
+    kv_scales: str = "static"  # or "dynamic": a scale per token and KV head
+    kv_rotation: str = "none"  # the K/V rotation before FP8 (hadamard)
+    skip_layers: tuple[int, ...] = ()  # layers whose cache stays in the model dtype
 
     @classmethod
     def from_runner(cls, runner: Any) -> ModelInfo:
@@ -70,7 +73,16 @@ class ModelInfo:
             special_ids=frozenset(getattr(tokenizer, "all_special_ids", ()) or ()),
             kv_recent_window=int(getattr(runner, "kv_recent_window", 0)),
             kv_recent_window_sinks=int(getattr(runner, "kv_recent_window_sinks", 0)),
-            window_dtype=str(getattr(runner, "window_dtype", getattr(runner, "dtype", "float32"))).removeprefix("torch."))
+            window_dtype=str(getattr(runner, "window_dtype", getattr(runner, "dtype", "float32"))).removeprefix("torch."),
+            **_cache_choices(getattr(runner, "kv_spec", None)))
+
+
+def _cache_choices(spec: Any) -> dict[str, Any]:
+    """The FP8 cache's scales, rotation and 16-bit layers from the runner's KVCacheSpec (none: the defaults)."""
+    if spec is None:
+        return {}
+    return {"kv_scales": "dynamic" if spec.dynamic_scales else "static", "kv_rotation": str(spec.rotation),
+            "skip_layers": tuple(spec.skip_layers)}
 
 
 @dataclass

@@ -46,6 +46,7 @@ async def info(request: Request) -> Response:
                      "num_blocks": i.num_blocks, "capacity_tokens": i.capacity_tokens,
                      "recent_window": i.kv_recent_window,
                      "recent_window_sinks": i.kv_recent_window_sinks, "recent_window_dtype": i.window_dtype,
+                     "scales": i.kv_scales, "rotation": i.kv_rotation, "skip_layers": list(i.skip_layers),
                      "blocks_used": stats.get("blocks_used"), "blocks_free": stats.get("blocks_free")},
         "engine": stats,
     })

@@ -110,6 +110,16 @@ def test_the_start_log_names_the_skipped_layers_and_their_bytes(loaded):
     assert f"{2 * KV_HEADS * HEAD * 5} bytes per token" in line
 
 
+def test_info_names_the_skipped_layers_scales_and_rotation(loaded):
+    """/info's kv_cache block (ModelInfo) says which layers stay 16-bit and how the FP8 ones are scaled."""
+    from fp8cache.server.state import ModelInfo
+
+    dynamic = ModelInfo.from_runner(make_runner(loaded, skip=(1,), kv_scales="dynamic", kv_rotation="hadamard"))
+    assert (dynamic.skip_layers, dynamic.kv_scales, dynamic.kv_rotation) == ((1,), "dynamic", "hadamard")
+    static = ModelInfo.from_runner(make_runner(loaded))
+    assert (static.skip_layers, static.kv_scales, static.kv_rotation) == ((), "static", "none")
+
+
 def test_bad_layer_ids_are_refused_naming_the_layer_count(loaded):
     with pytest.raises(ValueError, match=r"names layer 2, but the model has 2 layers \(0\.\.1\)"):
         make_runner(loaded, skip=(0, 2))

@@ -91,6 +91,7 @@ def test_startup_reports_cache_and_env_flags(server):
     assert info["kv_cache"]["capacity_tokens"] == info["kv_cache"]["num_blocks"] * info["kv_cache"]["block_size"]
     window = info["kv_cache"]
     assert window["recent_window_sinks"] == 1  # the default attention sink beside the window
+    assert (window["scales"], window["rotation"], window["skip_layers"]) == ("static", "none", [])
     assert f"recent window: {window['recent_window']} tokens + 1 sink in {window['recent_window_dtype']}" in out
 
 
