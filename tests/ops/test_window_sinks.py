@@ -18,7 +18,7 @@ from numerics import attention_error
 from test_attention_features import Features, sinks_for
 from test_dynamic_scales import write_dynamic
 from test_ops_cpu import tolerance
-from test_window_ops import WindowCase, attention, build
+from test_window_ops import WindowCase, assert_close, attention, build
 
 from fp8cache.ops import format_code
 from fp8cache.ops import reference as ref
@@ -56,16 +56,10 @@ CASES = [
 ]
 
 
-def assert_matches(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
-    assert not torch.isnan(want).any() and not torch.isnan(got).any()
-    err = attention_error(got, want)
-    assert err <= tolerance(dtype), f"max error {err:.2e} of the output scale"
-
-
 @pytest.mark.parametrize("case", CASES, ids=WindowCase.id)
 def test_sinks_match_the_reference(ops, case):
     b = build(case)
-    assert_matches(attention(ops, case, b), attention(ref, case, b), case.dtype)
+    assert_close(attention(ops, case, b), attention(ref, case, b), case.dtype)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.kv != "auto"][:5], ids=WindowCase.id)
@@ -73,7 +67,7 @@ def test_sinks_with_dynamic_scales(ops, case):
     b = build(case)
     k_scales, v_scales = write_dynamic(case, b)
     features = {"k_scale_cache": k_scales, "v_scale_cache": v_scales}
-    assert_matches(attention(ops, case, b, **features), attention(ref, case, b, **features), case.dtype)
+    assert_close(attention(ops, case, b, **features), attention(ref, case, b, **features), case.dtype)
 
 
 SLIDING = WindowCase("fp8_e4m3", bf16, 32, 64, 16, 8, 2, f32, seq_lens=(5, 31, 32, 33, 47, 48, 49, 90, 600),
@@ -92,7 +86,7 @@ def test_sinks_with_model_features(ops, features, alibi):
              "sinks": sinks_for(case.heads, 3) if features.sinks else None}
     want = attention(ref, case, b, **extra)
     assert attention_error(want, attention(ref, case, b)) > 3 * tolerance(case.dtype), "the features change nothing"
-    assert_matches(attention(ops, case, b, **extra), want, case.dtype)
+    assert_close(attention(ops, case, b, **extra), want, case.dtype)
 
 
 def test_sink_seats_are_what_the_kernel_reads(ops):
@@ -109,7 +103,7 @@ def test_sink_seats_are_what_the_kernel_reads(ops):
     new_k, new_v = (torch.randn(shape, generator=g).mul(3).to(case.window_dtype) for _ in range(2))
     ref.reshape_and_cache(new_k, new_v, *b["window_caches"], seats, "auto", b["k_scale"], b["v_scale"])
     after, want = attention(ops, case, b), attention(ref, case, b)
-    assert_matches(after, want, case.dtype)
+    assert_close(after, want, case.dtype)
     changed = [s for s in range(len(case.lens())) if attention_error(after[s:s + 1], before[s:s + 1])
                > 3 * tolerance(case.dtype)]
     assert changed == [s for s in range(len(case.lens())) if case.lens()[s] > 0], changed
