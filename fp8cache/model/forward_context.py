@@ -236,6 +236,9 @@ class _PrefillPlan:
     prefixes: np.ndarray  # int64 [n]: each chunk's positions before it (cached prefix or earlier chunks)
     floors: np.ndarray  # int64 [n]: each sequence's window floor (0 without a window)
     starts: np.ndarray  # int64 [n]: each chunk's first token in the packed stream
+    # The scratch window cache its rows read (_group_window_arrays): blocks in all, and the ring span in blocks.
+    scratch_blocks: int = 0
+    scratch_span_blocks: int = 0
 
     @property
     def context_lens(self) -> np.ndarray:
@@ -301,6 +304,7 @@ def _group_window_arrays(n: int, plan: _PrefillPlan, batch: StepBatch, block_siz
     if earlier.size and (int(earlier.min()) < 0 or int(earlier.max()) >= limit):
         raise IndexError(f"window block table holds a block id outside [0, {window_cache.shape[0]})")
     columns, span_blocks = _scratch_layout(plan, bs, window_size, window_sinks)
+    plan.scratch_blocks, plan.scratch_span_blocks = sum(map(len, columns)), span_blocks
     tables = np.zeros((len(plan.seqs), _scratch_columns(span_blocks, bs, window_sinks)), dtype=np.int32)
     base = 0  # columns a sequence does not use are never read
     for s, cols in enumerate(columns):
@@ -391,8 +395,7 @@ def _prefill_group(ctx: ForwardContext, n: int, plan: _PrefillPlan,
             ring_blocks, rows.window_span = views[f"g{n}.ring_blocks"], 2 * ctx.window_size
         else:
             earlier = (views[f"g{n}.earlier_blocks"], views[f"g{n}.earlier_offsets"])
-            columns, span_blocks = _scratch_layout(plan, ctx.block_size, ctx.window_size, ctx.window_sinks)
-            rows.window_blocks, rows.window_span = sum(map(len, columns)), span_blocks * ctx.block_size
+            rows.window_blocks, rows.window_span = plan.scratch_blocks, plan.scratch_span_blocks * ctx.block_size
     first = int(plan.starts[0])
     return PrefillGroup(plan.seqs, views[f"g{n}.tokens"], q_len, rows, earlier,
                         (first, first + len(plan.seqs) * q_len) if plan.consecutive else None, ring_blocks)
